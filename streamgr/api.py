@@ -1,0 +1,45 @@
+"""Public request, result and stats types of the embedded engine (``msgspec.Struct``s).
+
+The same structs are what the socket protocol carries, so a request built for the embedded
+engine can be sent to a server unchanged.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class RankRequest(msgspec.Struct, kw_only=True):
+    """Rank ``candidates`` for a user whose history is ``items`` / ``actions`` (oldest first).
+
+    By default the request carries the full history. In the delta form, ``base_len`` is the
+    number of events the engine already saw for this user and ``items``/``actions`` hold only the
+    events after them; an engine that no longer holds that prefix answers ``HistoryRequired``.
+    """
+
+    user_id: int | str
+    items: list[int]
+    actions: list[int]
+    candidates: list[int]
+    base_len: int | None = None  # delta form: events already sent in earlier requests
+
+
+class RankStats(msgspec.Struct, kw_only=True):
+    batch_size: int = 0
+    queue_ms: float = 0.0
+    compute_ms: float = 0.0
+    total_ms: float = 0.0
+    history_tokens: int = 0  # whole history of the request, in tokens (2 per event)
+    tokens_from_gpu: int = 0  # history tokens served from device pages
+    tokens_from_host: int = 0  # history tokens onloaded from host chunks
+    tokens_recomputed: int = 0  # history tokens computed by the model this time
+    tier: str = "miss"  # gpu | host | miss | none: where most of the cached history came from
+    stages: dict[str, float] = msgspec.field(default_factory=dict)  # batch stage times, ms
+
+
+class RankResult(msgspec.Struct, kw_only=True):
+    scores: list[float]  # one per candidate, in request order
+    stats: RankStats
+
+
+__all__ = ["RankRequest", "RankResult", "RankStats"]

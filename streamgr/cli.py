@@ -1,0 +1,93 @@
+"""The ``streamgr`` command (also ``python -m streamgr``).
+
+Every subcommand that takes a spec takes ``--set KEY=VALUE`` (repeatable) to override any key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from .errors import StreamgrError
+
+
+def _overrides(pairs: list[str] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise StreamgrError(f"--set {pair!r}: expected KEY=VALUE, e.g. cache.mode=recompute")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _add_spec(p: argparse.ArgumentParser, required: bool = True, default: str | None = None) -> None:
+    if required:
+        p.add_argument("spec", help="a spec file (pipeline/*.toml) or a built-in name (rank-small)")
+    else:
+        p.add_argument("--spec", default=default, help=f"spec file or built-in name (default {default})")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", dest="overrides",
+                   help="override a spec key, e.g. --set cache.mode=recompute (repeatable)")
+
+
+def cmd_init_model(args) -> int:
+    from .config import load_spec, spec_to_toml
+    from .models import HSTU, hstu_config_from_spec
+    from .models.checkpoint import save_checkpoint
+    spec = load_spec(args.spec, _overrides(args.overrides))
+    cfg = hstu_config_from_spec(spec.model)
+    model = HSTU(cfg).init_random(args.seed)
+    out = save_checkpoint(model, cfg, args.out)
+    import msgspec
+    spec = msgspec.structs.replace(
+        spec, model=msgspec.structs.replace(spec.model, checkpoint=".", init_seed=None))
+    (out / "spec.toml").write_text(spec_to_toml(spec))
+    n = sum(p.numel() for p in model.parameters())
+    print(f"wrote {out}/config.json, model.safetensors ({n:,} parameters) and spec.toml")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import format_table, run_demo
+    row = asyncio.run(run_demo(args.spec, _overrides(args.overrides), n_requests=args.requests,
+                               n_users=args.users, concurrency=args.concurrency, seed=args.seed))
+    print(format_table([row]))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamgr", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("init-model", help="write a random-weight checkpoint for a spec")
+    p.add_argument("--spec", required=True, help="spec file or built-in name")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", dest="overrides")
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_init_model)
+
+    p = sub.add_parser("demo", help="run a short synthetic workload and print a latency table")
+    _add_spec(p, required=False, default="rank-small")
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--users", type=int, default=48)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except StreamgrError as err:
+        print(f"streamgr: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Deployment specs: TOML files decoded into typed ``msgspec.Struct``s.
+
+A spec names the model, the engine's batching and the cache. Unknown keys and wrong types are
+errors that name the key (``model.num_layer: unknown key``). Any key can be overridden with a
+dotted name, from code (``{"cache.mode": "recompute"}``) or the CLI (``--set cache.mode=recompute``).
+Built-in specs (``rank-small``, ``rank-ref``, ...) ship inside the package.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import msgspec
+
+from .errors import SpecError
+
+Device = Literal["auto", "cpu", "cuda"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+CacheMode = Literal["recompute", "gpu-only", "hierarchical"]
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ModelSpec(_Section, kw_only=True):
+    family: Literal["hstu"] = "hstu"
+    # Exactly one of checkpoint (a directory with config.json + model.safetensors) or init_seed
+    # (random weights with the sizes below).
+    checkpoint: str | None = None
+    init_seed: int | None = None
+    dtype: DType = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    num_layers: int = 2
+    model_dim: int = 64
+    num_heads: int = 2
+    head_dim: int = 32
+    num_items: int = 1000
+    num_actions: int = 16
+    max_history: int = 512  # events (item, action) per user
+    max_candidates: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "model_dim", "num_heads", "head_dim", "num_items",
+                     "num_actions", "max_history", "max_candidates"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be >= 1")
+        if self.checkpoint is None and self.init_seed is None:
+            raise ValueError("one of `checkpoint` or `init_seed` is required")
+        if self.checkpoint is not None and self.init_seed is not None:
+            raise ValueError("`checkpoint` and `init_seed` exclude each other")
+
+
+class EngineSpec(_Section, kw_only=True):
+    device: Device = "auto"
+    max_batch: int = 8
+    max_wait_ms: float = 2.0
+    max_queue: int = 4096  # requests admitted but not finished; beyond it: Overloaded
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError("`max_batch` must be >= 1")
+        if self.max_wait_ms < 0:
+            raise ValueError("`max_wait_ms` must be >= 0")
+        if self.max_queue < 1:
+            raise ValueError("`max_queue` must be >= 1")
+
+
+class CacheSpec(_Section, kw_only=True):
+    mode: CacheMode = "recompute"
+    page_tokens: int = 32
+    chunk_tokens: int = 1024
+    device_pages: int = 4096
+    host_chunks: int = 65536
+    offload_quota_tokens: int = 65536  # tokens queued for offload at once; beyond: deferred
+
+    def __post_init__(self) -> None:
+        for name in ("page_tokens", "chunk_tokens", "device_pages", "host_chunks",
+                     "offload_quota_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be >= 1")
+        if self.chunk_tokens % self.page_tokens:
+            raise ValueError("`chunk_tokens` must be a multiple of `page_tokens`")
+
+
+class Spec(_Section, kw_only=True):
+    name: str = "unnamed"
+    model: ModelSpec
+    engine: EngineSpec = msgspec.field(default_factory=EngineSpec)
+    cache: CacheSpec = msgspec.field(default_factory=CacheSpec)
+
+
+BUILTIN_SPECS = ("rank-small", "rank-ref")
+
+_PATH_RE = re.compile(r"`\$((?:\.[A-Za-z_][\w-]*|\[\d+\])*)`")
+
+
+def _key_path(msg: str) -> str:
+    """Turn msgspec's ``... - at `$.model.x` `` into ``model.x``."""
+    m = _PATH_RE.search(msg)
+    return m.group(1).lstrip(".") if m else ""
+
+
+def _spec_error(err: msgspec.ValidationError, source: str) -> SpecError:
+    msg = str(err)
+    where = _key_path(msg)
+    head = msg.split(" - at ")[0]
+    unknown = re.match(r"Object contains unknown field `([^`]+)`", head)
+    if unknown:
+        key = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
+        return SpecError(f"{source}: unknown key `{key}`")
+    missing = re.match(r"Object missing required field `([^`]+)`", head)
+    if missing:
+        key = f"{where}.{missing.group(1)}" if where else missing.group(1)
+        return SpecError(f"{source}: missing key `{key}`")
+    return SpecError(f"{source}: `{where or '(root)'}`: {head}")
+
+
+def parse_override_value(text: str) -> Any:
+    """A CLI value as TOML (``8``, ``2.5``, ``true``, ``"x"``, ``[1, 2]``), else a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Set dotted keys in a raw spec dict (a copy). Unknown keys are caught by decoding later."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    for dotted, value in (overrides or {}).items():
+        parts = dotted.split(".")
+        if not all(parts):
+            raise SpecError(f"override `{dotted}`: not a dotted key like `cache.mode`")
+        node = out
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise SpecError(f"override `{dotted}`: `{part}` is not a section")
+            node = child
+        # msgspec rejects a str where an int is due; a CLI value arrives as str, so parse it.
+        node[parts[-1]] = parse_override_value(value) if isinstance(value, str) else value
+    return out
+
+
+def decode_spec(raw: Mapping[str, Any], source: str = "spec") -> Spec:
+    try:
+        return msgspec.convert(dict(raw), Spec, strict=True)
+    except msgspec.ValidationError as err:
+        raise _spec_error(err, source) from None
+
+
+def _builtin_path(name: str) -> Path | None:
+    here = Path(__file__).resolve().parent.parent / "pipeline" / f"{name}.toml"
+    if here.is_file():  # running from a source tree
+        return here
+    try:
+        res = resources.files("streamgr._pipeline").joinpath(f"{name}.toml")
+    except ModuleNotFoundError:
+        return None
+    return Path(str(res)) if res.is_file() else None
+
+
+def resolve_spec_path(path_or_name: str | Path) -> Path:
+    p = Path(path_or_name)
+    if p.is_file():
+        return p
+    builtin = _builtin_path(str(path_or_name))
+    if builtin is not None:
+        return builtin
+    raise SpecError(f"spec `{path_or_name}`: no such file, and not a built-in spec "
+                    f"({', '.join(BUILTIN_SPECS)})")
+
+
+def load_spec(path_or_spec: str | Path | Spec | Mapping[str, Any],
+              overrides: Mapping[str, Any] | None = None) -> Spec:
+    """A ``Spec`` from a TOML path, a built-in name, a ``Spec`` or a raw dict, with overrides."""
+    if isinstance(path_or_spec, Spec):
+        raw = msgspec.to_builtins(path_or_spec)
+        source = f"spec {path_or_spec.name}"
+    elif isinstance(path_or_spec, Mapping):
+        raw, source = dict(path_or_spec), "spec"
+    else:
+        path = resolve_spec_path(path_or_spec)
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise SpecError(f"{path}: not valid TOML: {err}") from None
+        source = str(path)
+        ckpt = raw.get("model", {}).get("checkpoint")
+        if isinstance(ckpt, str) and not Path(ckpt).is_absolute():
+            # A relative checkpoint is relative to the spec file, so specs travel with models.
+            raw.setdefault("model", {})["checkpoint"] = str((path.parent / ckpt).resolve())
+    spec = decode_spec(apply_overrides(raw, overrides), source)
+    return spec
+
+
+def spec_to_toml(spec: Spec) -> str:
+    """Render a spec back to TOML (used by ``streamgr init-model`` to write a spec beside a model)."""
+    lines: list[str] = [f'name = "{spec.name}"']
+    for section, obj in msgspec.to_builtins(spec).items():
+        if not isinstance(obj, dict):
+            continue
+        lines.append(f"\n[{section}]")
+        for k, v in obj.items():
+            if v is None:
+                continue
+            lines.append(f"{k} = {_toml_value(v)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} as TOML")

@@ -1,0 +1,176 @@
+"""``Engine``: the embedded async facade over the model, the batcher and the executor thread.
+
+The event loop owns admission and batching; model work runs on one executor thread (torch
+releases the GIL, so the loop keeps accepting while a batch computes). Bad input raises its
+typed error at the call and never reaches a batch; a fault inside a batch fails that batch's
+requests and the engine keeps serving, except a CUDA fault, which marks the engine dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..api import RankRequest, RankResult, RankStats
+from ..config import Spec, load_spec
+from ..errors import EngineClosed, EngineDead, Overloaded, StreamgrError
+from ..models import build_ranker
+from .batcher import Batcher, Pending
+from .metrics import EngineMetrics
+from .rank import PreparedRank, RankRunner, prepare_rank
+
+log = logging.getLogger("streamgr.engine")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise StreamgrError("engine.device = \"cuda\" but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class Engine:
+    """Embedded serving engine. ``async with Engine.from_spec("rank-small") as engine: ...``"""
+
+    def __init__(self, spec: Spec) -> None:
+        self.spec = spec
+        self.device = resolve_device(spec.engine.device)
+        self.dtype = resolve_dtype(spec.model.dtype, self.device)
+        self.model, self.weights_version = build_ranker(spec.model, self.device, self.dtype)
+        self.runner = RankRunner(self.model, self.device)
+        self.metrics = EngineMetrics()
+        self._batcher: Batcher | None = None
+        self._task: asyncio.Task | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight = 0
+        self._dead: BaseException | None = None
+        self._closing = False
+
+    @classmethod
+    def from_spec(cls, path_or_spec: str | Path | Spec | Mapping[str, Any],
+                  overrides: Mapping[str, Any] | None = None) -> "Engine":
+        return cls(load_spec(path_or_spec, overrides))
+
+    @property
+    def model_config(self):
+        return self.model.cfg
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> "Engine":
+        if self._task is not None:
+            return self
+        self._closing = False
+        self._batcher = Batcher(self.spec.engine.max_batch, self.spec.engine.max_wait_ms)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamgr-exec")
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="streamgr-batcher")
+        return self
+
+    async def close(self, drain_timeout: float = 30.0) -> None:
+        """Finish admitted requests (up to ``drain_timeout`` s), then stop."""
+        if self._task is None:
+            return
+        self._closing = True
+        t_end = time.monotonic() + drain_timeout
+        while self._inflight and time.monotonic() < t_end and not self._task.done():
+            await asyncio.sleep(0.005)
+        self._task.cancel()
+        try:
+            await self._task
+        except (asyncio.CancelledError, Exception):
+            pass
+        self._batcher.fail_all(lambda: EngineClosed("engine closed"))
+        self._executor.shutdown(wait=True)
+        self._task = None
+
+    async def __aenter__(self) -> "Engine":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        if self._dead is not None:
+            raise EngineDead(f"engine is dead: {self._dead!r}")
+        if self._task is None or self._closing:
+            raise EngineClosed("engine is not running (use `async with engine:` or start())")
+        if self._inflight >= self.spec.engine.max_queue:
+            self.metrics.count("overloaded")
+            raise Overloaded(f"{self._inflight} requests in flight (engine.max_queue)")
+
+    async def rank(self, request: RankRequest) -> RankResult:
+        """Scores for ``request.candidates``, in order. Raises typed errors for bad input."""
+        self._admit()
+        try:
+            prepared = prepare_rank(request, self.model.cfg)
+        except StreamgrError:
+            self.metrics.count("rank_invalid")
+            raise
+        fut = asyncio.get_running_loop().create_future()
+        item = Pending(("rank", prepared.user), prepared, fut)
+        self._inflight += 1
+        try:
+            self._batcher.put(item)
+            return await fut
+        finally:
+            self._inflight -= 1
+
+    def stats(self) -> dict[str, Any]:
+        out = self.metrics.snapshot()
+        out.update(inflight=self._inflight, queued=len(self._batcher) if self._batcher else 0,
+                   device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
+                   cache_mode=self.spec.cache.mode, weights_version=self.weights_version)
+        return out
+
+    # -- the batch loop ------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._batcher.next_batch()
+            t_start = time.perf_counter()
+            try:
+                outcome = await loop.run_in_executor(
+                    self._executor, self.runner.run, [p.payload for p in batch])
+            except Exception as err:  # the batch fails; the engine serves on
+                self._on_batch_error(batch, err)
+                continue
+            t_done = time.perf_counter()
+            compute_ms = (t_done - t_start) * 1e3
+            for p, scores, per in zip(batch, outcome.scores, outcome.per_request):
+                if p.future.done():
+                    continue
+                stats = RankStats(batch_size=len(batch), queue_ms=(t_start - p.enqueued) * 1e3,
+                                  compute_ms=compute_ms, total_ms=(t_done - p.enqueued) * 1e3,
+                                  stages=outcome.stages, **per)
+                self.metrics.observe_rank(stats)
+                p.future.set_result(RankResult(scores=scores.tolist(), stats=stats))
+
+    def _on_batch_error(self, batch: list[Pending], err: Exception) -> None:
+        log.exception("batch of %d failed", len(batch), exc_info=err)
+        self.metrics.count("batch_errors")
+        fatal = isinstance(err, torch.cuda.OutOfMemoryError) is False and "CUDA error" in str(err)
+        if fatal:
+            self._dead = err
+        for p in batch:
+            if not p.future.done():
+                wrapped = EngineDead(f"engine is dead: {err!r}") if fatal else (
+                    err if isinstance(err, StreamgrError) else StreamgrError(f"batch failed: {err!r}"))
+                p.future.set_exception(wrapped)
+        if fatal:
+            self._batcher.fail_all(lambda: EngineDead(f"engine is dead: {err!r}"))

@@ -1,0 +1,160 @@
+"""The rank path of the engine: request validation and batch execution on the model.
+
+``prepare_rank`` turns a ``RankRequest`` into validated arrays (or raises a typed error before
+the request is admitted). ``RankRunner.run`` executes one batch of distinct users: it builds the
+jagged token batch, runs the HSTU forward and splits the scores per request. Runs on the
+engine's executor thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..api import RankRequest
+from ..errors import (EmptyCandidates, HistoryTooLong, IdOutOfRange, InvalidRequest,
+                      LengthMismatch, TooManyCandidates)
+from ..models.hstu import HSTU, HSTUConfig, JaggedBatch
+
+
+@dataclass
+class PreparedRank:
+    user: int | str
+    items: np.ndarray  # int64 [events], full history once resolved
+    actions: np.ndarray
+    candidates: np.ndarray
+    base_len: int | None = None
+
+    @property
+    def history_tokens(self) -> int:
+        return 2 * len(self.items)
+
+
+def _ids(name: str, value, low: int, high: int) -> np.ndarray:
+    try:
+        arr = np.asarray(value)
+    except Exception:
+        raise InvalidRequest(f"`{name}` is not a list of integers") from None
+    if arr.ndim != 1:
+        raise InvalidRequest(f"`{name}` must be a flat list of integers, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise InvalidRequest(f"`{name}` must hold integers, got {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < low or hi >= high:
+        bad = lo if lo < low else hi
+        raise IdOutOfRange(f"`{name}` holds id {bad}, outside [{low}, {high})")
+    return arr
+
+
+def prepare_rank(req: RankRequest, cfg: HSTUConfig) -> PreparedRank:
+    """Validate a request against the model; raise a typed ``InvalidRequest`` subclass."""
+    if not isinstance(req, RankRequest):
+        raise InvalidRequest(f"expected a RankRequest, got {type(req).__name__}")
+    if isinstance(req.user_id, bool) or not isinstance(req.user_id, (int, str)):
+        raise InvalidRequest("`user_id` must be an int or a str")
+    items = _ids("items", req.items, 0, cfg.num_items)
+    actions = _ids("actions", req.actions, 0, cfg.num_actions)
+    candidates = _ids("candidates", req.candidates, 0, cfg.num_items)
+    if len(items) != len(actions):
+        raise LengthMismatch(f"{len(items)} items but {len(actions)} actions")
+    if len(candidates) == 0:
+        raise EmptyCandidates("`candidates` is empty")
+    if len(candidates) > cfg.max_candidates:
+        raise TooManyCandidates(f"{len(candidates)} candidates, the model takes at most "
+                                f"{cfg.max_candidates}")
+    base = req.base_len
+    if base is not None and (isinstance(base, bool) or not isinstance(base, int) or base < 0):
+        raise InvalidRequest("`base_len` must be a non-negative int")
+    total = len(items) + (base or 0)
+    if total > cfg.max_history:
+        raise HistoryTooLong(f"history of {total} events, the model takes at most "
+                             f"{cfg.max_history}")
+    return PreparedRank(req.user_id, items, actions, candidates, base)
+
+
+def interleave(items: np.ndarray, actions: np.ndarray) -> np.ndarray:
+    """History tokens: item_0, action_0, item_1, action_1, ..."""
+    out = np.empty(2 * len(items), dtype=np.int64)
+    out[0::2] = items
+    out[1::2] = actions
+    return out
+
+
+@dataclass
+class UserSlice:
+    """What the model computes for one user: history tokens from ``start`` on, then candidates."""
+
+    tokens: np.ndarray  # new history tokens (interleaved ids), absolute positions start..
+    start: int
+    candidates: np.ndarray
+
+
+def build_jagged(users: list[UserSlice], device: torch.device) -> JaggedBatch:
+    """One host-to-device copy of the whole batch's token ids, kinds and positions."""
+    q_offsets, ncand, hist = [0], [], []
+    for u in users:
+        q_offsets.append(q_offsets[-1] + len(u.tokens) + len(u.candidates))
+        ncand.append(len(u.candidates))
+        hist.append(u.start + len(u.tokens))
+    total = q_offsets[-1]
+    packed = np.empty((3, total), dtype=np.int64)  # ids, is_action, position
+    cand_rows = np.empty(sum(ncand), dtype=np.int64)
+    c0 = 0
+    for u, q0, h in zip(users, q_offsets, hist):
+        n = len(u.tokens)
+        packed[0, q0:q0 + n] = u.tokens
+        pos = np.arange(u.start, u.start + n)
+        packed[1, q0:q0 + n] = pos & 1  # odd positions are action tokens
+        packed[2, q0:q0 + n] = pos
+        c = len(u.candidates)
+        packed[0, q0 + n:q0 + n + c] = u.candidates
+        packed[1, q0 + n:q0 + n + c] = 0
+        packed[2, q0 + n:q0 + n + c] = h  # every candidate at the next free position
+        cand_rows[c0:c0 + c] = np.arange(q0 + n, q0 + n + c)
+        c0 += c
+    t = torch.from_numpy(packed)
+    rows = torch.from_numpy(cand_rows)
+    if device.type == "cuda":
+        t, rows = t.pin_memory().to(device, non_blocking=True), rows.pin_memory().to(device, non_blocking=True)
+    return JaggedBatch(token_ids=t[0], is_action=t[1].bool(), positions=t[2],
+                       candidate_rows=rows, q_offsets=q_offsets, num_candidates=ncand,
+                       hist_lens=hist)
+
+
+@dataclass
+class BatchOutcome:
+    scores: list[np.ndarray]
+    per_request: list[dict]
+    stages: dict[str, float] = field(default_factory=dict)
+
+
+class RankRunner:
+    """Executes rank batches in ``recompute`` mode: every history token is computed each time."""
+
+    def __init__(self, model: HSTU, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def run(self, batch: list[PreparedRank]) -> BatchOutcome:
+        t0 = time.perf_counter()
+        users = [UserSlice(interleave(r.items, r.actions), 0, r.candidates) for r in batch]
+        jb = build_jagged(users, self.device)
+        t1 = time.perf_counter()
+        scores = self.model(jb)
+        out = scores.cpu().numpy()
+        t2 = time.perf_counter()
+        splits = np.cumsum([len(r.candidates) for r in batch])[:-1]
+        per = [{"history_tokens": r.history_tokens, "tokens_recomputed": r.history_tokens,
+                "tier": "none" if r.history_tokens == 0 else "miss"} for r in batch]
+        return BatchOutcome(list(np.split(out, splits)), per,
+                            {"layout": (t1 - t0) * 1e3, "model": (t2 - t1) * 1e3})

@@ -1,0 +1,46 @@
+"""Torch modules (HSTU ranker, SID encoder-decoder) and checkpoint loading.
+
+Must not import engine, cache, protocol or server code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelSpec
+from ..errors import SpecError
+from .checkpoint import decode_config, load_weights, read_config
+from .hstu import HSTU, HSTUConfig, JaggedBatch
+
+SIZE_KEYS = ("num_layers", "model_dim", "num_heads", "head_dim", "num_items", "num_actions",
+             "max_history", "max_candidates")
+
+
+def hstu_config_from_spec(spec: ModelSpec) -> HSTUConfig:
+    return HSTUConfig(**{k: getattr(spec, k) for k in SIZE_KEYS})
+
+
+def build_ranker(spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> tuple[HSTU, str]:
+    """The HSTU of a spec on ``device`` in ``dtype``, and a version string of its weights.
+
+    With ``checkpoint``, ``config.json`` fixes the architecture; the spec's size keys are then
+    ignored. With ``init_seed``, the spec's sizes and a deterministic random init are used.
+    """
+    if spec.checkpoint is not None:
+        raw = read_config(spec.checkpoint)
+        cfg = decode_config(raw, HSTUConfig, f"{spec.checkpoint}/config.json")
+        if cfg.family != "hstu":
+            raise SpecError(f"model.checkpoint: family `{cfg.family}`, spec says `hstu`")
+        model = HSTU(cfg)
+        load_weights(model, spec.checkpoint)
+        version = f"ckpt:{spec.checkpoint}"
+    else:
+        cfg = hstu_config_from_spec(spec)
+        model = HSTU(cfg).init_random(int(spec.init_seed))
+        version = f"seed:{spec.init_seed}"
+    model = model.to(device=device, dtype=dtype).eval()
+    model.requires_grad_(False)
+    return model, version
+
+
+__all__ = ["HSTU", "HSTUConfig", "JaggedBatch", "build_ranker", "hstu_config_from_spec"]

@@ -1,0 +1,176 @@
+"""HSTU ranker in its cache-safe inference form (ARCHITECTURE.md, MTServe section 2).
+
+Tokens are a user's history as interleaved (item, action) pairs, then the candidates. Each token
+is its embedding plus a learned absolute position counted forward from the first event, so a
+cached token keeps its position as history grows; every candidate sits at position ``2P`` (the
+next free one). Each layer::
+
+    x' = LN(x);  u, v, q, k = split(SiLU(x' W_uvqk + b))
+    A  = SiLU(alpha q k^T) / N          (N fixed: the configured maximum sequence length)
+    y  = x + W_o(LN(A v) * u)
+
+causal over history; each candidate sees all history and itself only. A candidate's score is a
+linear head over its final normalised hidden state. Candidate K/V are never cached.
+
+Checkpoint tensor names (``model.safetensors``; ``nn.Linear`` weights are ``[out, in]``)::
+
+    item_embedding.weight      [num_items, model_dim]
+    action_embedding.weight    [num_actions, model_dim]
+    position_embedding.weight  [2 * max_history + 1, model_dim]
+    layers.{i}.input_norm.{weight,bias}   [model_dim]
+    layers.{i}.uvqk.{weight,bias}         [4 * heads * head_dim, model_dim], [4 * heads * head_dim]
+                                          (row blocks in the order u, v, q, k)
+    layers.{i}.attn_norm.{weight,bias}    [heads * head_dim]
+    layers.{i}.output.{weight,bias}       [model_dim, heads * head_dim], [model_dim]
+    final_norm.{weight,bias}              [model_dim]
+    head.{weight,bias}                    [1, model_dim], [1]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import msgspec
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.hstu_attention import hstu_attention
+
+NORM_EPS = 1e-6
+
+
+class HSTUConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Architecture of an HSTU ranker: the content of a checkpoint's ``config.json``."""
+
+    family: str = "hstu"
+    num_layers: int
+    model_dim: int
+    num_heads: int
+    head_dim: int
+    num_items: int
+    num_actions: int
+    max_history: int
+    max_candidates: int
+
+    @property
+    def max_positions(self) -> int:
+        return 2 * self.max_history + 1
+
+    @property
+    def attn_max_len(self) -> int:
+        """N of ``SiLU(alpha q k^T) / N``: the longest sequence a query can attend over."""
+        return 2 * self.max_history + self.max_candidates
+
+    @property
+    def alpha(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+
+@dataclass
+class JaggedBatch:
+    """One batch of users as jagged token rows (see ``kernels.hstu_attention`` for the layout).
+
+    Device tensors: ``token_ids``, ``is_action``, ``positions``, ``candidate_rows``.
+    Host lists (no device syncs in the layer loop): ``q_offsets``, ``num_candidates``,
+    ``hist_lens`` (whole-history tokens per user, cached + new).
+    """
+
+    token_ids: torch.Tensor
+    is_action: torch.Tensor
+    positions: torch.Tensor
+    candidate_rows: torch.Tensor
+    q_offsets: list[int]
+    num_candidates: list[int]
+    hist_lens: list[int]
+
+    @property
+    def new_lens(self) -> list[int]:
+        return [self.q_offsets[i + 1] - self.q_offsets[i] - c
+                for i, c in enumerate(self.num_candidates)]
+
+
+# kv_source(layer, k, v) -> (k_all, v_all, kv_offsets): the keys/values each user's queries see.
+# Recompute passes none: the new tokens are the whole history.
+KVSource = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, Sequence[int]]]
+
+
+class HSTULayer(nn.Module):
+    def __init__(self, cfg: HSTUConfig) -> None:
+        super().__init__()
+        inner = cfg.num_heads * cfg.head_dim
+        self.heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.input_norm = nn.LayerNorm(cfg.model_dim, eps=NORM_EPS)
+        self.uvqk = nn.Linear(cfg.model_dim, 4 * inner)
+        self.attn_norm = nn.LayerNorm(inner, eps=NORM_EPS)
+        self.output = nn.Linear(inner, cfg.model_dim)
+
+    def project(self, x: torch.Tensor):
+        """u, v, q, k of tokens ``x`` [T, D]: u [T, H*d]; v, q, k [T, H, d]."""
+        uvqk = F.silu(self.uvqk(self.input_norm(x)))
+        u, v, q, k = uvqk.split(self.heads * self.head_dim, dim=-1)
+        shape = (x.shape[0], self.heads, self.head_dim)
+        return u, v.reshape(shape), q.reshape(shape), k.reshape(shape)
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return x + self.output(self.attn_norm(attn.reshape(x.shape[0], -1)) * u)
+
+
+class HSTU(nn.Module):
+    def __init__(self, cfg: HSTUConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.item_embedding = nn.Embedding(cfg.num_items, cfg.model_dim)
+        self.action_embedding = nn.Embedding(cfg.num_actions, cfg.model_dim)
+        self.position_embedding = nn.Embedding(cfg.max_positions, cfg.model_dim)
+        self.layers = nn.ModuleList(HSTULayer(cfg) for _ in range(cfg.num_layers))
+        self.final_norm = nn.LayerNorm(cfg.model_dim, eps=NORM_EPS)
+        self.head = nn.Linear(cfg.model_dim, 1)
+
+    def init_random(self, seed: int) -> "HSTU":
+        """Deterministic random weights (independent of the device and of torch's global RNG)."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in sorted(self.named_parameters()):
+                if name.endswith("embedding.weight"):
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+                elif "norm" in name:
+                    base = 1.0 if name.endswith("weight") else 0.0
+                    p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
+                elif p.dim() == 2:
+                    p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+                else:
+                    p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+        return self
+
+    def embed(self, batch: JaggedBatch) -> torch.Tensor:
+        ids, act = batch.token_ids, batch.is_action
+        items = self.item_embedding(torch.where(act, 0, ids))
+        actions = self.action_embedding(torch.where(act, ids, 0))
+        return torch.where(act[:, None], actions, items) + self.position_embedding(batch.positions)
+
+    @torch.inference_mode()
+    def forward(self, batch: JaggedBatch, kv_source: KVSource | None = None,
+                layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Scores of every candidate in the batch, user by user, ``[sum(num_candidates)]`` fp32.
+
+        ``layer_hook(l)`` runs before layer ``l``'s attention (the cache waits for that layer's
+        onload there).
+        """
+        cfg = self.cfg
+        x = self.embed(batch)
+        for l, layer in enumerate(self.layers):
+            u, v, q, k = layer.project(x)
+            if kv_source is None:
+                k_all, v_all, kv_offsets = k, v, batch.q_offsets
+            else:
+                k_all, v_all, kv_offsets = kv_source(l, k, v)
+            if layer_hook is not None:
+                layer_hook(l)
+            attn = hstu_attention(q, k_all, v_all, batch.q_offsets, kv_offsets,
+                                  batch.num_candidates, cfg.alpha, cfg.attn_max_len)
+            x = layer.finish(x, attn, u)
+        cand = x.index_select(0, batch.candidate_rows)
+        return self.head(self.final_norm(cand)).squeeze(-1).float()

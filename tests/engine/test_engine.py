@@ -1,0 +1,112 @@
+"""The embedded engine on a real event loop with real tensors (CPU, fp32)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from streamgr import BlockingEngine, Engine, RankRequest
+from streamgr import errors as E
+from tests.conftest import small_overrides
+
+
+def req(rng, user, n_hist, n_cand=5, num_items=200):
+    return RankRequest(user_id=user, items=rng.integers(num_items, size=n_hist).tolist(),
+                       actions=rng.integers(16, size=n_hist).tolist(),
+                       candidates=rng.choice(num_items, size=n_cand, replace=False).tolist())
+
+
+async def test_concurrent_equals_one_at_a_time():
+    rng = np.random.default_rng(0)
+    reqs = [req(rng, u, int(rng.integers(0, 64))) for u in range(20)]
+    async with Engine.from_spec("rank-small", small_overrides()) as eng:
+        alone = [await eng.rank(r) for r in reqs]
+        together = await asyncio.gather(*(eng.rank(r) for r in reqs))
+    assert max(r.stats.batch_size for r in together) > 1  # they really were batched
+    assert all(r.stats.batch_size == 1 for r in alone)
+    for a, b in zip(alone, together):
+        assert len(a.scores) == 5
+        np.testing.assert_allclose(a.scores, b.scores, rtol=1e-5, atol=1e-6)
+
+
+async def test_same_user_twice_in_one_batch():
+    rng = np.random.default_rng(1)
+    first = req(rng, "alice", 10)
+    longer = RankRequest(user_id="alice", items=first.items + [3, 4], actions=first.actions + [1, 2],
+                         candidates=first.candidates)
+    async with Engine.from_spec("rank-small", small_overrides()) as eng:
+        both = await asyncio.gather(eng.rank(first), eng.rank(longer))
+        again = [await eng.rank(first), await eng.rank(longer)]
+    for a, b in zip(both, again):
+        np.testing.assert_allclose(a.scores, b.scores, rtol=1e-5, atol=1e-6)
+    assert both[0].scores != both[1].scores
+
+
+BAD = [
+    (E.EmptyCandidates, dict(candidates=[])),
+    (E.IdOutOfRange, dict(candidates=[1, 200])),
+    (E.IdOutOfRange, dict(items=[-1, 2], actions=[0, 0])),
+    (E.IdOutOfRange, dict(items=[1, 2], actions=[0, 16])),
+    (E.HistoryTooLong, dict(items=[1] * 65, actions=[0] * 65)),
+    (E.LengthMismatch, dict(items=[1, 2, 3], actions=[0, 1])),
+    (E.TooManyCandidates, dict(candidates=list(range(17)))),
+    (E.InvalidRequest, dict(items=[1.5], actions=[0])),
+    (E.InvalidRequest, dict(user_id=None)),
+]
+
+
+@pytest.mark.parametrize("err,fields", BAD, ids=[f"{e.__name__}-{i}" for i, (e, _) in enumerate(BAD)])
+async def test_bad_input_typed_error_then_serving(err, fields):
+    good = RankRequest(user_id=1, items=[1, 2], actions=[0, 1], candidates=[3, 4])
+    bad = RankRequest(**{**dict(user_id=1, items=[1, 2], actions=[0, 1], candidates=[3, 4]), **fields})
+    async with Engine.from_spec("rank-small", small_overrides()) as eng:
+        with pytest.raises(err) as info:
+            await eng.rank(bad)
+        assert isinstance(info.value, E.InvalidRequest)
+        ok = await eng.rank(good)
+        assert len(ok.scores) == 2
+        assert eng.stats()["counters"]["rank_invalid"] == 1
+
+
+async def test_not_started_and_closed():
+    eng = Engine.from_spec("rank-small", small_overrides())
+    good = RankRequest(user_id=1, items=[], actions=[], candidates=[3])
+    with pytest.raises(E.EngineClosed):
+        await eng.rank(good)
+    async with eng:
+        assert len((await eng.rank(good)).scores) == 1
+    with pytest.raises(E.EngineClosed):
+        await eng.rank(good)
+
+
+async def test_overload_is_immediate():
+    rng = np.random.default_rng(2)
+    async with Engine.from_spec("rank-small", small_overrides(**{"engine.max_queue": 4})) as eng:
+        tasks = [asyncio.ensure_future(eng.rank(req(rng, u, 30))) for u in range(12)]
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    over = [r for r in results if isinstance(r, E.Overloaded)]
+    done = [r for r in results if not isinstance(r, Exception)]
+    assert len(done) == 4 and len(over) == 8
+
+
+async def test_cancelled_request_never_reaches_the_model():
+    rng = np.random.default_rng(3)
+    async with Engine.from_spec("rank-small", small_overrides(**{"engine.max_wait_ms": 50.0})) as eng:
+        t = asyncio.ensure_future(eng.rank(req(rng, 1, 10)))
+        await asyncio.sleep(0.005)
+        t.cancel()
+        r = await eng.rank(req(rng, 2, 10))
+        assert r.stats.batch_size == 1
+        assert eng.stats()["counters"]["rank_requests"] == 1
+
+
+def test_blocking_engine():
+    rng = np.random.default_rng(4)
+    reqs = [req(rng, u, 20) for u in range(6)]
+    with BlockingEngine("rank-small", small_overrides()) as eng:
+        one = eng.rank(reqs[0])
+        many = eng.rank_many(reqs)
+    np.testing.assert_allclose(one.scores, many[0].scores, rtol=1e-5, atol=1e-6)
+    assert len(many) == 6

@@ -1,0 +1,95 @@
+"""The jagged HSTU attention against a plain dense per-user reference written here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from streamgr.errors import StreamgrError
+from streamgr.kernels import hstu_attention as mod
+
+
+def dense_reference(q, k, v, hist, new, cand, alpha, n):
+    """One user, float64, an explicit [queries, keys] mask."""
+    q, k, v = q.double(), k.double(), v.double()
+    start = hist - new
+    mask = torch.zeros(new + cand, hist + cand, dtype=torch.bool)
+    for i in range(new):
+        mask[i, : start + i + 1] = True
+    for c in range(cand):
+        mask[new + c, :hist] = True
+        mask[new + c, hist + c] = True
+    s = torch.einsum("qhd,khd->hqk", q, k)
+    a = F.silu(alpha * s) * mask / n
+    return torch.einsum("hqk,khd->qhd", a, v)
+
+
+def make_layout(users, heads, d, dv, gen, dtype=torch.float32):
+    """users: list of (hist, new, cand). Keys hold the whole history + candidates; queries the
+    last `new` history tokens + candidates (the cached-prefix layout; new == hist is recompute)."""
+    q_off, kv_off, qs, ks, vs = [0], [0], [], [], []
+    for hist, new, cand in users:
+        kk = torch.randn(hist + cand, heads, d, generator=gen, dtype=dtype)
+        vv = torch.randn(hist + cand, heads, dv, generator=gen, dtype=dtype)
+        qq = torch.randn(new + cand, heads, d, generator=gen, dtype=dtype)
+        qs.append(qq), ks.append(kk), vs.append(vv)
+        q_off.append(q_off[-1] + new + cand)
+        kv_off.append(kv_off[-1] + hist + cand)
+    return torch.cat(qs), torch.cat(ks), torch.cat(vs), q_off, kv_off
+
+
+@pytest.mark.parametrize("users", [
+    [(5, 5, 3)],                                   # recompute, one user
+    [(1, 1, 1), (37, 37, 4), (200, 200, 16)],      # recompute, jagged
+    [(64, 7, 2), (300, 1, 5), (10, 0, 3), (0, 0, 2)],  # cached prefixes, empty history
+    [(mod.QUERY_TILE + 3, mod.QUERY_TILE + 1, 2)],  # crosses a query tile boundary
+])
+def test_jagged_equals_dense(users):
+    gen = torch.Generator().manual_seed(hash(tuple(users)) % 2**31)
+    heads, d, dv, alpha, n = 2, 16, 8, 0.25, 4096
+    q, k, v, q_off, kv_off = make_layout(users, heads, d, dv, gen)
+    cands = [c for _, _, c in users]
+    out = torch.full((q.shape[0], heads, dv), float("nan"))  # poisoned: every row must be written
+    mod.hstu_attention_reference(q, k, v, q_off, kv_off, cands, alpha, n, out=out)
+    for b, (hist, new, cand) in enumerate(users):
+        ref = dense_reference(q[q_off[b]:q_off[b + 1]], k[kv_off[b]:kv_off[b + 1]],
+                              v[kv_off[b]:kv_off[b + 1]], hist, new, cand, alpha, n)
+        torch.testing.assert_close(out[q_off[b]:q_off[b + 1]].double(), ref, rtol=1e-5, atol=1e-8)
+
+
+def test_unaligned_views():
+    """Inputs that are offset views of larger buffers (not starting at element 0)."""
+    gen = torch.Generator().manual_seed(7)
+    users = [(33, 33, 3), (17, 4, 2)]
+    q, k, v, q_off, kv_off = make_layout(users, 2, 8, 8, gen)
+    pad = lambda t: torch.cat([torch.randn(1, *t.shape[1:], generator=gen), t])[1:]
+    a = mod.hstu_attention_reference(q, k, v, q_off, kv_off, [3, 2], 0.5, 100)
+    b = mod.hstu_attention_reference(pad(q), pad(k), pad(v), q_off, kv_off, [3, 2], 0.5, 100)
+    torch.testing.assert_close(a, b)
+
+
+def test_candidates_do_not_see_each_other():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, q_off, kv_off = make_layout([(20, 20, 4)], 2, 8, 8, gen)
+    base = mod.hstu_attention_reference(q, k, v, q_off, kv_off, [4], 0.5, 64)
+    k2, v2 = k.clone(), v.clone()
+    k2[21], v2[21] = torch.randn(2, 8, generator=gen), torch.randn(2, 8, generator=gen)  # candidate 1
+    out = mod.hstu_attention_reference(q, k2, v2, q_off, kv_off, [4], 0.5, 64)
+    changed = (out - base).abs().amax(dim=(1, 2)) > 0
+    assert changed.tolist() == [False] * 21 + [True] + [False] * 2
+
+
+@pytest.mark.parametrize("bad", ["offsets", "layout", "shape"])
+def test_bad_layout_is_a_clear_error(bad):
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, q_off, kv_off = make_layout([(4, 4, 2)], 1, 4, 4, gen)
+    args = dict(q=q, k=k, v=v, q_offsets=q_off, kv_offsets=kv_off, num_candidates=[2])
+    if bad == "offsets":
+        args["q_offsets"] = [0, 5]
+    elif bad == "layout":
+        args["num_candidates"] = [7]
+    else:
+        args["k"] = k[:, :, :2]
+    with pytest.raises(StreamgrError):
+        mod.hstu_attention_reference(alpha=1.0, max_len=8, **args)

@@ -1,0 +1,43 @@
+"""The `streamgr` command, run as a real subprocess."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from streamgr.config import load_spec
+
+
+def run(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "streamgr", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_demo_prints_its_table():
+    p = run("demo", "--requests", "40", "--users", "8", "--set", "engine.device=cpu")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.strip().splitlines()
+    assert lines[0].split()[:4] == ["spec", "device", "mode", "requests"]
+    row = lines[2].split()
+    assert row[0] == "rank-small" and row[1] == "cpu/float32" and row[3] == "40"
+    assert float(row[4]) > 0 and float(row[6]) > 0  # mean latency, throughput
+    assert "demo [" in p.stderr  # progress shown
+
+
+def test_init_model_then_serve_from_checkpoint(tmp_path):
+    out = tmp_path / "model"
+    p = run("init-model", "--spec", "rank-small", "--out", str(out), "--seed", "5",
+            "--set", "model.num_layers=1")
+    assert p.returncode == 0, p.stderr
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    spec = load_spec(out / "spec.toml")
+    assert spec.model.checkpoint == str(out.resolve()) and spec.model.num_layers == 1
+    p = run("demo", "--spec", str(out / "spec.toml"), "--requests", "10", "--users", "3",
+            "--set", "engine.device=cpu")
+    assert p.returncode == 0, p.stderr
+
+
+def test_bad_set_is_a_clean_error():
+    p = run("demo", "--set", "engine.max_batch=zero")
+    assert p.returncode == 2
+    assert "engine.max_batch" in p.stderr and "Traceback" not in p.stderr

@@ -1,0 +1,85 @@
+"""Deployment specs: decoding, errors that name the key, dotted overrides."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamgr.config import BUILTIN_SPECS, load_spec
+from streamgr.errors import SpecError
+
+
+@pytest.mark.parametrize("name", BUILTIN_SPECS)
+def test_builtin_specs_decode(name):
+    spec = load_spec(name)
+    assert spec.name == name and spec.model.family == "hstu"
+
+
+def test_rank_ref_matches_workloads_md():
+    m = load_spec("rank-ref").model
+    assert (m.num_layers, m.num_heads, m.head_dim, m.max_history, m.max_candidates) == \
+        (8, 4, 128, 20000, 256)
+    c = load_spec("rank-ref").cache
+    assert (c.page_tokens, c.chunk_tokens, c.device_pages) == (32, 1024, 40960)
+
+
+def write(tmp_path, text):
+    p = tmp_path / "s.toml"
+    p.write_text(text)
+    return p
+
+
+def test_unknown_key_is_named(tmp_path):
+    p = write(tmp_path, "[model]\ninit_seed = 1\nnum_layer = 3\n")
+    with pytest.raises(SpecError, match=r"unknown key `model.num_layer`"):
+        load_spec(p)
+
+
+def test_unknown_section_is_named(tmp_path):
+    p = write(tmp_path, "[model]\ninit_seed = 1\n[cahce]\nmode = 'x'\n")
+    with pytest.raises(SpecError, match=r"unknown key `cahce`"):
+        load_spec(p)
+
+
+def test_wrong_type_is_named(tmp_path):
+    p = write(tmp_path, "[model]\ninit_seed = 1\n[engine]\nmax_batch = 'eight'\n")
+    with pytest.raises(SpecError, match=r"`engine.max_batch`.*Expected `int`"):
+        load_spec(p)
+
+
+def test_bad_enum_value_is_named(tmp_path):
+    p = write(tmp_path, "[model]\ninit_seed = 1\n[cache]\nmode = 'sometimes'\n")
+    with pytest.raises(SpecError, match=r"`cache.mode`"):
+        load_spec(p)
+
+
+def test_missing_model_weights_source(tmp_path):
+    p = write(tmp_path, "[model]\nnum_layers = 2\n")
+    with pytest.raises(SpecError, match="checkpoint.*init_seed"):
+        load_spec(p)
+
+
+def test_not_toml(tmp_path):
+    p = write(tmp_path, "[model\n")
+    with pytest.raises(SpecError, match="not valid TOML"):
+        load_spec(p)
+
+
+def test_overrides_from_code_and_cli_strings():
+    spec = load_spec("rank-small", {"cache.mode": "gpu-only", "engine.max_batch": "4",
+                                    "engine.max_wait_ms": 0.5, "model.init_seed": 9})
+    assert spec.cache.mode == "gpu-only" and spec.engine.max_batch == 4
+    assert spec.engine.max_wait_ms == 0.5 and spec.model.init_seed == 9
+
+
+def test_bad_override_is_named():
+    with pytest.raises(SpecError, match=r"unknown key `engine.max_bacth`"):
+        load_spec("rank-small", {"engine.max_bacth": 3})
+    with pytest.raises(SpecError, match=r"`engine.max_batch`"):
+        load_spec("rank-small", {"engine.max_batch": "many"})
+    with pytest.raises(SpecError, match=r"must be >= 1"):
+        load_spec("rank-small", {"engine.max_batch": 0})
+
+
+def test_no_such_spec():
+    with pytest.raises(SpecError, match="not a built-in spec"):
+        load_spec("rank-huge")

@@ -59,6 +59,7 @@ class EngineSpec(_Section, kw_only=True):
     max_batch: int = 8
     max_wait_ms: float = 2.0
     max_queue: int = 4096  # requests admitted but not finished; beyond it: Overloaded
+    history_events: int = 20_000_000  # events of user histories kept for delta requests (LRU)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -67,6 +68,8 @@ class EngineSpec(_Section, kw_only=True):
             raise ValueError("`max_wait_ms` must be >= 0")
         if self.max_queue < 1:
             raise ValueError("`max_queue` must be >= 1")
+        if self.history_events < 0:
+            raise ValueError("`history_events` must be >= 0")
 
 
 class CacheSpec(_Section, kw_only=True):

@@ -20,10 +20,14 @@ import torch
 from ..api import RankRequest, RankResult, RankStats
 from ..config import Spec, load_spec
 from ..errors import EngineClosed, EngineDead, Overloaded, StreamgrError
+from ..cache import HistoryStore, KVCacheManager
+from ..cache.store import KVStores
+from ..errors import ContractError
 from ..models import build_ranker
 from .batcher import Batcher, Pending
+from .cached_rank import CachedRankRunner
 from .metrics import EngineMetrics
-from .rank import PreparedRank, RankRunner, prepare_rank
+from .rank import RankRunner, prepare_rank
 
 log = logging.getLogger("streamgr.engine")
 
@@ -49,8 +53,9 @@ class Engine:
         self.spec = spec
         self.device = resolve_device(spec.engine.device)
         self.dtype = resolve_dtype(spec.model.dtype, self.device)
-        self.model, self.weights_version = build_ranker(spec.model, self.device, self.dtype)
-        self.runner = RankRunner(self.model, self.device)
+        self._loads = 0
+        model, version = self._build_model(spec.model)
+        self.runner = self._build_runner(model, version)
         self.metrics = EngineMetrics()
         self._batcher: Batcher | None = None
         self._task: asyncio.Task | None = None
@@ -58,6 +63,52 @@ class Engine:
         self._inflight = 0
         self._dead: BaseException | None = None
         self._closing = False
+
+    def _build_model(self, model_spec):
+        model, source = build_ranker(model_spec, self.device, self.dtype)
+        self._loads += 1
+        # The load counter makes a reloaded checkpoint a new version even at the same path.
+        return model, f"{self._loads}:{source}"
+
+    def _build_runner(self, model, version: str) -> RankRunner:
+        history = HistoryStore(self.spec.engine.history_events)
+        c = self.spec.cache
+        if c.mode == "recompute":
+            return RankRunner(model, version, self.device, history)
+        hierarchical = c.mode == "hierarchical"
+        cfg = model.cfg
+        manager = KVCacheManager(c.page_tokens, c.chunk_tokens, c.device_pages,
+                                 c.host_chunks if hierarchical else 0, c.offload_quota_tokens,
+                                 hierarchical=hierarchical)
+        stores = KVStores(cfg.num_layers, cfg.num_heads, cfg.head_dim, c.page_tokens,
+                          c.chunk_tokens, c.device_pages, c.host_chunks if hierarchical else 0,
+                          self.dtype, self.device)
+        return CachedRankRunner(model, version, self.device, history, manager, stores)
+
+    @property
+    def model(self):
+        return self.runner.model
+
+    @property
+    def weights_version(self) -> str:
+        return self.runner.version
+
+    async def update_weights(self, checkpoint: str | None = None, init_seed: int | None = None) -> str:
+        """Load new weights of the same architecture off the request path, then cut over between
+        batches: in-flight batches finish on the old weights; cached K/V of the old version are
+        never served again (they are dropped as their users return). Returns the new version."""
+        import msgspec
+        if (checkpoint is None) == (init_seed is None):
+            raise StreamgrError("give exactly one of checkpoint or init_seed")
+        new_spec = msgspec.structs.replace(self.spec.model, checkpoint=checkpoint, init_seed=init_seed)
+        loop = asyncio.get_running_loop()
+        model, version = await loop.run_in_executor(None, self._build_model, new_spec)
+        if model.cfg != self.runner.model.cfg:
+            raise ContractError(f"new weights have architecture {model.cfg}, the engine serves "
+                                f"{self.runner.model.cfg}")
+        # On the executor thread, so the swap falls between two batches.
+        await loop.run_in_executor(self._executor, self.runner.set_model, model, version)
+        return version
 
     @classmethod
     def from_spec(cls, path_or_spec: str | Path | Spec | Mapping[str, Any],
@@ -117,7 +168,7 @@ class Engine:
         """Scores for ``request.candidates``, in order. Raises typed errors for bad input."""
         self._admit()
         try:
-            prepared = prepare_rank(request, self.model.cfg)
+            prepared = prepare_rank(request, self.runner.model.cfg)
         except StreamgrError:
             self.metrics.count("rank_invalid")
             raise
@@ -132,6 +183,8 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         out = self.metrics.snapshot()
+        if isinstance(self.runner, CachedRankRunner):
+            out["cache"] = self.runner.snapshot()
         out.update(inflight=self._inflight, queued=len(self._batcher) if self._batcher else 0,
                    device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
                    cache_mode=self.spec.cache.mode, weights_version=self.weights_version)
@@ -152,14 +205,24 @@ class Engine:
                 continue
             t_done = time.perf_counter()
             compute_ms = (t_done - t_start) * 1e3
-            for p, scores, per in zip(batch, outcome.scores, outcome.per_request):
+            for p, res in zip(batch, outcome.results):
                 if p.future.done():
                     continue
+                if isinstance(res, Exception):
+                    self.metrics.count("rank_invalid")
+                    p.future.set_exception(res)
+                    continue
+                scores, per = res
                 stats = RankStats(batch_size=len(batch), queue_ms=(t_start - p.enqueued) * 1e3,
                                   compute_ms=compute_ms, total_ms=(t_done - p.enqueued) * 1e3,
                                   stages=outcome.stages, **per)
                 self.metrics.observe_rank(stats)
                 p.future.set_result(RankResult(scores=scores.tolist(), stats=stats))
+            try:  # after the replies: offload never delays them
+                await loop.run_in_executor(self._executor, self.runner.background)
+            except Exception:
+                log.exception("background work failed")
+                self.metrics.count("background_errors")
 
     def _on_batch_error(self, batch: list[Pending], err: Exception) -> None:
         log.exception("batch of %d failed", len(batch), exc_info=err)

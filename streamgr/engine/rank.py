@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..api import RankRequest
+from ..cache.history import HistoryStore
 from ..errors import (EmptyCandidates, HistoryTooLong, IdOutOfRange, InvalidRequest,
                       LengthMismatch, TooManyCandidates)
 from ..models.hstu import HSTU, HSTUConfig, JaggedBatch
@@ -129,32 +130,75 @@ def build_jagged(users: list[UserSlice], device: torch.device) -> JaggedBatch:
 
 @dataclass
 class BatchOutcome:
-    scores: list[np.ndarray]
-    per_request: list[dict]
+    """Per request: ``(scores, stats fields)`` or the exception that request gets."""
+
+    results: list[tuple[np.ndarray, dict] | Exception]
     stages: dict[str, float] = field(default_factory=dict)
 
 
 class RankRunner:
-    """Executes rank batches in ``recompute`` mode: every history token is computed each time."""
+    """Executes rank batches in ``recompute`` mode: every history token is computed each time.
 
-    def __init__(self, model: HSTU, device: torch.device) -> None:
-        self.model = model
+    Subclassed by the cached runner; both resolve delta requests against the history store.
+    """
+
+    def __init__(self, model: HSTU, version: str, device: torch.device,
+                 history: HistoryStore) -> None:
+        self.model, self.version = model, version
         self.device = device
+        self.history = history
+        self.sync_stages = False  # benchmarks set it: stage times then include device work
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
+    def set_model(self, model: HSTU, version: str) -> None:
+        self.model, self.version = model, version
+
+    def _mark(self, stages: dict, name: str, t: float) -> float:
+        if self.sync_stages and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        stages[name] = stages.get(name, 0.0) + (now - t) * 1e3
+        return now
+
+    def _resolve(self, batch: list[PreparedRank]) -> list[tuple[np.ndarray, np.ndarray] | Exception]:
+        out: list = []
+        max_hist = self.model.cfg.max_history
+        for r in batch:
+            try:
+                items, actions = self.history.resolve(r.user, r.base_len, r.items, r.actions)
+                if len(items) > max_hist:
+                    raise HistoryTooLong(f"history of {len(items)} events, the model takes at "
+                                         f"most {max_hist}")
+                out.append((items, actions))
+            except InvalidRequest as err:
+                out.append(err)
+        return out
+
+    def _remember(self, batch: list[PreparedRank], resolved: list) -> None:
+        for r, h in zip(batch, resolved):
+            if not isinstance(h, Exception):
+                self.history.remember(r.user, *h)
 
     def run(self, batch: list[PreparedRank]) -> BatchOutcome:
-        t0 = time.perf_counter()
-        users = [UserSlice(interleave(r.items, r.actions), 0, r.candidates) for r in batch]
+        stages: dict[str, float] = {}
+        t = time.perf_counter()
+        resolved = self._resolve(batch)
+        live = [i for i, h in enumerate(resolved) if not isinstance(h, Exception)]
+        users = [UserSlice(interleave(*resolved[i]), 0, batch[i].candidates) for i in live]
         jb = build_jagged(users, self.device)
-        t1 = time.perf_counter()
-        scores = self.model(jb)
-        out = scores.cpu().numpy()
-        t2 = time.perf_counter()
-        splits = np.cumsum([len(r.candidates) for r in batch])[:-1]
-        per = [{"history_tokens": r.history_tokens, "tokens_recomputed": r.history_tokens,
-                "tier": "none" if r.history_tokens == 0 else "miss"} for r in batch]
-        return BatchOutcome(list(np.split(out, splits)), per,
-                            {"layout": (t1 - t0) * 1e3, "model": (t2 - t1) * 1e3})
+        t = self._mark(stages, "layout", t)
+        scores = self.model(jb).cpu().numpy()
+        t = self._mark(stages, "model", t)
+        self._remember(batch, resolved)
+        results: list = list(resolved)
+        o = 0
+        for i, u in zip(live, users):
+            c = len(u.candidates)
+            n = len(u.tokens)
+            results[i] = (scores[o:o + c], {"history_tokens": n, "tokens_recomputed": n,
+                                            "tier": "none" if n == 0 else "miss"})
+            o += c
+        self._mark(stages, "postprocess", t)
+        return BatchOutcome(results, stages)
+
+    def background(self) -> None:
+        """Work after the replies are out (the cached runner offloads here)."""

@@ -1,0 +1,401 @@
+"""``KVCacheManager``: the metadata of the hierarchical user K/V cache (MTServe section 4.3).
+
+Pure Python, no tensors: it decides, the stores and the runner move bytes. Per user it tracks the
+device pages holding the first ``device_len`` tokens, the host chunks holding the first
+``persisted_len`` tokens (chunk ``i`` = tokens ``[i*C, (i+1)*C)``), a fingerprint per chunk-sized
+segment of the cached tokens, and the weights version the K/V were computed with.
+
+- LRU in O(1): ordered dicts (hash map + doubly-linked list) of resident users, split into *clean*
+  users (every device token has a host copy: eviction loses nothing) and *dirty* ones (an
+  un-persisted tail is lost on eviction and recomputed on the next visit). ``allocate`` evicts
+  clean users first, then dirty ones, least recently used first, never a user of the current
+  batch or a locked one. Eviction only changes metadata (zero-copy): nothing is copied out.
+- Offload: a user whose un-persisted tokens fill a chunk is queued; ``plan_offloads`` turns the
+  queue into jobs under the offload quota (tokens in flight). Over the quota a job is deferred and
+  retried later; a range is marked persisted only by ``finish_offload``. A user is locked while a
+  job reads its pages: it is never evicted, truncated or dropped meanwhile.
+- Validation: a cached prefix is used only if every segment's fingerprint equals the request's
+  history and the weights version matches; what does not match is dropped, never served.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Hashable, Iterable
+
+import numpy as np
+
+
+def fingerprint(tokens: np.ndarray) -> int:
+    """Fingerprint of a token segment (64-bit, process-local: the cache is in-process too)."""
+    return hash((len(tokens), np.ascontiguousarray(tokens, dtype=np.int64).tobytes()))
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class UserEntry:
+    key: Hashable
+    version: str
+    pages: list[int] = field(default_factory=list)
+    device_len: int = 0
+    chunks: list[int] = field(default_factory=list)
+    fps: list[int] = field(default_factory=list)
+
+    def persisted_len(self, chunk: int) -> int:
+        return len(self.chunks) * chunk
+
+    def cached_len(self, chunk: int) -> int:
+        return max(self.device_len, len(self.chunks) * chunk)
+
+
+@dataclass
+class UserPlan:
+    """What one user of a batch gets: compute tokens ``[start, length)`` plus its candidates."""
+
+    key: Hashable
+    length: int  # history tokens of the request
+    start: int = 0  # tokens served from the cache
+    from_gpu: int = 0
+    from_host: int = 0
+    lost: int = 0  # tokens the cache held before but had to drop (mismatch, version, eviction)
+    pages: list[int] = field(default_factory=list)  # covers [0, length) unless transient
+    onload: list[tuple[int, int]] = field(default_factory=list)  # (host chunk id, chunk index)
+    transient: bool = False  # computed without caching (did not fit, or locked)
+
+
+@dataclass
+class OffloadJob:
+    key: Hashable
+    first_chunk: int  # index of the first chunk in the user's history
+    chunk_ids: list[int]
+    page_ids: list[int]  # pages holding those chunks' tokens, in order
+
+    def tokens(self, chunk: int) -> int:
+        return len(self.chunk_ids) * chunk
+
+
+class KVCacheManager:
+    def __init__(self, page_tokens: int, chunk_tokens: int, device_pages: int, host_chunks: int,
+                 offload_quota_tokens: int, hierarchical: bool = True) -> None:
+        if chunk_tokens % page_tokens:
+            raise ValueError("chunk_tokens must be a multiple of page_tokens")
+        self.P, self.C = page_tokens, chunk_tokens
+        self.device_pages, self.host_chunks = device_pages, host_chunks
+        self.quota = offload_quota_tokens
+        self.hierarchical = hierarchical
+        self.users: dict[Hashable, UserEntry] = {}
+        self.free_pages: list[int] = list(range(device_pages - 1, -1, -1))
+        self.free_chunks: list[int] = list(range(host_chunks - 1, -1, -1)) if hierarchical else []
+        self.clean: OrderedDict[Hashable, None] = OrderedDict()
+        self.dirty: OrderedDict[Hashable, None] = OrderedDict()
+        self.host_lru: OrderedDict[Hashable, None] = OrderedDict()
+        self.locked: dict[Hashable, OffloadJob] = {}
+        self.wanted: OrderedDict[Hashable, None] = OrderedDict()  # users with a full chunk to offload
+        self.in_batch: set[Hashable] = set()
+        self.queued_tokens = 0
+        self.counters: Counter[str] = Counter()
+
+    # -- residency bookkeeping -------------------------------------------------------------------
+
+    def _relist(self, e: UserEntry, touch: bool) -> None:
+        """Put a user in the right LRU list (clean/dirty) for its state; ``touch`` makes it MRU."""
+        key = e.key
+        was = self.clean if key in self.clean else self.dirty if key in self.dirty else None
+        now = None
+        if e.device_len > 0:
+            now = self.clean if (self.hierarchical and e.device_len == e.persisted_len(self.C)) \
+                else self.dirty
+        if was is not None and (was is not now or touch):
+            del was[key]
+        if now is not None and (key not in now):
+            now[key] = None
+        if self.hierarchical and e.chunks:
+            if touch or key not in self.host_lru:
+                self.host_lru[key] = None
+                self.host_lru.move_to_end(key)
+        else:
+            self.host_lru.pop(key, None)
+        if self.hierarchical and e.device_len - e.persisted_len(self.C) >= self.C:
+            self.wanted.setdefault(key, None)
+        else:
+            self.wanted.pop(key, None)
+
+    def _trim_fps(self, e: UserEntry) -> None:
+        del e.fps[_ceil_div(e.cached_len(self.C), self.C):]
+
+    def _forget(self, e: UserEntry) -> None:
+        self.free_pages.extend(reversed(e.pages))
+        self.free_chunks.extend(reversed(e.chunks))
+        e.pages, e.chunks, e.device_len, e.fps = [], [], 0, []
+        for d in (self.clean, self.dirty, self.host_lru, self.wanted):
+            d.pop(e.key, None)
+        del self.users[e.key]
+
+    def _evict_device(self, e: UserEntry) -> None:
+        lost = e.device_len - e.persisted_len(self.C)
+        self.counters["evictions"] += 1
+        if lost <= 0:
+            self.counters["zero_copy_evictions"] += 1
+        else:
+            self.counters["tail_tokens_dropped"] += lost
+        self.free_pages.extend(reversed(e.pages))
+        e.pages, e.device_len = [], 0
+        if not e.chunks:
+            self._forget(e)
+            return
+        self._trim_fps(e)
+        self._relist(e, touch=False)
+
+    def _evict_host(self, e: UserEntry) -> None:
+        self.counters["host_evictions"] += 1
+        self.free_chunks.extend(reversed(e.chunks))
+        e.chunks = []
+        if e.device_len == 0:
+            self._forget(e)
+            return
+        self._trim_fps(e)
+        self._relist(e, touch=False)
+
+    def _truncate(self, e: UserEntry, n: int) -> None:
+        """Keep only the first ``n`` cached tokens (``n`` is a multiple of C or the cached length)."""
+        if e.device_len > n:
+            keep = _ceil_div(n, self.P)
+            self.free_pages.extend(reversed(e.pages[keep:]))
+            del e.pages[keep:]
+            e.device_len = n
+        keep_chunks = n // self.C
+        if len(e.chunks) > keep_chunks:
+            self.free_chunks.extend(reversed(e.chunks[keep_chunks:]))
+            del e.chunks[keep_chunks:]
+        if e.cached_len(self.C) == 0:
+            self._forget(e)
+            return
+        self._trim_fps(e)
+        self._relist(e, touch=False)
+
+    def _evictable(self, lru: OrderedDict, protect: set) -> Hashable | None:
+        for key in lru:
+            if key not in protect and key not in self.locked:
+                return key
+        return None
+
+    def allocate(self, n: int, protect: set) -> list[int] | None:
+        """``n`` free pages, evicting LRU users outside ``protect`` (clean first); None if impossible."""
+        while len(self.free_pages) < n:
+            key = self._evictable(self.clean, protect)
+            if key is None:
+                key = self._evictable(self.dirty, protect)
+            if key is None:
+                return None
+            self._evict_device(self.users[key])
+        return [self.free_pages.pop() for _ in range(n)]
+
+    # -- the batch ------------------------------------------------------------------------------
+
+    def _valid_prefix(self, e: UserEntry, tokens: np.ndarray) -> int:
+        cached = e.cached_len(self.C)
+        for i, fp in enumerate(e.fps):
+            end = min((i + 1) * self.C, cached)
+            if end > len(tokens) or fingerprint(tokens[i * self.C:end]) != fp:
+                return i * self.C
+        return cached
+
+    def plan_batch(self, requests: list[tuple[Hashable, np.ndarray]], version: str) -> list[UserPlan]:
+        """Lookup, validate, allocate for a batch of distinct users (history token arrays)."""
+        keys = [k for k, _ in requests]
+        if len(set(keys)) != len(keys):
+            raise ValueError("a batch must not hold the same user twice")
+        self.in_batch = set(keys)
+        plans = []
+        for key, tokens in requests:
+            plans.append(self._plan_user(key, tokens, version))
+        return plans
+
+    def _plan_user(self, key: Hashable, tokens: np.ndarray, version: str) -> UserPlan:
+        L = len(tokens)
+        plan = UserPlan(key, L)
+        e = self.users.get(key)
+        if L == 0:  # nothing to cache; a history rewritten to empty drops what was cached
+            if e is not None and key not in self.locked:
+                plan.lost = e.cached_len(self.C)
+                self._forget(e)
+            return plan
+        if e is not None:
+            before = e.cached_len(self.C)
+            valid = self._valid_prefix(e, tokens) if e.version == version else 0
+            if valid < before:
+                if key in self.locked:  # its pages are being read: leave it, compute from scratch
+                    plan.transient, plan.lost = True, before
+                    self.counters["transient_users"] += 1
+                    return plan
+                self.counters["dropped_tokens" if e.version == version else "stale_version_tokens"] += before - valid
+                self._truncate(e, valid)
+                e = self.users.get(key)
+            plan.lost = before - (e.cached_len(self.C) if e else 0)
+        resident = e is not None and e.device_len > 0
+        if resident:
+            plan.start = plan.from_gpu = e.device_len
+        elif e is not None and self.hierarchical and e.chunks:
+            plan.start = plan.from_host = e.persisted_len(self.C)
+        total_pages = _ceil_div(L, self.P)
+        have = len(e.pages) if resident else 0
+        new_pages = self.allocate(total_pages - have, self.in_batch) \
+            if total_pages <= self.device_pages else None
+        if new_pages is None:
+            self.counters["transient_users"] += 1
+            plan.transient, plan.start, plan.from_gpu, plan.from_host = True, 0, 0, 0
+            return plan
+        if e is None:
+            e = self.users[key] = UserEntry(key, version)
+        e.version = version
+        plan.pages = (e.pages if resident else []) + new_pages
+        if plan.from_host:
+            plan.onload = [(cid, i) for i, cid in enumerate(e.chunks)]
+        # Pages are owned from now on; device_len moves only at commit.
+        e.pages = plan.pages
+        return plan
+
+    def commit_batch(self, plans: list[UserPlan], tokens: dict[Hashable, np.ndarray]) -> None:
+        """After the model wrote every planned user's K/V: the cache now holds their histories."""
+        for p in plans:
+            if p.transient:
+                continue
+            e = self.users.get(p.key)
+            if e is None or p.length == 0:
+                continue
+            old = e.cached_len(self.C)
+            e.device_len = p.length
+            toks = tokens[p.key]
+            first = old // self.C
+            del e.fps[first:]
+            for i in range(first, _ceil_div(p.length, self.C)):
+                e.fps.append(fingerprint(toks[i * self.C:min((i + 1) * self.C, p.length)]))
+            self._relist(e, touch=True)
+        self.in_batch = set()
+
+    def abort_batch(self, plans: list[UserPlan]) -> None:
+        """The batch failed: pages taken for it go back; onloaded users are not resident."""
+        for p in plans:
+            e = self.users.get(p.key)
+            if p.transient or e is None:
+                continue
+            if p.onload:
+                self.free_pages.extend(reversed(e.pages))
+                e.pages = []
+            else:
+                keep = _ceil_div(e.device_len, self.P)
+                self.free_pages.extend(reversed(e.pages[keep:]))
+                del e.pages[keep:]
+            if e.cached_len(self.C) == 0:
+                self._forget(e)
+        self.in_batch = set()
+
+    # -- offload --------------------------------------------------------------------------------
+
+    def _host_chunks(self, n: int, protect: set) -> list[int]:
+        """Up to ``n`` host chunks, evicting LRU users' host copies outside ``protect``."""
+        while len(self.free_chunks) < n:
+            key = self._evictable(self.host_lru, protect)
+            if key is None:
+                break
+            self._evict_host(self.users[key])
+        take = min(n, len(self.free_chunks))
+        return [self.free_chunks.pop() for _ in range(take)]
+
+    def plan_offloads(self) -> list[OffloadJob]:
+        """Jobs for users with full un-persisted chunks, within the quota; the rest is deferred."""
+        jobs = []
+        for key in list(self.wanted):
+            if key in self.locked:
+                continue
+            e = self.users[key]
+            n = e.device_len // self.C - len(e.chunks)
+            room = (self.quota - self.queued_tokens) // self.C
+            if room <= 0:
+                self.counters["deferred_offloads"] += 1
+                continue
+            chunks = self._host_chunks(min(n, room), self.in_batch | {key})
+            if not chunks:
+                self.counters["host_full"] += 1
+                continue
+            first = len(e.chunks)
+            per = self.C // self.P
+            job = OffloadJob(key, first, chunks, e.pages[first * per:(first + len(chunks)) * per])
+            self.locked[key] = job
+            self.queued_tokens += job.tokens(self.C)
+            self.wanted.pop(key, None)
+            jobs.append(job)
+        return jobs
+
+    def finish_offload(self, job: OffloadJob) -> None:
+        e = self.users[job.key]
+        del self.locked[job.key]
+        self.queued_tokens -= job.tokens(self.C)
+        assert len(e.chunks) == job.first_chunk, "offload jobs of one user are serialized"
+        e.chunks.extend(job.chunk_ids)
+        self.counters["offloaded_chunks"] += len(job.chunk_ids)
+        self._relist(e, touch=False)
+
+    def abort_offload(self, job: OffloadJob) -> None:
+        """A failed transfer: the chunks go back, nothing is marked persisted, retry later."""
+        e = self.users[job.key]
+        del self.locked[job.key]
+        self.queued_tokens -= job.tokens(self.C)
+        self.free_chunks.extend(reversed(job.chunk_ids))
+        self.counters["offload_failures"] += 1
+        self._relist(e, touch=False)
+
+    # -- views ------------------------------------------------------------------------------------
+
+    def page_table(self, keys: Iterable[Hashable]) -> tuple[list[int], list[int], list[int]]:
+        """FlashInfer's CSR page table of the users' device tokens: ``indptr``, ``indices``,
+        ``last_page_len`` (1..page_tokens; 0 for a user with no device pages)."""
+        indptr, indices, last = [0], [], []
+        for key in keys:
+            e = self.users.get(key)
+            n = e.device_len if e else 0
+            pages = e.pages[:_ceil_div(n, self.P)] if e else []
+            indices.extend(pages)
+            indptr.append(len(indices))
+            last.append(n - (len(pages) - 1) * self.P if pages else 0)
+        return indptr, indices, last
+
+    def snapshot(self) -> dict:
+        return {"users": len(self.users), "resident_users": len(self.clean) + len(self.dirty),
+                "free_pages": len(self.free_pages), "free_chunks": len(self.free_chunks),
+                "queued_offload_tokens": self.queued_tokens, "locked_users": len(self.locked),
+                **self.counters}
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the metadata is inconsistent (used by the tests)."""
+        owned = [p for e in self.users.values() for p in e.pages]
+        assert len(owned) == len(set(owned)), "a page is owned twice"
+        assert not set(owned) & set(self.free_pages), "a page is both free and owned"
+        assert len(owned) + len(self.free_pages) == self.device_pages, "pages leaked"
+        chunks = [c for e in self.users.values() for c in e.chunks]
+        chunks += [c for j in self.locked.values() for c in j.chunk_ids]
+        assert len(chunks) == len(set(chunks)), "a chunk is owned twice"
+        total_chunks = self.host_chunks if self.hierarchical else 0
+        assert len(chunks) + len(self.free_chunks) == total_chunks, "chunks leaked"
+        queued = 0
+        for key, e in self.users.items():
+            persisted = e.persisted_len(self.C)
+            if key not in self.in_batch:
+                assert len(e.pages) == _ceil_div(e.device_len, self.P), f"{key}: page count"
+            if e.device_len:
+                assert persisted <= e.device_len, f"{key}: persisted beyond the device copy"
+                clean = self.hierarchical and persisted == e.device_len
+                assert (key in self.clean) == clean and (key in self.dirty) == (not clean)
+            else:
+                assert key not in self.clean and key not in self.dirty
+            assert e.cached_len(self.C) > 0 or key in self.in_batch, f"{key}: empty entry kept"
+            assert len(e.fps) == _ceil_div(e.cached_len(self.C), self.C), f"{key}: fingerprints"
+        for key, job in self.locked.items():
+            assert self.users[key].device_len >= (job.first_chunk + len(job.chunk_ids)) * self.C
+            queued += job.tokens(self.C)
+        assert queued == self.queued_tokens <= max(self.quota, 0), "offload quota"
+        assert set(self.clean) | set(self.dirty) == {k for k, e in self.users.items() if e.device_len}

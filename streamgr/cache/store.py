@@ -1,0 +1,63 @@
+"""The tensors of the hierarchical cache: device page store and host chunk store.
+
+Device store ``[layers, pages, 2, page_tokens, heads, dim]`` on the GPU (a second CPU tensor when
+there is none, so the whole cache runs in CI). Host store ``[chunks, layers, k, 2, page_tokens,
+heads, dim]`` with ``k = chunk_tokens / page_tokens``: one chunk is the block of its ``k`` pages,
+all layers, so onload/offload are block copies (see ``kernels.paged_kv``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..kernels import paged_kv
+from .manager import OffloadJob
+
+
+class KVStores:
+    def __init__(self, layers: int, heads: int, head_dim: int, page_tokens: int, chunk_tokens: int,
+                 device_pages: int, host_chunks: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.P, self.C = page_tokens, chunk_tokens
+        self.chunk_pages = chunk_tokens // page_tokens
+        self.layers = layers
+        self.device = device
+        self.pages = torch.empty(layers, device_pages, 2, page_tokens, heads, head_dim,
+                                 dtype=dtype, device=device)
+        # Host memory is committed lazily by the OS as chunks are written.
+        self.host = torch.empty(host_chunks, layers, self.chunk_pages, 2, page_tokens, heads,
+                                head_dim, dtype=dtype) if host_chunks else None
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.host[0].numel() * self.host.element_size() if self.host is not None else 0
+
+    def token_bytes(self) -> int:
+        return self.pages[:, 0, :, 0].numel() * self.pages.element_size()
+
+    def slots(self, pages: list[int], start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Page index and in-page offset of tokens ``[start, end)`` of a user with ``pages``."""
+        pos = np.arange(start, end)
+        return np.asarray(pages, dtype=np.int64)[pos // self.P], pos % self.P
+
+    def onload(self, onload: list[tuple[int, int]], pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy host chunks into their pages; ``onload`` = [(chunk id, chunk index)]. Returns the
+        device onload buffer (the caller scatters it layer by layer)."""
+        ids = torch.tensor([c for c, _ in onload], dtype=torch.long)
+        buf = self.host.index_select(0, ids)
+        if self.device.type == "cuda":
+            buf = buf.pin_memory().to(self.device, non_blocking=True)
+        page_ids = []
+        for _, i in onload:
+            page_ids.extend(pages[i * self.chunk_pages:(i + 1) * self.chunk_pages])
+        return buf, torch.tensor(page_ids, dtype=torch.long, device=self.device)
+
+    def scatter_layer(self, layer: int, buf: torch.Tensor, page_ids: torch.Tensor) -> None:
+        paged_kv.onload_scatter(self.pages, layer, buf, page_ids)
+
+    def offload(self, job: OffloadJob) -> int:
+        """Copy a job's pages into its host chunks; returns the bytes moved."""
+        page_ids = torch.tensor(job.page_ids, dtype=torch.long, device=self.device)
+        data = paged_kv.offload_gather(self.pages, page_ids, self.chunk_pages)
+        self.host[torch.tensor(job.chunk_ids, dtype=torch.long)] = data.to("cpu")
+        return data.numel() * data.element_size()

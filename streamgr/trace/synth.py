@@ -1,0 +1,96 @@
+"""Synthetic KuaiRand-1K-like request traces (WORKLOADS.md rank-ref; MTServe section 5.1).
+
+Each user has a final history length (lognormal, clipped to ``[1, max_history]``, tuned so the
+mean is near the profile's); the user's events arrive over bursty *sessions*: requests inside a
+session are a minute or two apart (KuaiRand is cut into requests at 60 s gaps), sessions are
+separated by heavy-tailed (Pareto) gaps, so most users return within minutes and a tail returns
+much later. Each request carries only the events new since the user's previous request; the
+history only grows by appending. Candidates are sampled uniformly per request, seeded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    users: int
+    mean_history: float  # events
+    max_history: int
+    events_per_request: float  # mean new events per request
+    session_requests: float  # mean requests per session
+    num_items: int
+    num_actions: int
+    candidates: int
+
+
+PROFILES = {
+    "kuairand-1k": Profile("kuairand-1k", 1000, 6400, 20000, 5.4, 12, 1_000_000, 256, 256),
+    # rank-small sized: runs on a CPU in seconds.
+    "small": Profile("small", 24, 400, 500, 4.0, 10, 1000, 16, 8),
+    "tiny": Profile("tiny", 6, 40, 60, 3.0, 4, 200, 16, 4),
+}
+
+
+@dataclass
+class SynthRequest:
+    time: float  # seconds since the trace start
+    user: int
+    items: np.ndarray  # events new since the user's previous request
+    actions: np.ndarray
+    candidates: np.ndarray
+
+
+def _lengths(rng: np.random.Generator, p: Profile, n: int) -> np.ndarray:
+    # Lognormal with sigma 1 has mean exp(mu + 1/2); clipping at max trims the mean a little.
+    sigma = 1.0
+    mu = np.log(p.mean_history) - sigma ** 2 / 2
+    return np.clip(rng.lognormal(mu, sigma, size=n).astype(np.int64), 1, p.max_history)
+
+
+def synth_trace(profile: str | Profile, seed: int = 0, users: int | None = None) -> list[SynthRequest]:
+    """A whole trace in arrival order."""
+    p = PROFILES[profile] if isinstance(profile, str) else profile
+    rng = np.random.default_rng(seed)
+    n_users = users or p.users
+    out: list[SynthRequest] = []
+    for user, total in enumerate(_lengths(rng, p, n_users)):
+        # Split the user's events into requests of >= 1 event (geometric sizes).
+        sizes = []
+        left = int(total)
+        while left > 0:
+            s = min(left, int(rng.geometric(1.0 / p.events_per_request)))
+            sizes.append(s)
+            left -= s
+        t = float(rng.uniform(0, 3600))
+        in_session = 0
+        session_len = max(1, int(rng.geometric(1.0 / p.session_requests)))
+        for s in sizes:
+            out.append(SynthRequest(
+                t, user, rng.integers(p.num_items, size=s), rng.integers(p.num_actions, size=s),
+                rng.choice(p.num_items, size=min(p.candidates, p.num_items), replace=False)))
+            in_session += 1
+            if in_session >= session_len:  # a heavy-tailed gap to the next session
+                t += 600 * (rng.pareto(1.2) + 1)
+                in_session = 0
+                session_len = max(1, int(rng.geometric(1.0 / p.session_requests)))
+            else:
+                t += 60 + rng.exponential(60)
+    out.sort(key=lambda r: r.time)
+    return out
+
+
+def with_full_history(trace: list[SynthRequest]):
+    """Yield (request, full items, full actions) with each user's history accumulated so far."""
+    hist: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+    for r in trace:
+        items, actions = hist.setdefault(r.user, ([], []))
+        items.append(r.items)
+        actions.append(r.actions)
+        full_i, full_a = np.concatenate(items), np.concatenate(actions)
+        items[:], actions[:] = [full_i], [full_a]
+        yield r, full_i, full_a

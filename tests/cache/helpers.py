@@ -1,0 +1,41 @@
+"""Runners of every cache mode over one set of weights, driven synchronously batch by batch."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from streamgr import RankRequest
+from streamgr.config import load_spec
+from streamgr.engine.core import Engine
+from streamgr.engine.rank import prepare_rank
+
+MODES = ("recompute", "gpu-only", "hierarchical")
+
+
+def tiny_spec(**cache):
+    o = {"engine.device": "cpu", "model.dtype": "float32", "model.num_layers": 2,
+         "model.model_dim": 16, "model.num_heads": 2, "model.head_dim": 8,
+         "model.num_items": 100, "model.num_actions": 8, "model.max_history": 80,
+         "model.max_candidates": 8, "model.init_seed": 3}
+    o.update({f"cache.{k}": v for k, v in cache.items()})
+    return load_spec("rank-small", o)
+
+
+def runners(**cache) -> dict:
+    """One engine per mode (not started: tests call the runner directly, no event loop)."""
+    out = {}
+    for mode in MODES:
+        out[mode] = Engine(tiny_spec(mode=mode, **cache))
+    return out
+
+
+def run_batch(engine: Engine, reqs: list[RankRequest]):
+    prepared = [prepare_rank(r, engine.runner.model.cfg) for r in reqs]
+    outcome = engine.runner.run(prepared)
+    engine.runner.background()
+    return outcome.results
+
+
+def req(user, items, actions, cands) -> RankRequest:
+    return RankRequest(user_id=user, items=[int(x) for x in items],
+                       actions=[int(x) for x in actions], candidates=[int(x) for x in cands])

@@ -364,8 +364,12 @@ class KVCacheManager:
             last.append(n - (len(pages) - 1) * self.P if pages else 0)
         return indptr, indices, last
 
+    COUNTERS = ("evictions", "zero_copy_evictions", "tail_tokens_dropped", "host_evictions",
+                "dropped_tokens", "stale_version_tokens", "transient_users", "offloaded_chunks",
+                "deferred_offloads", "host_full", "offload_failures")
+
     def snapshot(self) -> dict:
-        return {"users": len(self.users), "resident_users": len(self.clean) + len(self.dirty),
+        return {**{k: 0 for k in self.COUNTERS},"users": len(self.users), "resident_users": len(self.clean) + len(self.dirty),
                 "free_pages": len(self.free_pages), "free_chunks": len(self.free_chunks),
                 "queued_offload_tokens": self.queued_tokens, "locked_users": len(self.locked),
                 **self.counters}

@@ -71,6 +71,8 @@ class CachedRankRunner(RankRunner):
         t = time.perf_counter()
         resolved = self._resolve(batch)
         live = [i for i, h in enumerate(resolved) if not isinstance(h, Exception)]
+        if not live:
+            return BatchOutcome(list(resolved), stages)
         tokens = {batch[i].user: interleave(*resolved[i]) for i in live}
         t = self._mark(stages, "strip", t)
         plans = self.manager.plan_batch([(batch[i].user, tokens[batch[i].user]) for i in live],

@@ -183,6 +183,8 @@ class RankRunner:
         t = time.perf_counter()
         resolved = self._resolve(batch)
         live = [i for i, h in enumerate(resolved) if not isinstance(h, Exception)]
+        if not live:
+            return BatchOutcome(list(resolved), stages)
         users = [UserSlice(interleave(*resolved[i]), 0, batch[i].candidates) for i in live]
         jb = build_jagged(users, self.device)
         t = self._mark(stages, "layout", t)

@@ -115,7 +115,7 @@ class HSTULayer(nn.Module):
         return u, v.reshape(shape), q.reshape(shape), k.reshape(shape)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return x + self.output(self.attn_norm(attn.reshape(x.shape[0], -1)) * u)
+        return x + self.output(self.attn_norm(attn.reshape(x.shape[0], self.heads * self.head_dim)) * u)
 
 
 class HSTU(nn.Module):

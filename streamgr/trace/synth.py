@@ -31,7 +31,7 @@ class Profile:
 PROFILES = {
     "kuairand-1k": Profile("kuairand-1k", 1000, 6400, 20000, 5.4, 12, 1_000_000, 256, 256),
     # rank-small sized: runs on a CPU in seconds.
-    "small": Profile("small", 24, 400, 500, 4.0, 10, 1000, 16, 8),
+    "small": Profile("small", 16, 320, 500, 1.6, 12, 1000, 16, 8),
     "tiny": Profile("tiny", 6, 40, 60, 3.0, 4, 200, 16, 4),
 }
 

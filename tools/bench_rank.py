@@ -1,0 +1,167 @@
+"""Rank benchmark: recompute vs gpu-only vs hierarchical on one synthetic KuaiRand-like trace.
+
+Batches of distinct users in trace order (batch sizes 1, 4, 8), in one run. The first part of
+the trace only warms the caches; the rest is measured. Recompute is stateless, so it is timed on
+every k-th measured batch and the speed-ups compare the same batches. Before any timing counts,
+the cached modes' scores are checked against recompute's on those batches.
+
+Output: MTServe's Table 1 (latency, speed-up, hit ratios) and Table 2 (per-stage breakdown),
+latency by tier (GPU hit / host hit / miss), and a one-line summary last.
+
+  python tools/bench_rank.py --spec rank-small                       # CPU, seconds
+  python tools/bench_rank.py --spec rank-ref --profile kuairand-1k ...  # the H200 (issue 4)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from streamgr.cli import _overrides  # noqa: E402
+from streamgr.config import load_spec  # noqa: E402
+from streamgr.engine.core import Engine  # noqa: E402
+from streamgr.trace.replay import batches_of_distinct_users, replay_batches  # noqa: E402
+from streamgr.trace.synth import synth_trace, with_full_history  # noqa: E402
+
+MODES = ("recompute", "gpu-only", "hierarchical")
+SHORT = {"recompute": "RE", "gpu-only": "GPU", "hierarchical": "HIER"}
+STAGES = ("strip", "metadata", "onload_submit", "layout", "model", "commit", "postprocess")
+
+
+def run_mode(spec, mode, batches, measured, timed_re, tol):
+    eng = Engine(load_spec(spec, {"cache.mode": mode}))
+    eng.runner.sync_stages = True
+    measure = timed_re if mode == "recompute" else measured
+    res = replay_batches(eng, batches, measure=measure, keep_scores=True,
+                         label=f"{mode} bs={len(batches[0])}")
+    del eng
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return res
+
+
+def summarize(res, timed_re_set, n_batches):
+    lat_all = res.latencies()
+    sub = np.array([r.latency_ms for r in res.records if r.batch in timed_re_set])
+    per_batch = {}
+    for r in res.records:
+        per_batch[r.batch] = r.latency_ms
+    gpu, total = res.hit_ratios()
+    b = max(res.batches, 1)
+    return {"mean_ms": float(np.mean(list(per_batch.values()))),
+            "p99_ms": float(np.percentile(list(per_batch.values()), 99)),
+            "mean_ms_on_re_batches": float(np.mean([per_batch[i] for i in per_batch if i in timed_re_set])),
+            "gpu_hit": gpu, "total_hit": total, "batches": res.batches,
+            "stages": {k: v / b for k, v in res.stages.items()},
+            "tiers": {t: (float(lat.mean()), int(lat.size)) for t in ("gpu", "host", "miss")
+                      for lat in [res.latencies(t)] if lat.size}}
+
+
+def check_equal(ref, got, dtype_is_fp32):
+    a, b = np.concatenate(ref.scores), np.concatenate(got.scores)
+    err = float(np.abs(a - b).max())
+    tol = 2e-3 if dtype_is_fp32 else 0.08 * max(1.0, float(np.abs(a).mean()))
+    if err > tol:
+        raise SystemExit(f"cached scores differ from recompute: max abs error {err:.3g} > {tol:.3g}")
+    return err
+
+
+def table(title, rows, cols):
+    w0 = max(len(r[0]) for r in rows)
+    widths = [max(len(c), *(len(r[i + 1]) for r in rows)) for i, c in enumerate(cols)]
+    lines = [title, " " * w0 + "  " + "  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+    for r in rows:
+        lines.append(r[0].ljust(w0) + "  " + "  ".join(x.rjust(w) for x, w in zip(r[1:], widths)))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", default="rank-small")
+    ap.add_argument("--set", action="append", dest="overrides", metavar="KEY=VALUE")
+    ap.add_argument("--device", default=None, help="engine.device override (auto/cpu/cuda)")
+    ap.add_argument("--profile", default="small", help="synthetic trace profile")
+    ap.add_argument("--users", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--limit", type=int, default=None, help="use the first N requests")
+    ap.add_argument("--warmup-frac", type=float, default=0.5)
+    ap.add_argument("--recompute-every", type=int, default=1)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    ov = _overrides(args.overrides)
+    if args.device:
+        ov["engine.device"] = args.device
+    spec = load_spec(args.spec, ov)
+    trace = synth_trace(args.profile, args.seed, args.users)
+    if args.limit:
+        trace = trace[:args.limit]
+    full = list(with_full_history(trace))
+    fp32 = spec.model.dtype == "float32" or (spec.model.dtype == "auto" and not (
+        spec.engine.device != "cpu" and torch.cuda.is_available()))
+    results = {}
+    for bs in args.batch:
+        batches = list(batches_of_distinct_users(full, bs))
+        warm = int(len(batches) * args.warmup_frac)
+        measured = list(range(warm, len(batches)))
+        timed_re = measured[::args.recompute_every]
+        runs = {m: run_mode(spec, m, batches, measured, timed_re, None) for m in MODES}
+        # The cached modes' scores on the recompute-timed batches, against recompute's.
+        re_set = set(timed_re)
+        errs = {}
+        for m in ("gpu-only", "hierarchical"):
+            sub = type(runs[m])()
+            sub.scores = [s for s, r in zip(runs[m].scores, runs[m].records) if r.batch in re_set]
+            errs[m] = check_equal(runs["recompute"], sub, fp32)
+        results[bs] = {m: summarize(runs[m], re_set, len(batches)) for m in MODES}
+        results[bs]["max_abs_err"] = errs
+        results[bs]["batches"] = {"total": len(batches), "measured": len(measured),
+                                  "recompute_timed": len(timed_re)}
+
+    cols = [f"BS={bs} {SHORT[m]}" for bs in args.batch for m in MODES]
+    get = lambda bs, m: results[bs][m]
+    re_ms = lambda bs: get(bs, "recompute")["mean_ms"]
+    rows = [
+        ["Latency mean (ms)"] + [f'{get(bs, m)["mean_ms"]:.2f}' for bs in args.batch for m in MODES],
+        ["Latency p99 (ms)"] + [f'{get(bs, m)["p99_ms"]:.2f}' for bs in args.batch for m in MODES],
+        ["Speedup vs RE"] + [f'{re_ms(bs) / get(bs, m)["mean_ms_on_re_batches"]:.2f}x'
+                             for bs in args.batch for m in MODES],
+        ["GPU hit ratio"] + ["-" if m == "recompute" else f'{100 * get(bs, m)["gpu_hit"]:.2f}%'
+                             for bs in args.batch for m in MODES],
+        ["Total hit ratio"] + ["-" if m == "recompute" else f'{100 * get(bs, m)["total_hit"]:.2f}%'
+                               for bs in args.batch for m in MODES],
+    ]
+    print(f"\nspec {spec.name} ({spec.model.num_layers} layers, dim {spec.model.num_heads * spec.model.head_dim}), "
+          f"profile {args.profile}, {len(full)} requests, device {torch.cuda.get_device_name() if torch.cuda.is_available() and spec.engine.device != 'cpu' else 'cpu'}")
+    print(table("Table 1: end-to-end batch latency, speed-up, hit ratios", rows, cols))
+    srows = [[s] + [f'{get(bs, m)["stages"].get(s, 0.0):.2f}' for bs in args.batch for m in MODES]
+             for s in STAGES]
+    print(table("\nTable 2: per-batch stage breakdown (ms)", srows, cols))
+    trows = [[f"{t} ({'mean ms' })"] + [
+        (lambda v: f"{v[0]:.2f} n={v[1]}" if v else "-")(get(bs, m)["tiers"].get(t))
+        for bs in args.batch for m in MODES] for t in ("gpu", "host", "miss")]
+    print(table("\nLatency by tier (batches containing a request of that tier)", trows, cols))
+    errs = {bs: results[bs]["max_abs_err"] for bs in args.batch}
+    print(f"\nscores vs recompute, max abs error: {errs}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    bs = max(args.batch)
+    h = get(bs, "hierarchical")
+    g = get(bs, "gpu-only")
+    print(f"bench_rank {spec.name}: BS={bs} hierarchical {re_ms(bs) / h['mean_ms_on_re_batches']:.2f}x "
+          f"gpu-only {re_ms(bs) / g['mean_ms_on_re_batches']:.2f}x vs recompute; total hit "
+          f"{100 * h['total_hit']:.2f}% (gpu-only {100 * g['total_hit']:.2f}%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

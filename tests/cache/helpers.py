@@ -12,8 +12,8 @@ from streamgr.engine.rank import prepare_rank
 MODES = ("recompute", "gpu-only", "hierarchical")
 
 
-def tiny_spec(**cache):
-    o = {"engine.device": "cpu", "model.dtype": "float32", "model.num_layers": 2,
+def tiny_spec(device="cpu", dtype="float32", **cache):
+    o = {"engine.device": device, "model.dtype": dtype, "model.num_layers": 2,
          "model.model_dim": 16, "model.num_heads": 2, "model.head_dim": 8,
          "model.num_items": 100, "model.num_actions": 8, "model.max_history": 80,
          "model.max_candidates": 8, "model.init_seed": 3}
@@ -21,12 +21,9 @@ def tiny_spec(**cache):
     return load_spec("rank-small", o)
 
 
-def runners(**cache) -> dict:
+def runners(device="cpu", dtype="float32", **cache) -> dict:
     """One engine per mode (not started: tests call the runner directly, no event loop)."""
-    out = {}
-    for mode in MODES:
-        out[mode] = Engine(tiny_spec(mode=mode, **cache))
-    return out
+    return {mode: Engine(tiny_spec(device, dtype, mode=mode, **cache)) for mode in MODES}
 
 
 def run_batch(engine: Engine, reqs: list[RankRequest]):

@@ -57,6 +57,11 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from .server.main import main_serve
+    return main_serve(args, _overrides(args.overrides))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamgr", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,6 +80,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("serve", help="serve a spec over the msgspec socket protocol")
+    _add_spec(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=7700, help="TCP port (0: pick a free one)")
+    p.add_argument("--unix", default=None, help="also listen on this Unix socket path")
+    p.add_argument("--token-file", default=None, help="file holding a shared token for Hello")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus text endpoint")
+    p.add_argument("--max-connections", type=int, default=1024)
+    p.add_argument("--max-inflight", type=int, default=1024)
+    p.add_argument("--max-frame", type=int, default=16 * 1024 * 1024)
+    p.add_argument("--idle-timeout", type=float, default=300.0)
+    p.add_argument("--read-timeout", type=float, default=10.0)
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--loop", choices=["auto", "uvloop", "asyncio"], default="auto",
+                   help="event loop (auto: uvloop where installed)")
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

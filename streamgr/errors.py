@@ -94,6 +94,19 @@ class EngineClosed(StreamgrError):
     code = "ENGINE_CLOSED"
 
 
+class ConnectionLost(StreamgrError):
+    """The client's connection to the server broke with the request unanswered (retry is safe
+    for rank, which has no side effects beyond the cache)."""
+
+    code = "CONNECTION_LOST"
+
+
+class ProtocolError(StreamgrError):
+    """The peer broke the wire protocol (bad frame, wrong version or token, oversize frame)."""
+
+    code = "PROTOCOL_ERROR"
+
+
 class EngineDead(StreamgrError):
     """The engine hit an unrecoverable fault (e.g. a CUDA error) and cannot serve any more."""
 

@@ -121,6 +121,10 @@ class CachedRankRunner(RankRunner):
         self._mark(stages, "postprocess", t)
         return BatchOutcome(results, stages)
 
+    @property
+    def has_background_work(self) -> bool:
+        return bool(self.manager.wanted)
+
     def background(self) -> None:
         """Offload users' filled chunks to host memory, within the quota; failures are retried."""
         for job in self.manager.plan_offloads():

@@ -164,8 +164,12 @@ class Engine:
             self.metrics.count("overloaded")
             raise Overloaded(f"{self._inflight} requests in flight (engine.max_queue)")
 
-    async def rank(self, request: RankRequest) -> RankResult:
-        """Scores for ``request.candidates``, in order. Raises typed errors for bad input."""
+    def submit_rank(self, request: RankRequest) -> asyncio.Future:
+        """Admit a rank request and return the future of its ``RankResult``, without a task.
+
+        Bad input raises its typed error here, before anything is queued. Cancelling the future
+        withdraws the request: the batcher skips it if it has not run yet.
+        """
         self._admit()
         try:
             prepared = prepare_rank(request, self.runner.model.cfg)
@@ -173,13 +177,19 @@ class Engine:
             self.metrics.count("rank_invalid")
             raise
         fut = asyncio.get_running_loop().create_future()
-        item = Pending(("rank", prepared.user), prepared, fut)
         self._inflight += 1
-        try:
-            self._batcher.put(item)
-            return await fut
-        finally:
-            self._inflight -= 1
+        fut.add_done_callback(self._settled)
+        self._batcher.put(Pending(("rank", prepared.user), prepared, fut))
+        return fut
+
+    def _settled(self, fut: asyncio.Future) -> None:
+        self._inflight -= 1
+        if fut.cancelled():  # the caller went away
+            self.metrics.count("rank_cancelled")
+
+    async def rank(self, request: RankRequest) -> RankResult:
+        """Scores for ``request.candidates``, in order. Raises typed errors for bad input."""
+        return await self.submit_rank(request)
 
     def stats(self) -> dict[str, Any]:
         out = self.metrics.snapshot()
@@ -218,6 +228,8 @@ class Engine:
                                   stages=outcome.stages, **per)
                 self.metrics.observe_rank(stats)
                 p.future.set_result(RankResult(scores=scores.tolist(), stats=stats))
+            if not self.runner.has_background_work:
+                continue
             try:  # after the replies: offload never delays them
                 await loop.run_in_executor(self._executor, self.runner.background)
             except Exception:

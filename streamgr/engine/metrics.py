@@ -15,6 +15,7 @@ class EngineMetrics:
     def __init__(self) -> None:
         self.counters: Counter[str] = Counter()
         self._lat: deque[float] = deque(maxlen=self.WINDOW)
+        self._lat_summary: tuple[int, dict] = (-1, {})  # (observations, summary): reused until one more
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] += n
@@ -31,12 +32,15 @@ class EngineMetrics:
     def snapshot(self) -> dict:
         c = self.counters
         hist = c["history_tokens"]
-        lat = np.array(self._lat) if self._lat else None
+        n = c["rank_requests"]
+        if self._lat_summary[0] != n:  # percentiles cost O(window): only when something changed
+            lat = np.array(self._lat) if self._lat else None
+            self._lat_summary = (n, {} if lat is None else {
+                "mean": float(lat.mean()), "p50": float(np.percentile(lat, 50)),
+                "p99": float(np.percentile(lat, 99)), "window": int(lat.size)})
         return {
             "counters": dict(c),
             "gpu_hit_ratio": c["tokens_from_gpu"] / hist if hist else 0.0,
             "total_hit_ratio": (c["tokens_from_gpu"] + c["tokens_from_host"]) / hist if hist else 0.0,
-            "latency_ms": {} if lat is None else {
-                "mean": float(lat.mean()), "p50": float(np.percentile(lat, 50)),
-                "p99": float(np.percentile(lat, 99)), "window": int(lat.size)},
+            "latency_ms": dict(self._lat_summary[1]),
         }

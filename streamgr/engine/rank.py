@@ -202,5 +202,7 @@ class RankRunner:
         self._mark(stages, "postprocess", t)
         return BatchOutcome(results, stages)
 
+    has_background_work = False  # recompute has nothing to do after a batch
+
     def background(self) -> None:
         """Work after the replies are out (the cached runner offloads here)."""

@@ -1,0 +1,248 @@
+"""Clients of the socket protocol: ``AsyncClient`` (pipelined) and the blocking ``Client``.
+
+Both are made from an address (``"127.0.0.1:7700"``, ``"[::1]:7700"`` or ``"unix:/path"``) and
+take the same request types as the embedded engine. Error replies raise the typed exception of
+their code (``streamgr.errors``); a broken connection fails the calls in flight with
+``ConnectionLost`` and the next call reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from typing import Any
+
+import msgspec
+
+from . import api
+from .errors import ConnectionLost, ProtocolError, StreamgrError, error_for_code
+from .protocol import framing, messages as m
+
+
+def parse_address(address: str) -> tuple[str, str | int | None]:
+    """``("unix", path)`` or ``(host, port)``."""
+    if address.startswith("unix:"):
+        return "unix", address[5:]
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address {address!r}: expected HOST:PORT or unix:PATH")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _expire(fut: asyncio.Future, timeout: float) -> None:
+    if not fut.done():
+        fut.set_exception(asyncio.TimeoutError(f"no reply within {timeout} s"))
+
+
+class _ClientProtocol(asyncio.Protocol):
+    """Parses reply frames in ``data_received`` and resolves the waiting calls directly."""
+
+    def __init__(self, codec: framing.Codec) -> None:
+        self.codec = codec
+        self.buf = bytearray()
+        self.pending: dict[int, asyncio.Future] = {}
+        self.first: asyncio.Future = asyncio.get_running_loop().create_future()  # HelloAck
+        self.transport: asyncio.Transport | None = None
+        self.lost: Exception | None = None
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        while len(buf) >= 4:
+            (n,) = framing.HEADER.unpack_from(buf)
+            if len(buf) < 4 + n:
+                return
+            try:
+                msg = self.codec.decode(bytes(buf[4:4 + n]))
+            except msgspec.DecodeError as err:
+                self._fail(ProtocolError(f"undecodable reply: {err}"))
+                self.transport.abort()
+                return
+            del buf[:4 + n]
+            if not self.first.done():
+                self.first.set_result(msg)
+                continue
+            fut = self.pending.pop(getattr(msg, "id", 0), None)
+            if fut is not None:
+                if not fut.done():
+                    fut.set_result(msg)
+            elif isinstance(msg, m.Error) and msg.id == 0:
+                self.lost = ConnectionLost(f"server closed the connection: {msg.code}: {msg.message}")
+
+    def _fail(self, err: Exception) -> None:
+        self.lost = self.lost or err
+        if not self.first.done():
+            self.first.set_exception(self.lost)
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(self.lost)
+        self.pending.clear()
+
+    def connection_lost(self, exc) -> None:
+        self._fail(ConnectionLost(f"connection lost: {exc!r}" if exc else
+                                  "connection closed by the server"))
+        self._can_write.set()
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+
+    async def writable(self) -> None:
+        await self._can_write.wait()
+
+
+class AsyncClient:
+    def __init__(self, address: str, token: str | None = None, timeout: float | None = 60.0,
+                 name: str = "streamgr.client") -> None:
+        self.address = address
+        self.token, self.timeout, self.name = token, timeout, name
+        self.server_info: m.HelloAck | None = None
+        self._ids = itertools.count(1)
+        self._codec = framing.Codec()
+        self._proto: _ClientProtocol | None = None
+        self._connect_lock: asyncio.Lock | None = None
+
+    @property
+    def connected(self) -> bool:
+        p = self._proto
+        return p is not None and p.lost is None and not p.transport.is_closing()
+
+    async def connect(self) -> "AsyncClient":
+        if self._connect_lock is None:
+            self._connect_lock = asyncio.Lock()
+        async with self._connect_lock:
+            if self.connected:
+                return self
+            loop = asyncio.get_running_loop()
+            host, port = parse_address(self.address)
+            factory = lambda: _ClientProtocol(self._codec)  # noqa: E731
+            if host == "unix":
+                _, proto = await loop.create_unix_connection(factory, port)
+            else:
+                _, proto = await loop.create_connection(factory, host, port)
+            proto.transport.write(self._codec.frame(
+                m.Hello(m.PROTOCOL_VERSION, self.token or "", self.name)))
+            try:
+                reply = await asyncio.wait_for(proto.first, self.timeout)
+            except ConnectionLost as err:
+                raise ProtocolError(f"the server closed the connection during Hello: {err}") from None
+            if isinstance(reply, m.Error):
+                proto.transport.close()
+                if reply.code in (m.UNAUTHORIZED, m.PROTOCOL_ERROR):
+                    raise ProtocolError(f"{reply.code}: {reply.message}")
+                raise error_for_code(reply.code, reply.message)
+            if not isinstance(reply, m.HelloAck):
+                proto.transport.close()
+                raise ProtocolError(f"expected HelloAck, got {type(reply).__name__}")
+            self.server_info = reply
+            self._proto = proto
+        return self
+
+    async def _call(self, make, timeout: float | None):
+        if not self.connected:
+            await self.connect()
+        proto = self._proto
+        rid = next(self._ids)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        proto.pending[rid] = fut
+        timeout = timeout if timeout is not None else self.timeout
+        # A plain timer on the future: cheaper than wait_for's wrapper task on a hot path.
+        timer = None if timeout is None else loop.call_later(timeout, _expire, fut, timeout)
+        try:
+            proto.transport.write(self._codec.frame(make(rid)))
+            await proto.writable()
+            reply = await fut
+        finally:
+            if timer is not None:
+                timer.cancel()
+            proto.pending.pop(rid, None)
+        if isinstance(reply, m.Error):
+            raise error_for_code(reply.code, reply.message)
+        return reply
+
+    async def rank(self, request: api.RankRequest, deadline_ms: float | None = None,
+                   timeout: float | None = None) -> api.RankResult:
+        reply = await self._call(lambda rid: m.RankRequest(
+            rid, request.user_id, list(request.items), list(request.actions),
+            list(request.candidates), request.base_len, deadline_ms), timeout)
+        return api.RankResult(scores=reply.scores, stats=msgspec.convert(reply.stats, api.RankStats))
+
+    async def generate(self, request, deadline_ms: float | None = None,
+                       timeout: float | None = None):
+        reply = await self._call(lambda rid: m.GenerateRequest(
+            rid, request.user_id, list(request.history), request.top_k, request.beam_width,
+            deadline_ms), timeout)
+        from .api import GenerateResult, GenerateStats
+        return GenerateResult(items=reply.items, scores=reply.scores, sids=reply.sids,
+                              stats=msgspec.convert(reply.stats, GenerateStats))
+
+    async def stats(self, timeout: float | None = None) -> dict[str, Any]:
+        return (await self._call(lambda rid: m.StatsRequest(rid), timeout)).stats
+
+    async def close(self) -> None:
+        if self._proto is not None:
+            self._proto.transport.close()
+            self._proto = None
+
+    async def __aenter__(self) -> "AsyncClient":
+        return await self.connect()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class Client:
+    """Blocking client: ``with Client("127.0.0.1:7700") as c: c.rank(RankRequest(...))``."""
+
+    def __init__(self, address: str, token: str | None = None, timeout: float | None = 60.0) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="streamgr-client")
+        self._thread.start()
+        self._client = AsyncClient(address, token, timeout)
+        try:
+            self._call(self._client.connect())
+        except BaseException:
+            self._stop()
+            raise
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def rank(self, request: api.RankRequest, deadline_ms: float | None = None,
+             timeout: float | None = None) -> api.RankResult:
+        return self._call(self._client.rank(request, deadline_ms, timeout))
+
+    def generate(self, request, deadline_ms: float | None = None, timeout: float | None = None):
+        return self._call(self._client.generate(request, deadline_ms, timeout))
+
+    def stats(self) -> dict[str, Any]:
+        return self._call(self._client.stats())
+
+    def _stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def close(self) -> None:
+        if not self._loop.is_closed():
+            self._call(self._client.close())
+            self._stop()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["AsyncClient", "Client", "parse_address", "StreamgrError"]

@@ -1,0 +1,95 @@
+"""The wire messages of the streamgr socket protocol (see docs/protocol.md).
+
+Every message is a ``msgspec.Struct`` encoded as a MessagePack *array*: ``[tag, field1, ...]``
+with a small integer tag. Required fields come first; fields added by later protocol versions
+are appended with defaults, so older peers can decode newer frames. Never pickle.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+# A request id: chosen by the client, echoed by the reply; 0 is reserved for "no request".
+RequestId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+
+
+class _Msg(msgspec.Struct, array_like=True, tag_field="t", kw_only=False):
+    pass
+
+
+class Hello(_Msg, tag=1):
+    version: int
+    token: str = ""  # shared secret, when the server requires one
+    client: str = ""  # free-form client name, for logs
+
+
+class HelloAck(_Msg, tag=2):
+    version: int
+    server: str  # "streamgr/<version>"
+    model: str  # the spec's name
+    max_frame: int  # bytes, body only
+    max_inflight: int  # requests in flight across the server before OVERLOADED
+    capabilities: list[str] = msgspec.field(default_factory=list)  # "rank", "generate", "stats"
+
+
+class RankRequest(_Msg, tag=3):
+    id: RequestId
+    user_id: Union[int, str]
+    items: list[int]
+    actions: list[int]
+    candidates: list[int]
+    base_len: Union[int, None] = None  # delta form: events already sent before
+    deadline_ms: Union[float, None] = None  # relative to receipt; DEADLINE_EXCEEDED after
+
+
+class RankReply(_Msg, tag=4):
+    id: RequestId
+    scores: list[float]
+    stats: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class GenerateRequest(_Msg, tag=5):
+    id: RequestId
+    user_id: Union[int, str]
+    history: list[int]  # item ids, oldest first
+    top_k: int
+    beam_width: Union[int, None] = None
+    deadline_ms: Union[float, None] = None
+
+
+class GenerateReply(_Msg, tag=6):
+    id: RequestId
+    items: list[int]
+    scores: list[float]
+    sids: list[list[int]]
+    stats: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class StatsRequest(_Msg, tag=7):
+    id: RequestId
+
+
+class StatsReply(_Msg, tag=8):
+    id: RequestId
+    stats: dict[str, Any]
+
+
+class Error(_Msg, tag=9):
+    id: RequestId  # the request's id; 0 when the frame could not be tied to a request
+    code: str  # see streamgr.errors: INVALID_REQUEST, OVERLOADED, DEADLINE_EXCEEDED, ...
+    message: str
+
+
+Message = Union[Hello, HelloAck, RankRequest, RankReply, GenerateRequest, GenerateReply,
+                StatsRequest, StatsReply, Error]
+REQUESTS = (RankRequest, GenerateRequest, StatsRequest)
+
+# Codes that only the protocol layer produces (the engine's live in streamgr.errors).
+BAD_FRAME = "BAD_FRAME"  # not MessagePack, or not a message at all: the connection closes
+FRAME_TOO_LARGE = "FRAME_TOO_LARGE"  # declared length over max_frame: refused unread, closes
+UNAUTHORIZED = "UNAUTHORIZED"  # wrong token or version in Hello: closes
+PROTOCOL_ERROR = "PROTOCOL_ERROR"  # a message the server does not take here (e.g. no Hello)

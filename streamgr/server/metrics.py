@@ -1,0 +1,52 @@
+"""Server metrics: request counts by kind and outcome, a latency histogram, and the Prometheus
+text exposition of those plus the engine's cache statistics."""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+
+BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.requests: Counter[tuple[str, str]] = Counter()  # (kind, outcome)
+        self.counters: Counter[str] = Counter()
+        self.hist: dict[str, list[int]] = {}
+        self.sums: Counter[str] = Counter()
+
+    def observe(self, kind: str, outcome: str, seconds: float) -> None:
+        self.requests[(kind, outcome)] += 1
+        h = self.hist.setdefault(kind, [0] * (len(BUCKETS_S) + 1))
+        h[bisect.bisect_left(BUCKETS_S, seconds)] += 1
+        self.sums[kind] += seconds
+
+    def snapshot(self) -> dict:
+        return {"requests": {f"{k}:{o}": n for (k, o), n in self.requests.items()},
+                **self.counters}
+
+    def prometheus(self, engine_stats: dict, connections: int, inflight: int) -> str:
+        out = ["# TYPE streamgr_requests_total counter"]
+        for (kind, outcome), n in sorted(self.requests.items()):
+            out.append(f'streamgr_requests_total{{kind="{kind}",outcome="{outcome}"}} {n}')
+        out.append("# TYPE streamgr_request_latency_seconds histogram")
+        for kind, h in sorted(self.hist.items()):
+            acc = 0
+            for le, n in zip(BUCKETS_S, h):
+                acc += n
+                out.append(f'streamgr_request_latency_seconds_bucket{{kind="{kind}",le="{le}"}} {acc}')
+            acc += h[-1]
+            out.append(f'streamgr_request_latency_seconds_bucket{{kind="{kind}",le="+Inf"}} {acc}')
+            out.append(f'streamgr_request_latency_seconds_sum{{kind="{kind}"}} {self.sums[kind]:.6f}')
+            out.append(f'streamgr_request_latency_seconds_count{{kind="{kind}"}} {acc}')
+        out += ["# TYPE streamgr_connections gauge", f"streamgr_connections {connections}",
+                "# TYPE streamgr_inflight gauge", f"streamgr_inflight {inflight}"]
+        for name in ("gpu_hit_ratio", "total_hit_ratio"):
+            out += [f"# TYPE streamgr_{name} gauge", f"streamgr_{name} {engine_stats.get(name, 0.0)}"]
+        for name, value in sorted(engine_stats.get("cache", {}).items()):
+            if isinstance(value, (int, float)):
+                out.append(f"streamgr_cache_{name} {value}")
+        for name, value in sorted(self.counters.items()):
+            out.append(f"streamgr_server_{name}_total {value}")
+        return "\n".join(out) + "\n"

@@ -1,0 +1,339 @@
+"""The socket server: connections, framing, admission, deadlines, cancellation, graceful drain.
+
+Per connection: a Hello first (version, optional shared token), then any number of requests in
+flight, replies in completion order, each echoing its request's id. What arrives is sorted by
+what it breaks: a clean EOF at a frame boundary is a normal close; an oversize length is refused
+unread and closes; bytes that are not a message close after an error reply; a message that
+decodes but breaks the schema gets a per-request error and the connection stays. Past
+``max_inflight`` a request gets an immediate ``OVERLOADED``; a closed connection cancels its
+requests inside the engine. ``shutdown`` stops accepting, lets in-flight requests finish within
+a timeout, cancels the rest and closes. uvloop's ``wait_closed`` returns at once even with live
+connections, so connections and tasks are tracked here, not left to the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from dataclasses import dataclass
+
+import msgspec
+
+from .. import api
+from ..errors import StreamgrError
+from ..protocol import framing, messages as m
+from .metrics import ServerMetrics
+
+log = logging.getLogger("streamgr.server")
+
+
+@dataclass
+class ServerLimits:
+    max_connections: int = 1024
+    max_frame: int = framing.DEFAULT_MAX_FRAME
+    max_inflight: int = 1024  # requests in flight across the server
+    idle_timeout: float = 300.0  # s without a frame before the connection closes
+    read_timeout: float = 10.0  # s to finish a frame once its first byte arrived
+    hello_timeout: float = 10.0
+
+
+class Connection(asyncio.Protocol):
+    """One client connection: frames parsed straight from ``data_received`` (no stream reader,
+    no future per read), requests dispatched to the server, replies written as they finish."""
+
+    def __init__(self, server: "Server") -> None:
+        self.server = server
+        self.codec = framing.Codec()
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.tasks: set[asyncio.Future] = set()  # requests in flight (engine futures / tasks)
+        self.expired: set[asyncio.Future] = set()  # answered DEADLINE_EXCEEDED already
+        self.greeted = False
+        self.closed = False
+        self.opened = self.last = time.monotonic()
+        self.partial_since: float | None = None  # a frame started arriving and is not complete
+
+    # -- asyncio.Protocol ------------------------------------------------------------------------
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        srv = self.server
+        if srv.closing or len(srv.connections) >= srv.limits.max_connections:
+            srv.metrics.counters["connections_refused"] += 1
+            self.send(m.Error(0, "OVERLOADED", "server is shutting down" if srv.closing
+                              else "too many connections"))
+            self.close()
+            return
+        srv.connections.add(self)
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        for t in list(self.tasks):  # the caller is gone: abort its requests downstream
+            t.cancel()
+        self.server.connections.discard(self)
+
+    def pause_writing(self) -> None:  # the peer does not read: stop reading its requests too
+        self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        self.last = time.monotonic()
+        buf = self.buf
+        buf += data
+        max_frame = self.server.limits.max_frame
+        while len(buf) >= 4 and not self.closed:
+            (length,) = framing.HEADER.unpack_from(buf)
+            if length > max_frame:  # refused unread
+                self.server.metrics.counters["oversize_frames"] += 1
+                self.send(m.Error(0, m.FRAME_TOO_LARGE,
+                                  str(framing.FrameTooLarge(length, max_frame))))
+                self.close()
+                return
+            if len(buf) < 4 + length:
+                break
+            body = bytes(buf[4:4 + length])
+            del buf[:4 + length]
+            self.partial_since = None
+            self._frame(body)
+        if buf and self.partial_since is None:
+            self.partial_since = self.last
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def send(self, msg) -> None:
+        if not self.closed and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(self.codec.frame(msg))
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def _frame(self, body: bytes) -> None:
+        srv = self.server
+        if not self.greeted:
+            self._hello(body)
+            return
+        try:
+            msg = self.codec.decode(body)
+        except msgspec.ValidationError as err:  # decodes, breaks the schema: per request
+            srv.metrics.counters["invalid_frames"] += 1
+            self.send(m.Error(_guess_id(self.codec, body), "INVALID_REQUEST", str(err)))
+            return
+        except msgspec.DecodeError as err:  # not a message at all: close
+            srv.metrics.counters["bad_frames"] += 1
+            self.send(m.Error(0, m.BAD_FRAME, f"undecodable frame: {err}"))
+            self.close()
+            return
+        if not isinstance(msg, m.REQUESTS):
+            self.send(m.Error(getattr(msg, "id", 0), m.PROTOCOL_ERROR,
+                              f"{type(msg).__name__} is not a request"))
+            return
+        srv._dispatch(self, msg)
+
+    def _hello(self, body: bytes) -> None:
+        srv = self.server
+        try:
+            hello = self.codec.decode(body)
+        except msgspec.DecodeError:
+            hello = None
+        if not isinstance(hello, m.Hello):
+            srv.metrics.counters["bad_hello"] += 1
+            self.send(m.Error(0, m.PROTOCOL_ERROR, "the first frame must be Hello"))
+        elif hello.version != m.PROTOCOL_VERSION:
+            self.send(m.Error(0, m.UNAUTHORIZED, f"protocol version {hello.version} not "
+                                                 f"supported (server speaks {m.PROTOCOL_VERSION})"))
+        elif srv.token is not None and not hmac.compare_digest(hello.token.encode(),
+                                                               srv.token.encode()):
+            srv.metrics.counters["auth_failures"] += 1
+            self.send(m.Error(0, m.UNAUTHORIZED, "wrong token"))
+        else:
+            self.greeted = True
+            lim = srv.limits
+            caps = ["rank", "stats"] + (["generate"] if getattr(srv.engine, "serves_generate", False) else [])
+            self.send(m.HelloAck(m.PROTOCOL_VERSION, srv.name, srv.engine.spec.name,
+                                 lim.max_frame, lim.max_inflight, caps))
+            return
+        self.close()
+
+
+def _guess_id(codec: framing.Codec, body: bytes) -> int:
+    """The request id of a frame that did not validate, when it can be read (else 0)."""
+    try:
+        raw = codec.decode_any(body)
+    except Exception:
+        return 0
+    if isinstance(raw, list) and len(raw) > 1 and type(raw[1]) is int and 0 <= raw[1] < 2**63:
+        return raw[1]
+    return 0
+
+
+class Server:
+    def __init__(self, engine, limits: ServerLimits | None = None, token: str | None = None,
+                 name: str = "streamgr/0.1.0") -> None:
+        self.engine = engine
+        self.limits = limits or ServerLimits()
+        self.token = token
+        self.name = name
+        self.metrics = ServerMetrics()
+        self.connections: set[Connection] = set()
+        self.inflight = 0
+        self.closing = False
+        self._servers: list[asyncio.base_events.Server] = []
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._watchdog: asyncio.Task | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self, host: str | None = "127.0.0.1", port: int | None = 7700,
+                    unix: str | None = None) -> list[str]:
+        """Listen; returns the bound addresses (``host:port`` / ``unix:path``)."""
+        addrs = []
+        loop = asyncio.get_running_loop()
+        if unix:
+            srv = await loop.create_unix_server(lambda: Connection(self), path=unix)
+            self._servers.append(srv)
+            addrs.append(f"unix:{unix}")
+        if port is not None and host:
+            srv = await loop.create_server(lambda: Connection(self), host, port)
+            self._servers.append(srv)
+            for sock in srv.sockets:
+                h, p = sock.getsockname()[:2]
+                addrs.append(f"[{h}]:{p}" if ":" in h else f"{h}:{p}")
+        self._watchdog = loop.create_task(self._watch())
+        return addrs
+
+    async def _watch(self) -> None:
+        """Close connections that never said Hello, leave a frame half-sent, or sit idle. One
+        task for all connections instead of a timer per read keeps the per-frame cost down."""
+        lim = self.limits
+        tick = max(0.01, min(lim.read_timeout, lim.idle_timeout, lim.hello_timeout) / 4)
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for conn in list(self.connections):
+                if not conn.greeted and now - conn.opened > lim.hello_timeout:
+                    conn.send(m.Error(0, m.PROTOCOL_ERROR, "expected Hello"))
+                elif conn.partial_since is not None:
+                    if now - conn.partial_since <= lim.read_timeout:
+                        continue
+                elif conn.tasks or now - conn.last <= lim.idle_timeout:
+                    continue
+                self.metrics.counters["timeouts"] += 1
+                conn.transport.abort()
+                conn.connection_lost(None)
+
+    async def shutdown(self, drain_timeout: float = 30.0) -> bool:
+        """Stop accepting, finish in-flight requests (up to ``drain_timeout`` s), then close.
+        Returns True if everything in flight finished."""
+        self.closing = True
+        for srv in self._servers:
+            srv.close()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        try:
+            await asyncio.wait_for(self._idle.wait(), drain_timeout)
+            drained = True
+        except asyncio.TimeoutError:
+            drained = False
+        for conn in list(self.connections):
+            for t in list(conn.tasks):
+                t.cancel()
+            conn.close()
+        await asyncio.sleep(0)  # let the transports flush and report connection_lost
+        return drained
+
+    def stats(self) -> dict:
+        out = self.engine.stats()
+        out["server"] = {**self.metrics.snapshot(), "connections": len(self.connections),
+                         "inflight": self.inflight}
+        return out
+
+    def prometheus(self) -> str:
+        return self.metrics.prometheus(self.engine.stats(), len(self.connections), self.inflight)
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def _dispatch(self, conn: Connection, msg) -> None:
+        conn.last = t0 = time.monotonic()
+        if isinstance(msg, m.StatsRequest):
+            conn.send(m.StatsReply(msg.id, msgspec.to_builtins(self.stats())))
+            self.metrics.observe("stats", "ok", 0.0)
+            return
+        kind = "rank" if isinstance(msg, m.RankRequest) else "generate"
+        if self.closing or self.inflight >= self.limits.max_inflight:
+            self.metrics.observe(kind, "overloaded", 0.0)
+            conn.send(m.Error(msg.id, "OVERLOADED", "server is shutting down" if self.closing
+                              else f"{self.inflight} requests in flight"))
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            if kind == "rank":
+                # The engine's own future, no task in between: a callback sends the reply.
+                fut = self.engine.submit_rank(api.RankRequest(
+                    user_id=msg.user_id, items=msg.items, actions=msg.actions,
+                    candidates=msg.candidates, base_len=msg.base_len))
+            else:
+                fut = loop.create_task(self._generate(msg))
+        except StreamgrError as err:
+            self.metrics.observe(kind, err.code.lower(), 0.0)
+            conn.send(m.Error(msg.id, err.code, str(err)))
+            return
+        self.inflight += 1
+        self._idle.clear()
+        conn.tasks.add(fut)
+        timer = None
+        if msg.deadline_ms is not None:
+            timer = loop.call_later(max(msg.deadline_ms, 0.0) / 1e3, self._expire, conn, msg, fut)
+        fut.add_done_callback(lambda f: self._done(conn, msg, kind, f, t0, timer))
+
+    def _expire(self, conn: Connection, msg, fut: asyncio.Future) -> None:
+        if not fut.done():
+            conn.expired.add(fut)
+            conn.send(m.Error(msg.id, "DEADLINE_EXCEEDED", f"no reply within {msg.deadline_ms} ms"))
+            fut.cancel()  # withdrawn from the engine if it has not run yet
+
+    def _done(self, conn: Connection, msg, kind: str, fut: asyncio.Future, t0: float,
+              timer) -> None:
+        conn.tasks.discard(fut)
+        if timer is not None:
+            timer.cancel()
+        self.inflight -= 1
+        if self.inflight == 0:
+            self._idle.set()
+        if fut in conn.expired:
+            conn.expired.discard(fut)
+            outcome = "deadline"
+        elif fut.cancelled():
+            outcome = "cancelled"  # the connection went away; nobody to answer
+        elif (err := fut.exception()) is not None:
+            if isinstance(err, StreamgrError):
+                outcome = err.code.lower()
+                conn.send(m.Error(msg.id, err.code, str(err)))
+            else:
+                outcome = "internal"
+                log.error("request %d failed: %r", msg.id, err)
+                conn.send(m.Error(msg.id, "INTERNAL", repr(err)))
+        else:
+            outcome = "ok"
+            result = fut.result()
+            if kind == "rank":
+                conn.send(m.RankReply(msg.id, result.scores, msgspec.to_builtins(result.stats)))
+            else:
+                conn.send(m.GenerateReply(msg.id, result.items, result.scores, result.sids,
+                                          msgspec.to_builtins(result.stats)))
+        self.metrics.observe(kind, outcome, time.monotonic() - t0)
+
+    async def _generate(self, msg):
+        gen = getattr(self.engine, "generate", None)
+        if gen is None or not getattr(self.engine, "serves_generate", False):
+            from ..errors import UnsupportedRequest
+            raise UnsupportedRequest(f"spec {self.engine.spec.name} does not serve generate")
+        from ..api import GenerateRequest
+        return await gen(GenerateRequest(user_id=msg.user_id, history=msg.history,
+                                         top_k=msg.top_k, beam_width=msg.beam_width))

@@ -1,0 +1,158 @@
+"""The server stays up whatever arrives: >10,000 malformed frames, half-sent frames, oversize
+lengths, overload, deadlines, cancelled callers (real sockets, asyncio and uvloop)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import time
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from streamgr import RankRequest, errors as E
+from streamgr.client import AsyncClient
+from streamgr.protocol import messages as m
+from tests.protocol.helpers import (LOOPS, ServerThread, connect, frame, good_request_works,
+                                    rank_msg, raw_frame, recv_msg, run)
+
+SENT: dict[str, int] = {}  # malformed frames sent, per event loop kind
+
+
+@pytest.fixture(scope="module", params=LOOPS)
+def srv(request):
+    with ServerThread(request.param, read_timeout=0.3, max_frame=1 << 16) as s:
+        yield s
+
+
+def test_random_bytes_frames(srv):
+    rng = np.random.default_rng(0)
+    for i in range(4000):
+        with connect(srv) as sock:
+            body = rng.bytes(int(rng.integers(1, 64)))
+            sock.sendall(raw_frame(body))
+            reply = recv_msg(sock)
+            assert isinstance(reply, m.Error) and reply.code in (m.BAD_FRAME, "INVALID_REQUEST", m.PROTOCOL_ERROR)
+        SENT[srv.kind] = SENT.get(srv.kind, 0) + 1
+    good_request_works(srv)
+
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+    max_leaves=12)
+
+
+@pytest.fixture(scope="module")
+def fuzz_conn(srv):
+    sock = connect(srv)
+    yield sock
+    sock.close()
+
+
+@settings(max_examples=4000, deadline=None, suppress_health_check=list(HealthCheck))
+@given(value=msgpack_values, tag=st.sampled_from([None, 1, 3, 5, 7, 9, 99]))
+def test_hypothesis_msgpack_frames(srv, fuzz_conn, value, tag):
+    if tag is not None:  # a real tag with random fields: wrong types and arity
+        value = [tag] + (value if isinstance(value, list) else [value])
+    fuzz_conn.sendall(raw_frame(msgspec.msgpack.encode(value)))
+    reply = recv_msg(fuzz_conn)
+    assert reply is not None, "the server closed a connection for a decodable frame"
+    SENT[srv.kind] = SENT.get(srv.kind, 0) + 1
+
+
+def test_wrong_types_keep_the_connection(srv):
+    bad = [[3, "id", 1, [1], [0], [2]], [3, 1, 1.5, [1], [0], [2]], [3, 2, 1, "items", [0], [2]],
+           [3, 3, 1, [1], [0]], [7], [7, -1], [5, 4, 1, [1], "k"], [3, 5, 1, [1.5], [0], [2]],
+           [3, 6, 1, [1], [0], [2], "x", "y"], {"t": 3}, [2, 1, "s", "m", 1, 1]]
+    with connect(srv) as sock:
+        for _ in range(300):
+            for v in bad:
+                sock.sendall(raw_frame(msgspec.msgpack.encode(v)))
+                reply = recv_msg(sock)
+                assert isinstance(reply, m.Error), reply
+                SENT[srv.kind] = SENT.get(srv.kind, 0) + 1
+        sock.sendall(frame(rank_msg(77)))
+        assert recv_msg(sock).id == 77  # same connection still serves
+
+
+def test_huge_lengths_refused_unread(srv):
+    for length in [1 << 16 + 1, 1 << 20, 2**31, 2**32 - 1] * 25:
+        with connect(srv) as sock:
+            sock.sendall(struct.pack(">I", length))  # no body follows: must not be awaited
+            reply = recv_msg(sock)
+            assert isinstance(reply, m.Error) and reply.code == m.FRAME_TOO_LARGE
+            assert recv_msg(sock) is None  # and closed
+        SENT[srv.kind] = SENT.get(srv.kind, 0) + 1
+    good_request_works(srv)
+
+
+def test_half_sent_frame_is_closed_after_read_timeout(srv):
+    with connect(srv) as sock:
+        sock.sendall(struct.pack(">I", 100) + b"\x93\x03")  # 2 of 100 bytes, then silence
+        t = time.perf_counter()
+        assert recv_msg(sock) is None
+        waited = time.perf_counter() - t
+    assert 0.2 <= waited < 3.0, waited
+    with connect(srv) as sock:  # a header left half-sent too
+        sock.sendall(b"\x00\x00")
+        assert recv_msg(sock) is None
+    good_request_works(srv)
+
+
+def test_no_hello_first_is_refused(srv):
+    with socket.create_connection((srv.host, srv.port), timeout=5) as sock:
+        sock.sendall(frame(rank_msg(1)))
+        reply = recv_msg(sock)
+        assert isinstance(reply, m.Error) and reply.code == m.PROTOCOL_ERROR
+        assert recv_msg(sock) is None
+
+
+def test_more_than_ten_thousand_malformed_frames_were_sent(srv):
+    assert SENT[srv.kind] >= 10000, SENT  # the tests above, on this event loop
+    good_request_works(srv)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_overload_answers_fast(loop):
+    with ServerThread(loop, max_inflight=2, overrides={"engine.max_wait_ms": 300.0}) as srv, \
+            connect(srv) as sock:
+        t = time.perf_counter()
+        sock.sendall(b"".join(frame(rank_msg(i, user=i)) for i in range(1, 11)))
+        first8 = [recv_msg(sock) for _ in range(8)]
+        fast = time.perf_counter() - t
+        rest = [recv_msg(sock) for _ in range(2)]
+    assert all(isinstance(r, m.Error) and r.code == "OVERLOADED" for r in first8)
+    assert fast < 0.25, fast  # before the batch of the two admitted ones even ran
+    assert sorted(r.id for r in rest) == [1, 2] and all(isinstance(r, m.RankReply) for r in rest)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_deadline_exceeded(loop):
+    with ServerThread(loop, overrides={"engine.max_wait_ms": 300.0}) as srv:
+        async def go():
+            async with AsyncClient(srv.addr) as c:
+                with pytest.raises(E.DeadlineExceeded):
+                    await c.rank(RankRequest(user_id=1, items=[1], actions=[0], candidates=[3]),
+                                 deadline_ms=20)
+                return await c.rank(RankRequest(user_id=1, items=[1], actions=[0], candidates=[3]),
+                                    deadline_ms=5000)
+        assert len(run(loop, go).scores) == 1
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_closing_the_client_cancels_its_requests_in_the_engine(loop):
+    with ServerThread(loop, overrides={"engine.max_wait_ms": 400.0, "engine.max_batch": 64}) as srv:
+        with connect(srv) as sock:
+            sock.sendall(b"".join(frame(rank_msg(i, user=i)) for i in range(1, 6)))
+            time.sleep(0.05)  # the server has read them: they wait in the batcher
+        deadline = time.time() + 3
+        while srv.counters().get("rank_cancelled", 0) < 5 and time.time() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)  # past the batch window: nothing of them may run
+        c = srv.counters()
+    assert c.get("rank_cancelled", 0) == 5 and c.get("rank_requests", 0) == 0, c

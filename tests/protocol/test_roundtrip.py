@@ -1,0 +1,126 @@
+"""Real sockets, real event loops (asyncio and uvloop): every message, pipelining, clients."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+from streamgr import Engine, RankRequest, errors as E
+from streamgr.client import AsyncClient, Client, parse_address
+from streamgr.protocol import messages as m
+from tests.conftest import small_overrides
+from tests.protocol.helpers import (LOOPS, ServerThread, connect, frame, rank_msg, recv_msg,
+                                    run)
+
+
+def test_every_message_roundtrips_through_the_codec():
+    from streamgr.protocol import Codec
+    c = Codec()
+    msgs = [m.Hello(1, "tok", "me"), m.HelloAck(1, "s", "rank-small", 10, 5, ["rank"]),
+            m.RankRequest(1, "u", [1], [0], [2, 3], 4, 5.0), m.RankReply(2, [0.5], {"a": 1}),
+            m.GenerateRequest(3, 7, [1, 2], 10, 64, None), m.GenerateReply(4, [1], [0.1], [[1, 2, 3]]),
+            m.StatsRequest(5), m.StatsReply(6, {"x": {"y": [1, 2]}}), m.Error(7, "OVERLOADED", "busy")]
+    for msg in msgs:
+        assert c.decode(c.frame(msg)[4:]) == msg
+
+
+def test_address_parsing():
+    assert parse_address("127.0.0.1:7700") == ("127.0.0.1", 7700)
+    assert parse_address("[::1]:80") == ("::1", 80)
+    assert parse_address("unix:/tmp/s") == ("unix", "/tmp/s")
+    with pytest.raises(ValueError):
+        parse_address("localhost")
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_rank_over_socket_equals_embedded(loop):
+    rng = np.random.default_rng(0)
+    reqs = [RankRequest(user_id=u, items=rng.integers(200, size=20).tolist(),
+                        actions=rng.integers(16, size=20).tolist(),
+                        candidates=rng.choice(200, 4, replace=False).tolist()) for u in range(8)]
+
+    async def embedded():
+        async with Engine.from_spec("rank-small", small_overrides()) as e:
+            return [(await e.rank(r)).scores for r in reqs]
+    ref = run(loop, embedded)
+    with ServerThread(loop) as srv:
+        async def remote():
+            async with AsyncClient(srv.addr) as c:
+                assert c.server_info.model == "rank-small" and "rank" in c.server_info.capabilities
+                res = await asyncio.gather(*(c.rank(r) for r in reqs))  # pipelined on one connection
+                stats = await c.stats()
+                return res, stats
+        res, stats = run(loop, remote)
+    for r, s in zip(res, ref):
+        np.testing.assert_allclose(r.scores, s, rtol=1e-5, atol=1e-6)
+        assert r.stats.history_tokens == 40
+    assert stats["server"]["requests"]["rank:ok"] == 8
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_replies_out_of_order(loop):
+    with ServerThread(loop, overrides={"engine.max_wait_ms": 150.0}) as srv, connect(srv) as sock:
+        sock.sendall(frame(rank_msg(1)) + frame(m.StatsRequest(2)) + frame(rank_msg(3, user=2)))
+        ids = [recv_msg(sock).id for _ in range(3)]
+    assert ids[0] == 2 and sorted(ids) == [1, 2, 3]  # stats overtook the batched ranks
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_typed_errors_and_generate_unsupported(loop):
+    with ServerThread(loop) as srv:
+        async def go():
+            async with AsyncClient(srv.addr) as c:
+                with pytest.raises(E.EmptyCandidates):
+                    await c.rank(RankRequest(user_id=1, items=[], actions=[], candidates=[]))
+                with pytest.raises(E.HistoryRequired):
+                    await c.rank(RankRequest(user_id=9, items=[1], actions=[1], candidates=[1],
+                                             base_len=3))
+                with pytest.raises(E.IdOutOfRange):
+                    await c.rank(RankRequest(user_id=1, items=[10**6], actions=[0], candidates=[1]))
+                with pytest.raises(E.UnsupportedRequest):
+                    await c._call(lambda rid: m.GenerateRequest(rid, 1, [1, 2], 5), None)
+                ok = await c.rank(RankRequest(user_id=1, items=[1], actions=[1], candidates=[2]))
+                return ok
+        assert len(run(loop, go).scores) == 1
+
+
+def test_blocking_client_and_unix_socket():
+    path = os.path.join(tempfile.mkdtemp(), "sg.sock")
+    with ServerThread("uvloop", unix=path) as srv:
+        with Client(f"unix:{path}") as c:
+            r = c.rank(RankRequest(user_id=1, items=[1, 2], actions=[0, 1], candidates=[3, 4]))
+            assert len(r.scores) == 2 and c.stats()["server"]["connections"] == 1
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_client_reconnects_after_connection_loss(loop):
+    with ServerThread(loop) as srv:
+        async def go():
+            c = AsyncClient(srv.addr)
+            await c.rank(RankRequest(user_id=1, items=[1], actions=[0], candidates=[3]))
+            c._proto.transport.abort()  # the connection breaks under the client
+            await asyncio.sleep(0.05)
+            r = await c.rank(RankRequest(user_id=1, items=[1], actions=[0], candidates=[3]))
+            await c.close()
+            return r
+        assert len(run(loop, go).scores) == 1
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_token_auth(loop):
+    with ServerThread(loop, token="s3cret") as srv:
+        async def go():
+            with pytest.raises(E.ProtocolError, match="wrong token"):
+                await AsyncClient(srv.addr, token="guess").connect()
+            async with AsyncClient(srv.addr, token="s3cret") as c:
+                return await c.rank(RankRequest(user_id=1, items=[1], actions=[0], candidates=[3]))
+        before = srv.counters().get("rank_requests", 0)
+        assert before == 0
+        run(loop, go)
+        assert srv.counters()["rank_requests"] == 1  # only the authorised request ran
+        assert srv.server.metrics.counters["auth_failures"] == 1

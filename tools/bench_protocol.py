@@ -1,0 +1,151 @@
+"""Protocol benchmark: the socket path against the embedded call on rank-small.
+
+- StatsRequest round trips per second over one pipelined connection (target: >= 20,000/s on the
+  2-core CPU machine);
+- rank requests/s and p50 latency embedded vs over the socket with 1, 8 and 64 connections, and
+  the p50 the socket adds (target: <= 100 us).
+
+The server runs in its own process (as in production), on uvloop; the client on uvloop. Both
+processes run torch with one thread and passive OpenMP waits: on two cores, spinning worker
+threads of the side that just computed would otherwise steal the other side's core and the
+difference would measure that, not the socket.
+
+  python tools/bench_protocol.py [--requests 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from streamgr import Engine, RankRequest  # noqa: E402
+from streamgr.client import AsyncClient  # noqa: E402
+from streamgr.protocol import messages as m  # noqa: E402
+
+OVERRIDES = {"engine.device": "cpu", "engine.max_wait_ms": 0.0, "cache.mode": "recompute"}
+
+
+def requests(n: int, seed: int = 0) -> list[RankRequest]:
+    rng = np.random.default_rng(seed)
+    return [RankRequest(user_id=int(i), items=rng.integers(1000, size=16).tolist(),
+                        actions=rng.integers(16, size=16).tolist(),
+                        candidates=rng.choice(1000, 16, replace=False).tolist()) for i in range(n)]
+
+
+async def closed_loop(call, reqs, conc: int) -> tuple[float, np.ndarray]:
+    lat: list[float] = []
+    it = iter(reqs)
+
+    async def worker(i):
+        for r in it:
+            t = time.perf_counter()
+            await call(i, r)
+            lat.append(time.perf_counter() - t)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(i) for i in range(conc)))
+    return len(reqs) / (time.perf_counter() - t0), np.array(lat) * 1e6
+
+
+async def embedded(reqs, conc):
+    async with Engine.from_spec("rank-small", OVERRIDES) as e:
+        await closed_loop(lambda i, r: e.rank(r), reqs[:200], conc)  # warm-up
+        return await closed_loop(lambda i, r: e.rank(r), reqs, conc)
+
+
+async def socket_path(addr, reqs, conns, conc):
+    clients = [await AsyncClient(addr).connect() for _ in range(conns)]
+    await closed_loop(lambda i, r: clients[i % conns].rank(r), reqs[:200], conc)
+    out = await closed_loop(lambda i, r: clients[i % conns].rank(r), reqs, conc)
+    for c in clients:
+        await c.close()
+    return out
+
+
+async def interleaved(addr, reqs) -> tuple[float, float, float]:
+    """One embedded call, then the same request over the socket, alternating: drift and noise
+    hit both sides alike. Returns (embedded p50, socket p50, median of pair differences), us."""
+    async with Engine.from_spec("rank-small", OVERRIDES) as e:
+        c = await AsyncClient(addr).connect()
+        for r in reqs[:200]:
+            await e.rank(r)
+            await c.rank(r)
+        emb, sock = [], []
+        for r in reqs:
+            t = time.perf_counter()
+            await e.rank(r)
+            t1 = time.perf_counter()
+            await c.rank(r)
+            t2 = time.perf_counter()
+            emb.append(t1 - t)
+            sock.append(t2 - t1)
+        await c.close()
+    emb, sock = np.array(emb) * 1e6, np.array(sock) * 1e6
+    return float(np.median(emb)), float(np.median(sock)), float(np.median(sock - emb))
+
+
+async def stats_rate(addr, n: int) -> float:
+    c = await AsyncClient(addr).connect()
+    window = 256  # requests kept in flight on the one connection
+
+    async def one():
+        await c._call(lambda rid: m.StatsRequest(rid), None)
+    t0 = time.perf_counter()
+    for i in range(0, n, window):
+        await asyncio.gather(*(one() for _ in range(min(window, n - i))))
+    rate = n / (time.perf_counter() - t0)
+    await c.close()
+    return rate
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=4000)
+    ap.add_argument("--stats", type=int, default=40000)
+    args = ap.parse_args()
+    import os
+
+    import torch
+    import uvloop
+    torch.set_num_threads(1)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    proc = subprocess.Popen([sys.executable, "-m", "streamgr", "serve", "rank-small", "--port", "0",
+                             "--loop", "uvloop"] + [a for k, v in OVERRIDES.items()
+                                                    for a in ("--set", f"{k}={v}")],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        addr = "127.0.0.1:" + re.search(r"127\.0\.0\.1:(\d+)", proc.stdout.readline()).group(1)
+        reqs = requests(args.requests)
+        rows = []
+        srate = uvloop.run(stats_rate(addr, args.stats))
+        pair = uvloop.run(interleaved(addr, reqs))
+        for conns in (1, 8, 64):
+            e_rps, e_lat = uvloop.run(embedded(reqs, conns))
+            s_rps, s_lat = uvloop.run(socket_path(addr, reqs, conns, conns))
+            rows.append((conns, e_rps, np.percentile(e_lat, 50), s_rps, np.percentile(s_lat, 50)))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    print("rank-small recompute, closed loop, concurrency = connections")
+    print(f"{'conns':>5}  {'embedded req/s':>14}  {'emb p50 us':>10}  {'socket req/s':>12}  "
+          f"{'sock p50 us':>11}  {'added p50 us':>12}")
+    for c, er, ep, sr, sp in rows:
+        print(f"{c:>5}  {er:>14.0f}  {ep:>10.0f}  {sr:>12.0f}  {sp:>11.0f}  {sp - ep:>12.0f}")
+    print(f"interleaved, 1 connection: embedded p50 {pair[0]:.0f} us, socket p50 {pair[1]:.0f} us, "
+          f"median per-pair difference {pair[2]:.0f} us")
+    print(f"stats round trips over one pipelined connection: {srate:,.0f}/s (target >= 20,000/s)")
+    print(f"bench_protocol: stats {srate:,.0f}/s; socket adds {pair[1] - pair[0]:.0f} us p50 to a "
+          f"rank call at 1 connection, interleaved (target <= 100 us)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -29,19 +29,33 @@ from streamgr.cli import _overrides  # noqa: E402
 from streamgr.config import load_spec  # noqa: E402
 from streamgr.engine.core import Engine  # noqa: E402
 from streamgr.trace.replay import batches_of_distinct_users, replay_batches  # noqa: E402
-from streamgr.trace.synth import synth_trace, with_full_history  # noqa: E402
+from streamgr.trace.synth import Timeline, synth_trace  # noqa: E402
 
 MODES = ("recompute", "gpu-only", "hierarchical")
 SHORT = {"recompute": "RE", "gpu-only": "GPU", "hierarchical": "HIER"}
-STAGES = ("strip", "metadata", "onload_submit", "layout", "model", "commit", "postprocess")
+STAGES = ("strip", "metadata", "onload_submit", "layout", "onload_wait", "model", "commit",
+          "postprocess")
 
 
-def run_mode(spec, mode, batches, measured, timed_re, tol):
+def run_mode(spec, mode, batches, measured, timed_re, prefill):
     eng = Engine(load_spec(spec, {"cache.mode": mode}))
+    if mode != "recompute" and prefill:
+        # Each user's history as of the warm-up start, loaded once (untimed): the cache then
+        # holds what a server running since the trace's beginning would hold.
+        replay_batches(eng, prefill, measure=[], label=f"{mode} prefill")
     eng.runner.sync_stages = True
     measure = timed_re if mode == "recompute" else measured
-    res = replay_batches(eng, batches, measure=measure, keep_scores=True,
+    # Recompute keeps no state: only its timed batches need to run.
+    todo = [batches[i] for i in timed_re] if mode == "recompute" else batches
+    idx = list(range(len(timed_re))) if mode == "recompute" else measure
+    res = replay_batches(eng, todo, measure=idx, keep_scores=True,
                          label=f"{mode} bs={len(batches[0])}")
+    if mode == "recompute":  # batch numbers back to the shared numbering
+        for r in res.records:
+            r.batch = timed_re[r.batch]
+    if hasattr(eng.runner, "flush"):
+        eng.runner.flush()
+    eng.runner.close()
     del eng
     gc.collect()
     if torch.cuda.is_available():
@@ -94,7 +108,14 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--limit", type=int, default=None, help="use the first N requests")
-    ap.add_argument("--warmup-frac", type=float, default=0.5)
+    ap.add_argument("--warmup-frac", type=float, default=0.5,
+                    help="without --window: the first part of the replay only warms the caches")
+    ap.add_argument("--start-frac", type=float, default=None,
+                    help="with --window: where in the trace the warm-up starts")
+    ap.add_argument("--warmup", type=int, default=0, help="with --window: requests replayed untimed")
+    ap.add_argument("--window", type=int, default=None, help="measured requests")
+    ap.add_argument("--prefill", action="store_true",
+                    help="load each user's history as of the warm-up start before replaying")
     ap.add_argument("--recompute-every", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -105,16 +126,37 @@ def main() -> int:
     trace = synth_trace(args.profile, args.seed, args.users)
     if args.limit:
         trace = trace[:args.limit]
-    full = list(with_full_history(trace))
+    tl = Timeline(trace)
+    if args.window is not None:
+        s0 = int((args.start_frac or 0.0) * len(trace))
+        order = list(range(s0, min(len(trace), s0 + args.warmup + args.window)))
+    else:
+        s0, order = 0, list(range(len(trace)))
     fp32 = spec.model.dtype == "float32" or (spec.model.dtype == "auto" and not (
         spec.engine.device != "cpu" and torch.cuda.is_available()))
     results = {}
     for bs in args.batch:
-        batches = list(batches_of_distinct_users(full, bs))
-        warm = int(len(batches) * args.warmup_frac)
+        batches = list(batches_of_distinct_users((tl.request(n) for n in order), bs))
+        if args.window is not None:
+            n_warm, seen = 0, 0
+            while n_warm < len(batches) and seen < args.warmup:
+                seen += len(batches[n_warm])
+                n_warm += 1
+            warm = n_warm
+        else:
+            warm = int(len(batches) * args.warmup_frac)
         measured = list(range(warm, len(batches)))
         timed_re = measured[::args.recompute_every]
-        runs = {m: run_mode(spec, m, batches, measured, timed_re, None) for m in MODES}
+        prefill = None
+        if args.prefill:
+            state = tl.state_before(s0)
+            users = sorted({tl.trace[n].user for n in order} & set(state))
+            first = {}
+            for n in order:
+                first.setdefault(tl.trace[n].user, tl.trace[n])
+            prefill = [[(first[u], tl.items[u][:state[u]], tl.actions[u][:state[u]])
+                        for u in users[i:i + bs]] for i in range(0, len(users), bs)]
+        runs = {m: run_mode(spec, m, batches, measured, timed_re, prefill) for m in MODES}
         # The cached modes' scores on the recompute-timed batches, against recompute's.
         re_set = set(timed_re)
         errs = {}
@@ -141,7 +183,7 @@ def main() -> int:
                                for bs in args.batch for m in MODES],
     ]
     print(f"\nspec {spec.name} ({spec.model.num_layers} layers, dim {spec.model.num_heads * spec.model.head_dim}), "
-          f"profile {args.profile}, {len(full)} requests, device {torch.cuda.get_device_name() if torch.cuda.is_available() and spec.engine.device != 'cpu' else 'cpu'}")
+          f"profile {args.profile}, {len(order)} requests replayed, device {torch.cuda.get_device_name() if torch.cuda.is_available() and spec.engine.device != 'cpu' else 'cpu'}")
     print(table("Table 1: end-to-end batch latency, speed-up, hit ratios", rows, cols))
     srows = [[s] + [f'{get(bs, m)["stages"].get(s, 0.0):.2f}' for bs in args.batch for m in MODES]
              for s in STAGES]

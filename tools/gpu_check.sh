@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call: GPU tests, then the benchmarks, then a short table.
-# Run on the lent H200 from the repository root (see docs/benchmarks.md for how):
-#   bash tools/gpu_check.sh [quick|full]
+# Run on the lent H200 from the repository root (docs/benchmarks.md records the figures):
+#   bash tools/gpu_check.sh [tests|quick|full]
+#     tests: the gpu-marked tests only; quick: + transfer bench + a short rank-ref bench;
+#     full: + the rank-ref bench at batch 1, 4, 8 (several minutes)
 # Needs the fixing wheels of ../shared/device/prep.sh carried in .device/ on that machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,22 +19,27 @@ export PYTHONUNBUFFERED=1
 out=${OUT:-out}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, numpy; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'numpy', numpy.__version__)"
+python3 -c "import torch, numpy, cupy; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'numpy', numpy.__version__, 'cupy', cupy.__version__)"
 
 summary=()
-python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$out/gpu_tests.log"
+python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
 summary+=("gpu tests: $(tail -n 1 "$out/gpu_tests.log")")
 
-python3 -m streamgr demo --set engine.device=cuda 2>/dev/null | tee "$out/demo.txt"
-summary+=("demo (rank-small, cuda): $(tail -n 1 "$out/demo.txt" | tr -s ' ')")
-
+if [ "$mode" != tests ]; then
+  python3 tools/bench_transfer.py --chunks 64 2>&1 | tee "$out/bench_transfer.txt"
+  summary+=("$(tail -n 1 "$out/bench_transfer.txt")")
+fi
+rank_ref=(--spec rank-ref --profile kuairand-1k --users 250 --start-frac 0.5 --prefill
+          --set cache.host_chunks=5000)
+if [ "$mode" = quick ]; then
+  python3 tools/bench_rank.py "${rank_ref[@]}" --batch 8 --warmup 400 --window 400 \
+    --recompute-every 4 --json "$out/bench_rank_quick.json" 2>/dev/null | tee "$out/bench_rank_quick.txt"
+  summary+=("$(tail -n 1 "$out/bench_rank_quick.txt")")
+fi
 if [ "$mode" = full ]; then
-  for bench in tools/bench_*.py; do
-    [ -f "$bench" ] || continue
-    name=$(basename "$bench" .py)
-    python3 "$bench" --device cuda 2>&1 | tee "$out/$name.txt"
-    summary+=("$name: $(tail -n 1 "$out/$name.txt")")
-  done
+  python3 tools/bench_rank.py "${rank_ref[@]}" --batch 1 4 8 --warmup 1500 --window 1500 \
+    --recompute-every 4 --json "$out/bench_rank.json" 2>/dev/null | tee "$out/bench_rank.txt"
+  summary+=("$(tail -n 1 "$out/bench_rank.txt")")
 fi
 
 echo

@@ -204,15 +204,21 @@ class KVCacheManager:
                 return i * self.C
         return cached
 
-    def plan_batch(self, requests: list[tuple[Hashable, np.ndarray]], version: str) -> list[UserPlan]:
-        """Lookup, validate, allocate for a batch of distinct users (history token arrays)."""
+    def plan_batch(self, requests: list[tuple[Hashable, np.ndarray]], version: str,
+                   transient: set | frozenset = frozenset()) -> list[UserPlan]:
+        """Lookup, validate, allocate for a batch of distinct users (history token arrays).
+        Users in ``transient`` are computed without the cache (e.g. after an onload fault)."""
         keys = [k for k, _ in requests]
         if len(set(keys)) != len(keys):
             raise ValueError("a batch must not hold the same user twice")
         self.in_batch = set(keys)
         plans = []
         for key, tokens in requests:
-            plans.append(self._plan_user(key, tokens, version))
+            if key in transient:
+                self.counters["transient_users"] += 1
+                plans.append(UserPlan(key, len(tokens), transient=True))
+            else:
+                plans.append(self._plan_user(key, tokens, version))
         return plans
 
     def _plan_user(self, key: Hashable, tokens: np.ndarray, version: str) -> UserPlan:

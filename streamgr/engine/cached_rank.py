@@ -19,7 +19,9 @@ import torch
 from ..cache import HistoryStore, KVCacheManager
 from ..cache.store import KVStores
 from ..kernels import paged_kv
+from ..kernels.hstu_attention import JaggedKV, hstu_attention_jagged
 from ..models.hstu import HSTU
+from ..streams import OffloadPipeline, OnloadFault, OnloadPipeline, StreamSet
 from .rank import BatchOutcome, PreparedRank, RankRunner, UserSlice, build_jagged, interleave
 
 log = logging.getLogger("streamgr.cache")
@@ -38,35 +40,44 @@ class CachedRankRunner(RankRunner):
                  manager: KVCacheManager, stores: KVStores) -> None:
         super().__init__(model, version, device, history)
         self.manager, self.stores = manager, stores
-        self.bytes_onloaded = 0
+        self.streams = StreamSet(device)
+        self.onload = OnloadPipeline(stores, self.streams)
+        self.offload = OffloadPipeline(stores, self.streams)
+        self._compute_done = None  # the last batch's compute event: pages it read may be reused
         self.bytes_offloaded = 0
+        self.onload_faults = 0
+        self.trace_events: dict | None = None  # tests: {name: timing event} of the last batch
 
-    def _index(self, plans, jb) -> tuple:
-        """Slots to append new K/V to, slots to read each user's history from, and the
-        permutation that lays [gathered history; this batch's k] out as [history, candidates]
-        per user."""
-        app_p, app_o, app_rows, g_p, g_o, perm, kv_off = [], [], [], [], [], [], [0]
-        g_total = sum(p.length for p in plans if not p.transient)
-        g = 0
+    @property
+    def bytes_onloaded(self) -> int:
+        return self.onload.bytes
+
+    def _descriptor(self, plans, jb) -> tuple[JaggedKV, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where each user's history keys live, and the page slots its new K/V go to."""
+        app_p, app_o, app_rows = [], [], []
         for b, p in enumerate(plans):
-            q0 = jb.q_offsets[b]
-            new = p.length - p.start
-            c = jb.num_candidates[b]
             if p.transient:
-                perm.append(np.arange(q0, q0 + new) + g_total)
-            else:
-                pi, po = self.stores.slots(p.pages, p.start, p.length)
-                app_p.append(pi), app_o.append(po), app_rows.append(np.arange(q0, q0 + new))
-                pi, po = self.stores.slots(p.pages, 0, p.length)
-                g_p.append(pi), g_o.append(po)
-                perm.append(np.arange(g, g + p.length))
-                g += p.length
-            perm.append(np.arange(q0 + new, q0 + new + c) + g_total)
-            kv_off.append(kv_off[-1] + p.length + c)
-        cat = lambda xs: torch.from_numpy(np.concatenate(xs) if xs else np.zeros(0, np.int64)).to(self.device)
-        return cat(app_p), cat(app_o), cat(app_rows), cat(g_p), cat(g_o), cat(perm), kv_off
+                continue
+            q0 = jb.q_offsets[b]
+            pi, po = self.stores.slots(p.pages, p.start, p.length)
+            app_p.append(pi), app_o.append(po), app_rows.append(np.arange(q0, q0 + p.length - p.start))
+        cat = lambda xs: torch.from_numpy(  # noqa: E731
+            np.concatenate(xs) if xs else np.zeros(0, np.int64)).to(self.device)
+        desc = JaggedKV(jb.q_offsets, jb.num_candidates, [p.length for p in plans],
+                        [not p.transient for p in plans], list(jb.q_offsets[:-1]),
+                        [p.pages for p in plans], self.stores.P, self.stores.pages)
+        return desc, cat(app_p), cat(app_o), cat(app_rows)
 
     def run(self, batch: list[PreparedRank]) -> BatchOutcome:
+        self._apply_completions()
+        try:
+            return self._run(batch, frozenset())
+        except OnloadFault as fault:  # the batch again, those users recomputed: still right
+            self.onload_faults += 1
+            log.warning("%s; recomputing them", fault)
+            return self._run(batch, frozenset(fault.users))
+
+    def _run(self, batch: list[PreparedRank], transient: frozenset) -> BatchOutcome:
         stages: dict[str, float] = {}
         t = time.perf_counter()
         resolved = self._resolve(batch)
@@ -76,33 +87,43 @@ class CachedRankRunner(RankRunner):
         tokens = {batch[i].user: interleave(*resolved[i]) for i in live}
         t = self._mark(stages, "strip", t)
         plans = self.manager.plan_batch([(batch[i].user, tokens[batch[i].user]) for i in live],
-                                        self.version)
+                                        self.version, transient)
         t = self._mark(stages, "metadata", t)
+        s = self.streams
         try:
-            onloads = []
-            for p in plans:
-                if p.onload:
-                    buf, page_ids = self.stores.onload(p.onload, p.pages)
-                    onloads.append((buf, page_ids))
-                    self.bytes_onloaded += buf.numel() * buf.element_size()
-            t = self._mark(stages, "onload_submit", t)
-            users = [UserSlice(tokens[p.key][p.start:], p.start, batch[i].candidates)
-                     for i, p in zip(live, plans)]
-            jb = build_jagged(users, self.device)
-            app_p, app_o, app_rows, g_p, g_o, perm, kv_off = self._index(plans, jb)
-            t = self._mark(stages, "layout", t)
-            store = self.stores.pages
+            with s.use(s.compute):
+                # Onload starts now, on its own thread and streams; the model waits per layer.
+                per = self.stores.chunk_pages
+                handles = self.onload.submit(
+                    [(p.key, [c for c, _ in p.onload],
+                      [pg for _, i in p.onload for pg in p.pages[i * per:(i + 1) * per]])
+                     for p in plans if p.onload], after=self._compute_done)
+                t = self._mark(stages, "onload_submit", t)
+                users = [UserSlice(tokens[p.key][p.start:], p.start, batch[i].candidates)
+                         for i, p in zip(live, plans)]
+                jb = build_jagged(users, self.device)
+                desc, app_p, app_o, app_rows = self._descriptor(plans, jb)
+                t = self._mark(stages, "layout", t)
+                store, cfg = self.stores.pages, self.model.cfg
+                wait = [0.0]
+                ev = self.trace_events = {} if self.trace_events is not None else None
 
-            def kv_source(layer: int, k: torch.Tensor, v: torch.Tensor):
-                for buf, page_ids in onloads:
-                    self.stores.scatter_layer(layer, buf, page_ids)
-                paged_kv.append_kv(store, layer, k[app_rows], v[app_rows], app_p, app_o)
-                gk, gv = paged_kv.gather_kv(store, layer, g_p, g_o)
-                return (torch.cat([gk, k]).index_select(0, perm),
-                        torch.cat([gv, v]).index_select(0, perm), kv_off)
+                def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+                    if app_rows.numel():
+                        paged_kv.append_kv(store, layer, k[app_rows], v[app_rows], app_p, app_o)
+                    t0 = time.perf_counter()
+                    handles.wait(layer)  # this layer's history K/V only
+                    wait[0] += time.perf_counter() - t0
+                    if ev is not None:
+                        ev[f"attention_{layer}"] = s.compute.record_event(s.event(timing=True))
+                    return hstu_attention_jagged(q, k, v, desc, layer, cfg.alpha, cfg.attn_max_len)
 
-            scores = self.model(jb, kv_source).cpu().numpy()
+                scores = self.model(jb, attention)
+                handles.done()
+                self._compute_done = s.compute.record_event(s.event())
+                scores = scores.cpu().numpy()
             t = self._mark(stages, "model", t)
+            stages["onload_wait"] = wait[0] * 1e3
         except BaseException:
             self.manager.abort_batch(plans)
             raise
@@ -123,20 +144,38 @@ class CachedRankRunner(RankRunner):
 
     @property
     def has_background_work(self) -> bool:
-        return bool(self.manager.wanted)
+        return bool(self.manager.wanted) or not self.offload.completions.empty()
 
     def background(self) -> None:
-        """Offload users' filled chunks to host memory, within the quota; failures are retried."""
-        for job in self.manager.plan_offloads():
-            try:
-                self.bytes_offloaded += self.stores.offload(job)
-            except Exception:
-                log.exception("offload of user %r failed; will retry", job.key)
+        """Start offloading users' filled chunks (within the quota); returns at once. Finished
+        offloads are applied to the metadata here and at the next batch."""
+        self._apply_completions()
+        jobs = self.manager.plan_offloads()
+        if jobs:
+            self.offload.submit(jobs, after=self._compute_done)
+        self._apply_completions()
+
+    def _apply_completions(self) -> None:
+        q = self.offload.completions
+        while not q.empty():
+            job, ok, nbytes = q.get()
+            if ok:
+                self.manager.finish_offload(job)
+                self.bytes_offloaded += nbytes
+            else:
                 self.manager.abort_offload(job)
-                continue
-            self.manager.finish_offload(job)
+
+    def flush(self, timeout: float | None = 60.0) -> None:
+        """Wait for offloads in flight and apply them (tests, benchmarks, shutdown)."""
+        self.offload.wait_idle(timeout)
+        self._apply_completions()
+
+    def close(self) -> None:
+        self.flush()
+        self.onload.close()
 
     def snapshot(self) -> dict:
         out = self.manager.snapshot()
-        out.update(bytes_onloaded=self.bytes_onloaded, bytes_offloaded=self.bytes_offloaded)
+        out.update(bytes_onloaded=self.bytes_onloaded, bytes_offloaded=self.bytes_offloaded,
+                   onload_faults=self.onload_faults, offloads_in_flight=self.offload.inflight)
         return out

@@ -144,6 +144,7 @@ class Engine:
         except (asyncio.CancelledError, Exception):
             pass
         self._batcher.fail_all(lambda: EngineClosed("engine closed"))
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.close)
         self._executor.shutdown(wait=True)
         self._task = None
 

@@ -204,5 +204,8 @@ class RankRunner:
 
     has_background_work = False  # recompute has nothing to do after a batch
 
+    def close(self) -> None:
+        """Release threads and buffers (the cached runner waits for its offloads)."""
+
     def background(self) -> None:
         """Work after the replies are out (the cached runner offloads here)."""

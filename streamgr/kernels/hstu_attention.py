@@ -18,12 +18,15 @@ Shapes: ``q, k`` are ``[tokens, heads, dqk]``, ``v`` and the output ``[tokens, h
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..errors import StreamgrError
+from . import _cuda
 
 # History query rows per tile: bounds the [heads, tile, keys] score block (40k keys, 4 heads,
 # bf16: 320 MiB) while keeping each matmul large enough to run near peak.
@@ -103,6 +106,141 @@ def hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    q_offsets: Sequence[int], kv_offsets: Sequence[int],
                    num_candidates: Sequence[int], alpha: float, max_len: int,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """Dispatch: the torch reference (GPU kernels register here as they land)."""
+    """Contiguous layout (keys = whole history + candidates per user): the torch reference."""
     return hstu_attention_reference(q, k, v, q_offsets, kv_offsets, num_candidates, alpha,
                                     max_len, out=out)
+
+
+# -- the jagged batch over pages ------------------------------------------------------------------
+
+@dataclass
+class JaggedKV:
+    """Where each user's history keys live for one batch (the same for every layer).
+
+    Queries (and the rows of this batch's ``k``/``v``) are, per user, its new history tokens then
+    its candidates, from ``q_offsets[b]``. History keys ``0..hist_lens[b]-1`` live in pages
+    (``pages[b]``, ``page_tokens`` per page, in ``store[layer]``) when ``paged[b]``, else in rows
+    ``kv_rows[b] + j`` of ``k``/``v`` (recompute: the new tokens are the whole history).
+    """
+
+    q_offsets: list[int]
+    num_candidates: list[int]
+    hist_lens: list[int]
+    paged: list[bool]
+    kv_rows: list[int]
+    pages: list[list[int]]
+    page_tokens: int = 1
+    store: torch.Tensor | None = None  # [layers, pages, 2, page_tokens, heads, dim]
+    _cache: dict = field(default_factory=dict)
+
+    @classmethod
+    def recompute(cls, q_offsets: list[int], num_candidates: list[int]) -> "JaggedKV":
+        hist = [q_offsets[i + 1] - q_offsets[i] - c for i, c in enumerate(num_candidates)]
+        n = len(num_candidates)
+        return cls(q_offsets, num_candidates, hist, [False] * n, list(q_offsets[:-1]), [[]] * n)
+
+    @property
+    def new_lens(self) -> list[int]:
+        return [self.q_offsets[i + 1] - self.q_offsets[i] - c
+                for i, c in enumerate(self.num_candidates)]
+
+    # Index tensors are built once per batch and reused by every layer.
+    def reference_index(self, device: torch.device):
+        if "ref" not in self._cache:
+            P = self.page_tokens
+            g_page, g_off, perm, kv_off = [], [], [], [0]
+            g_total = sum(h for h, p in zip(self.hist_lens, self.paged) if p)
+            g = 0
+            for b, (hist, paged, c) in enumerate(zip(self.hist_lens, self.paged, self.num_candidates)):
+                q0 = self.q_offsets[b]
+                new = self.q_offsets[b + 1] - q0 - c
+                if paged:
+                    pos = np.arange(hist)
+                    g_page.append(np.asarray(self.pages[b], dtype=np.int64)[pos // P])
+                    g_off.append(pos % P)
+                    perm.append(np.arange(g, g + hist))
+                    g += hist
+                else:
+                    perm.append(np.arange(self.kv_rows[b], self.kv_rows[b] + hist) + g_total)
+                perm.append(np.arange(q0 + new, q0 + new + c) + g_total)
+                kv_off.append(kv_off[-1] + hist + c)
+            cat = lambda xs: torch.from_numpy(  # noqa: E731
+                np.concatenate(xs) if xs else np.zeros(0, np.int64)).to(device)
+            self._cache["ref"] = (cat(g_page), cat(g_off), cat(perm), kv_off)
+        return self._cache["ref"]
+
+    def cuda_args(self, device: torch.device):
+        if "cuda" not in self._cache:
+            tiles_user, tiles_row = [], []
+            for b, c in enumerate(self.num_candidates):
+                rows = self.q_offsets[b + 1] - self.q_offsets[b]
+                for r0 in range(0, rows, 64):
+                    tiles_user.append(b)
+                    tiles_row.append(r0)
+            page_ptr = np.zeros(len(self.pages) + 1, dtype=np.int64)
+            page_ptr[1:] = np.cumsum([len(p) if f else 0 for p, f in zip(self.pages, self.paged)])
+            flat = [x for p, f in zip(self.pages, self.paged) if f for x in p]
+            arrays = [tiles_user, tiles_row, self.q_offsets, self.hist_lens, self.new_lens,
+                      self.num_candidates, [int(f) for f in self.paged], self.kv_rows, page_ptr,
+                      flat or [0]]
+            host = np.concatenate([np.asarray(a, dtype=np.int32) for a in arrays])
+            dev = torch.from_numpy(host).pin_memory().to(device, non_blocking=True)
+            views, o = [], 0
+            for a in arrays:
+                views.append(dev[o:o + len(a)])
+                o += len(a)
+            self._cache["cuda"] = (len(tiles_user), views)
+        return self._cache["cuda"]
+
+
+def hstu_attention_jagged_reference(q, k, v, desc: JaggedKV, layer: int, alpha: float,
+                                    max_len: int) -> torch.Tensor:
+    """Gather each user's history K/V (pages or rows) next to its candidates, then the
+    contiguous reference."""
+    g_page, g_off, perm, kv_off = desc.reference_index(q.device)
+    if desc.store is not None and g_page.numel():
+        ls = desc.store[layer]
+        gk, gv = ls[g_page, 0, g_off].to(k.dtype), ls[g_page, 1, g_off].to(v.dtype)
+        k_all, v_all = torch.cat([gk, k]).index_select(0, perm), torch.cat([gv, v]).index_select(0, perm)
+    else:
+        k_all, v_all = k.index_select(0, perm), v.index_select(0, perm)
+    return hstu_attention_reference(q, k_all, v_all, desc.q_offsets, kv_off,
+                                    desc.num_candidates, alpha, max_len)
+
+
+_ATTN_EXPRS = tuple(f"hstu_attention_fwd<{d}>" for d in (32, 64, 128))
+
+
+def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, desc: JaggedKV,
+                          layer: int, alpha: float, max_len: int,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    """HSTU attention of a jagged batch whose history K/V are paged or contiguous.
+
+    ``q, k, v``: ``[rows, heads, dim]``, rows laid out as ``desc.q_offsets`` says; the new
+    history tokens' K/V must already be in their pages for paged users. CUDA kernel for bf16
+    with dim 32/64/128 on a GPU; the torch reference otherwise.
+    """
+    D = q.shape[-1]
+    if (q.dtype == torch.bfloat16 and D in (32, 64, 128) and _cuda.usable(q, k, v)
+            and (desc.store is None or desc.store.dtype == torch.bfloat16)):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if out is None:
+            out = torch.empty_like(q)
+        elif not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
+            raise StreamgrError("hstu_attention_jagged: out must be contiguous, shaped like q")
+        n_tiles, a = desc.cuda_args(q.device)
+        if n_tiles:
+            H = q.shape[1]
+            store = desc.store[layer] if desc.store is not None else None
+            fn = _cuda.kernel("hstu_attention.cu", _ATTN_EXPRS, f"hstu_attention_fwd<{D}>")
+            smem = (3 * 64 * D + 64 * 64) * 2 + 64 * 64 * 4
+            _cuda.launch(fn, (n_tiles, H), (128,), (
+                _cuda.ptr(q), _cuda.ptr(k), _cuda.ptr(v), _cuda.ptr(store), _cuda.ptr(out),
+                *(_cuda.ptr(t) for t in a), np.int32(H), np.int32(desc.page_tokens),
+                np.float32(alpha), np.float32(1.0 / max_len)), shared_mem=smem)
+        return out
+    res = hstu_attention_jagged_reference(q, k, v, desc, layer, alpha, max_len)
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res

@@ -13,9 +13,50 @@ GPU kernels (``cuda_kernels/paged_kv.cu``) register in the dispatchers as they l
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..errors import StreamgrError
+from . import _cuda
+
+_COPY_SRC = "block_copy.cu"
+_COPY_UNITS = {16: "uint4", 4: "unsigned int", 2: "unsigned short"}
+_COPY_EXPRS = tuple(f"block_copy<{t}>" for t in _COPY_UNITS.values())
+
+
+def block_copy(dst: torch.Tensor, src: torch.Tensor, dst_index: torch.Tensor,
+               src_index: torch.Tensor, block_elems: int) -> None:
+    """``dst`` block ``dst_index[i]`` <- ``src`` block ``src_index[i]`` (blocks of
+    ``block_elems`` elements, counted from each tensor's first element). Both tensors are
+    viewed flat; the CUDA kernel picks the widest copy unit that every address allows."""
+    if dst.dtype != src.dtype or not dst.is_contiguous() or not src.is_contiguous():
+        raise StreamgrError("block_copy: contiguous tensors of one dtype required")
+    n = dst_index.shape[0]
+    if src_index.shape[0] != n:
+        raise StreamgrError("block_copy: index lengths differ")
+    if n == 0:
+        return
+    if _cuda.usable(dst, src, dst_index, src_index):
+        es = dst.element_size()
+        nbytes = block_elems * es
+        unit = next(u for u in (16, 4, 2) if nbytes % u == 0 and dst.data_ptr() % u == 0
+                    and src.data_ptr() % u == 0) if es in (2, 4) else None
+        if unit is not None:
+            fn = _cuda.kernel(_COPY_SRC, _COPY_EXPRS, f"block_copy<{_COPY_UNITS[unit]}>")
+            per = nbytes // unit
+            threads = min(256, max(32, 1 << (per - 1).bit_length()))
+            _cuda.launch(fn, (min(n, 65535 * 8),), (threads,), (
+                _cuda.ptr(dst), _cuda.ptr(src), _cuda.ptr(dst_index.contiguous()),
+                _cuda.ptr(src_index.contiguous()), np.int64(n), np.int64(per)))
+            return
+    block_copy_reference(dst, src, dst_index, src_index, block_elems)
+
+
+def block_copy_reference(dst: torch.Tensor, src: torch.Tensor, dst_index: torch.Tensor,
+                         src_index: torch.Tensor, block_elems: int) -> None:
+    d = dst.view(-1)[: dst.numel() // block_elems * block_elems].view(-1, block_elems)
+    s = src.reshape(-1)[: src.numel() // block_elems * block_elems].view(-1, block_elems)
+    d.index_copy_(0, dst_index, s.index_select(0, src_index))
 
 
 def _check_store(store: torch.Tensor) -> None:
@@ -39,6 +80,15 @@ def append_kv(store: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
     if k.shape != v.shape or k.shape[1:] != store.shape[4:]:
         raise StreamgrError(f"k{tuple(k.shape)}/v{tuple(v.shape)} do not fit pages of "
                             f"{tuple(store.shape[4:])}")
+    if _cuda.usable(store, k):
+        # Token rows of the layer: row index ((layer*pages + page)*2 + kv)*P + offset.
+        P = store.shape[3]
+        base = (layer * store.shape[1] + page_idx) * 2 * P + offset
+        row = k.shape[1] * k.shape[2]
+        rows = torch.arange(k.shape[0], device=k.device)
+        block_copy(store, k.to(store.dtype).contiguous(), base, rows, row)
+        block_copy(store, v.to(store.dtype).contiguous(), base + P, rows, row)
+        return
     layer_store = store[layer]
     layer_store[page_idx, 0, offset] = k.to(store.dtype)
     layer_store[page_idx, 1, offset] = v.to(store.dtype)
@@ -61,10 +111,16 @@ def onload_scatter(store: torch.Tensor, layer: int, buffer: torch.Tensor,
     if buffer.dim() != 7 or buffer.shape[3:] != store.shape[2:] or buffer.shape[1] != store.shape[0]:
         raise StreamgrError(f"onload buffer {tuple(buffer.shape)} does not match store "
                             f"{tuple(store.shape)}")
-    pages = buffer[:, layer].reshape(-1, *store.shape[2:])
-    if pages.shape[0] != page_ids.shape[0]:
-        raise StreamgrError(f"{pages.shape[0]} pages of data for {page_ids.shape[0]} page ids")
-    store[layer].index_copy_(0, page_ids, pages)
+    n_chunks, layers, k = buffer.shape[:3]
+    if n_chunks * k != page_ids.shape[0]:
+        raise StreamgrError(f"{n_chunks * k} pages of data for {page_ids.shape[0]} page ids")
+    if _cuda.usable(store, buffer) and buffer.is_contiguous():
+        page = store[0, 0].numel()
+        j = torch.arange(n_chunks * k, device=buffer.device)
+        src = (j // k) * (layers * k) + layer * k + j % k
+        block_copy(store, buffer, layer * store.shape[1] + page_ids, src, page)
+        return
+    store[layer].index_copy_(0, page_ids, buffer[:, layer].reshape(-1, *store.shape[2:]))
 
 
 def offload_gather(store: torch.Tensor, page_ids: torch.Tensor, chunk_pages: int,
@@ -75,9 +131,19 @@ def offload_gather(store: torch.Tensor, page_ids: torch.Tensor, chunk_pages: int
     n = page_ids.shape[0]
     if n % chunk_pages:
         raise StreamgrError(f"{n} pages is not a whole number of {chunk_pages}-page chunks")
-    g = store.index_select(1, page_ids)  # [L, n, 2, P, H, D]
-    g = g.view(store.shape[0], n // chunk_pages, chunk_pages, *store.shape[2:]).transpose(0, 1)
+    L = store.shape[0]
     if out is None:
-        return g.contiguous()
-    out.copy_(g)
+        out = torch.empty(n // chunk_pages, L, chunk_pages, *store.shape[2:], dtype=store.dtype,
+                          device=store.device)
+    if _cuda.usable(store, out) and out.is_contiguous():
+        # Destination block (c, l, j) <- page page_ids[c*k + j] of layer l.
+        ll = torch.arange(L, device=store.device).repeat_interleave(n)
+        i = torch.arange(n, device=store.device).repeat(L)
+        c, j = i // chunk_pages, i % chunk_pages
+        dst = (c * L + ll) * chunk_pages + j
+        src = ll * store.shape[1] + page_ids.repeat(L)
+        block_copy(out, store, dst, src, store[0, 0].numel())
+        return out
+    g = store.index_select(1, page_ids)  # [L, n, 2, P, H, D]
+    out.copy_(g.view(L, n // chunk_pages, chunk_pages, *store.shape[2:]).transpose(0, 1))
     return out

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.hstu_attention import hstu_attention
+from ..kernels.hstu_attention import JaggedKV, hstu_attention_jagged
 
 NORM_EPS = 1e-6
 
@@ -92,9 +92,10 @@ class JaggedBatch:
                 for i, c in enumerate(self.num_candidates)]
 
 
-# kv_source(layer, k, v) -> (k_all, v_all, kv_offsets): the keys/values each user's queries see.
-# Recompute passes none: the new tokens are the whole history.
-KVSource = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, Sequence[int]]]
+# attention(layer, q, k, v) -> [rows, heads, dim]: how a layer's queries meet their keys. The
+# default is recompute (the batch's new tokens are each user's whole history); the cache passes
+# one that appends new K/V to pages and attends over them.
+Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class HSTULayer(nn.Module):
@@ -152,25 +153,17 @@ class HSTU(nn.Module):
         return torch.where(act[:, None], actions, items) + self.position_embedding(batch.positions)
 
     @torch.inference_mode()
-    def forward(self, batch: JaggedBatch, kv_source: KVSource | None = None,
-                layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Scores of every candidate in the batch, user by user, ``[sum(num_candidates)]`` fp32.
-
-        ``layer_hook(l)`` runs before layer ``l``'s attention (the cache waits for that layer's
-        onload there).
-        """
+    def forward(self, batch: JaggedBatch, attention: Attention | None = None) -> torch.Tensor:
+        """Scores of every candidate in the batch, user by user, ``[sum(num_candidates)]`` fp32."""
         cfg = self.cfg
+        if attention is None:
+            desc = JaggedKV.recompute(batch.q_offsets, batch.num_candidates)
+
+            def attention(layer, q, k, v):
+                return hstu_attention_jagged(q, k, v, desc, layer, cfg.alpha, cfg.attn_max_len)
         x = self.embed(batch)
         for l, layer in enumerate(self.layers):
             u, v, q, k = layer.project(x)
-            if kv_source is None:
-                k_all, v_all, kv_offsets = k, v, batch.q_offsets
-            else:
-                k_all, v_all, kv_offsets = kv_source(l, k, v)
-            if layer_hook is not None:
-                layer_hook(l)
-            attn = hstu_attention(q, k_all, v_all, batch.q_offsets, kv_offsets,
-                                  batch.num_candidates, cfg.alpha, cfg.attn_max_len)
-            x = layer.finish(x, attn, u)
+            x = layer.finish(x, attention(l, q, k, v), u)
         cand = x.index_select(0, batch.candidate_rows)
         return self.head(self.final_norm(cand)).squeeze(-1).float()

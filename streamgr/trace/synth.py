@@ -86,11 +86,40 @@ def synth_trace(profile: str | Profile, seed: int = 0, users: int | None = None)
 
 def with_full_history(trace: list[SynthRequest]):
     """Yield (request, full items, full actions) with each user's history accumulated so far."""
-    hist: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
-    for r in trace:
-        items, actions = hist.setdefault(r.user, ([], []))
-        items.append(r.items)
-        actions.append(r.actions)
-        full_i, full_a = np.concatenate(items), np.concatenate(actions)
-        items[:], actions[:] = [full_i], [full_a]
-        yield r, full_i, full_a
+    tl = Timeline(trace)
+    for n in range(len(trace)):
+        yield tl.request(n)
+
+
+class Timeline:
+    """Each user's whole event sequence once, and per request where its history ends, so the
+    full history of any request is a view (no per-request copies on long traces)."""
+
+    def __init__(self, trace: list[SynthRequest]) -> None:
+        self.trace = trace
+        parts: dict[int, tuple[list, list]] = {}
+        self.ends = np.empty(len(trace), dtype=np.int64)
+        for r in trace:
+            items, actions = parts.setdefault(r.user, ([], []))
+            items.append(r.items)
+            actions.append(r.actions)
+        self.items = {u: np.concatenate(i) for u, (i, _) in parts.items()}
+        self.actions = {u: np.concatenate(a) for u, (_, a) in parts.items()}
+        seen: dict[int, int] = {}
+        for n, r in enumerate(trace):
+            seen[r.user] = seen.get(r.user, 0) + len(r.items)
+            self.ends[n] = seen[r.user]
+
+    def request(self, n: int):
+        """(request, full items, full actions) of request ``n``."""
+        r = self.trace[n]
+        e = self.ends[n]
+        return r, self.items[r.user][:e], self.actions[r.user][:e]
+
+    def state_before(self, n: int) -> dict[int, int]:
+        """Each user's history length (events) just before request ``n``."""
+        out: dict[int, int] = {}
+        for i in range(n):
+            r = self.trace[i]
+            out[r.user] = int(self.ends[i])
+        return out

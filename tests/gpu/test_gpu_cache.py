@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.cache.helpers import MODES, req, run_batch, runners
+from tests.cache.helpers import GPU_MODEL, MODES, req, run_batch, runners
 
 pytestmark = pytest.mark.gpu
 
@@ -13,9 +13,9 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_bf16_cached_equals_recompute(seed):
     rng = np.random.default_rng(seed)
-    cuda = runners("cuda", "bfloat16", page_tokens=4, chunk_tokens=8, device_pages=40,
+    cuda = runners("cuda", "bfloat16", GPU_MODEL, page_tokens=4, chunk_tokens=8, device_pages=40,
                    host_chunks=64, offload_quota_tokens=16)
-    cpu = runners("cpu", "float32", page_tokens=4, chunk_tokens=8, device_pages=40,
+    cpu = runners("cpu", "float32", GPU_MODEL, page_tokens=4, chunk_tokens=8, device_pages=40,
                   host_chunks=64, offload_quota_tokens=16)
     hist = {}
     worst = {m: 0.0 for m in MODES}

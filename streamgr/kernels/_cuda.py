@@ -1,0 +1,75 @@
+"""Loading and launching the CUDA sources of ``cuda_kernels/`` through CuPy's ``RawModule``.
+
+Kernels run on torch's current stream (``cupy.cuda.ExternalStream``) and take raw device
+pointers of torch tensors, so nothing is copied or synchronised between the two libraries.
+Arguments follow CuPy's rules: pointers as ``numpy.uint64``, 32-bit ints as ``numpy.int32``
+(a Python ``int`` would become ``long long``), floats as ``numpy.float32``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger("streamgr.kernels")
+
+# STREAMGR_KERNELS=torch forces the torch references everywhere (for A/B checks and fallbacks).
+FORCE_TORCH = os.environ.get("STREAMGR_KERNELS", "").lower() == "torch"
+
+
+def source(name: str) -> str:
+    here = Path(__file__).resolve().parent.parent.parent / "cuda_kernels" / name
+    if here.is_file():
+        return here.read_text()
+    return resources.files("streamgr._cuda_kernels").joinpath(name).read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def _cupy():
+    try:
+        import cupy
+    except Exception as err:  # not installed, or no CUDA runtime for it
+        log.info("CuPy unavailable (%s): torch reference kernels only", err)
+        return None
+    return cupy
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """CUDA kernels can run on these tensors (all on a CUDA device, CuPy importable)."""
+    if FORCE_TORCH or not all(t.is_cuda for t in tensors):
+        return False
+    return _cupy() is not None
+
+
+@functools.lru_cache(maxsize=None)
+def module(name: str, name_expressions: tuple[str, ...]):
+    cupy = _cupy()
+    return cupy.RawModule(code=source(name), options=("-std=c++17",),
+                          name_expressions=list(name_expressions))
+
+
+def kernel(name: str, name_expressions: tuple[str, ...], expr: str):
+    return module(name, name_expressions).get_function(expr)
+
+
+def ptr(t: torch.Tensor | None) -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+_SMEM_OPTED: dict[int, int] = {}  # id(kernel) -> dynamic shared memory it may use
+
+
+def launch(fn, grid, block, args, shared_mem: int = 0) -> None:
+    cupy = _cupy()
+    if shared_mem > 48 * 1024 and _SMEM_OPTED.get(id(fn), 0) < shared_mem:
+        fn.max_dynamic_shared_size_bytes = shared_mem  # opt in above the 48 KiB default
+        _SMEM_OPTED[id(fn)] = shared_mem
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    with stream:
+        fn(grid, block, args, shared_mem=shared_mem)

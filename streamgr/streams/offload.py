@@ -1,0 +1,93 @@
+"""The offload pipeline: filled chunks of device pages -> host chunks, after the batch.
+
+Per job, on the offload stream (after the compute stream's event of the batch that filled the
+chunks): the gather kernel collects the pages into a transient device buffer, which is copied
+to a pinned host buffer; a completion thread then waits for that copy, a worker moves the
+data into the host chunk store, and the job is reported done. Transient buffers exist only
+while a job is in flight, and the manager's offload quota bounds the tokens in flight. Nothing
+here touches the cache metadata: completions are queued for the runner's own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..kernels import paged_kv
+from .streams import StreamSet
+
+log = logging.getLogger("streamgr.offload")
+
+
+class OffloadPipeline:
+    def __init__(self, stores, streams: StreamSet, workers: int = 2) -> None:
+        self.stores, self.streams = stores, streams
+        self.completions: queue.SimpleQueue = queue.SimpleQueue()  # (job, ok, bytes)
+        self._pending: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="streamgr-offload")
+        self._inflight = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._thread = threading.Thread(target=self._complete, name="streamgr-offload-done",
+                                        daemon=True)
+        self._thread.start()
+        self.fail_next = False  # tests: make the next job fail
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    def submit(self, jobs, after=None) -> None:
+        s = self.streams
+        for job in jobs:
+            with self._lock:
+                self._inflight += 1
+            try:
+                if self.fail_next:
+                    self.fail_next = False
+                    raise RuntimeError("injected offload fault")
+                if after is not None:
+                    s.offload.wait_event(after)
+                with s.use(s.offload):
+                    ids = torch.tensor(job.page_ids, dtype=torch.long).to(self.stores.device,
+                                                                          non_blocking=True)
+                    dev = paged_kv.offload_gather(self.stores.pages, ids, self.stores.chunk_pages)
+                    host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=s.cuda)
+                    host.copy_(dev, non_blocking=True)
+                    done = s.event()
+                    done.record(s.offload)
+                if s.cuda:
+                    self._pending.put((job, dev, host, done))
+                else:  # no DMA to overlap: finish on this thread (see OnloadPipeline.submit)
+                    self.stores.host.index_copy_(0, torch.tensor(job.chunk_ids), host)
+                    self._finish(job, True, host.numel() * host.element_size())
+            except Exception:  # noqa: BLE001 - the range stays unpersisted and is retried
+                log.exception("offload of user %r failed to start", job.key)
+                self._finish(job, False, 0)
+
+    def _complete(self) -> None:
+        while True:
+            job, dev, host, done = self._pending.get()
+            try:
+                done.synchronize()
+                del dev  # the transient device buffer is free once the copy has landed
+                chunk_ids = torch.tensor(job.chunk_ids, dtype=torch.long)
+                self._workers.submit(self.stores.host.index_copy_, 0, chunk_ids, host).result()
+                self._finish(job, True, host.numel() * host.element_size())
+            except Exception:  # noqa: BLE001
+                log.exception("offload of user %r failed", job.key)
+                self._finish(job, False, 0)
+
+    def _finish(self, job, ok: bool, nbytes: int) -> None:
+        self.completions.put((job, ok, nbytes))
+        with self._lock:
+            self._inflight -= 1
+            self._idle.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        with self._lock:
+            return self._idle.wait_for(lambda: self._inflight == 0, timeout)

@@ -1,0 +1,135 @@
+"""The onload pipeline: host chunks -> pinned double buffers -> device onload buffer -> pages.
+
+Transfers go layer-major (every chunk's layer 0 first, then layer 1, ...) so each layer's
+event fires as early as possible. A staging buffer holds one chunk's worth of data (all layers
+of one chunk, as MTServe aligns it); two of them ping-pong: a pool of worker threads fills one
+with the next slices (plain memcpy from the host store) while the DMA engine drains the other
+on the onload stream. After a layer's slices have landed, the scatter stream moves them from
+the onload buffer into the users' pages and records that layer's event. The whole thing runs
+on an onload thread, so the model starts computing embeddings (and shallow layers) at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..kernels import paged_kv
+from .streams import LayerOnloadHandles, ReadyHandles, StreamSet
+
+log = logging.getLogger("streamgr.onload")
+
+
+class OnloadPipeline:
+    def __init__(self, stores, streams: StreamSet, workers: int = 4) -> None:
+        self.stores, self.streams = stores, streams
+        self.layers = stores.layers
+        host = stores.host
+        self.slice_shape = tuple(host.shape[2:]) if host is not None else ()  # one chunk, one layer
+        self.pin = streams.cuda
+        self._staging: list[torch.Tensor] | None = None
+        self._copied = [streams.event(), streams.event()]  # staging buffer i drained by the DMA
+        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="streamgr-onload-fill")
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="streamgr-onload")
+        self._buffer: torch.Tensor | None = None  # device onload buffer, grown on demand
+        self._last_scatter = streams.event()  # the previous batch's scatter: the buffer is free after
+        self.bytes = 0
+        self.delay_layers: dict[int, float] = {}  # tests: hold back these layers' copies (s)
+        self.fail_next = False  # tests: make the next transfer fail
+        self.trace_events: dict | None = None  # tests: {"landed_<layer>": timing event}
+
+    def _staging_buffers(self) -> list[torch.Tensor]:
+        if self._staging is None:
+            n = self.layers  # one chunk of all layers = `layers` slices
+            self._staging = [torch.empty((n, *self.slice_shape), dtype=self.stores.host.dtype,
+                                         pin_memory=self.pin) for _ in range(2)]
+        return self._staging
+
+    def _device_buffer(self, n_chunks: int) -> torch.Tensor:
+        shape = (n_chunks, self.layers, *self.slice_shape)
+        if self._buffer is None or self._buffer.shape[0] < n_chunks:
+            with self.streams.use(self.streams.onload):
+                self._buffer = torch.empty(shape, dtype=self.stores.pages.dtype,
+                                           device=self.stores.device)
+        return self._buffer[:n_chunks]
+
+    def submit(self, onload: list[tuple[object, list[int], list[int]]],
+               after=None) -> LayerOnloadHandles:
+        """Start onloading ``[(user, chunk ids, page ids)]``; ``after``: an event the scatter must
+        wait for (the previous batch's compute, which may still read pages being reused)."""
+        if not onload:
+            return ReadyHandles(self.layers, self.streams)
+        handles = LayerOnloadHandles(self.layers, self.streams, {u for u, _, _ in onload})
+        if self.streams.cuda:
+            self._thread.submit(self._run, onload, after, handles)
+        else:
+            # Without a DMA engine there is nothing to overlap, and a second thread's torch ops
+            # (with their own spinning OpenMP team) would only slow the compute thread down.
+            self._run(onload, after, handles)
+        return handles
+
+    def _run(self, onload, after, handles: LayerOnloadHandles) -> None:
+        try:
+            self._transfer(onload, after, handles)
+        except BaseException as err:  # noqa: BLE001 - the batch falls back to recompute
+            log.exception("onload failed")
+            handles.fail(err)
+
+    def _transfer(self, onload, after, handles: LayerOnloadHandles) -> None:
+        s = self.streams
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("injected onload fault")
+        chunks = [c for _, cs, _ in onload for c in cs]
+        page_ids = torch.tensor([p for _, _, ps in onload for p in ps], dtype=torch.long)
+        staging = self._staging_buffers()
+        buf = self._device_buffer(len(chunks))
+        s.onload.wait_event(self._last_scatter)  # the buffer's previous contents were scattered
+        if after is not None:
+            s.scatter.wait_event(after)
+        with s.use(s.scatter):
+            page_ids = page_ids.to(self.stores.device, non_blocking=True)
+        host = self.stores.host
+        units = [(l, i) for l in range(self.layers) for i in range(len(chunks))]
+        per = self.layers  # slices per staging buffer
+        delayed: set[int] = set()
+        for g0 in range(0, len(units), per):
+            group = units[g0:g0 + per]
+            for l in sorted({l for l, _ in group} - delayed):
+                if self.delay_layers.get(l):
+                    delayed.add(l)
+                    time.sleep(self.delay_layers[l])
+            which = (g0 // per) % 2
+            stage = staging[which]
+            self._copied[which].synchronize()  # the DMA finished reading this buffer
+            # Workers fill the staging buffer; the other one is meanwhile being drained.
+            fill = lambda j: stage[j].copy_(host[chunks[group[j][1]], group[j][0]])  # noqa: E731
+            if s.cuda:
+                list(self._workers.map(fill, range(len(group))))
+            else:
+                for j in range(len(group)):
+                    fill(j)
+            with s.use(s.onload):
+                for j, (l, i) in enumerate(group):
+                    buf[i, l].copy_(stage[j], non_blocking=True)
+                    self.bytes += stage[j].numel() * stage[j].element_size()
+                self._copied[which].record(s.onload)
+            # Layers whose last slice is in this group are complete: scatter them.
+            for l in sorted({l for l, i in group if i == len(chunks) - 1}):
+                landed = s.event(timing=self.trace_events is not None)
+                landed.record(s.onload)
+                if self.trace_events is not None:
+                    self.trace_events[f"landed_{l}"] = landed
+                s.scatter.wait_event(landed)
+                with s.use(s.scatter):
+                    paged_kv.onload_scatter(self.stores.pages, l, buf, page_ids)
+                handles.ready[l].record(s.scatter)
+                handles.issued[l].set()
+        self._last_scatter = handles.ready[-1]
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+        self._workers.shutdown(wait=True)

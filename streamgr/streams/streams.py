@@ -1,0 +1,112 @@
+"""The CUDA stream set of the cached rank path, per-layer onload handles, and CPU stand-ins.
+
+Streams (MTServe section 4.4): ``compute`` (the model), ``onload`` (host -> device copies of
+cached K/V), ``scatter`` (onload buffer -> device pages), ``offload`` (device pages -> host).
+Dependencies between them are CUDA events, never a device-wide synchronize. Without a GPU the
+same code runs: streams are no-op contexts and events are always complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+
+class NullEvent:
+    """An event on the CPU: work is synchronous, so it is complete once recorded."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: "NullEvent") -> float:
+        return 0.0
+
+
+class NullStream:
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event or NullEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class StreamSet:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.compute, self.onload, self.scatter, self.offload = (
+                torch.cuda.Stream(device) for _ in range(4))
+        else:
+            self.compute = self.onload = self.scatter = self.offload = NullStream()
+
+    def event(self, timing: bool = False):
+        return torch.cuda.Event(enable_timing=timing) if self.cuda else NullEvent()
+
+    def use(self, stream):
+        """Make ``stream`` current (torch allocations and kernels then go to it)."""
+        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
+
+
+class OnloadFault(RuntimeError):
+    """A host-to-device transfer (or its pinned staging) failed for these users."""
+
+    def __init__(self, users: set, cause: BaseException) -> None:
+        super().__init__(f"onload failed for {len(users)} user(s): {cause!r}")
+        self.users, self.cause = users, cause
+
+
+class LayerOnloadHandles:
+    """Per layer: a host flag set once the layer's copies and scatter are *issued*, and the CUDA
+    event that completes when they have *landed*. Layer ``l`` of the model waits on its own
+    event only, so shallow layers compute while deep layers' K/V still cross PCIe."""
+
+    def __init__(self, layers: int, streams: StreamSet, users: set) -> None:
+        self.streams = streams
+        self.users = users
+        self.issued = [threading.Event() for _ in range(layers)]
+        self.ready = [streams.event() for _ in range(layers)]
+        self.error: BaseException | None = None
+
+    def fail(self, err: BaseException) -> None:
+        self.error = err
+        for e in self.issued:
+            e.set()
+
+    def wait(self, layer: int) -> None:
+        """Make the compute stream wait for ``layer``'s K/V (blocks the host only until the
+        copies are issued, never until they land)."""
+        self.issued[layer].wait()
+        if self.error is not None:
+            raise OnloadFault(self.users, self.error)
+        self.streams.compute.wait_event(self.ready[layer])
+
+    def done(self) -> None:
+        """Wait (host) until every layer is issued; raise if the transfer failed."""
+        for e in self.issued:
+            e.wait()
+        if self.error is not None:
+            raise OnloadFault(self.users, self.error)
+
+
+class ReadyHandles(LayerOnloadHandles):
+    """Handles of a batch with nothing to onload."""
+
+    def __init__(self, layers: int, streams: StreamSet) -> None:
+        super().__init__(layers, streams, set())
+        for e in self.issued:
+            e.set()

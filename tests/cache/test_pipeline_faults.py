@@ -1,0 +1,53 @@
+"""The onload/offload pipelines on the CPU (streams as no-ops): injected faults keep answers right."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.cache.helpers import req, run_batch, runners
+
+
+def workload(rng, engines, steps=30):
+    hist = {}
+    for _ in range(steps):
+        users = rng.choice(6, size=2, replace=False)
+        batch = []
+        for u in users:
+            items, actions = hist.setdefault(int(u), ([], []))
+            n = min(int(rng.integers(1, 6)), 80 - len(items))
+            items += rng.integers(100, size=n).tolist()
+            actions += rng.integers(8, size=n).tolist()
+            batch.append(req(int(u), items, actions, rng.choice(100, size=3, replace=False)))
+        yield batch
+
+
+def test_onload_fault_falls_back_to_recompute():
+    rng = np.random.default_rng(0)
+    engines = runners(page_tokens=4, chunk_tokens=8, device_pages=30, host_chunks=64)
+    runner = engines["hierarchical"].runner
+    faults = 0
+    for batch in workload(rng, engines):
+        if runner.manager.counters["offloaded_chunks"] and faults < 3:
+            runner.onload.fail_next = True  # the next transfer that happens fails
+        ref = run_batch(engines["recompute"], batch)
+        got = run_batch(engines["hierarchical"], batch)
+        faults = runner.onload_faults
+        for g, r in zip(got, ref):
+            np.testing.assert_allclose(g[0], r[0], rtol=2e-4, atol=2e-5)
+    assert runner.onload_faults >= 1 and runner.bytes_onloaded > 0
+    runner.manager.check_invariants()
+
+
+def test_offload_fault_is_retried_never_marked_persisted():
+    rng = np.random.default_rng(1)
+    engines = runners(page_tokens=4, chunk_tokens=8, device_pages=30, host_chunks=64)
+    runner = engines["hierarchical"].runner
+    runner.offload.fail_next = True
+    for batch in workload(rng, engines, steps=20):
+        ref = run_batch(engines["recompute"], batch)
+        got = run_batch(engines["hierarchical"], batch)
+        for g, r in zip(got, ref):
+            np.testing.assert_allclose(g[0], r[0], rtol=2e-4, atol=2e-5)
+    c = runner.manager.counters
+    assert c["offload_failures"] == 1 and c["offloaded_chunks"] > 0
+    runner.manager.check_invariants()

@@ -1,0 +1,131 @@
+"""GPU: every CUDA kernel against its torch reference (fresh random data, boundary sizes,
+unaligned slices, poisoned outputs)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from streamgr.kernels import _cuda, paged_kv
+from streamgr.kernels.hstu_attention import (JaggedKV, hstu_attention_jagged,
+                                             hstu_attention_jagged_reference)
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device("cuda")
+
+
+def test_cupy_kernels_are_used():
+    x = torch.zeros(4, device=DEV)
+    assert _cuda.usable(x), "CuPy is not usable here: the GPU tests would test nothing new"
+
+
+@pytest.mark.parametrize("n", [1, 127, 128, 1025, 4097])
+@pytest.mark.parametrize("block", [8, 13, 1024])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_block_copy(n, block, offset):
+    g = torch.Generator(device=DEV).manual_seed(n * block + offset)
+    src = torch.randn(offset + (n + 3) * block, device=DEV, generator=g).to(torch.bfloat16)[offset:]
+    dst = torch.full((offset + (n + 5) * block,), float("nan"), device=DEV,
+                     dtype=torch.bfloat16)[offset:]  # poisoned, and unaligned for offset 1
+    src_idx = torch.randperm(n + 3, device=DEV, generator=g)[:n]
+    dst_idx = torch.randperm(n + 5, device=DEV, generator=g)[:n]
+    ref = dst.clone()
+    paged_kv.block_copy_reference(ref, src.contiguous(), dst_idx, src_idx, block)
+    paged_kv.block_copy(dst, src, dst_idx, src_idx, block)
+    torch.testing.assert_close(dst, ref, equal_nan=True, rtol=0, atol=0)
+
+
+def store(L=3, pages=40, P=16, H=2, D=64, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(L, pages, 2, P, H, D, device=DEV, generator=g).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("n", [1, 127, 128, 300])
+def test_append_kv(n):
+    s = store(pages=40)
+    s_ref = s.clone()
+    g = torch.Generator(device=DEV).manual_seed(n)
+    k = torch.randn(n + 1, 2, 64, device=DEV, generator=g).to(torch.bfloat16)[1:]  # a view at +1 row
+    v = torch.randn(n, 2, 64, device=DEV, generator=g).to(torch.bfloat16)
+    slots = torch.randperm(40 * 16, device=DEV, generator=g)[:n]
+    page, off = slots // 16, slots % 16
+    paged_kv.append_kv(s, 1, k, v, page, off)
+    s_ref[1][page, 0, off] = k
+    s_ref[1][page, 1, off] = v
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n_chunks", [1, 3, 17])
+def test_onload_scatter_and_offload_gather(n_chunks):
+    L, pages, P, k = 3, 80, 16, 4
+    s = store(L, pages, P)
+    g = torch.Generator(device=DEV).manual_seed(n_chunks)
+    buf = torch.randn(n_chunks, L, k, 2, P, 2, 64, device=DEV, generator=g).to(torch.bfloat16)
+    ids = torch.randperm(pages, device=DEV, generator=g)[:n_chunks * k]
+    ref = s.clone()
+    for layer in range(L):
+        ref[layer].index_copy_(0, ids, buf[:, layer].reshape(-1, 2, P, 2, 64))
+        paged_kv.onload_scatter(s, layer, buf, ids)
+    torch.testing.assert_close(s, ref, rtol=0, atol=0)
+    out = torch.full_like(buf, float("nan"))
+    paged_kv.offload_gather(s, ids, k, out=out)
+    torch.testing.assert_close(out, buf, rtol=0, atol=0)  # the round trip gives the chunks back
+
+
+def attention_case(users, H, D, P=16, seed=0):
+    """users: (hist, new, cand, paged). History K/V of paged users are put in pages."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    rnd = lambda *s: (torch.randn(*s, device=DEV, generator=g) * 0.5).to(torch.bfloat16)  # noqa: E731
+    n_pages = sum(-(-h // P) for h, _, _, p in users if p) + 1
+    st = rnd(1, n_pages, 2, P, H, D)
+    q_off, kv_rows, pages, qs, ks, vs = [0], [], [], [], [], []
+    free = list(torch.randperm(n_pages, generator=torch.Generator().manual_seed(seed)).tolist())
+    for hist, new, cand, paged in users:
+        rows = new + cand
+        qs.append(rnd(rows, H, D)), ks.append(rnd(rows, H, D)), vs.append(rnd(rows, H, D))
+        kv_rows.append(q_off[-1])
+        if paged:  # the whole history in pages (the new tokens were appended there too)
+            pl = [free.pop() for _ in range(-(-hist // P))]
+            pages.append(pl)
+            hk, hv = rnd(hist, H, D), rnd(hist, H, D)
+            hk[hist - new:], hv[hist - new:] = ks[-1][:new], vs[-1][:new]
+            pos = torch.arange(hist)
+            pi = torch.tensor(pl)[pos // P].to(DEV)
+            st[0][pi, 0, (pos % P).to(DEV)] = hk
+            st[0][pi, 1, (pos % P).to(DEV)] = hv
+        else:
+            assert new == hist
+            pages.append([])
+        q_off.append(q_off[-1] + rows)
+    desc = JaggedKV(q_off, [c for _, _, c, _ in users], [h for h, _, _, _ in users],
+                    [p for *_, p in users], kv_rows, pages, P, st)
+    return torch.cat(qs), torch.cat(ks), torch.cat(vs), desc
+
+
+CASES = [
+    [(5, 5, 3, False)],
+    [(1, 1, 1, False), (63, 63, 2, False), (64, 64, 1, False), (65, 65, 64, False)],
+    [(1025, 1025, 7, False), (300, 300, 0, False)],
+    [(128, 3, 5, True), (1025, 1, 256, True), (40, 40, 2, False), (0, 0, 3, True)],
+    [(4097, 17, 130, True), (127, 127, 1, True)],
+]
+
+
+@pytest.mark.parametrize("D", [32, 64, 128])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_hstu_attention_kernel(D, case):
+    q, k, v, desc = attention_case(CASES[case], H=2, D=D, seed=case * 7 + D)
+    alpha, n = 1.0 / np.sqrt(D), 4096
+    ref = hstu_attention_jagged_reference(q.float(), k.float(), v.float(), desc_fp32(desc), 0,
+                                          alpha, n)
+    out = torch.full_like(q, float("nan"))  # poisoned: every row must be written
+    hstu_attention_jagged(q, k, v, desc, 0, alpha, n, out=out)
+    assert not out.isnan().any()
+    scale = ref.abs().mean().item() + 1e-6
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * scale)
+
+
+def desc_fp32(desc: JaggedKV) -> JaggedKV:
+    return JaggedKV(desc.q_offsets, desc.num_candidates, desc.hist_lens, desc.paged,
+                    desc.kv_rows, desc.pages, desc.page_tokens, desc.store.float())

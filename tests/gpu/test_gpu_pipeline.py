@@ -1,0 +1,43 @@
+"""GPU: the four-stream pipeline. Layer 0 computes while deep layers' K/V still cross PCIe, and
+the answer stays right."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.cache.helpers import GPU_MODEL, req, run_batch, runners
+
+pytestmark = pytest.mark.gpu
+
+
+def test_layer0_computes_while_deep_layers_onload():
+    # 80-token histories: 5 chunks of 16 tokens; the device holds one such user at a time.
+    eng = runners("cuda", "bfloat16", GPU_MODEL, page_tokens=8, chunk_tokens=16, device_pages=12,
+                  host_chunks=64)
+    rng = np.random.default_rng(0)
+    a_items, a_actions = rng.integers(100, size=40).tolist(), rng.integers(8, size=40).tolist()
+    b_items, b_actions = rng.integers(100, size=40).tolist(), rng.integers(8, size=40).tolist()
+    hier = eng["hierarchical"]
+    run_batch(hier, [req("a", a_items, a_actions, [1, 2, 3])])  # computed, then offloaded
+    assert hier.runner.manager.users["a"].chunks
+    run_batch(hier, [req("b", b_items, b_actions, [1, 2, 3])])  # pushes "a" out of the device
+    a_items += [5, 6]
+    a_actions += [1, 1]
+    again = req("a", a_items, a_actions, [1, 2, 3])
+    runner = hier.runner
+    last = runner.model.cfg.num_layers - 1
+    runner.onload.delay_layers = {last: 0.3}  # hold back the deepest layer's copies
+    runner.onload.trace_events = {}
+    runner.trace_events = {}
+    ref = torch.cuda.Event(enable_timing=True)
+    ref.record()
+    got = run_batch(hier, [again])
+    torch.cuda.synchronize()
+    assert got[0][1]["tier"] == "host" and got[0][1]["tokens_from_host"] > 0
+    t_layer0 = ref.elapsed_time(runner.trace_events["attention_0"])
+    t_last_landed = ref.elapsed_time(runner.onload.trace_events[f"landed_{last}"])
+    assert t_layer0 < t_last_landed, (t_layer0, t_last_landed)
+    want = run_batch(eng["recompute"], [again])
+    np.testing.assert_allclose(got[0][0], want[0][0], rtol=0.05, atol=0.05)

@@ -1,0 +1,117 @@
+"""Transfer benchmark: the onload pipeline against pinned host-to-device bandwidth, and the
+scatter/gather kernels against device copy bandwidth (rank-ref's page and chunk sizes).
+
+Targets (issue 4): onload >= 85% of the pinned H2D copy; scatter and gather >= 70% of a
+device-to-device copy (bytes read + written). Each path is checked against its reference first.
+
+  python tools/bench_transfer.py [--chunks 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from streamgr.cache.store import KVStores  # noqa: E402
+from streamgr.kernels import paged_kv  # noqa: E402
+from streamgr.streams import OnloadPipeline, StreamSet  # noqa: E402
+
+
+def cuda_time(fn, reps: int = 10) -> float:
+    """Mean seconds of ``fn`` on the current stream, by CUDA events, after a warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3 / reps
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--chunks", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=8)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_transfer: needs a GPU")
+        return 1
+    dev = torch.device("cuda")
+    L, H, D, P, C = args.layers, 4, 128, 32, 1024
+    n = args.chunks
+    pages = n * (C // P) + 64
+    stores = KVStores(L, H, D, P, C, pages, n, torch.bfloat16, dev)
+    stores.host.copy_(torch.randn(stores.host.shape, dtype=torch.bfloat16))
+    chunk_bytes = stores.chunk_bytes
+    total = n * chunk_bytes
+
+    # Ceiling 1: one pinned host-to-device copy of the same bytes.
+    pinned = torch.empty(total // 2, dtype=torch.bfloat16, pin_memory=True)
+    dst = torch.empty(total // 2, dtype=torch.bfloat16, device=dev)
+    h2d = total / cuda_time(lambda: dst.copy_(pinned, non_blocking=True))
+
+    # The onload pipeline: host chunk store -> pinned double buffers -> onload buffer -> pages.
+    streams = StreamSet(dev)
+    pipe = OnloadPipeline(stores, streams)
+    page_ids = torch.randperm(pages)[:n * (C // P)].tolist()
+    jobs = [("u", list(range(n)), page_ids)]
+
+    def onload_once() -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        h = pipe.submit(jobs)
+        h.done()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+    onload_once()
+    t_on = min(onload_once() for _ in range(3))
+    # Check: the pages now hold the host chunks.
+    ids = torch.tensor(page_ids, device=dev)
+    back = paged_kv.offload_gather(stores.pages, ids, C // P)
+    assert torch.equal(back.cpu(), stores.host[:n]), "onload pipeline moved wrong data"
+    onload = total / t_on
+
+    # Ceiling 2: a device-to-device copy (read + write).
+    a = torch.empty(total // 2, dtype=torch.bfloat16, device=dev)
+    b = torch.empty_like(a)
+    d2d = 2 * total / cuda_time(lambda: b.copy_(a))
+
+    # Scatter (onload buffer -> pages) and gather (pages -> chunk layout) kernels, all layers.
+    buf = stores.host[:n].to(dev)
+    ref = stores.pages.clone()
+    for layer in range(L):
+        ref[layer].index_copy_(0, ids, buf[:, layer].reshape(-1, *stores.pages.shape[2:]))
+    t_sc = cuda_time(lambda: [paged_kv.onload_scatter(stores.pages, layer, buf, ids)
+                              for layer in range(L)])
+    assert torch.equal(stores.pages, ref), "scatter kernel differs from the reference"
+    out = torch.empty_like(buf)
+    t_ga = cuda_time(lambda: paged_kv.offload_gather(stores.pages, ids, C // P, out=out))
+    assert torch.equal(out, buf), "gather kernel differs from the reference"
+    scatter, gather = 2 * total / t_sc, 2 * total / t_ga
+
+    gb = lambda x: x / 1e9  # noqa: E731
+    print(f"{n} chunks x {chunk_bytes / 2**20:.0f} MiB ({L} layers, page {P}, chunk {C}): "
+          f"{total / 2**30:.2f} GiB")
+    print(f"{'path':<34} {'GB/s':>8} {'ceiling GB/s':>13} {'ratio':>7} {'target':>7}")
+    rows = [("onload pipeline (H2D + scatter)", onload, h2d, 0.85),
+            ("scatter kernel (read+write)", scatter, d2d, 0.70),
+            ("gather kernel (read+write)", gather, d2d, 0.70)]
+    for name, x, ceil, target in rows:
+        print(f"{name:<34} {gb(x):>8.1f} {gb(ceil):>13.1f} {x / ceil:>7.1%} {target:>7.0%}")
+    pipe.close()
+    print(f"bench_transfer: onload {gb(onload):.1f} GB/s = {onload / h2d:.0%} of pinned H2D "
+          f"{gb(h2d):.1f}; scatter {scatter / d2d:.0%}, gather {gather / d2d:.0%} of D2D "
+          f"{gb(d2d):.0f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,16 +12,66 @@ __global__ void block_copy(T* __restrict__ dst, const T* __restrict__ src,
                            const long long* __restrict__ dst_index,
                            const long long* __restrict__ src_index,
                            long long n_blocks, long long block_elems) {
-    // One CUDA block per copied block keeps the index loads uniform; threads stride the block.
+    // CUDA block (x, y) copies part y of block x: the index loads stay uniform per CUDA block,
+    // and large blocks (a 64 KiB page) are split so enough CUDA blocks are in flight.
+    // Four loads in flight per thread before the stores: one at a time leaves the memory
+    // system idle between round trips.
+    constexpr int U = 4;
+    const long long part = (block_elems + gridDim.y - 1) / gridDim.y;
+    const long long lo = blockIdx.y * part;
+    const long long hi = min(block_elems, lo + part);
     for (long long b = blockIdx.x; b < n_blocks; b += gridDim.x) {
         const T* s = src + src_index[b] * block_elems;
         T* d = dst + dst_index[b] * block_elems;
-        for (long long e = threadIdx.x; e < block_elems; e += blockDim.x) {
-            d[e] = s[e];
+        for (long long e = lo + threadIdx.x; e < hi; e += U * blockDim.x) {
+            T v[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const long long i = e + (long long)u * blockDim.x;
+                if (i < hi) v[u] = s[i];
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const long long i = e + (long long)u * blockDim.x;
+                if (i < hi) d[i] = v[u];
+            }
         }
     }
 }
 
+// Onload scatter of one layer without index arrays: page b of the onload buffer
+// [n_chunks][layers][k] goes to page page_ids[b] of the layer in the store [layers][pages].
+template <typename T>
+__global__ void page_scatter(T* __restrict__ store, const T* __restrict__ buffer,
+                             const long long* __restrict__ page_ids, long long n_pages,
+                             long long page_elems, int layer, int layers, int k,
+                             long long store_pages) {
+    constexpr int U = 4;
+    const long long part = (page_elems + gridDim.y - 1) / gridDim.y;
+    const long long lo = blockIdx.y * part;
+    const long long hi = min(page_elems, lo + part);
+    for (long long b = blockIdx.x; b < n_pages; b += gridDim.x) {
+        const long long src_block = (b / k) * ((long long)layers * k) + (long long)layer * k + b % k;
+        const T* s = buffer + src_block * page_elems;
+        T* d = store + ((long long)layer * store_pages + page_ids[b]) * page_elems;
+        for (long long e = lo + threadIdx.x; e < hi; e += U * blockDim.x) {
+            T v[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const long long i = e + (long long)u * blockDim.x;
+                if (i < hi) v[u] = s[i];
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const long long i = e + (long long)u * blockDim.x;
+                if (i < hi) d[i] = v[u];
+            }
+        }
+    }
+}
+
+template __global__ void page_scatter<uint4>(uint4*, const uint4*, const long long*, long long,
+                                             long long, int, int, int, long long);
 template __global__ void block_copy<uint4>(uint4*, const uint4*, const long long*,
                                            const long long*, long long, long long);
 template __global__ void block_copy<unsigned int>(unsigned int*, const unsigned int*,

@@ -79,6 +79,9 @@ class CacheSpec(_Section, kw_only=True):
     device_pages: int = 4096
     host_chunks: int = 65536
     offload_quota_tokens: int = 65536  # tokens queued for offload at once; beyond: deferred
+    # Pin the whole host chunk store (GPU only): onload then DMAs straight from it instead of
+    # staging through the pinned double buffers. Costs page-locked RAM for the whole tier.
+    host_pinned: bool = False
 
     def __post_init__(self) -> None:
         for name in ("page_tokens", "chunk_tokens", "device_pages", "host_chunks",

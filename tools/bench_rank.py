@@ -154,8 +154,9 @@ def main() -> int:
             first = {}
             for n in order:
                 first.setdefault(tl.trace[n].user, tl.trace[n])
+            pb = max(bs, 8)  # the untimed prefill goes in batches of 8 at least
             prefill = [[(first[u], tl.items[u][:state[u]], tl.actions[u][:state[u]])
-                        for u in users[i:i + bs]] for i in range(0, len(users), bs)]
+                        for u in users[i:i + pb]] for i in range(0, len(users), pb)]
         runs = {m: run_mode(spec, m, batches, measured, timed_re, prefill) for m in MODES}
         # The cached modes' scores on the recompute-timed batches, against recompute's.
         re_set = set(timed_re)
@@ -168,6 +169,12 @@ def main() -> int:
         results[bs]["max_abs_err"] = errs
         results[bs]["batches"] = {"total": len(batches), "measured": len(measured),
                                   "recompute_timed": len(timed_re)}
+        r = results[bs]
+        print(f"BS={bs}: " + ", ".join(  # each batch size as soon as it is done
+            f"{m} {r[m]['mean_ms']:.2f} ms (p99 {r[m]['p99_ms']:.2f}), hit {100 * r[m]['total_hit']:.2f}%"
+            for m in MODES), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
 
     cols = [f"BS={bs} {SHORT[m]}" for bs in args.batch for m in MODES]
     get = lambda bs, m: results[bs][m]

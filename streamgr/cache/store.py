@@ -17,7 +17,8 @@ from .manager import OffloadJob
 
 class KVStores:
     def __init__(self, layers: int, heads: int, head_dim: int, page_tokens: int, chunk_tokens: int,
-                 device_pages: int, host_chunks: int, dtype: torch.dtype, device: torch.device) -> None:
+                 device_pages: int, host_chunks: int, dtype: torch.dtype, device: torch.device,
+                 host_pinned: bool = False) -> None:
         self.P, self.C = page_tokens, chunk_tokens
         self.chunk_pages = chunk_tokens // page_tokens
         self.layers = layers
@@ -27,6 +28,21 @@ class KVStores:
         # Host memory is committed lazily by the OS as chunks are written.
         self.host = torch.empty(host_chunks, layers, self.chunk_pages, 2, page_tokens, heads,
                                 head_dim, dtype=dtype) if host_chunks else None
+        self._registered = False
+        if host_pinned and device.type == "cuda" and self.host is not None:
+            # Page-lock the store in place (torch's pinned allocator would round a 40 GiB store
+            # up to 64 GiB); onload then DMAs straight from it.
+            nbytes = self.host.numel() * self.host.element_size()
+            err = torch.cuda.cudart().cudaHostRegister(self.host.data_ptr(), nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.1f} GiB failed ({err})")
+            self._registered = True
+
+    def close(self) -> None:
+        """Unpin the host store (before its memory goes back)."""
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.host.data_ptr())
+            self._registered = False
 
     @property
     def chunk_bytes(self) -> int:

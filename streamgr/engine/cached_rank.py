@@ -173,6 +173,10 @@ class CachedRankRunner(RankRunner):
     def close(self) -> None:
         self.flush()
         self.onload.close()
+        self.offload.close()
+        if self.streams.cuda:
+            torch.cuda.synchronize(self.device)
+        self.stores.close()
 
     def snapshot(self) -> dict:
         out = self.manager.snapshot()

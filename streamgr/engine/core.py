@@ -82,7 +82,7 @@ class Engine:
                                  hierarchical=hierarchical)
         stores = KVStores(cfg.num_layers, cfg.num_heads, cfg.head_dim, c.page_tokens,
                           c.chunk_tokens, c.device_pages, c.host_chunks if hierarchical else 0,
-                          self.dtype, self.device)
+                          self.dtype, self.device, c.host_pinned)
         return CachedRankRunner(model, version, self.device, history, manager, stores)
 
     @property

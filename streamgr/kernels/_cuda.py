@@ -48,10 +48,35 @@ def usable(*tensors: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def _include_dirs() -> tuple[str, ...]:
+    """CUDA toolkit include folders that hold ``crt/mma.h``: some NVRTC wheels ship a
+    ``mma.h`` that includes it without shipping it."""
+    import glob
+    import sys
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    found = [f"{r}/include" for r in roots if r and os.path.isfile(f"{r}/include/crt/mma.h")]
+    found += sorted({os.path.dirname(os.path.dirname(p)) for p in
+                     glob.glob("/usr/local/cuda*/include/crt/mma.h")
+                     + glob.glob(f"{sys.prefix}/lib/python3*/site-packages/nvidia/**/crt/mma.h",
+                                 recursive=True)})
+    return tuple(dict.fromkeys(found))
+
+
+@functools.lru_cache(maxsize=None)
 def module(name: str, name_expressions: tuple[str, ...]):
+    """Compile with NVRTC; where NVRTC lacks a header, with nvcc (the toolkit's own headers)."""
     cupy = _cupy()
-    return cupy.RawModule(code=source(name), options=("-std=c++17",),
-                          name_expressions=list(name_expressions))
+    opts = ("-std=c++17",) + tuple(f"-I{d}" for d in _include_dirs())
+    mod = cupy.RawModule(code=source(name), options=opts, name_expressions=list(name_expressions))
+    try:
+        mod.get_function(name_expressions[0])  # compiles now, so a failure shows here
+        return mod
+    except cupy.cuda.compiler.CompileException as err:
+        log.warning("NVRTC could not compile %s (%s); using nvcc", name, str(err).splitlines()[0])
+    mod = cupy.RawModule(code=source(name), options=("-std=c++17",), backend="nvcc",
+                         name_expressions=list(name_expressions))
+    mod.get_function(name_expressions[0])
+    return mod
 
 
 def kernel(name: str, name_expressions: tuple[str, ...], expr: str):
@@ -70,6 +95,15 @@ def launch(fn, grid, block, args, shared_mem: int = 0) -> None:
     if shared_mem > 48 * 1024 and _SMEM_OPTED.get(id(fn), 0) < shared_mem:
         fn.max_dynamic_shared_size_bytes = shared_mem  # opt in above the 48 KiB default
         _SMEM_OPTED[id(fn)] = shared_mem
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-    with stream:
+    with _external_stream(torch.cuda.current_stream().cuda_stream):
         fn(grid, block, args, shared_mem=shared_mem)
+
+
+@functools.lru_cache(maxsize=64)
+def _external_stream(handle: int):
+    """CuPy's view of a torch stream (cached: one per stream handle)."""
+    import warnings
+    cupy = _cupy()
+    with warnings.catch_warnings():  # ExternalStream is deprecated in CuPy 14 but still right
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(handle)

@@ -21,7 +21,7 @@ from . import _cuda
 
 _COPY_SRC = "block_copy.cu"
 _COPY_UNITS = {16: "uint4", 4: "unsigned int", 2: "unsigned short"}
-_COPY_EXPRS = tuple(f"block_copy<{t}>" for t in _COPY_UNITS.values())
+_COPY_EXPRS = tuple(f"block_copy<{t}>" for t in _COPY_UNITS.values()) + ("page_scatter<uint4>",)
 
 
 def block_copy(dst: torch.Tensor, src: torch.Tensor, dst_index: torch.Tensor,
@@ -45,7 +45,8 @@ def block_copy(dst: torch.Tensor, src: torch.Tensor, dst_index: torch.Tensor,
             fn = _cuda.kernel(_COPY_SRC, _COPY_EXPRS, f"block_copy<{_COPY_UNITS[unit]}>")
             per = nbytes // unit
             threads = min(256, max(32, 1 << (per - 1).bit_length()))
-            _cuda.launch(fn, (min(n, 65535 * 8),), (threads,), (
+            parts = max(1, min(64, per // 1024))  # ~16 KiB of 16-byte units per CUDA block
+            _cuda.launch(fn, (min(n, 2**31 - 1), parts), (threads,), (
                 _cuda.ptr(dst), _cuda.ptr(src), _cuda.ptr(dst_index.contiguous()),
                 _cuda.ptr(src_index.contiguous()), np.int64(n), np.int64(per)))
             return
@@ -114,11 +115,17 @@ def onload_scatter(store: torch.Tensor, layer: int, buffer: torch.Tensor,
     n_chunks, layers, k = buffer.shape[:3]
     if n_chunks * k != page_ids.shape[0]:
         raise StreamgrError(f"{n_chunks * k} pages of data for {page_ids.shape[0]} page ids")
-    if _cuda.usable(store, buffer) and buffer.is_contiguous():
-        page = store[0, 0].numel()
-        j = torch.arange(n_chunks * k, device=buffer.device)
-        src = (j // k) * (layers * k) + layer * k + j % k
-        block_copy(store, buffer, layer * store.shape[1] + page_ids, src, page)
+    page_bytes = store[0, 0].numel() * store.element_size()
+    if (_cuda.usable(store, buffer, page_ids) and buffer.is_contiguous() and store.is_contiguous()
+            and page_bytes % 16 == 0 and buffer.data_ptr() % 16 == 0 and store.data_ptr() % 16 == 0):
+        # The page arithmetic happens in the kernel: no index tensors per call.
+        fn = _cuda.kernel(_COPY_SRC, _COPY_EXPRS, "page_scatter<uint4>")
+        per, n = page_bytes // 16, n_chunks * k
+        parts = max(1, min(64, per // 1024))
+        _cuda.launch(fn, (min(n, 2**31 - 1), parts), (256,), (
+            _cuda.ptr(store), _cuda.ptr(buffer), _cuda.ptr(page_ids.contiguous()), np.int64(n),
+            np.int64(per), np.int32(layer), np.int32(layers), np.int32(k),
+            np.int64(store.shape[1])))
         return
     store[layer].index_copy_(0, page_ids, buffer[:, layer].reshape(-1, *store.shape[2:]))
 

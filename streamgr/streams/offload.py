@@ -69,9 +69,19 @@ class OffloadPipeline:
                 log.exception("offload of user %r failed to start", job.key)
                 self._finish(job, False, 0)
 
+    def close(self) -> None:
+        """Stop the completion thread once the jobs in flight are done (it holds the stores)."""
+        self.wait_idle()
+        self._pending.put(None)
+        self._thread.join()
+        self._workers.shutdown(wait=True)
+
     def _complete(self) -> None:
         while True:
-            job, dev, host, done = self._pending.get()
+            item = self._pending.get()
+            if item is None:
+                return
+            job, dev, host, done = item
             try:
                 done.synchronize()
                 del dev  # the transient device buffer is free once the copy has landed

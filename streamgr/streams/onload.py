@@ -12,7 +12,10 @@ on an onload thread, so the model starts computing embeddings (and shallow layer
 from __future__ import annotations
 
 import logging
+import os
 import time
+
+import numpy as np
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -24,12 +27,15 @@ log = logging.getLogger("streamgr.onload")
 
 
 class OnloadPipeline:
-    def __init__(self, stores, streams: StreamSet, workers: int = 4) -> None:
+    def __init__(self, stores, streams: StreamSet, workers: int | None = None,
+                 staging_chunks: int = 4) -> None:
+        workers = workers or min(16, os.cpu_count() or 4)
         self.stores, self.streams = stores, streams
         self.layers = stores.layers
         host = stores.host
         self.slice_shape = tuple(host.shape[2:]) if host is not None else ()  # one chunk, one layer
         self.pin = streams.cuda
+        self.staging_chunks = staging_chunks
         self._staging: list[torch.Tensor] | None = None
         self._copied = [streams.event(), streams.event()]  # staging buffer i drained by the DMA
         self._workers = ThreadPoolExecutor(workers, thread_name_prefix="streamgr-onload-fill")
@@ -43,7 +49,7 @@ class OnloadPipeline:
 
     def _staging_buffers(self) -> list[torch.Tensor]:
         if self._staging is None:
-            n = self.layers  # one chunk of all layers = `layers` slices
+            n = self.layers * self.staging_chunks  # `layers` slices = one chunk, all layers
             self._staging = [torch.empty((n, *self.slice_shape), dtype=self.stores.host.dtype,
                                          pin_memory=self.pin) for _ in range(2)]
         return self._staging
@@ -94,7 +100,13 @@ class OnloadPipeline:
             page_ids = page_ids.to(self.stores.device, non_blocking=True)
         host = self.stores.host
         units = [(l, i) for l in range(self.layers) for i in range(len(chunks))]
-        per = self.layers  # slices per staging buffer
+        if self.pin and host.is_pinned():  # a pinned host store needs no staging: DMA from it
+            self._direct(units, chunks, buf, page_ids, handles)
+            return
+        per = self.layers * self.staging_chunks  # slices per staging buffer
+        # numpy views: np.copyto is a plain memcpy that releases the GIL (bf16 seen as int16).
+        host_np = host.view(torch.int16).numpy()
+        stage_np = [st.view(torch.int16).numpy() for st in staging]
         delayed: set[int] = set()
         for g0 in range(0, len(units), per):
             group = units[g0:g0 + per]
@@ -106,7 +118,8 @@ class OnloadPipeline:
             stage = staging[which]
             self._copied[which].synchronize()  # the DMA finished reading this buffer
             # Workers fill the staging buffer; the other one is meanwhile being drained.
-            fill = lambda j: stage[j].copy_(host[chunks[group[j][1]], group[j][0]])  # noqa: E731
+            dst_np = stage_np[which]
+            fill = lambda j: np.copyto(dst_np[j], host_np[chunks[group[j][1]], group[j][0]])  # noqa: E731
             if s.cuda:
                 list(self._workers.map(fill, range(len(group))))
             else:
@@ -119,16 +132,36 @@ class OnloadPipeline:
                 self._copied[which].record(s.onload)
             # Layers whose last slice is in this group are complete: scatter them.
             for l in sorted({l for l, i in group if i == len(chunks) - 1}):
-                landed = s.event(timing=self.trace_events is not None)
-                landed.record(s.onload)
-                if self.trace_events is not None:
-                    self.trace_events[f"landed_{l}"] = landed
-                s.scatter.wait_event(landed)
-                with s.use(s.scatter):
-                    paged_kv.onload_scatter(self.stores.pages, l, buf, page_ids)
-                handles.ready[l].record(s.scatter)
-                handles.issued[l].set()
+                self._layer_landed(l, buf, page_ids, handles)
         self._last_scatter = handles.ready[-1]
+
+    def _direct(self, units, chunks, buf, page_ids, handles) -> None:
+        s = self.streams
+        delayed: set[int] = set()
+        with s.use(s.onload):
+            for l, i in units:
+                if l not in delayed and self.delay_layers.get(l):
+                    delayed.add(l)
+                    time.sleep(self.delay_layers[l])
+                src = self.stores.host[chunks[i], l]
+                buf[i, l].copy_(src, non_blocking=True)
+                self.bytes += src.numel() * src.element_size()
+                if i == len(chunks) - 1:
+                    self._layer_landed(l, buf, page_ids, handles)
+        self._last_scatter = handles.ready[-1]
+
+    def _layer_landed(self, l: int, buf, page_ids, handles) -> None:
+        """Layer ``l``'s copies are all issued: scatter them once landed; signal the layer."""
+        s = self.streams
+        landed = s.event(timing=self.trace_events is not None)
+        landed.record(s.onload)
+        if self.trace_events is not None:
+            self.trace_events[f"landed_{l}"] = landed
+        s.scatter.wait_event(landed)
+        with s.use(s.scatter):
+            paged_kv.onload_scatter(self.stores.pages, l, buf, page_ids)
+        handles.ready[l].record(s.scatter)
+        handles.issued[l].set()
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)

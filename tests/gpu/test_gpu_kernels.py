@@ -91,7 +91,7 @@ def attention_case(users, H, D, P=16, seed=0):
             hk, hv = rnd(hist, H, D), rnd(hist, H, D)
             hk[hist - new:], hv[hist - new:] = ks[-1][:new], vs[-1][:new]
             pos = torch.arange(hist)
-            pi = torch.tensor(pl)[pos // P].to(DEV)
+            pi = torch.tensor(pl, dtype=torch.long)[pos // P].to(DEV)
             st[0][pi, 0, (pos % P).to(DEV)] = hk
             st[0][pi, 1, (pos % P).to(DEV)] = hv
         else:

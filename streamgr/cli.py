@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loop", choices=["auto", "uvloop", "asyncio"], default="auto",
                    help="event loop (auto: uvloop where installed)")
     p.set_defaults(func=cmd_serve)
+
+    from .trace.cli import add_trace_commands
+    add_trace_commands(sub, _overrides)
     return parser
 
 
@@ -104,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except StreamgrError as err:
+    except (StreamgrError, ValueError, OSError) as err:
+        # Bad input (a spec, a trace, a file) is a clean error, never a traceback.
         print(f"streamgr: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -30,6 +30,11 @@ def parse_address(address: str) -> tuple[str, str | int | None]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def _ints(x) -> list[int]:
+    """A list of Python ints from a list or a numpy array (msgspec encodes no numpy scalars)."""
+    return x.tolist() if hasattr(x, "tolist") else list(x)
+
+
 def _expire(fut: asyncio.Future, timeout: float) -> None:
     if not fut.done():
         fut.set_exception(asyncio.TimeoutError(f"no reply within {timeout} s"))
@@ -172,14 +177,14 @@ class AsyncClient:
     async def rank(self, request: api.RankRequest, deadline_ms: float | None = None,
                    timeout: float | None = None) -> api.RankResult:
         reply = await self._call(lambda rid: m.RankRequest(
-            rid, request.user_id, list(request.items), list(request.actions),
-            list(request.candidates), request.base_len, deadline_ms), timeout)
+            rid, request.user_id, _ints(request.items), _ints(request.actions),
+            _ints(request.candidates), request.base_len, deadline_ms), timeout)
         return api.RankResult(scores=reply.scores, stats=msgspec.convert(reply.stats, api.RankStats))
 
     async def generate(self, request, deadline_ms: float | None = None,
                        timeout: float | None = None):
         reply = await self._call(lambda rid: m.GenerateRequest(
-            rid, request.user_id, list(request.history), request.top_k, request.beam_width,
+            rid, request.user_id, _ints(request.history), request.top_k, request.beam_width,
             deadline_ms), timeout)
         from .api import GenerateResult, GenerateStats
         return GenerateResult(items=reply.items, scores=reply.scores, sids=reply.sids,

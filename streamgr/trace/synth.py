@@ -33,6 +33,8 @@ PROFILES = {
     # rank-small sized: runs on a CPU in seconds.
     "small": Profile("small", 16, 320, 500, 1.6, 12, 1000, 16, 8),
     "tiny": Profile("tiny", 6, 40, 60, 3.0, 4, 200, 16, 4),
+    # Generate traces (SID models): item histories, no actions, no candidates.
+    "gen": Profile("gen", 200, 60, 256, 3.0, 6, 1000, 1, 0),
 }
 
 
@@ -123,3 +125,21 @@ class Timeline:
             r = self.trace[i]
             out[r.user] = int(self.ends[i])
         return out
+
+
+def write_synth(profile: str, out, users: int | None = None, seed: int = 0, top_k: int = 10) -> "Header":
+    """``streamgr trace synth``: a synthetic trace file (rank, or generate for ``gen``)."""
+    from .format import GenerateEvent, Header, RankEvent, TraceWriter
+    p = PROFILES[profile]
+    trace = synth_trace(p, seed, users)
+    kind = "generate" if profile == "gen" else "rank"
+    header = Header(kind=kind, source=f"synth:{profile}:seed={seed}", num_items=p.num_items,
+                    num_actions=p.num_actions, users=users or p.users, records=len(trace))
+    with TraceWriter(out, header) as w:
+        for r in trace:
+            if kind == "generate":
+                w.write(GenerateEvent(r.time, r.user, r.items.tolist(), top_k))
+            else:
+                w.write(RankEvent(r.time, r.user, r.items.tolist(), r.actions.tolist(),
+                                  r.candidates.tolist()))
+    return header

@@ -1,0 +1,128 @@
+"""The trace file format (docs/trace-format.md): a versioned header, then a stream of records.
+
+Every frame is a 4-byte big-endian length and a MessagePack body (the socket protocol's
+framing), so a trace of any size is written and read in constant memory. The first frame is a
+``Header``; every other frame is a ``RankEvent`` or a ``GenerateEvent`` (array-like, tagged),
+in arrival order.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from pathlib import Path
+from typing import Iterator, Union
+
+import msgspec
+
+FORMAT = "streamgr-trace"
+VERSION = 1
+_LEN = struct.Struct(">I")
+
+
+class Header(msgspec.Struct, kw_only=True):
+    format: str = FORMAT
+    version: int = VERSION
+    kind: str = "rank"  # "rank" | "generate"
+    source: str = ""  # what it was made from (converter + input files, or synth profile)
+    created: float = msgspec.field(default_factory=time.time)
+    num_items: int = 0  # dense item ids are 0..num_items-1
+    num_actions: int = 0  # action tokens are 0..num_actions-1
+    users: int = 0
+    records: int = 0  # 0 when unknown at writing time
+    item_map: str = ""  # file beside the trace mapping dense ids back to raw ids
+
+
+class RankEvent(msgspec.Struct, array_like=True, tag=1):
+    time: float  # seconds since the trace start
+    user: Union[int, str]
+    items: list[int]  # events new since the user's previous request
+    actions: list[int]
+    candidates: list[int]  # empty: the replay samples them
+
+
+class GenerateEvent(msgspec.Struct, array_like=True, tag=2):
+    time: float
+    user: Union[int, str]
+    items: list[int]  # history items new since the user's previous request
+    top_k: int
+    beam_width: Union[int, None] = None
+
+
+Record = Union[RankEvent, GenerateEvent]
+
+
+class TraceError(ValueError):
+    pass
+
+
+class TraceWriter:
+    def __init__(self, path: str | Path, header: Header) -> None:
+        self.path = Path(path)
+        self._f = open(self.path, "wb")
+        self._enc = msgspec.msgpack.Encoder()
+        self.count = 0
+        self._write(header)
+
+    def _write(self, obj) -> None:
+        body = self._enc.encode(obj)
+        self._f.write(_LEN.pack(len(body)))
+        self._f.write(body)
+
+    def write(self, record) -> None:
+        self._write(record)
+        self.count += 1
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _frames(f) -> Iterator[bytes]:
+    while True:
+        head = f.read(4)
+        if not head:
+            return
+        if len(head) < 4:
+            raise TraceError("truncated frame header")
+        (n,) = _LEN.unpack(head)
+        body = f.read(n)
+        if len(body) < n:
+            raise TraceError("truncated record")
+        yield body
+
+
+def read_header(path: str | Path) -> Header:
+    with open(path, "rb") as f:
+        first = next(_frames(f), None)
+    if first is None:
+        raise TraceError(f"{path}: empty file, not a trace")
+    try:
+        header = msgspec.msgpack.decode(first, type=Header)
+    except msgspec.DecodeError as err:
+        raise TraceError(f"{path}: not a streamgr trace ({err})") from None
+    if header.format != FORMAT:
+        raise TraceError(f"{path}: not a streamgr trace (format {header.format!r})")
+    if header.version > VERSION:
+        raise TraceError(f"{path}: trace version {header.version}, this streamgr reads "
+                         f"up to {VERSION}")
+    return header
+
+
+def read_trace(path: str | Path) -> Iterator[Record]:
+    """The records of a trace, streamed (the header is checked, not yielded)."""
+    read_header(path)
+    dec = msgspec.msgpack.Decoder(Record)
+    with open(path, "rb") as f:
+        frames = _frames(f)
+        next(frames)
+        for i, body in enumerate(frames):
+            try:
+                yield dec.decode(body)
+            except msgspec.DecodeError as err:
+                raise TraceError(f"{path}: record {i}: {err}") from None

@@ -1,0 +1,112 @@
+"""``streamgr trace report``: PNG plots and a markdown summary of replay results.
+
+Plots: latency CDF per mode, total hit ratio over the replay, the stage breakdown stacked per
+mode, and mean latency by tier (GPU hit, host hit, miss).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+def load_results(paths) -> list[tuple[str, dict, list[dict]]]:
+    """[(label, run summary, request records)] of every run in the results files."""
+    out = []
+    for p in map(Path, paths):
+        runs: dict[str, dict] = {}
+        reqs: dict[str, list] = {}
+        with open(p) as f:
+            for n, line in enumerate(f, 1):
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{p}:{n}: not a results line: {err}") from None
+                if rec.get("type") == "run":
+                    runs[rec["mode"]] = rec
+                elif rec.get("type") == "request":
+                    reqs.setdefault(rec["mode"], []).append(rec)
+        if not runs:
+            raise ValueError(f"{p}: no run in this file (not `streamgr trace replay` output?)")
+        for mode, run in runs.items():
+            label = mode if len(paths) == 1 else f"{p.stem}:{mode}"
+            out.append((label, run, reqs.get(mode, [])))
+    return out
+
+
+def write_report(paths, out_dir) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = load_results(paths)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, _, reqs in runs:
+        lat = np.sort([r["latency_ms"] for r in reqs])
+        if lat.size:
+            ax.plot(lat, np.arange(1, lat.size + 1) / lat.size, label=label)
+    ax.set(xlabel="latency (ms)", ylabel="fraction of requests", title="Latency CDF",
+           xscale="log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    files.append(_save(fig, out / "latency_cdf.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, _, reqs in runs:
+        hist = np.cumsum([r["history_tokens"] for r in reqs])
+        hit = np.cumsum([r["from_gpu"] + r["from_host"] for r in reqs])
+        if hist.size and hist[-1]:
+            ax.plot(np.arange(1, hist.size + 1), hit / np.maximum(hist, 1), label=label)
+    ax.set(xlabel="request", ylabel="total hit ratio (cumulative)", title="Hit ratio over time",
+           ylim=(0, 1.02))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    files.append(_save(fig, out / "hit_ratio.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    stages = sorted({k for _, run, _ in runs for k in run.get("stages_ms", {})})
+    bottom = np.zeros(len(runs))
+    for st in stages:
+        vals = np.array([run.get("stages_ms", {}).get(st, 0.0) for _, run, _ in runs])
+        ax.bar([lab for lab, _, _ in runs], vals, bottom=bottom, label=st)
+        bottom += vals
+    ax.set(ylabel="ms", title="Stage breakdown (per batch, mean)")
+    if stages:
+        ax.legend(fontsize=8)
+    files.append(_save(fig, out / "stages.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    tiers = ("gpu", "host", "miss")
+    width = 0.8 / max(len(runs), 1)
+    for j, (label, _, reqs) in enumerate(runs):
+        means = [np.mean([r["latency_ms"] for r in reqs if r["tier"] == t] or [0]) for t in tiers]
+        ax.bar(np.arange(len(tiers)) + j * width, means, width, label=label)
+    ax.set_xticks(np.arange(len(tiers)) + width * (len(runs) - 1) / 2, tiers)
+    ax.set(ylabel="mean latency (ms)", title="Latency by tier")
+    ax.legend()
+    files.append(_save(fig, out / "latency_by_tier.png"))
+
+    lines = ["# Replay report", "", "| run | requests | mean ms | p50 ms | p99 ms | req/s | GPU hit "
+             "| total hit |", "|---|---|---|---|---|---|---|---|"]
+    for label, run, _ in runs:
+        lines.append(f"| {label} | {run['requests']} | {run['mean_ms']:.2f} | {run['p50_ms']:.2f} | "
+                     f"{run['p99_ms']:.2f} | {run['throughput']:.1f} | "
+                     f"{100 * run['gpu_hit_ratio']:.2f}% | {100 * run['total_hit_ratio']:.2f}% |")
+    lines += [""] + [f"![{f.stem}]({f.name})" for f in files]
+    summary = out / "summary.md"
+    summary.write_text("\n".join(lines) + "\n")
+    return files + [summary]
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return path

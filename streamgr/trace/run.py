@@ -1,0 +1,224 @@
+"""``streamgr trace replay``: a trace through the embedded engine or a server.
+
+Each request carries the user's full history so far (the trace holds only the new events).
+Against the embedded engine: ``batch`` runs MTServe's offline replay (batches of distinct users
+in trace order, with the per-stage breakdown); otherwise requests go through the async engine
+closed-loop (``concurrency`` in flight) or open-loop (Poisson ``rate``). Against a server the
+same, over the socket. Results: a JSON-lines file with one ``run`` line per mode (the summary)
+and one ``request`` line per request (latency, stages, tier, tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from ..api import RankRequest
+from ..errors import StreamgrError
+from ..progress import Progress
+from .format import RankEvent, read_header, read_trace
+from .replay import batches_of_distinct_users, replay_batches
+
+MODES = ("recompute", "gpu-only", "hierarchical")
+
+
+class ReplayError(StreamgrError):
+    code = "BAD_TRACE"
+
+
+@dataclass
+class Req:
+    user: object
+    items: np.ndarray
+    actions: np.ndarray
+    candidates: np.ndarray
+
+
+def load_requests(path, num_items: int | None, num_actions: int | None, max_history: int | None,
+                  fold_ids: bool, candidates: int, limit: int | None, seed: int = 0):
+    """Full-history requests of a rank trace; raises naming ``--fold-ids`` if ids do not fit."""
+    header = read_header(path)
+    if header.kind != "rank":
+        raise ReplayError(f"{path}: a {header.kind} trace; replay runs rank traces")
+    rng = np.random.default_rng(seed)
+    hist: dict = {}
+    out: list[Req] = []
+    skipped = 0
+    for n, r in enumerate(read_trace(path)):
+        if limit is not None and len(out) + skipped >= limit:
+            break
+        items = np.asarray(r.items, dtype=np.int64)
+        actions = np.asarray(r.actions, dtype=np.int64)
+        cands = np.asarray(r.candidates, dtype=np.int64)
+        if num_items is not None:
+            if fold_ids:
+                items, cands = items % num_items, cands % num_items
+                actions = actions % num_actions
+            elif (items.size and items.max() >= num_items) or (cands.size and cands.max() >= num_items) \
+                    or (actions.size and actions.max() >= num_actions):
+                raise ReplayError(
+                    f"{path}: record {n}: ids do not fit the model's tables (items < {num_items}, "
+                    f"actions < {num_actions}); pass --fold-ids to fold them in, or use a spec "
+                    f"with larger tables")
+        h = hist.setdefault(r.user, ([], []))
+        h[0].append(items)
+        h[1].append(actions)
+        full_i, full_a = np.concatenate(h[0]), np.concatenate(h[1])
+        h[0][:], h[1][:] = [full_i], [full_a]
+        if max_history is not None and len(full_i) > max_history:
+            skipped += 1  # the model cannot take it; counted, not truncated (that would rewrite)
+            continue
+        if cands.size == 0:
+            cands = rng.choice(num_items or header.num_items, size=candidates, replace=False)
+        out.append(Req(r.user, full_i, full_a, cands))
+    return out, skipped
+
+
+def _record(mode: str, i: int, latency_ms: float, stats) -> dict:
+    s = stats if isinstance(stats, dict) else msgspec.to_builtins(stats)
+    return {"type": "request", "mode": mode, "index": i, "latency_ms": latency_ms,
+            "tier": s.get("tier", ""), "history_tokens": s.get("history_tokens", 0),
+            "from_gpu": s.get("tokens_from_gpu", 0), "from_host": s.get("tokens_from_host", 0),
+            "recomputed": s.get("tokens_recomputed", 0), "stages": s.get("stages", {})}
+
+
+async def _drive(call, reqs: list[Req], concurrency: int, rate: float | None, label: str,
+                 progress: bool, mode: str) -> tuple[list[dict], float, int]:
+    records: list[dict] = []
+    errors = 0
+    rng = np.random.default_rng(1)
+    with Progress(len(reqs), label, enabled=progress) as bar:
+        t0 = time.perf_counter()
+
+        async def one(i: int, r: Req):
+            nonlocal errors
+            t = time.perf_counter()
+            try:
+                res = await call(RankRequest(user_id=r.user, items=r.items, actions=r.actions,
+                                             candidates=r.candidates))
+            except StreamgrError:
+                errors += 1
+            else:
+                records.append(_record(mode, i, (time.perf_counter() - t) * 1e3, res.stats))
+            bar.update()
+
+        if rate:
+            arrivals = np.cumsum(rng.exponential(1.0 / rate, size=len(reqs)))
+            tasks = []
+            for i, r in enumerate(reqs):
+                delay = t0 + arrivals[i] - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.ensure_future(one(i, r)))
+            await asyncio.gather(*tasks)
+        else:
+            it = iter(enumerate(reqs))
+
+            async def worker():
+                for i, r in it:
+                    await one(i, r)
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    records.sort(key=lambda x: x["index"])
+    return records, wall, errors
+
+
+def summarize(mode: str, records: list[dict], wall: float, errors: int, extra: dict) -> dict:
+    lat = np.array([r["latency_ms"] for r in records]) if records else np.zeros(1)
+    hist = sum(r["history_tokens"] for r in records)
+    gpu = sum(r["from_gpu"] for r in records)
+    host = sum(r["from_host"] for r in records)
+    stages: dict[str, float] = {}
+    for r in records:
+        for k, v in r["stages"].items():
+            stages[k] = stages.get(k, 0.0) + v / len(records)
+    return {"type": "run", "mode": mode, "requests": len(records), "errors": errors,
+            "mean_ms": float(lat.mean()), "p50_ms": float(np.percentile(lat, 50)),
+            "p99_ms": float(np.percentile(lat, 99)), "throughput": len(records) / max(wall, 1e-9),
+            "gpu_hit_ratio": gpu / hist if hist else 0.0,
+            "total_hit_ratio": (gpu + host) / hist if hist else 0.0, "stages_ms": stages, **extra}
+
+
+def replay_trace(trace, out, spec=None, overrides=None, server: str | None = None,
+                 batch: int | None = None, rate: float | None = None, concurrency: int = 8,
+                 compare_modes: bool = False, limit: int | None = None, fold_ids: bool = False,
+                 candidates: int = 32, progress: bool = True) -> list[dict]:
+    from ..config import load_spec
+    from ..engine import Engine
+    sp = load_spec(spec, overrides) if spec is not None else None
+    m = sp.model if sp is not None else None
+    reqs, skipped = load_requests(trace, m and m.num_items, m and m.num_actions,
+                                  m and m.max_history, fold_ids,
+                                  min(candidates, m.max_candidates) if m else candidates, limit)
+    if not reqs:
+        raise ReplayError(f"{trace}: no request to replay ({skipped} over the model's max history)")
+    modes = MODES if compare_modes else ((sp.cache.mode,) if sp is not None else ("server",))
+    runs: list[dict] = []
+    lines: list[dict] = []
+    for mode in modes:
+        extra = {"trace": str(trace), "spec": sp.name if sp else None, "server": server,
+                 "skipped_over_max_history": skipped}
+        if server is not None:
+            from ..client import AsyncClient
+
+            async def go():
+                async with AsyncClient(server) as c:
+                    return await _drive(c.rank, reqs, concurrency, rate, f"replay {server}",
+                                        progress, mode)
+            records, wall, errors = asyncio.run(go())
+        elif batch:
+            eng = Engine(load_spec(sp, {"cache.mode": mode}))
+            groups = list(batches_of_distinct_users(((r, r.items, r.actions) for r in reqs),
+                                                    batch))
+            res = replay_batches(eng, groups, label=f"replay {mode} bs={batch}", progress=progress)
+            eng.runner.close()
+            records = [_record(mode, rec.index, rec.latency_ms, {
+                "tier": rec.tier, "history_tokens": rec.history_tokens,
+                "tokens_from_gpu": rec.from_gpu, "tokens_from_host": rec.from_host,
+                "tokens_recomputed": rec.recomputed, "stages": {}}) for rec in res.records]
+            per_batch = {k: v / max(res.batches, 1) for k, v in res.stages.items()}
+            for r in records:
+                r["stages"] = per_batch
+            wall, errors = res.wall_s, 0
+        else:
+            async def go():
+                async with Engine.from_spec(sp, {"cache.mode": mode}) as eng:
+                    return await _drive(eng.rank, reqs, concurrency, rate, f"replay {mode}",
+                                        progress, mode)
+            records, wall, errors = asyncio.run(go())
+        run = summarize(mode, records, wall, errors, extra)
+        runs.append(run)
+        lines += [run, *records]
+    with open(out, "wb") as f:
+        enc = msgspec.json.Encoder()
+        for line in lines:
+            f.write(enc.encode(line) + b"\n")
+    return runs
+
+
+def format_runs(runs: list[dict]) -> str:
+    head = ("mode", "requests", "mean ms", "p50 ms", "p99 ms", "req/s", "GPU hit", "total hit")
+    rows = [(r["mode"], str(r["requests"]), f"{r['mean_ms']:.2f}", f"{r['p50_ms']:.2f}",
+             f"{r['p99_ms']:.2f}", f"{r['throughput']:.1f}", f"{100 * r['gpu_hit_ratio']:.2f}%",
+             f"{100 * r['total_hit_ratio']:.2f}%") for r in runs]
+    w = [max(len(h), *(len(x[i]) for x in rows)) for i, h in enumerate(head)]
+    fmt = lambda cells: "  ".join(c.rjust(n) for c, n in zip(cells, w))  # noqa: E731
+    lines = [fmt(head), fmt(["-" * n for n in w]), *map(fmt, rows)]
+    stage_names = sorted({k for r in runs for k in r["stages_ms"]})
+    if stage_names:
+        lines.append("stage breakdown, mean ms: " + "; ".join(
+            f"{r['mode']}: " + ", ".join(f"{k} {r['stages_ms'].get(k, 0):.2f}" for k in stage_names)
+            for r in runs))
+    base = next((r for r in runs if r["mode"] == "recompute"), None)
+    if base and len(runs) > 1:
+        lines.append("speed-up vs recompute (mean latency): " + ", ".join(
+            f"{r['mode']} {base['mean_ms'] / r['mean_ms']:.2f}x" for r in runs))
+    if runs and runs[0].get("skipped_over_max_history"):
+        lines.append(f"{runs[0]['skipped_over_max_history']} requests skipped: history over the "
+                     f"model's max_history (raise it with --set model.max_history=N)")
+    return "\n".join(lines)

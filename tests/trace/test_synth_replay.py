@@ -1,0 +1,120 @@
+"""Synthetic traces against their profile; replay end to end (engine and a real server);
+compare-modes; report PNGs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from streamgr.trace.format import read_header, read_trace
+from streamgr.trace.report import write_report
+from streamgr.trace.run import ReplayError, replay_trace
+from streamgr.trace.stats import trace_stats
+from streamgr.trace.synth import PROFILES, synth_trace, write_synth
+from tests.conftest import small_overrides
+from tests.protocol.helpers import ServerThread
+
+
+def test_synth_kuairand_profile_statistics():
+    p = PROFILES["kuairand-1k"]
+    trace = synth_trace("kuairand-1k", seed=3, users=300)
+    lengths, per_user_times = {}, {}
+    for r in trace:
+        lengths[r.user] = lengths.get(r.user, 0) + len(r.items)
+        per_user_times.setdefault(r.user, []).append(r.time)
+    L = np.array(list(lengths.values()))
+    assert abs(L.mean() - p.mean_history) / p.mean_history < 0.15, L.mean()
+    assert L.min() >= 1 and L.max() <= p.max_history
+    per_req = np.array([len(r.items) for r in trace])
+    assert abs(per_req.mean() - p.events_per_request) / p.events_per_request < 0.15
+    gaps = np.concatenate([np.diff(t) for t in per_user_times.values()])
+    assert np.median(gaps) < 600  # bursty: most returns within minutes
+    assert np.percentile(gaps, 99) > 1800  # a heavy tail returns much later:
+    assert np.percentile(gaps, 99.9) > 4 * 3600  # hours, for some
+    assert all(np.all(np.diff(t) >= 0) for t in per_user_times.values())
+
+
+def test_synth_gen_profile(tmp_path):
+    h = write_synth("gen", tmp_path / "g.trace", users=20, seed=1)
+    assert read_header(tmp_path / "g.trace").kind == "generate" and h.records > 20
+    rec = next(read_trace(tmp_path / "g.trace"))
+    assert rec.top_k == 10 and rec.items
+
+
+@pytest.fixture
+def tiny_trace(tmp_path):
+    write_synth("tiny", tmp_path / "t.trace", seed=2)
+    return tmp_path / "t.trace"
+
+
+def test_stats_with_spec(tiny_trace):
+    from streamgr.config import load_spec
+    s = trace_stats(tiny_trace, load_spec("rank-small"))
+    assert s["users"] == 6 and s["requests"] > 6 and s["working_set_tokens"] > 0
+    assert s["fits_embedding_tables"] is True
+
+
+def test_replay_engine_compare_modes_and_report(tiny_trace, tmp_path):
+    out = tmp_path / "r.jsonl"
+    runs = replay_trace(tiny_trace, out, spec="rank-small", overrides=small_overrides(),
+                        compare_modes=True, batch=2, progress=False)
+    assert [r["mode"] for r in runs] == ["recompute", "gpu-only", "hierarchical"]
+    assert runs[0]["total_hit_ratio"] == 0.0 and runs[2]["total_hit_ratio"] > 0.5
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    reqs = [x for x in lines if x["type"] == "request"]
+    assert len(reqs) == 3 * runs[0]["requests"] and {"latency_ms", "tier", "stages"} <= set(reqs[0])
+    files = write_report([out], tmp_path / "rep")
+    pngs = [f for f in files if f.suffix == ".png"]
+    assert len(pngs) == 4
+    for f in pngs:
+        data = f.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert "| hierarchical |" in (tmp_path / "rep" / "summary.md").read_text()
+
+
+def test_replay_closed_loop_engine(tiny_trace, tmp_path):
+    runs = replay_trace(tiny_trace, tmp_path / "r.jsonl", spec="rank-small",
+                        overrides=small_overrides(**{"cache.mode": "hierarchical"}),
+                        concurrency=4, progress=False)
+    assert runs[0]["requests"] > 0 and runs[0]["errors"] == 0 and runs[0]["total_hit_ratio"] > 0
+
+
+def test_replay_against_a_real_server(tiny_trace, tmp_path):
+    with ServerThread("uvloop", overrides={"cache.mode": "hierarchical"}) as srv:
+        runs = replay_trace(tiny_trace, tmp_path / "s.jsonl", server=srv.addr, concurrency=4,
+                            progress=False)
+        served = srv.counters()["rank_requests"]
+    assert runs[0]["requests"] == served > 0 and runs[0]["errors"] == 0
+    assert runs[0]["total_hit_ratio"] > 0
+
+
+def test_replay_ids_that_do_not_fit_name_fold_ids(tmp_path):
+    write_synth("small", tmp_path / "s.trace", users=3, seed=0)
+    ov = small_overrides(**{"model.num_items": 50})
+    with pytest.raises(ReplayError, match="--fold-ids"):
+        replay_trace(tmp_path / "s.trace", tmp_path / "x.jsonl", spec="rank-small", overrides=ov,
+                     progress=False)
+    runs = replay_trace(tmp_path / "s.trace", tmp_path / "x.jsonl", spec="rank-small",
+                        overrides=ov, fold_ids=True, limit=40, progress=False)
+    assert runs[0]["requests"] + runs[0]["skipped_over_max_history"] == 40
+
+
+def test_cli_end_to_end(tmp_path):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "streamgr", "trace", *a],  # noqa: E731
+                                    capture_output=True, text=True, timeout=300)
+    p = run("synth", "--profile", "tiny", "--seed", "1", "-o", str(tmp_path / "t.trace"))
+    assert p.returncode == 0, p.stderr
+    p = run("stats", str(tmp_path / "t.trace"), "--spec", "rank-small")
+    assert p.returncode == 0 and "working set" in p.stdout
+    p = run("replay", str(tmp_path / "t.trace"), "--spec", "rank-small", "--set",
+            "engine.device=cpu", "--compare-modes", "--batch", "2", "-o", str(tmp_path / "r.jsonl"))
+    assert p.returncode == 0, p.stderr
+    assert "speed-up vs recompute" in p.stdout and "hierarchical" in p.stdout
+    p = run("report", str(tmp_path / "r.jsonl"), "-o", str(tmp_path / "rep"))
+    assert p.returncode == 0 and (tmp_path / "rep" / "latency_cdf.png").is_file()
+    p = run("replay", str(tmp_path / "missing.trace"), "--spec", "rank-small", "-o", "x")
+    assert p.returncode == 2 and "Traceback" not in p.stderr

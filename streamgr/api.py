@@ -42,4 +42,30 @@ class RankResult(msgspec.Struct, kw_only=True):
     stats: RankStats
 
 
-__all__ = ["RankRequest", "RankResult", "RankStats"]
+
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True):
+    """Generate ``top_k`` items for a user from its item history (oldest first)."""
+
+    user_id: int | str
+    history: list[int]
+    top_k: int
+    beam_width: int | None = None  # applies to every step; default: the policy's widths
+
+
+class GenerateStats(msgspec.Struct, kw_only=True):
+    batch_size: int = 0
+    queue_ms: float = 0.0
+    compute_ms: float = 0.0
+    total_ms: float = 0.0
+    context_tokens: int = 0
+    steps: dict[str, float] = msgspec.field(default_factory=dict)  # encoder/decoder/selection/compaction ms
+
+
+class GenerateResult(msgspec.Struct, kw_only=True):
+    items: list[int]  # best first
+    scores: list[float]  # summed log-probabilities of each item's SID
+    sids: list[list[int]]  # each item's SID codes
+    stats: GenerateStats
+__all__ = ["RankRequest", "RankResult", "RankStats", "GenerateRequest", "GenerateResult", "GenerateStats"]

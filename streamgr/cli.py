@@ -37,6 +37,8 @@ def cmd_init_model(args) -> int:
     from .models import HSTU, hstu_config_from_spec
     from .models.checkpoint import save_checkpoint
     spec = load_spec(args.spec, _overrides(args.overrides))
+    if spec.model.family == "t5":
+        return _init_generator(spec, args)
     cfg = hstu_config_from_spec(spec.model)
     model = HSTU(cfg).init_random(args.seed)
     out = save_checkpoint(model, cfg, args.out)
@@ -47,6 +49,57 @@ def cmd_init_model(args) -> int:
     n = sum(p.numel() for p in model.parameters())
     print(f"wrote {out}/config.json, model.safetensors ({n:,} parameters) and spec.toml")
     return 0
+
+
+def _init_generator(spec, args) -> int:
+    """A random T5 checkpoint in Hugging Face's layout, a random catalog, and a spec for both."""
+    import json
+
+    import msgspec
+    from safetensors.torch import save_file
+
+    from .config import spec_to_toml
+    from .models.generator import build_catalog, t5_config_from_spec
+    from .models.t5 import T5
+    from .selection.vocabulary import save_catalog
+    cfg = t5_config_from_spec(spec)
+    model = T5(cfg).init_random(args.seed)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    hf = {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"],
+          "is_encoder_decoder": True, **msgspec.to_builtins(cfg)}
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
+    save_catalog(build_catalog(spec), out / "catalog.csv")
+    cat = msgspec.structs.replace(spec.catalog, path="catalog.csv", random_items=0)
+    m = msgspec.structs.replace(spec.model, checkpoint=".", init_seed=None)
+    (out / "spec.toml").write_text(spec_to_toml(msgspec.structs.replace(spec, model=m, catalog=cat)))
+    n = sum(p.numel() for p in model.parameters())
+    print(f"wrote {out}/config.json, model.safetensors ({n:,} parameters), catalog.csv and spec.toml")
+    return 0
+
+
+def cmd_contract(args) -> int:
+    import json
+
+    from .config import load_spec
+    from .engine.core import resolve_device, resolve_dtype
+    from .models.generator import build_generator
+    spec = load_spec(args.spec, _overrides(args.overrides))
+    if spec.generate_model is None:
+        raise StreamgrError(f"spec {spec.name} has no generate model: no deployment contract")
+    device = torch_device("cpu")
+    _, _, _, contract = build_generator(spec, device, resolve_dtype(spec.generate_model.dtype,
+                                                                    resolve_device("cpu")))
+    if not args.weights:
+        contract["weights"] = f"{len(contract['weights'])} tensors (--weights lists them)"
+    print(json.dumps(contract, indent=1))
+    return 0
+
+
+def torch_device(name: str):
+    import torch
+    return torch.device(name)
 
 
 def cmd_demo(args) -> int:
@@ -80,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("contract", help="print the deployment contract of a generate spec")
+    _add_spec(p)
+    p.add_argument("--weights", action="store_true", help="list every weight binding")
+    p.set_defaults(func=cmd_contract)
 
     p = sub.add_parser("serve", help="serve a spec over the msgspec socket protocol")
     _add_spec(p)

@@ -28,7 +28,7 @@ class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ModelSpec(_Section, kw_only=True):
-    family: Literal["hstu"] = "hstu"
+    family: Literal["hstu", "t5"] = "hstu"
     # Exactly one of checkpoint (a directory with config.json + model.safetensors) or init_seed
     # (random weights with the sizes below).
     checkpoint: str | None = None
@@ -42,6 +42,13 @@ class ModelSpec(_Section, kw_only=True):
     num_actions: int = 16
     max_history: int = 512  # events (item, action) per user
     max_candidates: int = 64
+    # T5 (family = "t5") sizes for init_seed models; a checkpoint's config.json fixes them.
+    # model_dim, num_layers, num_heads and head_dim (d_kv) above apply too.
+    num_decoder_layers: int | None = None
+    d_ff: int = 256
+    feed_forward_proj: Literal["relu", "gated-gelu"] = "relu"
+    tie_word_embeddings: bool = True
+    vocab_size: int | None = None  # default: token_offset + sum(codebook_sizes)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "model_dim", "num_heads", "head_dim", "num_items",
@@ -92,14 +99,67 @@ class CacheSpec(_Section, kw_only=True):
             raise ValueError("`chunk_tokens` must be a multiple of `page_tokens`")
 
 
+class CatalogSpec(_Section, kw_only=True):
+    """The SID vocabulary of a generate model."""
+
+    path: str | None = None  # CSV `item_id,s1,s2,...` or .npy [items, 1 + depth]
+    random_items: int = 0  # without a path: this many items with random distinct SIDs
+    random_seed: int = 0
+    codebook_sizes: list[int] = msgspec.field(default_factory=lambda: [16, 16, 16])
+    token_offset: int = 3  # model token of level 0 code 0 (after pad 0, eos 1, unk 2)
+    sid_policy: Literal["all", "first"] = "all"  # items sharing one SID: all of them, or first
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.random_items <= 0):
+            raise ValueError("one of `path` or `random_items` is required")
+        if not self.codebook_sizes or min(self.codebook_sizes) < 1:
+            raise ValueError("`codebook_sizes` must be positive")
+        if self.token_offset < 2:
+            raise ValueError("`token_offset` must leave room for pad (0) and eos (1)")
+
+
+class PolicySpec(_Section, kw_only=True):
+    """The selection policy overlay of a generate deployment."""
+
+    beam_widths: list[int] = msgspec.field(default_factory=lambda: [16, 16, 16])  # per step
+    top_k: int = 10  # default number of items returned
+    max_top_k: int = 1024
+    max_context_items: int = 256  # history items the encoder reads (the newest)
+    append_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.beam_widths or min(self.beam_widths) < 1:
+            raise ValueError("`beam_widths` must be positive")
+        if self.top_k < 1 or self.max_context_items < 1:
+            raise ValueError("`top_k` and `max_context_items` must be >= 1")
+
+
 class Spec(_Section, kw_only=True):
     name: str = "unnamed"
     model: ModelSpec
     engine: EngineSpec = msgspec.field(default_factory=EngineSpec)
     cache: CacheSpec = msgspec.field(default_factory=CacheSpec)
+    # A second, generate model beside an HSTU `model`: the engine then serves both.
+    generator: ModelSpec | None = None
+    catalog: CatalogSpec | None = None
+    policy: PolicySpec = msgspec.field(default_factory=PolicySpec)
+
+    def __post_init__(self) -> None:
+        gen = self.model if self.model.family == "t5" else self.generator
+        if gen is not None and gen.family != "t5":
+            raise ValueError("`generator.family` must be \"t5\"")
+        if gen is not None and self.catalog is None:
+            raise ValueError("a generate model needs a [catalog] section")
+        if gen is not None and self.catalog and len(self.policy.beam_widths) != len(self.catalog.codebook_sizes):
+            raise ValueError(f"`policy.beam_widths` has {len(self.policy.beam_widths)} steps, the "
+                             f"SIDs have {len(self.catalog.codebook_sizes)} levels")
+
+    @property
+    def generate_model(self) -> ModelSpec | None:
+        return self.model if self.model.family == "t5" else self.generator
 
 
-BUILTIN_SPECS = ("rank-small", "rank-ref")
+BUILTIN_SPECS = ("rank-small", "rank-ref", "gen-small", "gen-ref")
 
 _PATH_RE = re.compile(r"`\$((?:\.[A-Za-z_][\w-]*|\[\d+\])*)`")
 
@@ -197,10 +257,12 @@ def load_spec(path_or_spec: str | Path | Spec | Mapping[str, Any],
         except tomllib.TOMLDecodeError as err:
             raise SpecError(f"{path}: not valid TOML: {err}") from None
         source = str(path)
-        ckpt = raw.get("model", {}).get("checkpoint")
-        if isinstance(ckpt, str) and not Path(ckpt).is_absolute():
-            # A relative checkpoint is relative to the spec file, so specs travel with models.
-            raw.setdefault("model", {})["checkpoint"] = str((path.parent / ckpt).resolve())
+        for section, key in (("model", "checkpoint"), ("generator", "checkpoint"),
+                             ("catalog", "path")):
+            val = raw.get(section, {}).get(key) if isinstance(raw.get(section), dict) else None
+            if isinstance(val, str) and not Path(val).is_absolute():
+                # Relative paths are relative to the spec file, so specs travel with models.
+                raw[section][key] = str((path.parent / val).resolve())
     spec = decode_spec(apply_overrides(raw, overrides), source)
     return spec
 

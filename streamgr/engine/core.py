@@ -17,15 +17,18 @@ from typing import Any, Mapping
 
 import torch
 
-from ..api import RankRequest, RankResult, RankStats
+from ..api import (GenerateRequest, GenerateResult, GenerateStats, RankRequest, RankResult,
+                   RankStats)
 from ..config import Spec, load_spec
-from ..errors import EngineClosed, EngineDead, Overloaded, StreamgrError
+from ..errors import (EngineClosed, EngineDead, Overloaded, StreamgrError,
+                      UnsupportedRequest)
 from ..cache import HistoryStore, KVCacheManager
 from ..cache.store import KVStores
 from ..errors import ContractError
 from ..models import build_ranker
 from .batcher import Batcher, Pending
 from .cached_rank import CachedRankRunner
+from .generate import GenerateRunner
 from .metrics import EngineMetrics
 from .rank import RankRunner, prepare_rank
 
@@ -54,8 +57,16 @@ class Engine:
         self.device = resolve_device(spec.engine.device)
         self.dtype = resolve_dtype(spec.model.dtype, self.device)
         self._loads = 0
-        model, version = self._build_model(spec.model)
-        self.runner = self._build_runner(model, version)
+        self.runner: RankRunner | None = None
+        self.gen_runner: GenerateRunner | None = None
+        if spec.model.family == "hstu":
+            model, version = self._build_model(spec.model)
+            self.runner = self._build_runner(model, version)
+        if spec.generate_model is not None:
+            from ..models.generator import build_generator
+            gmodel, source, trie, contract = build_generator(spec, self.device, self.dtype)
+            self._loads += 1
+            self.gen_runner = GenerateRunner(gmodel, f"{self._loads}:{source}", trie, contract, spec)
         self.metrics = EngineMetrics()
         self._batcher: Batcher | None = None
         self._task: asyncio.Task | None = None
@@ -87,17 +98,27 @@ class Engine:
 
     @property
     def model(self):
-        return self.runner.model
+        return self.runner.model if self.runner is not None else self.gen_runner.model
 
     @property
     def weights_version(self) -> str:
-        return self.runner.version
+        return (self.runner or self.gen_runner).version
+
+    @property
+    def serves_rank(self) -> bool:
+        return self.runner is not None
+
+    @property
+    def serves_generate(self) -> bool:
+        return self.gen_runner is not None
 
     async def update_weights(self, checkpoint: str | None = None, init_seed: int | None = None) -> str:
         """Load new weights of the same architecture off the request path, then cut over between
         batches: in-flight batches finish on the old weights; cached K/V of the old version are
         never served again (they are dropped as their users return). Returns the new version."""
         import msgspec
+        if self.runner is None:
+            raise UnsupportedRequest("update_weights reloads the rank model; this spec has none")
         if (checkpoint is None) == (init_seed is None):
             raise StreamgrError("give exactly one of checkpoint or init_seed")
         new_spec = msgspec.structs.replace(self.spec.model, checkpoint=checkpoint, init_seed=init_seed)
@@ -125,9 +146,13 @@ class Engine:
         if self._task is not None:
             return self
         self._closing = False
-        self._batcher = Batcher(self.spec.engine.max_batch, self.spec.engine.max_wait_ms)
+        e = self.spec.engine
+        self._batcher = Batcher(e.max_batch, e.max_wait_ms)
+        self._gen_batcher = Batcher(e.max_batch, e.max_wait_ms)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamgr-exec")
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="streamgr-batcher")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._loop(), name="streamgr-batcher")
+        self._gen_task = loop.create_task(self._gen_loop(), name="streamgr-gen-batcher")
         return self
 
     async def close(self, drain_timeout: float = 30.0) -> None:
@@ -138,13 +163,17 @@ class Engine:
         t_end = time.monotonic() + drain_timeout
         while self._inflight and time.monotonic() < t_end and not self._task.done():
             await asyncio.sleep(0.005)
-        self._task.cancel()
-        try:
-            await self._task
-        except (asyncio.CancelledError, Exception):
-            pass
-        self._batcher.fail_all(lambda: EngineClosed("engine closed"))
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.close)
+        for task in (self._task, self._gen_task):
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        for b in (self._batcher, self._gen_batcher):
+            b.fail_all(lambda: EngineClosed("engine closed"))
+        for runner in (self.runner, self.gen_runner):
+            if runner is not None:
+                await asyncio.get_running_loop().run_in_executor(self._executor, runner.close)
         self._executor.shutdown(wait=True)
         self._task = None
 
@@ -172,6 +201,8 @@ class Engine:
         withdraws the request: the batcher skips it if it has not run yet.
         """
         self._admit()
+        if self.runner is None:
+            raise UnsupportedRequest(f"spec {self.spec.name} does not serve rank")
         try:
             prepared = prepare_rank(request, self.runner.model.cfg)
         except StreamgrError:
@@ -182,6 +213,50 @@ class Engine:
         fut.add_done_callback(self._settled)
         self._batcher.put(Pending(("rank", prepared.user), prepared, fut))
         return fut
+
+    def submit_generate(self, request: GenerateRequest) -> asyncio.Future:
+        """Admit a generate request; the future of its ``GenerateResult``."""
+        self._admit()
+        if self.gen_runner is None:
+            raise UnsupportedRequest(f"spec {self.spec.name} does not serve generate")
+        try:
+            prepared = self.gen_runner.prepare(request)
+        except StreamgrError:
+            self.metrics.count("generate_invalid")
+            raise
+        fut = asyncio.get_running_loop().create_future()
+        self._inflight += 1
+        fut.add_done_callback(self._settled)
+        # Generation keeps no per-user state: the same user may share a batch.
+        self._gen_batcher.put(Pending(("gen", id(fut)), prepared, fut))
+        return fut
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """The top-k items (and SIDs, scores) for a user's history by beam search."""
+        return await self.submit_generate(request)
+
+    async def _gen_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._gen_batcher.next_batch()
+            t_start = time.perf_counter()
+            try:
+                outcome = await loop.run_in_executor(
+                    self._executor, self.gen_runner.run, [p.payload for p in batch])
+            except Exception as err:
+                self._on_batch_error(batch, err)
+                continue
+            t_done = time.perf_counter()
+            for p, ((items, scores, sids), per) in zip(batch, outcome.results):
+                if p.future.done():
+                    continue
+                stats = GenerateStats(batch_size=len(batch), queue_ms=(t_start - p.enqueued) * 1e3,
+                                      compute_ms=(t_done - t_start) * 1e3,
+                                      total_ms=(t_done - p.enqueued) * 1e3,
+                                      steps=outcome.stages, **per)
+                self.metrics.count("generate_requests")
+                p.future.set_result(GenerateResult(items=items, scores=scores, sids=sids,
+                                                   stats=stats))
 
     def _settled(self, fut: asyncio.Future) -> None:
         self._inflight -= 1
@@ -196,7 +271,9 @@ class Engine:
         out = self.metrics.snapshot()
         if isinstance(self.runner, CachedRankRunner):
             out["cache"] = self.runner.snapshot()
-        out.update(inflight=self._inflight, queued=len(self._batcher) if self._batcher else 0,
+        out["serves"] = [k for k, r in (("rank", self.runner), ("generate", self.gen_runner)) if r]
+        queued = (len(self._batcher) + len(self._gen_batcher)) if self._batcher else 0
+        out.update(inflight=self._inflight, queued=queued,
                    device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
                    cache_mode=self.spec.cache.mode, weights_version=self.weights_version)
         return out
@@ -205,7 +282,7 @@ class Engine:
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
+        while self.runner is not None:
             batch = await self._batcher.next_batch()
             t_start = time.perf_counter()
             try:
@@ -249,4 +326,5 @@ class Engine:
                     err if isinstance(err, StreamgrError) else StreamgrError(f"batch failed: {err!r}"))
                 p.future.set_exception(wrapped)
         if fatal:
-            self._batcher.fail_all(lambda: EngineDead(f"engine is dead: {err!r}"))
+            for b in (self._batcher, self._gen_batcher):
+                b.fail_all(lambda: EngineDead(f"engine is dead: {err!r}"))

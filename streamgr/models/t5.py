@@ -1,0 +1,271 @@
+"""A T5-style encoder-decoder that loads Hugging Face T5 checkpoints (TIGER/GRID-style SID models).
+
+Relative position buckets (bidirectional in the encoder, causal in the decoder), RMS layer norm
+in fp32, relu or gated-gelu feed-forward, tied (with T5's ``d_model ** -0.5`` rescaling) or
+untied head, attention without 1/sqrt(d) scaling. Written from T5's definition, no
+``transformers`` import. Tensor names are Hugging Face's (``shared.weight``,
+``encoder.block.{i}.layer.0.SelfAttention.q.weight``, ... ``lm_head.weight``).
+
+Decoding is split the way the SID runtime needs it: ``encode`` once per request; ``cross_kv``
+once per request (kept at [requests], never copied per beam); ``decode_step`` for all live
+beams with their own self K/V, attending the cross K/V of their request by index.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class T5Config(msgspec.Struct, kw_only=True):
+    """The fields of a Hugging Face T5 ``config.json`` this model uses (others are ignored)."""
+
+    vocab_size: int
+    d_model: int
+    d_kv: int
+    d_ff: int
+    num_layers: int
+    num_heads: int
+    num_decoder_layers: int | None = None
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    layer_norm_epsilon: float = 1e-6
+    feed_forward_proj: str = "relu"
+    tie_word_embeddings: bool = True
+    # transformers 5 keeps the head tied and says separately whether the decoder output is
+    # rescaled by d_model ** -0.5 before it; older configs imply it from tie_word_embeddings.
+    scale_decoder_outputs: bool | None = None
+    decoder_start_token_id: int = 0
+    pad_token_id: int = 0
+    eos_token_id: int = 1
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.num_decoder_layers if self.num_decoder_layers is not None else self.num_layers
+
+    @property
+    def scale_outputs(self) -> bool:
+        return self.tie_word_embeddings if self.scale_decoder_outputs is None \
+            else self.scale_decoder_outputs
+
+    @property
+    def gated(self) -> bool:
+        return self.feed_forward_proj.startswith("gated")
+
+
+def relative_bucket(rel: torch.Tensor, bidirectional: bool, num_buckets: int,
+                    max_distance: int) -> torch.Tensor:
+    """T5's bucketing of ``key position - query position``."""
+    buckets = torch.zeros_like(rel)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (rel > 0).long() * num_buckets
+        rel = rel.abs()
+    else:
+        rel = -torch.clamp(rel, max=0)
+    max_exact = num_buckets // 2
+    small = rel < max_exact
+    large = max_exact + (torch.log(rel.float().clamp(min=1) / max_exact)
+                         / math.log(max_distance / max_exact) * (num_buckets - max_exact)).long()
+    large = torch.clamp(large, max=num_buckets - 1)
+    return buckets + torch.where(small, rel, large)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        y = x.float() * torch.rsqrt(var + self.eps)
+        return (self.weight * y.to(self.weight.dtype)) if self.weight.dtype != torch.float32 \
+            else self.weight * y
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: T5Config, relative_bias: bool) -> None:
+        super().__init__()
+        inner = cfg.num_heads * cfg.d_kv
+        self.h, self.d = cfg.num_heads, cfg.d_kv
+        self.q = nn.Linear(cfg.d_model, inner, bias=False)
+        self.k = nn.Linear(cfg.d_model, inner, bias=False)
+        self.v = nn.Linear(cfg.d_model, inner, bias=False)
+        self.o = nn.Linear(inner, cfg.d_model, bias=False)
+        if relative_bias:
+            self.relative_attention_bias = nn.Embedding(cfg.relative_attention_num_buckets, cfg.num_heads)
+
+    def heads(self, x: torch.Tensor) -> torch.Tensor:  # [..., T, H*d] -> [..., H, T, d]
+        return x.view(*x.shape[:-1], self.h, self.d).transpose(-3, -2)
+
+
+def attend(q, k, v, bias) -> torch.Tensor:
+    """softmax(q k^T + bias) v in fp32 softmax, as T5 does (no 1/sqrt(d))."""
+    s = torch.matmul(q, k.transpose(-1, -2)).float()
+    if bias is not None:
+        s = s + bias
+    return torch.matmul(F.softmax(s, dim=-1).to(v.dtype), v)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: T5Config) -> None:
+        super().__init__()
+        if cfg.gated:
+            self.wi_0 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+            self.wi_1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        else:
+            self.wi = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.wo = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.gated = cfg.gated
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:  # gated-gelu uses the tanh approximation ("gelu_new")
+            return self.wo(F.gelu(self.wi_0(x), approximate="tanh") * self.wi_1(x))
+        return self.wo(F.relu(self.wi(x)))
+
+
+class _Sub(nn.Module):
+    """``layer.{j}`` of a block: an attention or feed-forward with its pre-norm."""
+
+    def __init__(self, cfg: T5Config, inner: nn.Module, name: str) -> None:
+        super().__init__()
+        setattr(self, name, inner)
+        self.layer_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: T5Config, decoder: bool, relative_bias: bool) -> None:
+        super().__init__()
+        subs = [_Sub(cfg, Attention(cfg, relative_bias), "SelfAttention")]
+        if decoder:
+            subs.append(_Sub(cfg, Attention(cfg, False), "EncDecAttention"))
+        subs.append(_Sub(cfg, FeedForward(cfg), "DenseReluDense"))
+        self.layer = nn.ModuleList(subs)
+
+
+class Stack(nn.Module):
+    def __init__(self, cfg: T5Config, decoder: bool) -> None:
+        super().__init__()
+        n = cfg.decoder_layers if decoder else cfg.num_layers
+        self.block = nn.ModuleList(Block(cfg, decoder, i == 0) for i in range(n))
+        self.final_layer_norm = RMSNorm(cfg.d_model, cfg.layer_norm_epsilon)
+
+
+class T5(nn.Module):
+    def __init__(self, cfg: T5Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.shared = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.encoder = Stack(cfg, decoder=False)
+        self.decoder = Stack(cfg, decoder=True)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def init_random(self, seed: int) -> "T5":
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in sorted(self.named_parameters()):
+                if "layer_norm" in name:
+                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+                elif "relative_attention_bias" in name:
+                    p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+                else:
+                    fan = p.shape[1] if p.dim() == 2 and "shared" not in name else self.cfg.d_model
+                    p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan))
+        return self
+
+    def _bias(self, attn: Attention, q_pos: torch.Tensor, k_pos: torch.Tensor,
+              bidirectional: bool) -> torch.Tensor:
+        rel = k_pos[None, :] - q_pos[:, None]
+        b = relative_bucket(rel, bidirectional, self.cfg.relative_attention_num_buckets,
+                            self.cfg.relative_attention_max_distance)
+        return attn.relative_attention_bias(b).permute(2, 0, 1).float()  # [H, Q, K]
+
+    @torch.inference_mode()
+    def encode(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``tokens`` [R, S] (right-padded), ``mask`` [R, S] True on real tokens -> [R, S, D]."""
+        x = self.shared(tokens)
+        S = tokens.shape[1]
+        pos = torch.arange(S, device=tokens.device)
+        first = self.encoder.block[0].layer[0].SelfAttention
+        bias = self._bias(first, pos, pos, True)[None]  # [1, H, S, S]
+        bias = bias + torch.where(mask, 0.0, torch.finfo(torch.float32).min)[:, None, None, :]
+        for blk in self.encoder.block:
+            sa, ff = blk.layer[0], blk.layer[1]
+            h = sa.layer_norm(x)
+            a = sa.SelfAttention
+            o = attend(a.heads(a.q(h)), a.heads(a.k(h)), a.heads(a.v(h)), bias)
+            x = x + a.o(o.transpose(-3, -2).reshape(x.shape[0], S, -1))
+            x = x + ff.DenseReluDense(ff.layer_norm(x))
+        return self.encoder.final_layer_norm(x)
+
+    @torch.inference_mode()
+    def cross_kv(self, enc: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per decoder layer, the cross-attention K, V of each request: [R, H, S, d]."""
+        out = []
+        for blk in self.decoder.block:
+            a = blk.layer[1].EncDecAttention
+            out.append((a.heads(a.k(enc)), a.heads(a.v(enc))))
+        return out
+
+    @torch.inference_mode()
+    def decode_step(self, tokens: torch.Tensor, step: int, self_k: torch.Tensor,
+                    self_v: torch.Tensor, cross: list, enc_mask: torch.Tensor,
+                    beams: int) -> torch.Tensor:
+        """One decoder step for ``R * beams`` rows (row = request * beams + beam).
+
+        ``tokens`` [R*beams] this step's input token; ``self_k/v`` [layers, R*beams, H, T, d]
+        with positions ``< step`` filled (this step's K/V are written at ``step``);
+        ``cross`` per layer [R, H, S, d]; ``enc_mask`` [R, S]. Returns log-probabilities over
+        the full vocabulary [R*beams, vocab] (fp32).
+        """
+        cfg = self.cfg
+        N = tokens.shape[0]
+        R = N // beams
+        x = self.shared(tokens)[:, None, :]  # [N, 1, D]
+        first = self.decoder.block[0].layer[0].SelfAttention
+        pos = torch.arange(step + 1, device=tokens.device)
+        sbias = self._bias(first, pos[-1:], pos, False)[None]  # [1, H, 1, step+1]
+        cbias = torch.where(enc_mask, 0.0, torch.finfo(torch.float32).min)[:, None, None, None, :]
+        for li, blk in enumerate(self.decoder.block):
+            sa, ca, ff = blk.layer
+            h = sa.layer_norm(x)
+            a = sa.SelfAttention
+            q = a.heads(a.q(h))  # [N, H, 1, d]
+            self_k[li, :, :, step] = a.heads(a.k(h))[:, :, 0]
+            self_v[li, :, :, step] = a.heads(a.v(h))[:, :, 0]
+            o = attend(q, self_k[li, :, :, :step + 1], self_v[li, :, :, :step + 1], sbias)
+            x = x + a.o(o.transpose(-3, -2).reshape(N, 1, -1))
+            h = ca.layer_norm(x)
+            c = ca.EncDecAttention
+            q = c.heads(c.q(h)).view(R, beams, cfg.num_heads, 1, cfg.d_kv)
+            k, v = cross[li]  # [R, H, S, d]: indexed by request, broadcast over beams
+            o = attend(q, k[:, None], v[:, None], cbias)  # [R, beams, H, 1, d]
+            x = x + c.o(o.reshape(N, cfg.num_heads, 1, cfg.d_kv).transpose(1, 2).reshape(N, 1, -1))
+            x = x + ff.DenseReluDense(ff.layer_norm(x))
+        y = self.decoder.final_layer_norm(x)[:, 0]
+        if cfg.scale_outputs:
+            y = y * cfg.d_model ** -0.5
+        logits = F.linear(y, self.shared.weight) if cfg.tie_word_embeddings else self.lm_head(y)
+        return F.log_softmax(logits.float(), dim=-1)
+
+
+def hf_state_dict(tensors: dict[str, torch.Tensor], cfg: T5Config) -> dict[str, torch.Tensor]:
+    """A Hugging Face checkpoint's tensors under this module's names (tied embeddings may be
+    saved as ``shared``, ``encoder.embed_tokens`` or ``decoder.embed_tokens``)."""
+    out = dict(tensors)
+    if "shared.weight" not in out:
+        for alt in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
+            if alt in out:
+                out["shared.weight"] = out[alt]
+                break
+    for alt in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
+        out.pop(alt, None)
+    if cfg.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out

@@ -1,0 +1,129 @@
+"""Trie-constrained wide beam search over semantic IDs (RecoGEM section 3.2, the runtime side).
+
+The encoder runs once per request; the cross-attention K/V stay at [requests] and each beam
+attends its request's by index. Per step ``t``: the decoder for all live beams (self K/V per
+beam), log-softmax over the full vocabulary, every token that is not a child of the beam's
+prefix masked, the top ``W_t`` per request over beams x codebook kept, and the survivors' self
+K/V gathered from the active buffer into the standby one (double-buffered compaction), then the
+buffers swap. Scores are summed log-probabilities, as Hugging Face's beam search with
+``prefix_allowed_tokens_fn`` and no length penalty. No illegal SID can come out: only trie
+children are ever selectable.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..models.t5 import T5
+from ..selection.vocabulary import SidTrie
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class BeamRequest:
+    context: np.ndarray  # encoder input tokens (SID tokens of the history, then EOS)
+    top_k: int
+    widths: list[int]  # beam width per step
+
+
+@dataclass
+class BeamResult:
+    items: list[int]
+    scores: list[float]
+    sids: list[list[int]]
+    steps: dict[str, float] = field(default_factory=dict)
+
+
+class BeamSearch:
+    def __init__(self, model: T5, trie: SidTrie, sid_policy: str = "all") -> None:
+        self.model, self.trie, self.policy = model, trie, sid_policy
+        self.sync = False  # benchmarks: time stages on the device
+
+    def _tick(self, stages: dict, name: str, t: float, device) -> float:
+        if self.sync and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        stages[name] = stages.get(name, 0.0) + (now - t) * 1e3
+        return now
+
+    @torch.inference_mode()
+    def run(self, reqs: list[BeamRequest]) -> list[BeamResult]:
+        model, trie, cfg = self.model, self.trie, self.model.cfg
+        dev = model.shared.weight.device
+        R, depth = len(reqs), trie.depth
+        stages: dict[str, float] = {}
+        t0 = time.perf_counter()
+        S = max(len(r.context) for r in reqs)
+        tokens = torch.full((R, S), cfg.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(R, S, dtype=torch.bool)
+        for i, r in enumerate(reqs):
+            tokens[i, :len(r.context)] = torch.from_numpy(r.context)
+            mask[i, :len(r.context)] = True
+        tokens, mask = tokens.to(dev), mask.to(dev)
+        cross = model.cross_kv(model.encode(tokens, mask))
+        t0 = self._tick(stages, "encoder", t0, dev)
+
+        widths = torch.tensor([r.widths for r in reqs], dtype=torch.long)  # [R, depth]
+        w_max = int(widths.max())
+        L, H, d = cfg.decoder_layers, cfg.num_heads, cfg.d_kv
+        dtype = model.shared.weight.dtype
+        # Active and standby self-K/V buffers [layers, rows, heads, depth, d].
+        bufs = [[torch.empty(L, R * w_max, H, depth, d, dtype=dtype, device=dev)
+                 for _ in range(2)] for _ in range(2)]  # [K pair, V pair]
+        active = 0
+        beams = 1
+        scores = torch.zeros(R, 1, device=dev)
+        nodes = torch.zeros(R, 1, dtype=torch.long, device=dev)
+        step_tok = torch.full((R, 1), cfg.decoder_start_token_id, dtype=torch.long, device=dev)
+        codes = torch.zeros(R, 1, 0, dtype=torch.long, device=dev)
+        cap = widths.to(dev)
+        for t in range(depth):
+            N = R * beams
+            K, V = bufs[0][active], bufs[1][active]
+            logp = model.decode_step(step_tok.view(-1), t, K[:, :N], V[:, :N], cross, mask, beams)
+            t0 = self._tick(stages, "decoder", t0, dev)
+            off, C = trie.level_offset[t], trie.codebook_sizes[t]
+            valid = torch.isfinite(scores).view(-1)
+            legal, child = trie.children(t, nodes.view(-1), valid)
+            cand = scores.view(-1, 1) + logp[:, off:off + C]
+            cand = cand.masked_fill(~legal, NEG_INF).view(R, beams * C)
+            w_next = min(w_max if t == depth - 1 else int(widths[:, t].max()), beams * C)
+            top, idx = cand.topk(w_next, dim=1)  # sorted: best first
+            # A request's own width for this step: ranks past it are dropped.
+            rank = torch.arange(w_next, device=dev)[None, :]
+            top = top.masked_fill(rank >= cap[:, t:t + 1], NEG_INF)
+            parent, code = idx // C, idx % C
+            nodes = child.view(R, beams * C).gather(1, idx)
+            t0 = self._tick(stages, "selection", t0, dev)
+            if t + 1 < depth:  # compaction: survivors' self K/V -> the standby buffer
+                src = (torch.arange(R, device=dev)[:, None] * beams + parent).view(-1)
+                nK, nV = bufs[0][1 - active], bufs[1][1 - active]
+                nK[:, :R * w_next, :, :t + 1] = K[:, src, :, :t + 1]
+                nV[:, :R * w_next, :, :t + 1] = V[:, src, :, :t + 1]
+                active = 1 - active
+            codes = torch.cat([codes.gather(1, parent[:, :, None].expand(-1, -1, t)),
+                               code[:, :, None]], dim=2)
+            step_tok = off + code
+            scores, beams = top, w_next
+            t0 = self._tick(stages, "compaction", t0, dev)
+
+        out = []
+        scores_h, nodes_h, codes_h = scores.cpu().numpy(), nodes.cpu().numpy(), codes.cpu().numpy()
+        for i, r in enumerate(reqs):
+            items, sc, sids = [], [], []
+            for b in range(beams):
+                if not np.isfinite(scores_h[i, b]) or len(items) >= r.top_k:
+                    break
+                for item in trie.items_of(int(nodes_h[i, b]), self.policy):
+                    if len(items) >= r.top_k:
+                        break
+                    items.append(int(item))
+                    sc.append(float(scores_h[i, b]))
+                    sids.append(codes_h[i, b].tolist())
+            out.append(BeamResult(items, sc, sids, stages))
+        return out

@@ -1,0 +1,156 @@
+"""The SID vocabulary: a catalog of items as semantic-ID tuples and the trie of valid prefixes.
+
+Catalog files: CSV with a header ``item_id,s1,s2,...`` or ``.npy`` of shape [items, 1 + depth]
+(item id first). Level ``l``'s code ``c`` is model token ``token_offset + sum(codebook_sizes[:l])
++ c``. One SID may name several items; the SID policy returns all of them (catalog order) or the
+first. The trie is CSR per level, built with one lexicographic sort (a million items in about a
+second): node ``n`` at level ``l`` has children ``codes[l][ptr[l][n]:ptr[l][n+1]]``, and the
+child at CSR position ``p`` is node ``p`` of level ``l+1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ContractError
+
+
+@dataclass
+class Catalog:
+    item_ids: np.ndarray  # [n] int64, catalog order
+    sids: np.ndarray  # [n, depth] int64 codes
+
+    @property
+    def depth(self) -> int:
+        return self.sids.shape[1]
+
+
+def load_catalog(path: str | Path, codebook_sizes: list[int]) -> Catalog:
+    path = Path(path)
+    if not path.is_file():
+        raise ContractError(f"catalog.path: no such file {path}")
+    if path.suffix == ".npy":
+        arr = np.load(path)
+        if arr.ndim != 2 or arr.shape[1] < 2:
+            raise ContractError(f"catalog.path: {path} must be [items, 1 + depth]")
+        cat = Catalog(arr[:, 0].astype(np.int64), arr[:, 1:].astype(np.int64))
+    else:
+        with open(path) as f:
+            header = f.readline().strip().split(",")
+        if header[0] != "item_id" or any(h != f"s{i + 1}" for i, h in enumerate(header[1:])):
+            raise ContractError(f"catalog.path: {path}: header must be item_id,s1,s2,..., got "
+                                f"{','.join(header)}")
+        try:
+            arr = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.int64, ndmin=2)
+        except ValueError as err:
+            raise ContractError(f"catalog.path: {path}: {err}") from None
+        cat = Catalog(arr[:, 0], arr[:, 1:])
+    check_catalog(cat, codebook_sizes)
+    return cat
+
+
+def check_catalog(cat: Catalog, codebook_sizes: list[int]) -> None:
+    if cat.depth != len(codebook_sizes):
+        raise ContractError(f"catalog.codebook_sizes: {len(codebook_sizes)} levels, the catalog's "
+                            f"SIDs have {cat.depth}")
+    for level, size in enumerate(codebook_sizes):
+        col = cat.sids[:, level]
+        bad = np.nonzero((col < 0) | (col >= size))[0]
+        if bad.size:
+            raise ContractError(f"catalog.s{level + 1}: item {cat.item_ids[bad[0]]} has code "
+                                f"{col[bad[0]]}, outside codebook {level} of size {size}")
+
+
+class SidTrie:
+    """CSR trie over the catalog's SIDs, with item lists at the leaves."""
+
+    def __init__(self, cat: Catalog, codebook_sizes: list[int], token_offset: int) -> None:
+        self.depth = cat.depth
+        self.codebook_sizes = list(codebook_sizes)
+        self.level_offset = [token_offset + sum(codebook_sizes[:l]) for l in range(self.depth)]
+        order = np.lexsort(cat.sids.T[::-1])  # stable: items with one SID stay in catalog order
+        s = cat.sids[order]
+        self.ptr: list[np.ndarray] = []
+        self.codes: list[np.ndarray] = []
+        parent = np.zeros(len(s), dtype=np.int64)  # node of each sorted item at the level above
+        n_nodes = 1
+        for level in range(self.depth):
+            # A new node wherever the prefix up to this level changes.
+            new = np.ones(len(s), dtype=bool)
+            if len(s):
+                new[1:] = (s[1:, :level + 1] != s[:-1, :level + 1]).any(axis=1)
+            node = np.cumsum(new) - 1
+            starts = np.nonzero(new)[0]
+            self.codes.append(s[starts, level])
+            ptr = np.zeros(n_nodes + 1, dtype=np.int64)
+            np.add.at(ptr, parent[starts] + 1, 1)
+            self.ptr.append(np.cumsum(ptr))
+            parent, n_nodes = node, len(starts)
+        self.leaf_ptr = np.zeros(n_nodes + 1, dtype=np.int64)
+        np.add.at(self.leaf_ptr, parent + 1, 1)
+        self.leaf_ptr = np.cumsum(self.leaf_ptr)
+        self.leaf_items = cat.item_ids[order]
+        self.leaf_sids = s[self.leaf_ptr[:-1]] if n_nodes else np.zeros((0, self.depth), np.int64)
+        self._dev: dict = {}
+
+    def n_items(self) -> int:
+        return len(self.leaf_items)
+
+    def tables(self, level: int, device: torch.device):
+        """Device tensors of one level: (ptr, codes)."""
+        key = (level, str(device))
+        if key not in self._dev:
+            self._dev[key] = (torch.from_numpy(self.ptr[level]).to(device),
+                              torch.from_numpy(self.codes[level]).to(device))
+        return self._dev[key]
+
+    def children(self, level: int, nodes: torch.Tensor, valid: torch.Tensor):
+        """For beam rows at ``nodes`` (level ``level``): a legality mask [rows, codebook] and the
+        child node id of each (row, code) (-1 where illegal). Runs on the nodes' device."""
+        ptr, codes = self.tables(level, nodes.device)
+        nodes = torch.where(valid, nodes, 0)
+        lo, hi = ptr[nodes], ptr[nodes + 1]
+        counts = torch.where(valid, hi - lo, 0)
+        rows = torch.repeat_interleave(torch.arange(len(nodes), device=nodes.device), counts)
+        first = torch.repeat_interleave(lo, counts)
+        # Position of each child among its siblings: 0, 1, ... per row.
+        pos = torch.arange(rows.numel(), device=nodes.device) - \
+            torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        child = first + pos
+        child_node = torch.full((len(nodes), self.codebook_sizes[level]), -1, dtype=torch.long,
+                                device=nodes.device)
+        child_node[rows, codes[child]] = child
+        return child_node >= 0, child_node
+
+    def items_of(self, leaf: int, policy: str) -> np.ndarray:
+        items = self.leaf_items[self.leaf_ptr[leaf]:self.leaf_ptr[leaf + 1]]
+        return items[:1] if policy == "first" else items
+
+
+def random_catalog(n_items: int, codebook_sizes: list[int], seed: int,
+                   distinct: bool = True) -> Catalog:
+    """Items with random SIDs (distinct when asked, as WORKLOADS.md's gen-ref catalog)."""
+    rng = np.random.default_rng(seed)
+    total = int(np.prod(codebook_sizes))
+    if distinct:
+        if n_items > total:
+            raise ValueError(f"{n_items} distinct SIDs do not fit codebooks {codebook_sizes}")
+        flat = rng.choice(total, size=n_items, replace=False) if total < 2**62 else None
+        sids = np.stack(np.unravel_index(flat, codebook_sizes), axis=1)
+    else:
+        sids = np.stack([rng.integers(c, size=n_items) for c in codebook_sizes], axis=1)
+    return Catalog(np.arange(n_items, dtype=np.int64), sids.astype(np.int64))
+
+
+def save_catalog(cat: Catalog, path: str | Path) -> None:
+    path = Path(path)
+    if path.suffix == ".npy":
+        np.save(path, np.concatenate([cat.item_ids[:, None], cat.sids], axis=1))
+        return
+    header = "item_id," + ",".join(f"s{i + 1}" for i in range(cat.depth))
+    np.savetxt(path, np.concatenate([cat.item_ids[:, None], cat.sids], axis=1), fmt="%d",
+               delimiter=",", header=header, comments="")

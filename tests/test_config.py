@@ -11,7 +11,8 @@ from streamgr.errors import SpecError
 @pytest.mark.parametrize("name", BUILTIN_SPECS)
 def test_builtin_specs_decode(name):
     spec = load_spec(name)
-    assert spec.name == name and spec.model.family == "hstu"
+    assert spec.name == name
+    assert spec.model.family == ("t5" if name.startswith("gen") else "hstu")
 
 
 def test_rank_ref_matches_workloads_md():
@@ -83,3 +84,17 @@ def test_bad_override_is_named():
 def test_no_such_spec():
     with pytest.raises(SpecError, match="not a built-in spec"):
         load_spec("rank-huge")
+
+
+def test_gen_ref_matches_workloads_md():
+    s = load_spec("gen-ref")
+    m = s.model
+    assert (m.num_layers, m.num_decoder_layers, m.model_dim, m.num_heads, m.head_dim, m.d_ff) == \
+        (4, 4, 512, 8, 64, 2048)
+    assert s.catalog.codebook_sizes == [8192] * 3 and s.catalog.random_items == 1_000_000
+    assert s.policy.beam_widths == [256] * 3 and s.policy.max_context_items == 256
+
+
+def test_generate_spec_needs_a_catalog():
+    with pytest.raises(SpecError, match="catalog"):
+        load_spec({"model": {"family": "t5", "init_seed": 1}})

@@ -7,6 +7,27 @@
 // unsigned short / unsigned int. Block b of a buffer starts at element b * block_elems.
 // No torch headers, no host code: compiled by NVRTC through CuPy's RawModule.
 
+// Elements [lo, hi) of one block, strided over the CUDA block's threads. Four loads in flight
+// per thread before the stores: one at a time leaves the memory system idle between trips.
+template <typename T>
+__device__ __forceinline__ void copy_part(T* __restrict__ d, const T* __restrict__ s,
+                                          long long lo, long long hi) {
+    constexpr int U = 4;
+    for (long long e = lo + threadIdx.x; e < hi; e += U * blockDim.x) {
+        T v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long long i = e + (long long)u * blockDim.x;
+            if (i < hi) v[u] = s[i];
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long long i = e + (long long)u * blockDim.x;
+            if (i < hi) d[i] = v[u];
+        }
+    }
+}
+
 template <typename T>
 __global__ void block_copy(T* __restrict__ dst, const T* __restrict__ src,
                            const long long* __restrict__ dst_index,
@@ -14,28 +35,13 @@ __global__ void block_copy(T* __restrict__ dst, const T* __restrict__ src,
                            long long n_blocks, long long block_elems) {
     // CUDA block (x, y) copies part y of block x: the index loads stay uniform per CUDA block,
     // and large blocks (a 64 KiB page) are split so enough CUDA blocks are in flight.
-    // Four loads in flight per thread before the stores: one at a time leaves the memory
-    // system idle between round trips.
-    constexpr int U = 4;
     const long long part = (block_elems + gridDim.y - 1) / gridDim.y;
     const long long lo = blockIdx.y * part;
     const long long hi = min(block_elems, lo + part);
     for (long long b = blockIdx.x; b < n_blocks; b += gridDim.x) {
         const T* s = src + src_index[b] * block_elems;
         T* d = dst + dst_index[b] * block_elems;
-        for (long long e = lo + threadIdx.x; e < hi; e += U * blockDim.x) {
-            T v[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const long long i = e + (long long)u * blockDim.x;
-                if (i < hi) v[u] = s[i];
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const long long i = e + (long long)u * blockDim.x;
-                if (i < hi) d[i] = v[u];
-            }
-        }
+        copy_part(d, s, lo, hi);
     }
 }
 
@@ -46,7 +52,6 @@ __global__ void page_scatter(T* __restrict__ store, const T* __restrict__ buffer
                              const long long* __restrict__ page_ids, long long n_pages,
                              long long page_elems, int layer, int layers, int k,
                              long long store_pages) {
-    constexpr int U = 4;
     const long long part = (page_elems + gridDim.y - 1) / gridDim.y;
     const long long lo = blockIdx.y * part;
     const long long hi = min(page_elems, lo + part);
@@ -54,19 +59,7 @@ __global__ void page_scatter(T* __restrict__ store, const T* __restrict__ buffer
         const long long src_block = (b / k) * ((long long)layers * k) + (long long)layer * k + b % k;
         const T* s = buffer + src_block * page_elems;
         T* d = store + ((long long)layer * store_pages + page_ids[b]) * page_elems;
-        for (long long e = lo + threadIdx.x; e < hi; e += U * blockDim.x) {
-            T v[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const long long i = e + (long long)u * blockDim.x;
-                if (i < hi) v[u] = s[i];
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const long long i = e + (long long)u * blockDim.x;
-                if (i < hi) d[i] = v[u];
-            }
-        }
+        copy_part(d, s, lo, hi);
     }
 }
 

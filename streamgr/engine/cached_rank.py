@@ -80,8 +80,7 @@ class CachedRankRunner(RankRunner):
     def _run(self, batch: list[PreparedRank], transient: frozenset) -> BatchOutcome:
         stages: dict[str, float] = {}
         t = time.perf_counter()
-        resolved = self._resolve(batch)
-        live = [i for i, h in enumerate(resolved) if not isinstance(h, Exception)]
+        resolved, live = self._resolve(batch)
         if not live:
             return BatchOutcome(list(resolved), stages)
         tokens = {batch[i].user: interleave(*resolved[i]) for i in live}

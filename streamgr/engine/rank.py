@@ -159,7 +159,8 @@ class RankRunner:
         stages[name] = stages.get(name, 0.0) + (now - t) * 1e3
         return now
 
-    def _resolve(self, batch: list[PreparedRank]) -> list[tuple[np.ndarray, np.ndarray] | Exception]:
+    def _resolve(self, batch: list[PreparedRank]) -> tuple[list, list[int]]:
+        """Each request's full history (or its error), and the indices of the valid ones."""
         out: list = []
         max_hist = self.model.cfg.max_history
         for r in batch:
@@ -171,7 +172,7 @@ class RankRunner:
                 out.append((items, actions))
             except InvalidRequest as err:
                 out.append(err)
-        return out
+        return out, [i for i, h in enumerate(out) if not isinstance(h, Exception)]
 
     def _remember(self, batch: list[PreparedRank], resolved: list) -> None:
         for r, h in zip(batch, resolved):
@@ -181,8 +182,7 @@ class RankRunner:
     def run(self, batch: list[PreparedRank]) -> BatchOutcome:
         stages: dict[str, float] = {}
         t = time.perf_counter()
-        resolved = self._resolve(batch)
-        live = [i for i, h in enumerate(resolved) if not isinstance(h, Exception)]
+        resolved, live = self._resolve(batch)
         if not live:
             return BatchOutcome(list(resolved), stages)
         users = [UserSlice(interleave(*resolved[i]), 0, batch[i].candidates) for i in live]

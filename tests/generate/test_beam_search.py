@@ -148,3 +148,21 @@ def test_contract_mismatches_name_the_field(tmp_path):
     with pytest.raises(SpecError, match=r"policy.beam_widths"):
         from streamgr.config import load_spec
         load_spec("gen-small", {"policy.beam_widths": [4, 4]})
+
+
+@pytest.mark.parametrize("policy", ["all", "first"])
+def test_sid_policy_for_items_sharing_a_sid(tmp_path, policy):
+    import msgspec
+    spec, _, cat = write_hf_checkpoint(tmp_path, n_items=30, distinct=True)
+    # Items 1000 and 1001 share the SID of catalog row 0; catalog order puts 1000 first.
+    rows = ["item_id,s1,s2,s3"] + [f"{i},{a},{b},{c}" for i, (a, b, c) in
+                                   zip(cat.item_ids, cat.sids.tolist())]
+    a, b, c = cat.sids[0].tolist()
+    rows += [f"1000,{a},{b},{c}", f"1001,{a},{b},{c}"]
+    (tmp_path / "catalog.csv").write_text("\n".join(rows) + "\n")
+    spec = msgspec.structs.replace(spec, catalog=msgspec.structs.replace(spec.catalog,
+                                                                          sid_policy=policy))
+    [res] = run(spec, [GenerateRequest(user_id=1, history=[], top_k=40, beam_width=120)])
+    shared = [i for i, s in zip(res.items, res.sids) if s == [a, b, c]]
+    assert shared == ([int(cat.item_ids[0]), 1000, 1001] if policy == "all" else [int(cat.item_ids[0])])
+    assert len(res.items) == len(set(res.items))

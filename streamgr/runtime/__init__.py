@@ -1,0 +1,5 @@
+"""The GR runtime, independent of where tensors live: the deployment contract and the SID step
+loop (trie-constrained beam search with candidate-state compaction).
+
+Imports models and selection; must not import engine, protocol or server code.
+"""

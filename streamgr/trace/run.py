@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from ..api import RankRequest
+from ..api import GenerateRequest, RankRequest
 from ..errors import StreamgrError
 from ..progress import Progress
 from .format import RankEvent, read_header, read_trace
@@ -84,7 +84,31 @@ def _record(mode: str, i: int, latency_ms: float, stats) -> dict:
     return {"type": "request", "mode": mode, "index": i, "latency_ms": latency_ms,
             "tier": s.get("tier", ""), "history_tokens": s.get("history_tokens", 0),
             "from_gpu": s.get("tokens_from_gpu", 0), "from_host": s.get("tokens_from_host", 0),
-            "recomputed": s.get("tokens_recomputed", 0), "stages": s.get("stages", {})}
+            "recomputed": s.get("tokens_recomputed", 0),
+            "stages": s.get("stages", s.get("steps", {}))}
+
+
+def load_generate_requests(path, catalog_ids: np.ndarray | None, fold_ids: bool,
+                           limit: int | None) -> list[GenerateRequest]:
+    """Full-history generate requests of a generate trace (items must be catalog items)."""
+    ids = np.sort(catalog_ids) if catalog_ids is not None else None
+    hist: dict = {}
+    out: list[GenerateRequest] = []
+    for n, r in enumerate(read_trace(path)):
+        if limit is not None and len(out) >= limit:
+            break
+        items = np.asarray(r.items, dtype=np.int64)
+        if ids is not None and items.size:
+            if fold_ids:
+                items = ids[items % len(ids)]
+            elif not np.isin(items, ids).all():
+                raise ReplayError(f"{path}: record {n}: items outside the spec's catalog; pass "
+                                  f"--fold-ids to fold them in")
+        h = hist.setdefault(r.user, [])
+        h.extend(items.tolist())
+        out.append(GenerateRequest(user_id=r.user, history=list(h), top_k=r.top_k,
+                                   beam_width=r.beam_width))
+    return out
 
 
 async def _drive(call, reqs: list[Req], concurrency: int, rate: float | None, label: str,
@@ -95,12 +119,11 @@ async def _drive(call, reqs: list[Req], concurrency: int, rate: float | None, la
     with Progress(len(reqs), label, enabled=progress) as bar:
         t0 = time.perf_counter()
 
-        async def one(i: int, r: Req):
+        async def one(i: int, r):
             nonlocal errors
             t = time.perf_counter()
             try:
-                res = await call(RankRequest(user_id=r.user, items=r.items, actions=r.actions,
-                                             candidates=r.candidates))
+                res = await call(r)
             except StreamgrError:
                 errors += 1
             else:
@@ -151,6 +174,9 @@ def replay_trace(trace, out, spec=None, overrides=None, server: str | None = Non
     from ..config import load_spec
     from ..engine import Engine
     sp = load_spec(spec, overrides) if spec is not None else None
+    if read_header(trace).kind == "generate":
+        return _replay_generate(trace, out, sp, server, rate, concurrency, compare_modes, batch,
+                                limit, fold_ids, progress)
     m = sp.model if sp is not None else None
     reqs, skipped = load_requests(trace, m and m.num_items, m and m.num_actions,
                                   m and m.max_history, fold_ids,
@@ -158,6 +184,8 @@ def replay_trace(trace, out, spec=None, overrides=None, server: str | None = Non
     if not reqs:
         raise ReplayError(f"{trace}: no request to replay ({skipped} over the model's max history)")
     modes = MODES if compare_modes else ((sp.cache.mode,) if sp is not None else ("server",))
+    rank_requests = [RankRequest(user_id=r.user, items=r.items, actions=r.actions,
+                                 candidates=r.candidates) for r in reqs]
     runs: list[dict] = []
     lines: list[dict] = []
     for mode in modes:
@@ -168,8 +196,8 @@ def replay_trace(trace, out, spec=None, overrides=None, server: str | None = Non
 
             async def go():
                 async with AsyncClient(server) as c:
-                    return await _drive(c.rank, reqs, concurrency, rate, f"replay {server}",
-                                        progress, mode)
+                    return await _drive(c.rank, rank_requests, concurrency, rate,
+                                        f"replay {server}", progress, mode)
             records, wall, errors = asyncio.run(go())
         elif batch:
             eng = Engine(load_spec(sp, {"cache.mode": mode}))
@@ -188,17 +216,51 @@ def replay_trace(trace, out, spec=None, overrides=None, server: str | None = Non
         else:
             async def go():
                 async with Engine.from_spec(sp, {"cache.mode": mode}) as eng:
-                    return await _drive(eng.rank, reqs, concurrency, rate, f"replay {mode}",
-                                        progress, mode)
+                    return await _drive(eng.rank, rank_requests, concurrency, rate,
+                                        f"replay {mode}", progress, mode)
             records, wall, errors = asyncio.run(go())
         run = summarize(mode, records, wall, errors, extra)
         runs.append(run)
         lines += [run, *records]
+    _write_results(out, lines)
+    return runs
+
+
+def _write_results(out, lines: list[dict]) -> None:
     with open(out, "wb") as f:
         enc = msgspec.json.Encoder()
         for line in lines:
             f.write(enc.encode(line) + b"\n")
-    return runs
+
+
+def _replay_generate(trace, out, sp, server, rate, concurrency, compare_modes, batch, limit,
+                     fold_ids, progress) -> list[dict]:
+    from ..engine import Engine
+    if compare_modes or batch:
+        raise ReplayError("--compare-modes and --batch replay rank traces; this one is generate")
+    engine = Engine(sp) if sp is not None else None
+    if engine is not None and not engine.serves_generate:
+        raise ReplayError(f"spec {sp.name} serves no generate model; the trace is generate")
+    ids = engine.gen_runner.trie.leaf_items if engine is not None else None
+    reqs = load_generate_requests(trace, ids, fold_ids, limit)
+    if server is not None:
+        from ..client import AsyncClient
+
+        async def go():
+            async with AsyncClient(server) as c:
+                return await _drive(c.generate, reqs, concurrency, rate, f"replay {server}",
+                                    progress, "generate")
+    else:
+        async def go():
+            async with engine:
+                return await _drive(engine.generate, reqs, concurrency, rate, "replay generate",
+                                    progress, "generate")
+    records, wall, errors = asyncio.run(go())
+    run = summarize("generate", records, wall, errors, {"trace": str(trace), "server": server,
+                                                        "spec": sp.name if sp else None,
+                                                        "skipped_over_max_history": 0})
+    _write_results(out, [run, *records])
+    return [run]
 
 
 def format_runs(runs: list[dict]) -> str:

@@ -118,3 +118,19 @@ def test_cli_end_to_end(tmp_path):
     assert p.returncode == 0 and (tmp_path / "rep" / "latency_cdf.png").is_file()
     p = run("replay", str(tmp_path / "missing.trace"), "--spec", "rank-small", "-o", "x")
     assert p.returncode == 2 and "Traceback" not in p.stderr
+
+
+def test_replay_generate_trace(tmp_path):
+    write_synth("gen", tmp_path / "g.trace", users=8, seed=4)
+    ov = {"engine.device": "cpu", "catalog.random_items": 1000}
+    runs = replay_trace(tmp_path / "g.trace", tmp_path / "g.jsonl", spec="gen-small",
+                        overrides=ov, limit=40, concurrency=4, progress=False)
+    assert runs[0]["mode"] == "generate" and runs[0]["requests"] == 40 and runs[0]["errors"] == 0
+    lines = [json.loads(x) for x in (tmp_path / "g.jsonl").read_text().splitlines()]
+    assert {"encoder", "decoder", "selection"} <= set(lines[1]["stages"])
+    with pytest.raises(ReplayError, match="--fold-ids"):
+        replay_trace(tmp_path / "g.trace", tmp_path / "x.jsonl", spec="gen-small",
+                     overrides={"engine.device": "cpu"}, limit=40, progress=False)
+    with pytest.raises(ReplayError, match="serves no generate"):
+        replay_trace(tmp_path / "g.trace", tmp_path / "x.jsonl", spec="rank-small",
+                     overrides=small_overrides(), limit=4, progress=False)

@@ -317,13 +317,18 @@ class Engine:
     def _on_batch_error(self, batch: list[Pending], err: Exception) -> None:
         log.exception("batch of %d failed", len(batch), exc_info=err)
         self.metrics.count("batch_errors")
-        fatal = isinstance(err, torch.cuda.OutOfMemoryError) is False and "CUDA error" in str(err)
+        # A CUDA error (not an out-of-memory) leaves the context unusable: the engine is dead.
+        fatal = not isinstance(err, torch.cuda.OutOfMemoryError) and "CUDA error" in str(err)
         if fatal:
             self._dead = err
+        if fatal:
+            wrapped = EngineDead(f"engine is dead: {err!r}")
+        elif isinstance(err, StreamgrError):
+            wrapped = err
+        else:
+            wrapped = StreamgrError(f"batch failed: {err!r}")
         for p in batch:
             if not p.future.done():
-                wrapped = EngineDead(f"engine is dead: {err!r}") if fatal else (
-                    err if isinstance(err, StreamgrError) else StreamgrError(f"batch failed: {err!r}"))
                 p.future.set_exception(wrapped)
         if fatal:
             for b in (self._batcher, self._gen_batcher):

@@ -110,3 +110,29 @@ def test_blocking_engine():
         many = eng.rank_many(reqs)
     np.testing.assert_allclose(one.scores, many[0].scores, rtol=1e-5, atol=1e-6)
     assert len(many) == 6
+
+
+async def test_a_failing_batch_fails_its_requests_and_the_engine_serves_on():
+    rng = np.random.default_rng(9)
+    async with Engine.from_spec("rank-small", small_overrides()) as eng:
+        real = eng.runner.run
+        calls = {"n": 0}
+
+        def flaky(batch):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected fault")
+            return real(batch)
+        eng.runner.run = flaky
+        with pytest.raises(E.StreamgrError, match="injected fault"):
+            await eng.rank(req(rng, 1, 10))
+        ok = await eng.rank(req(rng, 2, 10))
+        assert len(ok.scores) == 5 and eng.stats()["counters"]["batch_errors"] == 1
+
+        def dead(batch):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        eng.runner.run = dead
+        with pytest.raises(E.EngineDead):
+            await eng.rank(req(rng, 3, 10))
+        with pytest.raises(E.EngineDead):  # refused at admission from now on
+            await eng.rank(req(rng, 4, 10))

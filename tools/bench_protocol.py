@@ -70,51 +70,43 @@ async def socket_path(addr, reqs, conns, conc):
     return out
 
 
-async def interleaved(addr, reqs) -> tuple[float, float, float]:
+async def _pairs(engine, client, reqs) -> tuple[float, float, float]:
     """One embedded call, then the same request over the socket, alternating: drift and noise
     hit both sides alike. Returns (embedded p50, socket p50, median of pair differences), us."""
-    async with Engine.from_spec("rank-small", OVERRIDES) as e:
-        c = await AsyncClient(addr).connect()
-        for r in reqs[:200]:
-            await e.rank(r)
-            await c.rank(r)
-        emb, sock = [], []
-        for r in reqs:
-            t = time.perf_counter()
-            await e.rank(r)
-            t1 = time.perf_counter()
-            await c.rank(r)
-            t2 = time.perf_counter()
-            emb.append(t1 - t)
-            sock.append(t2 - t1)
-        await c.close()
+    for r in reqs[:200]:  # warm-up
+        await engine.rank(r)
+        await client.rank(r)
+    emb, sock = [], []
+    for r in reqs:
+        t = time.perf_counter()
+        await engine.rank(r)
+        t1 = time.perf_counter()
+        await client.rank(r)
+        emb.append(t1 - t)
+        sock.append(time.perf_counter() - t1)
     emb, sock = np.array(emb) * 1e6, np.array(sock) * 1e6
     return float(np.median(emb)), float(np.median(sock)), float(np.median(sock - emb))
 
 
+async def interleaved(addr, reqs) -> tuple[float, float, float]:
+    """Pairs against the server process at ``addr``."""
+    async with Engine.from_spec("rank-small", OVERRIDES) as e:
+        async with AsyncClient(addr) as c:
+            return await _pairs(e, c, reqs)
+
+
 async def same_process(reqs) -> tuple[float, float, float]:
-    """The same interleaved pairs with the server on this process's loop: the protocol stack's
-    own cost (client, loopback socket, server), without a second process to wake."""
+    """Pairs with the server on this process's loop: the protocol stack's own cost (client,
+    loopback socket, server), without a second process to wake."""
     from streamgr.server import Server
     async with Engine.from_spec("rank-small", OVERRIDES) as e:
         srv = Server(e)
         addr = (await srv.start("127.0.0.1", 0))[0]
-        c = await AsyncClient(addr).connect()
-        for r in reqs[:200]:
-            await e.rank(r)
-            await c.rank(r)
-        emb, sock = [], []
-        for r in reqs:
-            t = time.perf_counter()
-            await e.rank(r)
-            t1 = time.perf_counter()
-            await c.rank(r)
-            emb.append(t1 - t)
-            sock.append(time.perf_counter() - t1)
-        await c.close()
-        await srv.shutdown(1.0)
-    emb, sock = np.array(emb) * 1e6, np.array(sock) * 1e6
-    return float(np.median(emb)), float(np.median(sock)), float(np.median(sock - emb))
+        try:
+            async with AsyncClient(addr) as c:
+                return await _pairs(e, c, reqs)
+        finally:
+            await srv.shutdown(1.0)
 
 
 async def stats_rate(addr, n: int) -> float:

@@ -1,18 +1,22 @@
 """Generate benchmark: streamgr's batched trie-constrained beam search against Hugging Face
 ``generate`` with ``prefix_allowed_tokens_fn`` on the same weights.
 
-Closed loop over the embedded engine (requests/s, p50/p99 latency, time per step split into
-encoder, decoder, selection and compaction), then the same requests (fewer if slow) through
-Hugging Face one by one, the throughput ratio and the top-k agreement.
+One run, in order: a profiled pass (stages synchronized: the per-batch split into encoder,
+decoder, selection and compaction), a closed loop over the embedded engine (requests/s, p50/p99),
+open-loop Poisson arrivals at each ``--rates`` value (p50/p99 from arrival; the highest rate with
+p99 under ``--p99-target`` ms, as WORKLOADS.md reports gen-ref), then the first
+``--hf-requests`` requests through Hugging Face one by one: the throughput ratio and the top-k
+agreement (the share of Hugging Face's top-k SIDs that streamgr also returns).
 
-  python tools/bench_generate.py --spec gen-small                 # CPU
-  python tools/bench_generate.py --spec gen-ref --device cuda     # the H200
+  python tools/bench_generate.py --spec gen-small                                   # CPU
+  python tools/bench_generate.py --spec gen-ref --device cuda --rates 200 400 800   # the H200
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
 from pathlib import Path
@@ -25,9 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from streamgr import Engine  # noqa: E402
 from streamgr.api import GenerateRequest  # noqa: E402
 from streamgr.cli import _overrides  # noqa: E402
+from streamgr.trace.run import drive, summarize  # noqa: E402
 
 
 def hf_model(engine):
+    """A ``T5ForConditionalGeneration`` holding the engine's weights, on its device and dtype."""
     from transformers import T5Config, T5ForConditionalGeneration
     cfg = engine.gen_runner.model.cfg
     hc = T5Config(vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.d_kv, d_ff=cfg.d_ff,
@@ -37,19 +43,84 @@ def hf_model(engine):
                   pad_token_id=0, eos_token_id=1)
     hf = T5ForConditionalGeneration(hc)
     sd = {k: v.float().cpu() for k, v in engine.gen_runner.model.state_dict().items()}
-    hf.load_state_dict(sd, strict=False)
+    missing, _ = hf.load_state_dict(sd, strict=False)
+    left = [k for k in missing if "embed_tokens" not in k and not
+            (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if left:
+        raise RuntimeError(f"weights missing from the Hugging Face model: {left[:5]}")
     return hf.to(engine.device, engine.dtype).eval()
 
 
+def trie_allowed(trie):
+    """``prefix_allowed_tokens_fn`` walking the CSR trie (memoized per prefix)."""
+    offs = trie.level_offset
+    kids: dict[tuple, list] = {}
+
+    def allowed(batch_id, input_ids):
+        prefix = tuple(input_ids.tolist()[1:])
+        if prefix not in kids:
+            node = 0
+            for t, tok in enumerate(prefix):
+                lo, hi = trie.ptr[t][node], trie.ptr[t][node + 1]
+                node = lo + int(np.searchsorted(trie.codes[t][lo:hi], tok - offs[t]))
+            t = len(prefix)
+            lo, hi = trie.ptr[t][node], trie.ptr[t][node + 1]
+            kids[prefix] = (trie.codes[t][lo:hi] + offs[t]).tolist()
+        return kids[prefix]
+    return allowed
+
+
+def hugging_face(eng, reqs, results, n):
+    """The first ``n`` requests through HF one at a time: (requests/s, mean top-k agreement)."""
+    from transformers import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf, runner = hf_model(eng), eng.gen_runner
+    trie, W = runner.trie, max(eng.spec.policy.beam_widths)
+    allowed, agree = trie_allowed(trie), []
+    if eng.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for r, res in zip(reqs[:n], results):
+        ctx = runner.prepare(r).context
+        with torch.inference_mode():
+            out = hf.generate(input_ids=torch.from_numpy(ctx[None]).to(eng.device),
+                              num_beams=W, num_return_sequences=min(r.top_k, W),
+                              max_new_tokens=trie.depth, prefix_allowed_tokens_fn=allowed,
+                              length_penalty=0.0, do_sample=False, early_stopping=False)
+        sids = {tuple(int(x - trie.level_offset[t]) for t, x in enumerate(s[1:]))
+                for s in out.tolist()}
+        agree.append(len(sids & {tuple(s) for s in res.sids}) / max(len(sids), 1))
+    return n / (time.perf_counter() - t0), float(np.mean(agree))
+
+
+async def profiled(eng, reqs):
+    """Batches of ``max_batch`` with each stage synchronized: the mean per-batch split."""
+    search, B = eng.gen_runner.search, eng.spec.engine.max_batch
+    search.sync = True
+    batches: dict[int, dict] = {}
+    try:
+        for i in range(0, len(reqs), B):
+            for res in await asyncio.gather(*(eng.generate(r) for r in reqs[i:i + B])):
+                batches[id(res.stats.steps)] = (res.stats.steps, res.stats.batch_size)
+    finally:
+        search.sync = False
+    split = {k: float(np.mean([s.get(k, 0.0) for s, _ in batches.values()]))
+             for k in next(iter(batches.values()))[0]}
+    return split, float(np.mean([b for _, b in batches.values()]))
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", default="gen-small")
     ap.add_argument("--set", action="append", dest="overrides", metavar="KEY=VALUE")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--hf-requests", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=256, help="per closed/open-loop run")
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--rates", type=float, nargs="*", default=[], help="open-loop requests/s")
+    ap.add_argument("--p99-target", type=float, default=35.0)
+    ap.add_argument("--hf-requests", type=int, default=32)
     ap.add_argument("--history", type=int, default=None, help="history items per request")
+    ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()
     ov = _overrides(args.overrides)
     if args.device:
@@ -63,81 +134,50 @@ def main() -> int:
     eng = Engine.from_spec(args.spec, ov)
     pol, runner = eng.spec.policy, eng.gen_runner
     rng = np.random.default_rng(0)
-    ids = runner.trie.leaf_items
     n_hist = args.history or pol.max_context_items
-    reqs = [GenerateRequest(user_id=u, history=rng.choice(ids, size=n_hist).tolist(),
+    reqs = [GenerateRequest(user_id=u, history=rng.choice(runner.trie.leaf_items, size=n_hist).tolist(),
                             top_k=pol.top_k) for u in range(args.requests)]
-    runner.search.sync = True
 
-    async def drive():
-        lat, steps = [], {}
+    async def run_all():
         async with eng:
             await asyncio.gather(*(eng.generate(r) for r in reqs[:args.concurrency]))  # warm-up
-            sem = asyncio.Semaphore(args.concurrency)
-            results = [None] * len(reqs)
+            split, bsz = await profiled(eng, reqs[:4 * eng.spec.engine.max_batch])
+            results = [await eng.generate(r) for r in reqs[:args.hf_requests]]  # for agreement
+            recs, wall, errs = await drive(eng.generate, reqs, args.concurrency, None,
+                                           f"closed loop x{args.concurrency}", True, "closed")
+            runs = [summarize("closed", recs, wall, errs, {"concurrency": args.concurrency})]
+            for rate in args.rates:
+                recs, wall, errs = await drive(eng.generate, reqs, 0, rate, f"open loop {rate:g}/s",
+                                               True, "open")
+                runs.append(summarize("open", recs, wall, errs, {"rate": rate}))
+        return split, bsz, results, runs
+    split, bsz, results, runs = asyncio.run(run_all())
+    hf_rps, agree = hugging_face(eng, reqs, results, args.hf_requests)
 
-            async def one(i, r):
-                async with sem:
-                    t = time.perf_counter()
-                    results[i] = await eng.generate(r)
-                    lat.append((time.perf_counter() - t) * 1e3)
-            t0 = time.perf_counter()
-            await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
-            wall = time.perf_counter() - t0
-        batches = {}
-        for res in results:
-            batches[id(res.stats.steps)] = res.stats.steps
-        for st in batches.values():
-            for k, v in st.items():
-                steps[k] = steps.get(k, 0.0) + v / len(batches)
-        return results, np.array(lat), wall, steps, np.mean([r.stats.batch_size for r in results])
-    results, lat, wall, steps, bsz = asyncio.run(drive())
-    rps = len(reqs) / wall
-
-    # Hugging Face on the same weights and requests (one request at a time, as a baseline).
-    from transformers import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    hf = hf_model(eng)
-    trie = runner.trie
-    offs = trie.level_offset
-    kids: dict[tuple, list] = {}
-
-    def allowed(batch_id, input_ids):
-        prefix = tuple(input_ids.tolist()[1:])
-        if prefix not in kids:
-            node = 0
-            for t, tok in enumerate(prefix):  # walk the CSR trie
-                lo, hi = trie.ptr[t][node], trie.ptr[t][node + 1]
-                node = lo + int(np.searchsorted(trie.codes[t][lo:hi], tok - offs[t]))
-            t = len(prefix)
-            lo, hi = trie.ptr[t][node], trie.ptr[t][node + 1]
-            kids[prefix] = (trie.codes[t][lo:hi] + offs[t]).tolist()
-        return kids[prefix]
-    agree = []
-    t0 = time.perf_counter()
-    W = max(pol.beam_widths)
-    for r, res in zip(reqs[:args.hf_requests], results):
-        ctx = runner.prepare(r).context
-        with torch.inference_mode():
-            out = hf.generate(input_ids=torch.tensor([ctx], device=eng.device),
-                              num_beams=W, num_return_sequences=min(r.top_k, W),
-                              max_new_tokens=trie.depth, prefix_allowed_tokens_fn=allowed,
-                              length_penalty=0.0, do_sample=False, early_stopping=False)
-        sids = [[int(x - offs[t]) for t, x in enumerate(s[1:])] for s in out.tolist()]
-        ours = [s for s in res.sids][:len(sids)]
-        agree.append(len({tuple(s) for s in sids} & {tuple(s) for s in ours}) / max(len(sids), 1))
-    hf_rps = args.hf_requests / (time.perf_counter() - t0)
     print(f"spec {eng.spec.name} on {eng.device}/{str(eng.dtype).replace('torch.', '')}: "
-          f"{len(reqs)} requests, history {n_hist} items, beam widths {pol.beam_widths}, "
-          f"top_k {pol.top_k}, concurrency {args.concurrency}, mean batch {bsz:.1f}")
-    print(f"{'':<22}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}")
-    print(f"{'streamgr':<22}{rps:>10.1f}{np.percentile(lat, 50):>10.2f}{np.percentile(lat, 99):>10.2f}")
-    print(f"{'hugging face (bs 1)':<22}{hf_rps:>10.1f}")
-    print("per batch, ms: " + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()))
-    print(f"top-k agreement with Hugging Face over {len(agree)} requests: {np.mean(agree):.3f}")
+          f"history {n_hist} items, beam widths {pol.beam_widths}, top_k {pol.top_k}, "
+          f"max_batch {eng.spec.engine.max_batch}, {args.requests} requests per run")
+    print(f"{'run':<24}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'errors':>8}")
+    for r in runs:
+        name = f"closed x{r['concurrency']}" if r["mode"] == "closed" else f"open {r['rate']:g}/s"
+        print(f"{name:<24}{r['throughput']:>10.1f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['errors']:>8}")
+    print(f"{'hugging face (bs 1)':<24}{hf_rps:>10.1f}")
+    print(f"per batch of {bsz:.1f} (stages synchronized), ms: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
+    print(f"top-k agreement with Hugging Face over {args.hf_requests} requests: {agree:.3f}")
     print(f"SID trie of 1,000,000 items built in {trie_s:.2f} s")
-    print(f"bench_generate {eng.spec.name}: {rps:.1f} req/s vs Hugging Face {hf_rps:.1f} req/s "
-          f"({rps / hf_rps:.1f}x); top-k agreement {np.mean(agree):.3f}")
+    ok = [r["throughput"] for r in runs if r["mode"] == "open" and r["p99_ms"] < args.p99_target
+          and r["errors"] == 0]
+    closed = runs[0]["throughput"]
+    line = (f"bench_generate {eng.spec.name}: {closed:.1f} req/s closed-loop vs Hugging Face "
+            f"{hf_rps:.1f} req/s ({closed / hf_rps:.1f}x); top-k agreement {agree:.3f}")
+    if args.rates:
+        line += (f"; open loop at p99 < {args.p99_target:g} ms: "
+                 + (f"{max(ok):.1f} req/s" if ok else "none of the rates"))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": runs, "split_ms": split, "hf_rps": hf_rps,
+                                               "agreement": agree, "trie_s": trie_s}, indent=1))
+    print(line)
     return 0
 
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call: GPU tests, then the benchmarks, then a short table.
 # Run on the lent H200 from the repository root (docs/benchmarks.md records the figures):
-#   bash tools/gpu_check.sh [tests|quick|full]
+#   bash tools/gpu_check.sh [tests|quick|full|rank|gen]
 #     tests: the gpu-marked tests only; quick: + transfer bench + a short rank-ref bench;
-#     full: + the rank-ref bench at batch 1, 4, 8 (several minutes); rank: that bench alone
+#     full: + the rank-ref bench at batch 1, 4, 8 (several minutes) + the gen-ref bench;
+#     rank: the rank-ref bench alone; gen: the generate GPU tests + the gen-ref bench
 # Needs the fixing wheels of ../shared/device/prep.sh carried in .device/ on that machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +24,10 @@ python3 -c "import torch, numpy, cupy; print('torch', torch.__version__, 'cuda',
 
 summary=()
 if [ "$mode" != rank ]; then
-  python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
+  tests=tests/
+  [ "$mode" = gen ] && tests=tests/gpu/test_gpu_generate.py
+  python3 -m pytest -q -s -m gpu "$tests" -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" \
+    | grep -i "agreement\|overlap\|passed\|failed\|error" | tail -n 30
   summary+=("gpu tests: $(tail -n 1 "$out/gpu_tests.log")")
 fi
 
@@ -49,6 +53,14 @@ if [ "$mode" = full ] || [ "$mode" = rank ]; then
     | tee "$out/bench_rank.txt"
   grep -v "^\(recompute\|gpu-only\|hierarchical\)" "$out/bench_rank.err" | tail -n 15
   summary+=("$(tail -n 1 "$out/bench_rank.txt")")
+fi
+if [ "$mode" = full ] || [ "$mode" = gen ]; then
+  # gen-ref (WORKLOADS.md): 1,000,000 items, beams of 256, top 256, 256 history items.
+  python3 tools/bench_generate.py --spec gen-ref --device cuda --requests ${GEN_REQUESTS:-512} \
+    --concurrency 64 --rates ${GEN_RATES:-100 200 400 800} --hf-requests ${HF_REQUESTS:-8} \
+    --json "$out/bench_generate.json" 2>"$out/bench_generate.err" | tee "$out/bench_generate.txt"
+  grep -v "^\(open loop\|closed loop\)" "$out/bench_generate.err" | tail -n 15
+  summary+=("$(tail -n 1 "$out/bench_generate.txt")")
 fi
 
 echo

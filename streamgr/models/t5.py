@@ -231,7 +231,7 @@ class T5(nn.Module):
         first = self.decoder.block[0].layer[0].SelfAttention
         pos = torch.arange(step + 1, device=tokens.device)
         sbias = self._bias(first, pos[-1:], pos, False)[None]  # [1, H, 1, step+1]
-        cbias = torch.where(enc_mask, 0.0, torch.finfo(torch.float32).min)[:, None, None, None, :]
+        cbias = torch.where(enc_mask, 0.0, torch.finfo(torch.float32).min)[:, None, None, :]
         for li, blk in enumerate(self.decoder.block):
             sa, ca, ff = blk.layer
             h = sa.layer_norm(x)
@@ -243,10 +243,13 @@ class T5(nn.Module):
             x = x + a.o(o.transpose(-3, -2).reshape(N, 1, -1))
             h = ca.layer_norm(x)
             c = ca.EncDecAttention
-            q = c.heads(c.q(h)).view(R, beams, cfg.num_heads, 1, cfg.d_kv)
-            k, v = cross[li]  # [R, H, S, d]: indexed by request, broadcast over beams
-            o = attend(q, k[:, None], v[:, None], cbias)  # [R, beams, H, 1, d]
-            x = x + c.o(o.reshape(N, cfg.num_heads, 1, cfg.d_kv).transpose(1, 2).reshape(N, 1, -1))
+            # A request's beams are the query rows of one [beams, S] product against its own
+            # cross K/V [R, H, S, d]: broadcasting K over beams instead would make matmul
+            # materialize a per-beam copy (GBs at gen-ref's 256 beams x 769 positions).
+            q = c.q(h).view(R, beams, cfg.num_heads, cfg.d_kv).transpose(1, 2)  # [R, H, beams, d]
+            k, v = cross[li]
+            o = attend(q, k, v, cbias)  # [R, H, beams, d]
+            x = x + c.o(o.transpose(1, 2).reshape(N, 1, -1))
             x = x + ff.DenseReluDense(ff.layer_norm(x))
         y = self.decoder.final_layer_norm(x)[:, 0]
         if cfg.scale_outputs:

@@ -111,17 +111,19 @@ def load_generate_requests(path, catalog_ids: np.ndarray | None, fold_ids: bool,
     return out
 
 
-async def _drive(call, reqs: list[Req], concurrency: int, rate: float | None, label: str,
-                 progress: bool, mode: str) -> tuple[list[dict], float, int]:
+async def drive(call, reqs: list, concurrency: int, rate: float | None, label: str,
+                progress: bool, mode: str) -> tuple[list[dict], float, int]:
+    """Requests through ``call`` closed-loop (``concurrency`` in flight) or open-loop (Poisson
+    arrivals at ``rate``/s; a latency counts from the arrival, so loop lag is not hidden)."""
     records: list[dict] = []
     errors = 0
     rng = np.random.default_rng(1)
     with Progress(len(reqs), label, enabled=progress) as bar:
         t0 = time.perf_counter()
 
-        async def one(i: int, r):
+        async def one(i: int, r, t: float | None = None):
             nonlocal errors
-            t = time.perf_counter()
+            t = time.perf_counter() if t is None else t
             try:
                 res = await call(r)
             except StreamgrError:
@@ -137,7 +139,7 @@ async def _drive(call, reqs: list[Req], concurrency: int, rate: float | None, la
                 delay = t0 + arrivals[i] - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                tasks.append(asyncio.ensure_future(one(i, r)))
+                tasks.append(asyncio.ensure_future(one(i, r, t0 + arrivals[i])))
             await asyncio.gather(*tasks)
         else:
             it = iter(enumerate(reqs))
@@ -196,7 +198,7 @@ def replay_trace(trace, out, spec=None, overrides=None, server: str | None = Non
 
             async def go():
                 async with AsyncClient(server) as c:
-                    return await _drive(c.rank, rank_requests, concurrency, rate,
+                    return await drive(c.rank, rank_requests, concurrency, rate,
                                         f"replay {server}", progress, mode)
             records, wall, errors = asyncio.run(go())
         elif batch:
@@ -216,7 +218,7 @@ def replay_trace(trace, out, spec=None, overrides=None, server: str | None = Non
         else:
             async def go():
                 async with Engine.from_spec(sp, {"cache.mode": mode}) as eng:
-                    return await _drive(eng.rank, rank_requests, concurrency, rate,
+                    return await drive(eng.rank, rank_requests, concurrency, rate,
                                         f"replay {mode}", progress, mode)
             records, wall, errors = asyncio.run(go())
         run = summarize(mode, records, wall, errors, extra)
@@ -248,12 +250,12 @@ def _replay_generate(trace, out, sp, server, rate, concurrency, compare_modes, b
 
         async def go():
             async with AsyncClient(server) as c:
-                return await _drive(c.generate, reqs, concurrency, rate, f"replay {server}",
+                return await drive(c.generate, reqs, concurrency, rate, f"replay {server}",
                                     progress, "generate")
     else:
         async def go():
             async with engine:
-                return await _drive(engine.generate, reqs, concurrency, rate, "replay generate",
+                return await drive(engine.generate, reqs, concurrency, rate, "replay generate",
                                     progress, "generate")
     records, wall, errors = asyncio.run(go())
     run = summarize("generate", records, wall, errors, {"trace": str(trace), "server": server,

@@ -13,8 +13,9 @@ OFFSET = 3
 
 
 def write_hf_checkpoint(tmp_path, ff="relu", tie=True, seed=0, vocab=None, n_items=60,
-                        distinct=False):
-    """A random T5 saved by Hugging Face itself, and a catalog; returns (spec, hf model)."""
+                        distinct=False, overrides=None):
+    """A random T5 saved by Hugging Face itself, and a catalog; returns (spec, hf model, catalog).
+    The spec serves it on the CPU in fp32 unless ``overrides`` say otherwise."""
     from transformers import T5Config, T5ForConditionalGeneration
     vocab = vocab or OFFSET + sum(CODEBOOKS)
     cfg = T5Config(vocab_size=vocab, d_model=32, d_kv=8, d_ff=48, num_layers=2,
@@ -34,7 +35,7 @@ def write_hf_checkpoint(tmp_path, ff="relu", tie=True, seed=0, vocab=None, n_ite
         "engine.device": "cpu", "model.dtype": "float32", "model.init_seed": None,
         "model.checkpoint": str(ckpt), "catalog.path": str(tmp_path / "catalog.csv"),
         "catalog.random_items": 0, "catalog.codebook_sizes": CODEBOOKS,
-        "catalog.token_offset": OFFSET, "policy.beam_widths": [8, 8, 8]})
+        "catalog.token_offset": OFFSET, "policy.beam_widths": [8, 8, 8], **(overrides or {})})
     return spec, hf, cat
 
 

@@ -69,7 +69,7 @@ def hf_topk(hf, cat, ctx_batch, W, k):
     for i, c in enumerate(ctx_batch):
         ids[i, :len(c)] = torch.tensor(c)
         mask[i, :len(c)] = 1
-    out = hf.generate(input_ids=ids, attention_mask=mask, num_beams=W, num_return_sequences=k,
+    out = hf.generate(input_ids=ids.to(hf.device), attention_mask=mask.to(hf.device), num_beams=W, num_return_sequences=k,
                       max_new_tokens=len(CODEBOOKS), prefix_allowed_tokens_fn=allowed,
                       length_penalty=0.0, do_sample=False, early_stopping=False,
                       output_scores=True, return_dict_in_generate=True)

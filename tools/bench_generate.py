@@ -109,6 +109,22 @@ async def profiled(eng, reqs):
     return split, float(np.mean([b for _, b in batches.values()]))
 
 
+def profile(eng, reqs, n):
+    """``n`` batches of ``max_batch`` straight through the runner under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    runner, B = eng.gen_runner, eng.spec.engine.max_batch
+    batch = [runner.prepare(r) for r in reqs[:B]]
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if eng.device.type == "cuda" else [])
+    with torch_profile(activities=acts) as prof:
+        for _ in range(n):
+            runner.run(batch)
+        if eng.device.type == "cuda":
+            torch.cuda.synchronize()
+    keys = (["cuda_time_total"] if eng.device.type == "cuda" else []) + ["cpu_time_total"]
+    for key in keys:
+        print(prof.key_averages().table(sort_by=key, row_limit=25), file=sys.stderr)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", default="gen-small")
@@ -121,6 +137,10 @@ def main() -> int:
     ap.add_argument("--hf-requests", type=int, default=32)
     ap.add_argument("--history", type=int, default=None, help="history items per request")
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also run N full batches under torch.profiler and print the top ops")
+    ap.add_argument("--fp32-agreement", type=int, default=0, metavar="N",
+                    help="also compare N requests with Hugging Face both in fp32 (same device)")
     args = ap.parse_args()
     ov = _overrides(args.overrides)
     if args.device:
@@ -152,7 +172,17 @@ def main() -> int:
                 runs.append(summarize("open", recs, wall, errs, {"rate": rate}))
         return split, bsz, results, runs
     split, bsz, results, runs = asyncio.run(run_all())
+    if args.profile:
+        profile(eng, reqs, args.profile)
     hf_rps, agree = hugging_face(eng, reqs, results, args.hf_requests)
+    agree32 = None
+    if args.fp32_agreement:  # precision apart from implementation: both sides in fp32
+        e32 = Engine.from_spec(args.spec, {**ov, "model.dtype": "float32"})
+
+        async def run32():
+            async with e32:
+                return [await e32.generate(r) for r in reqs[:args.fp32_agreement]]
+        _, agree32 = hugging_face(e32, reqs, asyncio.run(run32()), args.fp32_agreement)
 
     print(f"spec {eng.spec.name} on {eng.device}/{str(eng.dtype).replace('torch.', '')}: "
           f"history {n_hist} items, beam widths {pol.beam_widths}, top_k {pol.top_k}, "
@@ -165,6 +195,9 @@ def main() -> int:
     print(f"per batch of {bsz:.1f} (stages synchronized), ms: "
           + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
     print(f"top-k agreement with Hugging Face over {args.hf_requests} requests: {agree:.3f}")
+    if agree32 is not None:
+        print(f"top-k agreement with Hugging Face, both fp32, over {args.fp32_agreement} "
+              f"requests: {agree32:.3f}")
     print(f"SID trie of 1,000,000 items built in {trie_s:.2f} s")
     ok = [r["throughput"] for r in runs if r["mode"] == "open" and r["p99_ms"] < args.p99_target
           and r["errors"] == 0]
@@ -176,7 +209,7 @@ def main() -> int:
                  + (f"{max(ok):.1f} req/s" if ok else "none of the rates"))
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": runs, "split_ms": split, "hf_rps": hf_rps,
-                                               "agreement": agree, "trie_s": trie_s}, indent=1))
+                                               "agreement": agree, "agreement_fp32": agree32, "trie_s": trie_s}, indent=1))
     print(line)
     return 0
 

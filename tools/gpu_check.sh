@@ -58,7 +58,7 @@ if [ "$mode" = full ] || [ "$mode" = gen ]; then
   # gen-ref (WORKLOADS.md): 1,000,000 items, beams of 256, top 256, 256 history items.
   python3 tools/bench_generate.py --spec gen-ref --device cuda --requests ${GEN_REQUESTS:-512} \
     --concurrency 64 --rates ${GEN_RATES:-100 200 400 800} --hf-requests ${HF_REQUESTS:-8} \
-    --json "$out/bench_generate.json" 2>"$out/bench_generate.err" | tee "$out/bench_generate.txt"
+    --json "$out/bench_generate.json" ${GEN_ARGS:-} 2>"$out/bench_generate.err" | tee "$out/bench_generate.txt"
   grep -v "^\(open loop\|closed loop\)" "$out/bench_generate.err" | tail -n 15
   summary+=("$(tail -n 1 "$out/bench_generate.txt")")
 fi

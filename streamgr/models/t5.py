@@ -82,6 +82,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused(x):  # one kernel; fp32 inside, rounded once
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         var = x.float().pow(2).mean(-1, keepdim=True)
         y = x.float() * torch.rsqrt(var + self.eps)
         return (self.weight * y.to(self.weight.dtype)) if self.weight.dtype != torch.float32 \
@@ -104,8 +106,22 @@ class Attention(nn.Module):
         return x.view(*x.shape[:-1], self.h, self.d).transpose(-3, -2)
 
 
+def fused(x: torch.Tensor) -> bool:
+    """Half-precision CUDA activations take the fused kernels (attention, RMS norm); fp32 and
+    the CPU keep the step-by-step reference arithmetic."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def bias_dtype(x: torch.Tensor) -> torch.dtype:
+    return x.dtype if fused(x) else torch.float32
+
+
 def attend(q, k, v, bias) -> torch.Tensor:
-    """softmax(q k^T + bias) v in fp32 softmax, as T5 does (no 1/sqrt(d))."""
+    """softmax(q k^T + bias) v in fp32 softmax, as T5 does (no 1/sqrt(d)). In half precision
+    on CUDA: one fused (memory-efficient) attention kernel, no [.., Q, K] scores in memory; the
+    additive bias is then at the activations' precision, as Hugging Face's T5 has it in bf16."""
+    if fused(q):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
     s = torch.matmul(q, k.transpose(-1, -2)).float()
     if bias is not None:
         s = s + bias
@@ -193,8 +209,9 @@ class T5(nn.Module):
         S = tokens.shape[1]
         pos = torch.arange(S, device=tokens.device)
         first = self.encoder.block[0].layer[0].SelfAttention
-        bias = self._bias(first, pos, pos, True)[None]  # [1, H, S, S]
-        bias = bias + torch.where(mask, 0.0, torch.finfo(torch.float32).min)[:, None, None, :]
+        bt = bias_dtype(x)
+        bias = self._bias(first, pos, pos, True)[None].to(bt)  # [1, H, S, S]
+        bias = bias + torch.where(mask, 0.0, torch.finfo(bt).min).to(bt)[:, None, None, :]
         for blk in self.encoder.block:
             sa, ff = blk.layer[0], blk.layer[1]
             h = sa.layer_norm(x)
@@ -230,8 +247,9 @@ class T5(nn.Module):
         x = self.shared(tokens)[:, None, :]  # [N, 1, D]
         first = self.decoder.block[0].layer[0].SelfAttention
         pos = torch.arange(step + 1, device=tokens.device)
-        sbias = self._bias(first, pos[-1:], pos, False)[None]  # [1, H, 1, step+1]
-        cbias = torch.where(enc_mask, 0.0, torch.finfo(torch.float32).min)[:, None, None, :]
+        bt = bias_dtype(x)
+        sbias = self._bias(first, pos[-1:], pos, False)[None].to(bt)  # [1, H, 1, step+1]
+        cbias = torch.where(enc_mask, 0.0, torch.finfo(bt).min).to(bt)[:, None, None, :]
         for li, blk in enumerate(self.decoder.block):
             sa, ca, ff = blk.layer
             h = sa.layer_norm(x)
@@ -255,7 +273,7 @@ class T5(nn.Module):
         if cfg.scale_outputs:
             y = y * cfg.d_model ** -0.5
         logits = F.linear(y, self.shared.weight) if cfg.tie_word_embeddings else self.lm_head(y)
-        return F.log_softmax(logits.float(), dim=-1)
+        return F.log_softmax(logits, dim=-1, dtype=torch.float32)
 
 
 def hf_state_dict(tensors: dict[str, torch.Tensor], cfg: T5Config) -> dict[str, torch.Tensor]:

@@ -2,8 +2,10 @@
 
 The encoder runs once per request; the cross-attention K/V stay at [requests] and each beam
 attends its request's by index. Per step ``t``: the decoder for all live beams (self K/V per
-beam), log-softmax over the full vocabulary, every token that is not a child of the beam's
-prefix masked, the top ``W_t`` per request over beams x codebook kept, and the survivors' self
+beam), log-softmax over the full vocabulary, each beam's trie children gathered into a
+[beams, widest fan-out] grid (what is not a child is not a candidate), the top ``W_t`` per
+request over that grid kept (the same set as over beams x codebook with non-children masked,
+as the issue states it, in far less memory), and the survivors' self
 K/V gathered from the active buffer into the standby one (double-buffered compaction), then the
 buffers swap. Scores are summed log-probabilities, as Hugging Face's beam search with
 ``prefix_allowed_tokens_fn`` and no length penalty. No illegal SID can come out: only trie
@@ -58,7 +60,8 @@ class BeamSearch:
         R, depth = len(reqs), trie.depth
         stages: dict[str, float] = {}
         t0 = time.perf_counter()
-        S = max(len(r.context) for r in reqs)
+        # Padded to a multiple of 8 (masked keys): the fused attention kernels want aligned rows.
+        S = -(-max(len(r.context) for r in reqs) // 8) * 8
         tokens = torch.full((R, S), cfg.pad_token_id, dtype=torch.long)
         mask = torch.zeros(R, S, dtype=torch.bool)
         for i, r in enumerate(reqs):
@@ -87,18 +90,22 @@ class BeamSearch:
             K, V = bufs[0][active], bufs[1][active]
             logp = model.decode_step(step_tok.view(-1), t, K[:, :N], V[:, :N], cross, mask, beams)
             t0 = self._tick(stages, "decoder", t0, dev)
-            off, C = trie.level_offset[t], trie.codebook_sizes[t]
+            off = trie.level_offset[t]
             valid = torch.isfinite(scores).view(-1)
-            legal, child = trie.children(t, nodes.view(-1), valid)
-            cand = scores.view(-1, 1) + logp[:, off:off + C]
-            cand = cand.masked_fill(~legal, NEG_INF).view(R, beams * C)
-            w_next = min(w_max if t == depth - 1 else int(widths[:, t].max()), beams * C)
+            # Candidates: each live beam's trie children only ([rows, F]), never a whole
+            # codebook; an illegal SID is not representable.
+            child, code, real = trie.child_grid(t, nodes.view(-1), valid)
+            F = child.shape[1]
+            cand = scores.view(-1, 1) + logp.gather(1, off + code)
+            cand = cand.masked_fill(~real, NEG_INF).view(R, beams * F)
+            w_next = min(w_max if t == depth - 1 else int(widths[:, t].max()), beams * F)
             top, idx = cand.topk(w_next, dim=1)  # sorted: best first
             # A request's own width for this step: ranks past it are dropped.
             rank = torch.arange(w_next, device=dev)[None, :]
             top = top.masked_fill(rank >= cap[:, t:t + 1], NEG_INF)
-            parent, code = idx // C, idx % C
-            nodes = child.view(R, beams * C).gather(1, idx)
+            parent = idx // F
+            nodes = child.view(R, beams * F).gather(1, idx)
+            code = code.view(R, beams * F).gather(1, idx)
             t0 = self._tick(stages, "selection", t0, dev)
             if t + 1 < depth:  # compaction: survivors' self K/V -> the standby buffer
                 src = (torch.arange(R, device=dev)[:, None] * beams + parent).view(-1)

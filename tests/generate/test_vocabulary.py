@@ -1,0 +1,77 @@
+"""The SID trie against a plain Python dictionary of prefixes: its child grid (what beam search
+may select), leaves and item lists, on random, skewed and degenerate catalogs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from streamgr.selection.vocabulary import Catalog, SidTrie, random_catalog
+
+
+def prefix_children(cat: Catalog) -> dict[tuple, list[int]]:
+    kids: dict[tuple, set] = {}
+    for s in cat.sids.tolist():
+        for t in range(len(s)):
+            kids.setdefault(tuple(s[:t]), set()).add(s[t])
+    return {k: sorted(v) for k, v in kids.items()}
+
+
+def walk(trie: SidTrie, valid: torch.Tensor, nodes: torch.Tensor, level: int):
+    child, code, real = trie.child_grid(level, nodes, valid)
+    assert child.shape == code.shape == real.shape == (len(nodes), max(trie.max_fanout[level], 1))
+    return child, code, real
+
+
+def skewed_catalog(rng) -> Catalog:
+    """One level-0 code holds most items (a wide fan-out next to narrow ones)."""
+    n = 300
+    s1 = np.where(rng.random(n) < 0.8, 0, rng.integers(1, 7, size=n))
+    sids = np.stack([s1, rng.integers(50, size=n), rng.integers(3, size=n)], axis=1)
+    return Catalog(np.arange(1000, 1000 + n, dtype=np.int64), sids.astype(np.int64))
+
+
+@pytest.mark.parametrize("make", ["random", "skewed", "one-item"])
+def test_child_grid_equals_prefix_dictionary(make):
+    rng = np.random.default_rng(7)
+    if make == "random":
+        cat, books = random_catalog(500, [9, 40, 6], seed=3, distinct=False), [9, 40, 6]
+    elif make == "skewed":
+        cat, books = skewed_catalog(rng), [7, 50, 3]
+    else:
+        cat, books = Catalog(np.array([42]), np.array([[2, 0, 1]])), [3, 1, 2]
+    trie = SidTrie(cat, books, token_offset=3)
+    kids = prefix_children(cat)
+    # Breadth-first over every prefix: the grid lists exactly the dictionary's children, in
+    # code order, and each child node leads on to its own children.
+    frontier = {(): 0}
+    for level in range(len(books)):
+        prefixes = list(frontier)
+        nodes = torch.tensor([frontier[p] for p in prefixes] + [0], dtype=torch.long)
+        valid = torch.tensor([True] * len(prefixes) + [False])  # a dead beam row last
+        child, code, real = walk(trie, valid, nodes, level)
+        assert not real[-1].any()
+        nxt = {}
+        for r, p in enumerate(prefixes):
+            got = code[r][real[r]].tolist()
+            assert got == kids[p], (level, p)
+            assert (child[r][~real[r]] == -1).all()
+            for c, node in zip(got, child[r][real[r]].tolist()):
+                nxt[p + (c,)] = node
+        frontier = nxt
+    # Leaves: each full SID's items, in catalog order, and the node's stored SID.
+    for sid, leaf in frontier.items():
+        want = cat.item_ids[(cat.sids == np.array(sid)).all(axis=1)]
+        assert trie.items_of(leaf, "all").tolist() == want.tolist()
+        assert trie.items_of(leaf, "first").tolist() == want[:1].tolist()
+        assert tuple(trie.leaf_sids[leaf].tolist()) == sid
+    assert len(frontier) == len({tuple(s) for s in cat.sids.tolist()})
+
+
+def test_fan_out_of_a_gen_ref_sized_catalog():
+    cat = random_catalog(200_000, [8192] * 3, seed=0)
+    trie = SidTrie(cat, [8192] * 3, token_offset=3)
+    assert trie.max_fanout[0] == len(np.unique(cat.sids[:, 0]))
+    # The second level's grid is far narrower than a codebook: what makes selection cheap.
+    assert trie.max_fanout[1] < 100 and trie.max_fanout[2] <= 3

@@ -14,11 +14,13 @@ beams with their own self K/V, attending the cross K/V of their request by index
 from __future__ import annotations
 
 import math
+import warnings
 
 import msgspec
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class T5Config(msgspec.Struct, kw_only=True):
@@ -116,12 +118,23 @@ def bias_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if fused(x) else torch.float32
 
 
-def attend(q, k, v, bias) -> torch.Tensor:
+_fused_attention_ok = True
+
+
+def attend(q, k, v, bias, fuse: bool = True) -> torch.Tensor:
     """softmax(q k^T + bias) v in fp32 softmax, as T5 does (no 1/sqrt(d)). In half precision
-    on CUDA: one fused (memory-efficient) attention kernel, no [.., Q, K] scores in memory; the
-    additive bias is then at the activations' precision, as Hugging Face's T5 has it in bf16."""
-    if fused(q):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
+    on CUDA (and ``fuse``): one memory-efficient attention kernel, no [.., Q, K] scores in
+    memory; the additive bias is then at the activations' precision, as Hugging Face's T5 has it
+    in bf16. Only that backend: SDPA's own choice went to cuDNN (a plan built per new shape,
+    ~3 ms of CPU each) and to the math path (fp32 GEMMs) for gen-ref's shapes."""
+    global _fused_attention_ok
+    if fuse and _fused_attention_ok and fused(q):
+        try:
+            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
+        except RuntimeError as e:  # shapes the kernel refuses: the reference below, said once
+            _fused_attention_ok = False
+            warnings.warn(f"fused attention unavailable, using the reference path: {e}")
     s = torch.matmul(q, k.transpose(-1, -2)).float()
     if bias is not None:
         s = s + bias
@@ -248,7 +261,7 @@ class T5(nn.Module):
         first = self.decoder.block[0].layer[0].SelfAttention
         pos = torch.arange(step + 1, device=tokens.device)
         bt = bias_dtype(x)
-        sbias = self._bias(first, pos[-1:], pos, False)[None].to(bt)  # [1, H, 1, step+1]
+        sbias = self._bias(first, pos[-1:], pos, False)[None]  # [1, H, 1, step+1], fp32
         cbias = torch.where(enc_mask, 0.0, torch.finfo(bt).min).to(bt)[:, None, None, :]
         for li, blk in enumerate(self.decoder.block):
             sa, ca, ff = blk.layer
@@ -257,7 +270,8 @@ class T5(nn.Module):
             q = a.heads(a.q(h))  # [N, H, 1, d]
             self_k[li, :, :, step] = a.heads(a.k(h))[:, :, 0]
             self_v[li, :, :, step] = a.heads(a.v(h))[:, :, 0]
-            o = attend(q, self_k[li, :, :, :step + 1], self_v[li, :, :, :step + 1], sbias)
+            # At most `depth` keys per row: the plain products beat any fused kernel here.
+            o = attend(q, self_k[li, :, :, :step + 1], self_v[li, :, :, :step + 1], sbias, fuse=False)
             x = x + a.o(o.transpose(-3, -2).reshape(N, 1, -1))
             h = ca.layer_norm(x)
             c = ca.EncDecAttention

@@ -60,8 +60,9 @@ class BeamSearch:
         R, depth = len(reqs), trie.depth
         stages: dict[str, float] = {}
         t0 = time.perf_counter()
-        # Padded to a multiple of 8 (masked keys): the fused attention kernels want aligned rows.
-        S = -(-max(len(r.context) for r in reqs) // 8) * 8
+        # Padded to a multiple of 16 (masked keys): the fused attention kernel wants its bias
+        # rows aligned so, and would otherwise pad a copy of the bias at every call.
+        S = -(-max(len(r.context) for r in reqs) // 16) * 16
         tokens = torch.full((R, S), cfg.pad_token_id, dtype=torch.long)
         mask = torch.zeros(R, S, dtype=torch.bool)
         for i, r in enumerate(reqs):

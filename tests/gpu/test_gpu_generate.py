@@ -53,3 +53,20 @@ def test_bf16_topk_agrees_with_fp32_cpu():
     overlap = np.mean([len(set(a.items) & set(b.items)) / 10 for a, b in zip(cpu, gpu)])
     print(f"bf16 (CUDA) vs fp32 (CPU) top-10 overlap: {overlap:.3f}")
     assert overlap > 0.7
+
+
+@pytest.mark.parametrize("R,Q,S", [(3, 1, 16), (4, 256, 784), (2, 37, 48)])
+def test_fused_attention_equals_reference(R, Q, S):
+    """The memory-efficient kernel (bf16 bias) against the fp32-softmax reference, with padded
+    keys masked as the encoder and cross-attention mask them."""
+    from streamgr.models import t5
+    g = torch.Generator(device="cuda").manual_seed(R * Q)
+    q, k, v = (torch.randn(R, 8, n, 64, device="cuda", generator=g).bfloat16() for n in (Q, S, S))
+    keep = torch.arange(S, device="cuda")[None, :] < torch.tensor([S - 5 * i for i in range(R)],
+                                                                 device="cuda")[:, None]
+    bias = torch.randn(1, 8, Q, S, device="cuda", generator=g)
+    bias = bias + torch.where(keep, 0.0, torch.finfo(torch.float32).min)[:, None, None, :]
+    ref = t5.attend(q, k, v, bias, fuse=False).float()
+    got = t5.attend(q, k, v, bias.bfloat16()).float()
+    assert t5._fused_attention_ok, "the memory-efficient kernel refused these shapes"
+    torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)

@@ -130,6 +130,8 @@ def attend(q, k, v, bias, fuse: bool = True) -> torch.Tensor:
     global _fused_attention_ok
     if fuse and _fused_attention_ok and fused(q):
         try:
+            if bias is not None and bias.stride(-1) != 1:
+                bias = bias.contiguous()
             with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
         except RuntimeError as e:  # shapes the kernel refuses: the reference below, said once
@@ -213,7 +215,8 @@ class T5(nn.Module):
         rel = k_pos[None, :] - q_pos[:, None]
         b = relative_bucket(rel, bidirectional, self.cfg.relative_attention_num_buckets,
                             self.cfg.relative_attention_max_distance)
-        return attn.relative_attention_bias(b).permute(2, 0, 1).float()  # [H, Q, K]
+        # Contiguous: the fused attention kernel needs the key dimension at stride 1.
+        return attn.relative_attention_bias(b).permute(2, 0, 1).float().contiguous()  # [H, Q, K]
 
     @torch.inference_mode()
     def encode(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,9 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("ff,tie,W,k", [("relu", True, 8, 8), ("gated-gelu", False, 16, 5)])
-def test_cuda_against_hugging_face(tmp_path, dtype, ff, tie, W, k):
+def test_cuda_against_hugging_face(tmp_path, dtype, ff, tie, W, k, monkeypatch):
+    from streamgr.models import t5
+    monkeypatch.setattr(t5, "_fused_attention_ok", True)
     spec, hf, cat = write_hf_checkpoint(tmp_path, ff=ff, tie=tie, seed=W, n_items=70,
                                         distinct=True,
                                         overrides={"engine.device": "cuda", "model.dtype": dtype})
@@ -38,6 +40,7 @@ def test_cuda_against_hugging_face(tmp_path, dtype, ff, tie, W, k):
         overlap.append(len({tuple(s) for s in res.sids} & {tuple(s) for s in want}) / len(want))
     print(f"{dtype} W={W} k={k}: top-{k} agreement with Hugging Face {np.mean(overlap):.3f}")
     assert np.mean(overlap) >= (1.0 if dtype == "float32" else 0.75)
+    assert t5._fused_attention_ok, "bf16 fell back from the fused attention kernel"
 
 
 def test_bf16_topk_agrees_with_fp32_cpu():
@@ -56,17 +59,21 @@ def test_bf16_topk_agrees_with_fp32_cpu():
 
 
 @pytest.mark.parametrize("R,Q,S", [(3, 1, 16), (4, 256, 784), (2, 37, 48)])
-def test_fused_attention_equals_reference(R, Q, S):
+def test_fused_attention_equals_reference(R, Q, S, monkeypatch):
     """The memory-efficient kernel (bf16 bias) against the fp32-softmax reference, with padded
-    keys masked as the encoder and cross-attention mask them."""
+    keys masked as the encoder and cross-attention mask them; a bias laid out as the relative
+    position embedding gives it (key dimension not at stride 1) included."""
     from streamgr.models import t5
+    monkeypatch.setattr(t5, "_fused_attention_ok", True)
     g = torch.Generator(device="cuda").manual_seed(R * Q)
     q, k, v = (torch.randn(R, 8, n, 64, device="cuda", generator=g).bfloat16() for n in (Q, S, S))
     keep = torch.arange(S, device="cuda")[None, :] < torch.tensor([S - 5 * i for i in range(R)],
                                                                  device="cuda")[:, None]
-    bias = torch.randn(1, 8, Q, S, device="cuda", generator=g)
+    bias = torch.randn(1, Q, S, 8, device="cuda", generator=g).permute(0, 3, 1, 2)
     bias = bias + torch.where(keep, 0.0, torch.finfo(torch.float32).min)[:, None, None, :]
     ref = t5.attend(q, k, v, bias, fuse=False).float()
     got = t5.attend(q, k, v, bias.bfloat16()).float()
+    got_strided = t5.attend(q, k, v, bias.bfloat16().transpose(-1, -2).contiguous().transpose(-1, -2))
     assert t5._fused_attention_ok, "the memory-efficient kernel refused these shapes"
     torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got_strided.float(), got)

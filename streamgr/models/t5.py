@@ -143,6 +143,15 @@ def attend(q, k, v, bias, fuse: bool = True) -> torch.Tensor:
     return torch.matmul(F.softmax(s, dim=-1).to(v.dtype), v)
 
 
+def attend_few(q, k, v, bias) -> torch.Tensor:
+    """``attend`` for one query over a few keys (the decoder's own SID tokens so far), as
+    fp32 elementwise products: one batched GEMM of shape [1, d] x [d, <= depth] per row and
+    head runs slow tensor-core tiles (~2 ms per gen-ref batch); this is memory-bound and tiny."""
+    s = (q.float() * k.float()).sum(-1, keepdim=True).transpose(-1, -2)  # [.., 1, T]
+    p = F.softmax(s + bias, dim=-1)
+    return (p.transpose(-1, -2) * v.float()).sum(-2, keepdim=True).to(v.dtype)
+
+
 class FeedForward(nn.Module):
     def __init__(self, cfg: T5Config) -> None:
         super().__init__()
@@ -273,8 +282,7 @@ class T5(nn.Module):
             q = a.heads(a.q(h))  # [N, H, 1, d]
             self_k[li, :, :, step] = a.heads(a.k(h))[:, :, 0]
             self_v[li, :, :, step] = a.heads(a.v(h))[:, :, 0]
-            # At most `depth` keys per row: the plain products beat any fused kernel here.
-            o = attend(q, self_k[li, :, :, :step + 1], self_v[li, :, :, :step + 1], sbias, fuse=False)
+            o = attend_few(q, self_k[li, :, :, :step + 1], self_v[li, :, :, :step + 1], sbias)
             x = x + a.o(o.transpose(-3, -2).reshape(N, 1, -1))
             h = ca.layer_norm(x)
             c = ca.EncDecAttention

@@ -120,18 +120,22 @@ class BeamSearch:
             scores, beams = top, w_next
             t0 = self._tick(stages, "compaction", t0, dev)
 
-        out = []
         scores_h, nodes_h, codes_h = scores.cpu().numpy(), nodes.cpu().numpy(), codes.cpu().numpy()
-        for i, r in enumerate(reqs):
-            items, sc, sids = [], [], []
-            for b in range(beams):
-                if not np.isfinite(scores_h[i, b]) or len(items) >= r.top_k:
-                    break
-                for item in trie.items_of(int(nodes_h[i, b]), self.policy):
-                    if len(items) >= r.top_k:
-                        break
-                    items.append(int(item))
-                    sc.append(float(scores_h[i, b]))
-                    sids.append(codes_h[i, b].tolist())
-            out.append(BeamResult(items, sc, sids, stages))
+        t0 = self._tick(stages, "readback", t0, dev)
+        out = [BeamResult(*self.answer(scores_h[i], nodes_h[i], codes_h[i], r.top_k), stages)
+               for i, r in enumerate(reqs)]
+        self._tick(stages, "answer", t0, dev)
         return out
+
+    def answer(self, scores: np.ndarray, nodes: np.ndarray, codes: np.ndarray, top_k: int):
+        """One request's final beams (best first) -> its top-k (items, scores, SIDs): each
+        beam's items in catalog order (all, or the first, per the SID policy), array-wise."""
+        live = int(np.isfinite(scores).sum())  # sorted best first: -inf beams trail
+        leaf = nodes[:live]
+        lo = self.trie.leaf_ptr[leaf]
+        n = np.ones_like(lo) if self.policy == "first" else self.trie.leaf_ptr[leaf + 1] - lo
+        beam = np.repeat(np.arange(live), n)[:top_k]
+        starts = np.cumsum(n) - n
+        pos = lo[beam] + np.arange(len(beam)) - starts[beam]
+        return (self.trie.leaf_items[pos].tolist(), scores[beam].astype(float).tolist(),
+                codes[beam].tolist())

@@ -67,6 +67,9 @@ class EngineSpec(_Section, kw_only=True):
     max_wait_ms: float = 2.0
     max_queue: int = 4096  # requests admitted but not finished; beyond it: Overloaded
     history_events: int = 20_000_000  # events of user histories kept for delta requests (LRU)
+    # Generate on CUDA: batch shapes whose whole beam search is captured as a CUDA graph and
+    # replayed (runtime/plans.py), kept in an LRU; 0 searches eagerly.
+    decode_plans: int = 16
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -77,6 +80,8 @@ class EngineSpec(_Section, kw_only=True):
             raise ValueError("`max_queue` must be >= 1")
         if self.history_events < 0:
             raise ValueError("`history_events` must be >= 0")
+        if self.decode_plans < 0:
+            raise ValueError("`decode_plans` must be >= 0")
 
 
 class CacheSpec(_Section, kw_only=True):

@@ -151,6 +151,8 @@ class Engine:
         self._gen_batcher = Batcher(e.max_batch, e.max_wait_ms)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamgr-exec")
         loop = asyncio.get_running_loop()
+        if self.gen_runner is not None:  # decode plans of the common shapes, before serving
+            await loop.run_in_executor(self._executor, self.gen_runner.warm_up)
         self._task = loop.create_task(self._loop(), name="streamgr-batcher")
         self._gen_task = loop.create_task(self._gen_loop(), name="streamgr-gen-batcher")
         return self
@@ -272,6 +274,8 @@ class Engine:
         if isinstance(self.runner, CachedRankRunner):
             out["cache"] = self.runner.snapshot()
         out["serves"] = [k for k, r in (("rank", self.runner), ("generate", self.gen_runner)) if r]
+        if self.gen_runner is not None and self.gen_runner.search.plans is not None:
+            out["decode_plans"] = self.gen_runner.search.plans.stats()
         queued = (len(self._batcher) + len(self._gen_batcher)) if self._batcher else 0
         out.update(inflight=self._inflight, queued=queued,
                    device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),

@@ -15,6 +15,7 @@ import numpy as np
 from ..api import GenerateRequest
 from ..errors import IdOutOfRange, InvalidRequest
 from ..runtime.beam import BeamRequest, BeamSearch
+from ..runtime.plans import PlanCache
 from .rank import BatchOutcome
 
 MAX_BEAM = 4096
@@ -34,7 +35,10 @@ class GenerateRunner:
     def __init__(self, model, version: str, trie, contract: dict, spec) -> None:
         self.model, self.version, self.trie, self.contract = model, version, trie, contract
         self.policy, self.catalog = spec.policy, spec.catalog
-        self.search = BeamSearch(model, trie, spec.catalog.sid_policy)
+        plans = None
+        if spec.engine.decode_plans and model.shared.weight.is_cuda:
+            plans = PlanCache(spec.engine.max_batch, spec.engine.decode_plans)
+        self.search = BeamSearch(model, trie, spec.catalog.sid_policy, plans)
         # Item id -> its SID tokens, by binary search over the sorted catalog ids.
         ids = trie.leaf_items
         order = np.argsort(ids, kind="stable")
@@ -76,7 +80,7 @@ class GenerateRunner:
 
     def set_model(self, model, version: str) -> None:
         self.model, self.version = model, version
-        self.search.model = model
+        self.search.set_model(model)
 
     def run(self, batch: list[PreparedGenerate]) -> BatchOutcome:
         t = time.perf_counter()
@@ -85,6 +89,21 @@ class GenerateRunner:
         stages["total"] = (time.perf_counter() - t) * 1e3
         return BatchOutcome([((r.items, r.scores, r.sids), {"context_tokens": len(p.context)})
                              for p, r in zip(batch, res)], stages)
+
+    def warm_up(self) -> None:
+        """Capture the plan of every row bucket for a full-length context and the policy's
+        widths, so that no live request pays for a capture of the common shapes."""
+        plans = self.search.plans
+        if plans is None:
+            return
+        n = self.policy.max_context_items * self.trie.depth + int(self.policy.append_eos)
+        ctx = np.full(n, self.model.cfg.eos_token_id, dtype=np.int64)
+        rows = 1
+        while True:
+            self.search.run([BeamRequest(ctx, 1, list(self.policy.beam_widths))] * rows)
+            if rows >= self.search.plans.max_rows:
+                break
+            rows = min(rows * 2, self.search.plans.max_rows)
 
     def background(self) -> None:
         pass

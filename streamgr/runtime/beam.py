@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..models.t5 import T5
 from ..selection.vocabulary import SidTrie
+
+if TYPE_CHECKING:
+    from .plans import PlanCache
 
 NEG_INF = float("-inf")
 
@@ -42,38 +46,71 @@ class BeamResult:
 
 
 class BeamSearch:
-    def __init__(self, model: T5, trie: SidTrie, sid_policy: str = "all") -> None:
-        self.model, self.trie, self.policy = model, trie, sid_policy
-        self.sync = False  # benchmarks: time stages on the device
+    """The step loop. ``run`` builds a batch's host inputs, then either runs ``search`` eagerly
+    or replays the batch shape's captured plan (``plans``, CUDA only): the search has static
+    shapes and no host sync, so one CUDA graph holds the whole of it."""
 
-    def _tick(self, stages: dict, name: str, t: float, device) -> float:
+    def __init__(self, model: T5, trie: SidTrie, sid_policy: str = "all",
+                 plans: "PlanCache | None" = None) -> None:
+        self.model, self.trie, self.policy = model, trie, sid_policy
+        self.plans = plans
+        self.sync = False  # benchmarks: time stages on the device (runs eagerly)
+
+    def set_model(self, model: T5) -> None:
+        self.model = model
+        if self.plans is not None:  # captured graphs read the old weights' memory
+            self.plans.clear()
+
+    def _tick(self, stages: dict | None, name: str, t: float, device) -> float:
+        if stages is None:
+            return t
         if self.sync and device.type == "cuda":
             torch.cuda.synchronize(device)
         now = time.perf_counter()
         stages[name] = stages.get(name, 0.0) + (now - t) * 1e3
         return now
 
-    @torch.inference_mode()
-    def run(self, reqs: list[BeamRequest]) -> list[BeamResult]:
-        model, trie, cfg = self.model, self.trie, self.model.cfg
-        dev = model.shared.weight.device
-        R, depth = len(reqs), trie.depth
-        stages: dict[str, float] = {}
-        t0 = time.perf_counter()
+    def step_widths(self, widths: list[list[int]]) -> tuple[int, ...]:
+        """Beams kept after each step for the whole batch (host-side, so shapes are static):
+        the widest request's width, and at the last step the widest of all, capped by what the
+        trie can offer (beams x the level's widest fan-out)."""
+        w_max = max(max(w) for w in widths)
+        out, beams = [], 1
+        for t in range(self.trie.depth):
+            want = w_max if t == self.trie.depth - 1 else max(w[t] for w in widths)
+            beams = min(want, beams * max(self.trie.max_fanout[t], 1))
+            out.append(beams)
+        return tuple(out)
+
+    def inputs(self, reqs: list[BeamRequest], rows: int | None = None, length: int | None = None):
+        """Host tensors of a batch: encoder tokens and mask [rows, length] (right-padded; rows
+        past the requests are idle: one EOS, width 0) and each request's widths [rows, depth]."""
+        cfg = self.model.cfg
+        rows = rows or len(reqs)
         # Padded to a multiple of 16 (masked keys): the fused attention kernel wants its bias
         # rows aligned so, and would otherwise pad a copy of the bias at every call.
-        S = -(-max(len(r.context) for r in reqs) // 16) * 16
-        tokens = torch.full((R, S), cfg.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(R, S, dtype=torch.bool)
+        length = length or -(-max(len(r.context) for r in reqs) // 16) * 16
+        tokens = torch.full((rows, length), cfg.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(rows, length, dtype=torch.bool)
+        cap = torch.zeros(rows, self.trie.depth, dtype=torch.long)
+        tokens[len(reqs):, 0] = cfg.eos_token_id
+        mask[len(reqs):, 0] = True
         for i, r in enumerate(reqs):
             tokens[i, :len(r.context)] = torch.from_numpy(r.context)
             mask[i, :len(r.context)] = True
-        tokens, mask = tokens.to(dev), mask.to(dev)
+            cap[i] = torch.tensor(r.widths)
+        return tokens, mask, cap
+
+    def search(self, tokens, mask, cap, w_steps: tuple[int, ...], stages: dict | None = None):
+        """The device part: encoder, then per step decoder, selection and compaction. Returns
+        the final beams' (scores, trie nodes, codes) [rows, w_steps[-1](, depth)], best first."""
+        model, trie, cfg = self.model, self.trie, self.model.cfg
+        dev = tokens.device
+        R, depth = tokens.shape[0], trie.depth
+        t0 = time.perf_counter()
         cross = model.cross_kv(model.encode(tokens, mask))
         t0 = self._tick(stages, "encoder", t0, dev)
-
-        widths = torch.tensor([r.widths for r in reqs], dtype=torch.long)  # [R, depth]
-        w_max = int(widths.max())
+        w_max = max(w_steps)
         L, H, d = cfg.decoder_layers, cfg.num_heads, cfg.d_kv
         dtype = model.shared.weight.dtype
         # Active and standby self-K/V buffers [layers, rows, heads, depth, d].
@@ -85,7 +122,7 @@ class BeamSearch:
         nodes = torch.zeros(R, 1, dtype=torch.long, device=dev)
         step_tok = torch.full((R, 1), cfg.decoder_start_token_id, dtype=torch.long, device=dev)
         codes = torch.zeros(R, 1, 0, dtype=torch.long, device=dev)
-        cap = widths.to(dev)
+        rank = torch.arange(w_max, device=dev)[None, :]
         for t in range(depth):
             N = R * beams
             K, V = bufs[0][active], bufs[1][active]
@@ -99,11 +136,10 @@ class BeamSearch:
             F = child.shape[1]
             cand = scores.view(-1, 1) + logp.gather(1, off + code)
             cand = cand.masked_fill(~real, NEG_INF).view(R, beams * F)
-            w_next = min(w_max if t == depth - 1 else int(widths[:, t].max()), beams * F)
+            w_next = w_steps[t]
             top, idx = cand.topk(w_next, dim=1)  # sorted: best first
             # A request's own width for this step: ranks past it are dropped.
-            rank = torch.arange(w_next, device=dev)[None, :]
-            top = top.masked_fill(rank >= cap[:, t:t + 1], NEG_INF)
+            top = top.masked_fill(rank[:, :w_next] >= cap[:, t:t + 1], NEG_INF)
             parent = idx // F
             nodes = child.view(R, beams * F).gather(1, idx)
             code = code.view(R, beams * F).gather(1, idx)
@@ -119,7 +155,21 @@ class BeamSearch:
             step_tok = off + code
             scores, beams = top, w_next
             t0 = self._tick(stages, "compaction", t0, dev)
+        return scores, nodes, codes
 
+    @torch.inference_mode()
+    def run(self, reqs: list[BeamRequest]) -> list[BeamResult]:
+        dev = self.model.shared.weight.device
+        stages: dict[str, float] = {}
+        w_steps = self.step_widths([r.widths for r in reqs])
+        t0 = time.perf_counter()
+        if self.plans is not None and dev.type == "cuda" and not self.sync:
+            scores, nodes, codes = self.plans.run(self, reqs, w_steps)
+            t0 = self._tick(stages, "plan", t0, dev)
+        else:
+            tokens, mask, cap = (x.to(dev) for x in self.inputs(reqs))
+            scores, nodes, codes = self.search(tokens, mask, cap, w_steps, stages)
+            t0 = time.perf_counter()
         scores_h, nodes_h, codes_h = scores.cpu().numpy(), nodes.cpu().numpy(), codes.cpu().numpy()
         t0 = self._tick(stages, "readback", t0, dev)
         out = [BeamResult(*self.answer(scores_h[i], nodes_h[i], codes_h[i], r.top_k), stages)

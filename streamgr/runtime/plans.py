@@ -1,0 +1,121 @@
+"""Decode plans: each batch shape's whole beam search captured once as a CUDA graph, replayed.
+
+RecoGEM builds a plan per decoding step so that a step costs one launch, not hundreds. Here the
+search (encoder, and per step decoder, trie-child selection, top-k and compaction) has static
+shapes once the batch's rows, encoder length and step widths are fixed, and it never waits on
+the device; so ``BeamSearch.search`` is captured whole, per shape, and a batch costs a copy of
+its inputs, one graph launch and a read-back. In eager mode the same batch is ~1,000 kernel
+launches from Python, which bounded gen-ref at ~20 ms of host time per batch.
+
+Shapes are bucketed so a few plans serve all traffic: rows to a power of two (or the engine's
+``max_batch``), idle rows given one EOS token and width 0 (their beams are -inf from the first
+step and cannot reach the answer); encoder length to a multiple of ``length_step``, the padding
+masked. A request's result does not depend on its neighbours, so the padding changes nothing.
+
+Plans live in an LRU of ``max_plans``; all share one memory pool. That is safe because plans
+run one at a time on the engine's executor thread and each replay's outputs are read back
+before the next replay: a plan's intermediates are dead between its replays. New weights
+(``BeamSearch.set_model``) drop every plan: a graph holds the old tensors' addresses.
+A capture that fails (an op that cannot be captured on some build) turns plans off, with a
+warning, and the search runs eagerly from then on.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import OrderedDict
+
+import torch
+
+
+def bucket_rows(n: int, max_rows: int) -> int:
+    b = 1
+    while b < n:
+        b *= 2
+    return min(b, max(max_rows, n))
+
+
+class DecodePlan:
+    """One captured search: static inputs (tokens, mask, widths) and outputs."""
+
+    def __init__(self, search, rows: int, length: int, w_steps: tuple[int, ...], pool) -> None:
+        dev = search.model.shared.weight.device
+        self.tokens = torch.zeros(rows, length, dtype=torch.long, device=dev)
+        self.mask = torch.zeros(rows, length, dtype=torch.bool, device=dev)
+        self.cap = torch.zeros(rows, search.trie.depth, dtype=torch.long, device=dev)
+        self.mask[:, 0] = True
+        # Warm-up off the capturing stream: first calls set up library handles, workspaces and
+        # the trie's device tables, none of which may happen inside a capture.
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            search.search(self.tokens, self.mask, self.cap, w_steps)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+            self.out = search.search(self.tokens, self.mask, self.cap, w_steps)
+
+    def replay(self, tokens: torch.Tensor, mask: torch.Tensor, cap: torch.Tensor):
+        self.tokens.copy_(tokens, non_blocking=True)
+        self.mask.copy_(mask, non_blocking=True)
+        self.cap.copy_(cap, non_blocking=True)
+        self.graph.replay()
+        return self.out
+
+
+class PlanCache:
+    def __init__(self, max_rows: int, max_plans: int = 16, length_step: int = 64) -> None:
+        self.max_rows, self.max_plans, self.length_step = max_rows, max_plans, length_step
+        self.plans: OrderedDict[tuple, DecodePlan] = OrderedDict()
+        self.enabled = True
+        self.captures = 0
+        self.replays = 0
+        self._pool = None
+        self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        with self._lock:
+            self.plans.clear()
+
+    def key(self, search, reqs, w_steps) -> tuple[int, int, tuple[int, ...]]:
+        longest = max(len(r.context) for r in reqs)
+        length = -(-longest // self.length_step) * self.length_step
+        return bucket_rows(len(reqs), self.max_rows), length, w_steps
+
+    def run(self, search, reqs, w_steps):
+        """The batch through its plan (captured on first sight), or eagerly if plans are off."""
+        rows, length, _ = key = self.key(search, reqs, w_steps)
+        dev = search.model.shared.weight.device
+        tokens, mask, cap = search.inputs(reqs, rows, length)
+        with self._lock:
+            plan = self.plans.get(key) if self.enabled else None
+            if plan is None and self.enabled:
+                try:
+                    if self._pool is None:
+                        self._pool = torch.cuda.graph_pool_handle()
+                    plan = DecodePlan(search, rows, length, w_steps, self._pool)
+                    self.captures += 1
+                    self.plans[key] = plan
+                    while len(self.plans) > self.max_plans:
+                        self.plans.popitem(last=False)
+                except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly
+                    self.enabled = False
+                    self.plans.clear()
+                    warnings.warn(f"decode plans off, searching eagerly: capture failed: {e!r}")
+                    plan = None
+            if plan is not None:
+                self.plans.move_to_end(key)
+                self.replays += 1
+                n = len(reqs)
+                scores, nodes, codes = plan.replay(tokens.pin_memory(), mask.pin_memory(),
+                                                   cap.pin_memory())
+                # Copies, so the next replay cannot overwrite what the caller reads.
+                return scores[:n].clone(), nodes[:n].clone(), codes[:n].clone()
+        tokens, mask, cap = tokens.to(dev), mask.to(dev), cap.to(dev)
+        scores, nodes, codes = search.search(tokens, mask, cap, w_steps)
+        return scores[:len(reqs)], nodes[:len(reqs)], codes[:len(reqs)]
+
+    def stats(self) -> dict:
+        return {"plans": len(self.plans), "captures": self.captures, "replays": self.replays,
+                "enabled": self.enabled}

@@ -1,0 +1,46 @@
+"""Decode plans on the CPU: the shape buckets, and that the padding a plan adds (idle rows,
+masked encoder positions) changes no request's answer. Capture and replay themselves need CUDA
+(tests/gpu/test_gpu_generate.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from streamgr import Engine
+from streamgr.api import GenerateRequest
+from streamgr.runtime.beam import BeamRequest
+from streamgr.runtime.plans import PlanCache, bucket_rows
+
+
+def test_row_buckets():
+    assert [bucket_rows(n, 16) for n in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
+    assert bucket_rows(12, 12) == 12 and bucket_rows(5, 6) == 6  # capped at max_batch
+    assert bucket_rows(20, 16) == 20  # a batch over max_batch still gets rows for all
+
+
+def test_padding_changes_no_answer():
+    eng = Engine.from_spec("gen-small", {"engine.device": "cpu", "model.dtype": "float32"})
+    runner, search = eng.gen_runner, eng.gen_runner.search
+    plans = PlanCache(max_rows=16, length_step=64)
+    plans.enabled = False  # the eager path of PlanCache.run: same padding as a plan, no graph
+    rng = np.random.default_rng(11)
+    ids = runner.trie.leaf_items
+    for n in (1, 3, 6):
+        reqs = []
+        for _ in range(n):
+            p = runner.prepare(GenerateRequest(user_id=0, top_k=10, history=rng.choice(
+                ids, size=int(rng.integers(0, 40))).tolist()))
+            reqs.append(BeamRequest(p.context, p.top_k, [int(rng.integers(1, 20))] * len(p.widths)))
+        w = search.step_widths([r.widths for r in reqs])
+        rows, length, _ = plans.key(search, reqs, w)
+        assert rows == bucket_rows(n, 16) and length % 64 == 0
+        with torch.inference_mode():
+            want = search.search(*search.inputs(reqs), w)
+            got = plans.run(search, reqs, w)
+        for a, b in zip(want, got):
+            assert a.shape == b.shape
+        np.testing.assert_allclose(got[0].numpy(), want[0].numpy(), rtol=1e-5, atol=1e-5)
+        finite = torch.isfinite(want[0])
+        assert torch.equal(got[1][finite], want[1][finite])
+        assert torch.equal(got[2][finite], want[2][finite])

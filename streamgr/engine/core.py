@@ -49,6 +49,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+GEN_IN_FLIGHT = 2  # generate batches submitted to the device but not yet answered
+
+
 class Engine:
     """Embedded serving engine. ``async with Engine.from_spec("rank-small") as engine: ...``"""
 
@@ -150,6 +153,8 @@ class Engine:
         self._batcher = Batcher(e.max_batch, e.max_wait_ms)
         self._gen_batcher = Batcher(e.max_batch, e.max_wait_ms)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamgr-exec")
+        # Waits for generate batches on the device and answers them (see _gen_loop).
+        self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamgr-finish")
         loop = asyncio.get_running_loop()
         if self.gen_runner is not None:  # decode plans of the common shapes, before serving
             await loop.run_in_executor(self._executor, self.gen_runner.warm_up)
@@ -177,6 +182,7 @@ class Engine:
             if runner is not None:
                 await asyncio.get_running_loop().run_in_executor(self._executor, runner.close)
         self._executor.shutdown(wait=True)
+        self._finisher.shutdown(wait=True)
         self._task = None
 
     async def __aenter__(self) -> "Engine":
@@ -238,27 +244,58 @@ class Engine:
         return await self.submit_generate(request)
 
     async def _gen_loop(self) -> None:
+        """Generate batches, pipelined: the executor thread queues batch i+1 on the device while
+        the completion thread waits for batch i and answers it, so the device does not idle
+        while the host builds inputs and answers (at most ``GEN_IN_FLIGHT`` batches between
+        submit and answer)."""
         loop = asyncio.get_running_loop()
-        while True:
-            batch = await self._gen_batcher.next_batch()
-            t_start = time.perf_counter()
-            try:
-                outcome = await loop.run_in_executor(
-                    self._executor, self.gen_runner.run, [p.payload for p in batch])
-            except Exception as err:
-                self._on_batch_error(batch, err)
-                continue
-            t_done = time.perf_counter()
-            for p, ((items, scores, sids), per) in zip(batch, outcome.results):
-                if p.future.done():
+        slots = asyncio.Semaphore(GEN_IN_FLIGHT)
+        pending: set[asyncio.Task] = set()
+        try:
+            while True:
+                batch = await self._gen_batcher.next_batch()
+                await slots.acquire()
+                t_start = time.perf_counter()
+                try:
+                    handle = await loop.run_in_executor(
+                        self._executor, self.gen_runner.submit, [p.payload for p in batch])
+                except Exception as err:
+                    slots.release()
+                    self._on_batch_error(batch, err)
                     continue
-                stats = GenerateStats(batch_size=len(batch), queue_ms=(t_start - p.enqueued) * 1e3,
-                                      compute_ms=(t_done - t_start) * 1e3,
-                                      total_ms=(t_done - p.enqueued) * 1e3,
-                                      steps=outcome.stages, **per)
-                self.metrics.count("generate_requests")
-                p.future.set_result(GenerateResult(items=items, scores=scores, sids=sids,
-                                                   stats=stats))
+                task = loop.create_task(self._gen_finish(batch, handle, t_start, slots))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+        finally:
+            for task in pending:
+                task.cancel()
+
+    async def _gen_finish(self, batch: list[Pending], handle, t_start: float,
+                          slots: asyncio.Semaphore) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            outcome = await loop.run_in_executor(self._finisher, self.gen_runner.finish, handle)
+        except asyncio.CancelledError:
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(EngineClosed("engine closed"))
+            raise
+        except Exception as err:
+            self._on_batch_error(batch, err)
+            return
+        finally:
+            slots.release()
+        t_done = time.perf_counter()
+        for p, ((items, scores, sids), per) in zip(batch, outcome.results):
+            if p.future.done():
+                continue
+            stats = GenerateStats(batch_size=len(batch), queue_ms=(t_start - p.enqueued) * 1e3,
+                                  compute_ms=(t_done - t_start) * 1e3,
+                                  total_ms=(t_done - p.enqueued) * 1e3,
+                                  steps=outcome.stages, **per)
+            self.metrics.count("generate_requests")
+            p.future.set_result(GenerateResult(items=items, scores=scores, sids=sids,
+                                               stats=stats))
 
     def _settled(self, fut: asyncio.Future) -> None:
         self._inflight -= 1

@@ -82,13 +82,23 @@ class GenerateRunner:
         self.model, self.version = model, version
         self.search.set_model(model)
 
-    def run(self, batch: list[PreparedGenerate]) -> BatchOutcome:
+    def submit(self, batch: list[PreparedGenerate]):
+        """Queue a batch on the device (executor thread); ``finish`` completes it."""
         t = time.perf_counter()
-        res = self.search.run([BeamRequest(p.context, p.top_k, p.widths) for p in batch])
+        return batch, self.search.submit([BeamRequest(p.context, p.top_k, p.widths)
+                                          for p in batch]), t
+
+    def finish(self, handle) -> BatchOutcome:
+        """Wait for a submitted batch and answer its requests (completion thread)."""
+        batch, sub, t = handle
+        res = self.search.finish(sub)
         stages = dict(res[0].steps) if res else {}
         stages["total"] = (time.perf_counter() - t) * 1e3
         return BatchOutcome([((r.items, r.scores, r.sids), {"context_tokens": len(p.context)})
                              for p, r in zip(batch, res)], stages)
+
+    def run(self, batch: list[PreparedGenerate]) -> BatchOutcome:
+        return self.finish(self.submit(batch))
 
     def warm_up(self) -> None:
         """Capture the plan of every row bucket for a full-length context and the policy's

@@ -65,4 +65,6 @@ def build_generator(spec, device: torch.device, dtype: torch.dtype):
         source = f"seed:{m.init_seed}"
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
+    if device.type == "cuda":
+        model.align_head()
     return model, source, trie, contract

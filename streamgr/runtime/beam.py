@@ -45,6 +45,16 @@ class BeamResult:
     steps: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class Submitted:
+    """A batch on its way: final beams (scores, trie nodes, codes) on the host, valid once
+    ``event`` has completed (``None``: already valid)."""
+    reqs: list[BeamRequest]
+    beams: tuple
+    event: object
+    stages: dict
+
+
 class BeamSearch:
     """The step loop. ``run`` builds a batch's host inputs, then either runs ``search`` eagerly
     or replays the batch shape's captured plan (``plans``, CUDA only): the search has static
@@ -158,24 +168,46 @@ class BeamSearch:
         return scores, nodes, codes
 
     @torch.inference_mode()
-    def run(self, reqs: list[BeamRequest]) -> list[BeamResult]:
+    def submit(self, reqs: list[BeamRequest]) -> "Submitted":
+        """Start a batch: the search is queued on the device and its final beams are copied to
+        pinned host memory behind it, with an event after the copy. Nothing here waits on the
+        device, so the next batch can be submitted while this one runs."""
         dev = self.model.shared.weight.device
         stages: dict[str, float] = {}
         w_steps = self.step_widths([r.widths for r in reqs])
         t0 = time.perf_counter()
         if self.plans is not None and dev.type == "cuda" and not self.sync:
-            scores, nodes, codes = self.plans.run(self, reqs, w_steps)
-            t0 = self._tick(stages, "plan", t0, dev)
+            out = self.plans.run(self, reqs, w_steps)
+            self._tick(stages, "plan", t0, dev)
         else:
             tokens, mask, cap = (x.to(dev) for x in self.inputs(reqs))
-            scores, nodes, codes = self.search(tokens, mask, cap, w_steps, stages)
-            t0 = time.perf_counter()
-        scores_h, nodes_h, codes_h = scores.cpu().numpy(), nodes.cpu().numpy(), codes.cpu().numpy()
-        t0 = self._tick(stages, "readback", t0, dev)
+            out = self.search(tokens, mask, cap, w_steps, stages)
+        event = None
+        if dev.type == "cuda":
+            host = tuple(torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in out)
+            for h, x in zip(host, out):
+                h.copy_(x, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            out = host
+        return Submitted(reqs, out, event, stages)
+
+    def finish(self, sub: "Submitted") -> list[BeamResult]:
+        """Wait for a submitted batch's beams (its event only, not later batches' work) and
+        build each request's answer."""
+        t0 = time.perf_counter()
+        if sub.event is not None:
+            sub.event.synchronize()
+        scores_h, nodes_h, codes_h = (x.numpy() for x in sub.beams)
+        stages = sub.stages
+        t0 = self._tick(stages, "readback", t0, torch.device("cpu"))
         out = [BeamResult(*self.answer(scores_h[i], nodes_h[i], codes_h[i], r.top_k), stages)
-               for i, r in enumerate(reqs)]
-        self._tick(stages, "answer", t0, dev)
+               for i, r in enumerate(sub.reqs)]
+        self._tick(stages, "answer", t0, torch.device("cpu"))
         return out
+
+    def run(self, reqs: list[BeamRequest]) -> list[BeamResult]:
+        return self.finish(self.submit(reqs))
 
     def answer(self, scores: np.ndarray, nodes: np.ndarray, codes: np.ndarray, top_k: int):
         """One request's final beams (best first) -> its top-k (items, scores, SIDs): each

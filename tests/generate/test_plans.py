@@ -44,3 +44,26 @@ def test_padding_changes_no_answer():
         finite = torch.isfinite(want[0])
         assert torch.equal(got[1][finite], want[1][finite])
         assert torch.equal(got[2][finite], want[2][finite])
+
+
+def test_aligned_head_changes_no_answer():
+    """The padded head buffer (used on CUDA) gives the same answers, and stays the weights'
+    storage: a write to the head's weight is what the next search reads."""
+    eng = Engine.from_spec("gen-small", {"engine.device": "cpu", "model.dtype": "float32"})
+    runner = eng.gen_runner
+    rng = np.random.default_rng(2)
+    batch = [runner.prepare(GenerateRequest(user_id=0, top_k=10, history=rng.choice(
+        runner.trie.leaf_items, size=20).tolist())) for _ in range(4)]
+    before = runner.run(batch).results
+    model = runner.model.align_head(64)
+    assert model._head_rows.shape[0] % 64 == 0 and model._head_rows.shape[0] > model.cfg.vocab_size
+    assert model.state_dict()["shared.weight"].shape[0] == model.cfg.vocab_size
+    after = runner.run(batch).results
+    for ((ia, sa, _), _), ((ib, sb, _), _) in zip(before, after):
+        assert ia == ib
+        np.testing.assert_allclose(sa, sb, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        model.shared.weight.mul_(0.0)  # a flat head: every legal SID now scores the same
+    flat = runner.run(batch).results
+    (_, scores, _), _ = flat[0]
+    np.testing.assert_allclose(scores, scores[0], rtol=1e-6)

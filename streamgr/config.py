@@ -70,6 +70,9 @@ class EngineSpec(_Section, kw_only=True):
     # Generate on CUDA: batch shapes whose whole beam search is captured as a CUDA graph and
     # replayed (runtime/plans.py), kept in an LRU; 0 searches eagerly.
     decode_plans: int = 16
+    # At start, move every object alive then out of the collector's reach (gc.freeze): a full
+    # collection otherwise walks torch's and the models' objects, 100+ ms of stalled serving.
+    gc_freeze: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:

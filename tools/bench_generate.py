@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import sys
 import time
@@ -125,6 +126,35 @@ def profile(eng, reqs, n):
         print(prof.key_averages().table(sort_by=key, row_limit=25), file=sys.stderr)
 
 
+class GcPauses:
+    """Wall time of each garbage collection (a suspect for latency tails)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []
+        self._t = 0.0
+
+    def __enter__(self) -> "GcPauses":
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._cb)
+
+    def _cb(self, phase, info) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], (time.perf_counter() - self._t) * 1e3))
+
+    def summary(self) -> str:
+        if not self.pauses:
+            return "no collections"
+        ms = [p for _, p in self.pauses]
+        g2 = [p for g, p in self.pauses if g == 2]
+        return (f"{len(ms)} collections, {sum(ms):.1f} ms in all, longest {max(ms):.1f} ms; "
+                f"generation 2: {len(g2)}" + (f" ({', '.join(f'{p:.1f}' for p in g2)} ms)" if g2 else ""))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", default="gen-small")
@@ -158,9 +188,12 @@ def main() -> int:
     reqs = [GenerateRequest(user_id=u, history=rng.choice(runner.trie.leaf_items, size=n_hist).tolist(),
                             top_k=pol.top_k) for u in range(args.requests)]
 
+    pauses = GcPauses()
+
     async def run_all():
         async with eng:
             await asyncio.gather(*(eng.generate(r) for r in reqs[:args.concurrency]))  # warm-up
+            pauses.__enter__()  # from here: the measured part (after start's gc.freeze)
             split, bsz = await profiled(eng, reqs[:4 * eng.spec.engine.max_batch])
             results = [await eng.generate(r) for r in reqs[:args.hf_requests]]  # for agreement
             recs, wall, errs = await drive(eng.generate, reqs, args.concurrency, None,
@@ -170,8 +203,14 @@ def main() -> int:
                 recs, wall, errs = await drive(eng.generate, reqs, 0, rate, f"open loop {rate:g}/s",
                                                True, "open")
                 runs.append(summarize("open", recs, wall, errs, {"rate": rate}))
-        return split, bsz, results, runs
-    split, bsz, results, runs = asyncio.run(run_all())
+                # The slowest requests, to tell a slow batch (compute) from a queue behind one.
+                slow = sorted(recs, key=lambda r: -r["latency_ms"])[:5]
+                runs[-1]["slowest"] = [{k: r[k] for k in ("index", "latency_ms", "queue_ms",
+                                                          "compute_ms", "batch_size")} for r in slow]
+            plans = eng.stats().get("decode_plans")
+            pauses.__exit__()
+        return split, bsz, results, runs, plans
+    split, bsz, results, runs, plans = asyncio.run(run_all())
     if args.profile:
         profile(eng, reqs, args.profile)
     hf_rps, agree = hugging_face(eng, reqs, results, args.hf_requests)
@@ -192,6 +231,14 @@ def main() -> int:
         name = f"closed x{r['concurrency']}" if r["mode"] == "closed" else f"open {r['rate']:g}/s"
         print(f"{name:<24}{r['throughput']:>10.1f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['errors']:>8}")
     print(f"{'hugging face (bs 1)':<24}{hf_rps:>10.1f}")
+    for r in runs:
+        if r.get("slowest"):
+            print(f"open {r['rate']:g}/s slowest (index: latency = queue + compute ms, batch): "
+                  + "; ".join(f"{x['index']}: {x['latency_ms']:.1f} = {x['queue_ms']:.1f} + "
+                              f"{x['compute_ms']:.1f}, {x['batch_size']}" for x in r["slowest"]))
+    if plans is not None:
+        print(f"decode plans: {plans}")
+    print(f"garbage collection during the runs: {pauses.summary()}")
     print(f"per batch of {bsz:.1f} (stages synchronized), ms: "
           + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
     print(f"top-k agreement with Hugging Face over {args.hf_requests} requests: {agree:.3f}")

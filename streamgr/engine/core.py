@@ -9,6 +9,7 @@ requests and the engine keeps serving, except a CUDA fault, which marks the engi
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -158,6 +159,9 @@ class Engine:
         loop = asyncio.get_running_loop()
         if self.gen_runner is not None:  # decode plans of the common shapes, before serving
             await loop.run_in_executor(self._executor, self.gen_runner.warm_up)
+        if e.gc_freeze:
+            gc.collect()
+            gc.freeze()
         self._task = loop.create_task(self._loop(), name="streamgr-batcher")
         self._gen_task = loop.create_task(self._gen_loop(), name="streamgr-gen-batcher")
         return self
@@ -183,6 +187,8 @@ class Engine:
                 await asyncio.get_running_loop().run_in_executor(self._executor, runner.close)
         self._executor.shutdown(wait=True)
         self._finisher.shutdown(wait=True)
+        if self.spec.engine.gc_freeze:  # what start froze may be garbage now: collectable again
+            gc.unfreeze()
         self._task = None
 
     async def __aenter__(self) -> "Engine":

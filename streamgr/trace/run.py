@@ -84,7 +84,8 @@ def _record(mode: str, i: int, latency_ms: float, stats) -> dict:
     return {"type": "request", "mode": mode, "index": i, "latency_ms": latency_ms,
             "tier": s.get("tier", ""), "history_tokens": s.get("history_tokens", 0),
             "from_gpu": s.get("tokens_from_gpu", 0), "from_host": s.get("tokens_from_host", 0),
-            "recomputed": s.get("tokens_recomputed", 0),
+            "recomputed": s.get("tokens_recomputed", 0), "batch_size": s.get("batch_size", 0),
+            "queue_ms": s.get("queue_ms", 0.0), "compute_ms": s.get("compute_ms", 0.0),
             "stages": s.get("stages", s.get("steps", {}))}
 
 

@@ -136,3 +136,18 @@ async def test_a_failing_batch_fails_its_requests_and_the_engine_serves_on():
             await eng.rank(req(rng, 3, 10))
         with pytest.raises(E.EngineDead):  # refused at admission from now on
             await eng.rank(req(rng, 4, 10))
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+async def test_gc_freeze_for_the_serving_lifetime(freeze):
+    """With engine.gc_freeze the objects alive at start leave the collector's reach while the
+    engine serves (no full collection walks them), and are given back at close."""
+    import gc
+    gc.unfreeze()
+    eng = Engine.from_spec("rank-small", small_overrides(**{"engine.gc_freeze": freeze}))
+    async with eng:
+        frozen = gc.get_freeze_count()
+        assert (frozen > 1000) == freeze, frozen
+        r = await eng.rank(req(np.random.default_rng(3), 1, 10))
+        assert len(r.scores) == 5
+    assert gc.get_freeze_count() == 0

@@ -47,6 +47,9 @@ class ServerMetrics:
         for name, value in sorted(engine_stats.get("cache", {}).items()):
             if isinstance(value, (int, float)):
                 out.append(f"streamgr_cache_{name} {value}")
+        for name, value in sorted(engine_stats.get("decode_plans", {}).items()):
+            if isinstance(value, (int, float)):  # plans, captures, replays, enabled (0/1)
+                out.append(f"streamgr_decode_plans_{name} {int(value)}")
         for name, value in sorted(self.counters.items()):
             out.append(f"streamgr_server_{name}_total {value}")
         return "\n".join(out) + "\n"

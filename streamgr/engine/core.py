@@ -260,11 +260,14 @@ class Engine:
         try:
             while True:
                 batch = await self._gen_batcher.next_batch()
-                await slots.acquire()
-                t_start = time.perf_counter()
                 try:
+                    await slots.acquire()
+                    t_start = time.perf_counter()
                     handle = await loop.run_in_executor(
                         self._executor, self.gen_runner.submit, [p.payload for p in batch])
+                except asyncio.CancelledError:  # closing: the batch in hand is refused
+                    self._refuse(batch)
+                    raise
                 except Exception as err:
                     slots.release()
                     self._on_batch_error(batch, err)
@@ -275,6 +278,7 @@ class Engine:
         finally:
             for task in pending:
                 task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def _gen_finish(self, batch: list[Pending], handle, t_start: float,
                           slots: asyncio.Semaphore) -> None:
@@ -282,9 +286,7 @@ class Engine:
         try:
             outcome = await loop.run_in_executor(self._finisher, self.gen_runner.finish, handle)
         except asyncio.CancelledError:
-            for p in batch:
-                if not p.future.done():
-                    p.future.set_exception(EngineClosed("engine closed"))
+            self._refuse(batch)
             raise
         except Exception as err:
             self._on_batch_error(batch, err)
@@ -302,6 +304,12 @@ class Engine:
             self.metrics.count("generate_requests")
             p.future.set_result(GenerateResult(items=items, scores=scores, sids=sids,
                                                stats=stats))
+
+    @staticmethod
+    def _refuse(batch: list[Pending]) -> None:
+        for p in batch:
+            if not p.future.done():
+                p.future.set_exception(EngineClosed("engine closed"))
 
     def _settled(self, fut: asyncio.Future) -> None:
         self._inflight -= 1
@@ -335,6 +343,9 @@ class Engine:
             try:
                 outcome = await loop.run_in_executor(
                     self._executor, self.runner.run, [p.payload for p in batch])
+            except asyncio.CancelledError:  # closing: the batch in hand is refused
+                self._refuse(batch)
+                raise
             except Exception as err:  # the batch fails; the engine serves on
                 self._on_batch_error(batch, err)
                 continue

@@ -151,3 +151,18 @@ async def test_gc_freeze_for_the_serving_lifetime(freeze):
         r = await eng.rank(req(np.random.default_rng(3), 1, 10))
         assert len(r.scores) == 5
     assert gc.get_freeze_count() == 0
+
+
+async def test_close_mid_flight_settles_every_rank_request():
+    """A close that does not wait: each admitted request gets its scores or EngineClosed,
+    including those of the batch the engine holds when it stops."""
+    rng = np.random.default_rng(6)
+    eng = Engine.from_spec("rank-small", small_overrides(**{"engine.max_batch": 2}))
+    await eng.start()
+    futs = [eng.submit_rank(req(rng, u, 60)) for u in range(60)]
+    await futs[0]  # one batch answered; the rest in flight or queued
+    await eng.close(drain_timeout=0.0)
+    out = await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 10)
+    refused = [r for r in out if isinstance(r, Exception)]
+    assert all(isinstance(r, E.EngineClosed) for r in refused), refused[:3]
+    assert refused and len(refused) < len(out)

@@ -166,3 +166,27 @@ def test_sid_policy_for_items_sharing_a_sid(tmp_path, policy):
     shared = [i for i, s in zip(res.items, res.sids) if s == [a, b, c]]
     assert shared == ([int(cat.item_ids[0]), 1000, 1001] if policy == "all" else [int(cat.item_ids[0])])
     assert len(res.items) == len(set(res.items))
+
+
+def test_close_mid_flight_answers_or_refuses_every_request():
+    """Generate batches are pipelined (submitted, then answered on a completion thread); a
+    close that does not wait must still settle every admitted request: an answer or
+    EngineClosed, never a future left hanging."""
+    from streamgr.errors import EngineClosed
+    rng = np.random.default_rng(4)
+
+    async def go():
+        eng = Engine.from_spec("gen-small", {"engine.device": "cpu", "engine.max_batch": 4})
+        await eng.start()
+        ids = eng.gen_runner.trie.leaf_items
+        futs = [eng.submit_generate(GenerateRequest(user_id=u, top_k=5, history=rng.choice(
+            ids, size=30).tolist())) for u in range(40)]
+        await futs[0]  # one batch answered; the rest in flight or queued
+        await eng.close(drain_timeout=0.0)
+        return await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), 10)
+    out = asyncio.run(go())
+    answered = [r for r in out if not isinstance(r, Exception)]
+    refused = [r for r in out if isinstance(r, Exception)]
+    assert all(isinstance(r, EngineClosed) for r in refused), refused[:3]
+    assert all(len(r.items) == 5 for r in answered)
+    assert answered and refused  # the close really fell mid-flight

@@ -5,6 +5,9 @@
 #     tests: the gpu-marked tests only; quick: + transfer bench + a short rank-ref bench;
 #     full: + the rank-ref bench at batch 1, 4, 8 (several minutes) + the gen-ref bench;
 #     rank: the rank-ref bench alone; gen: the generate GPU tests + the gen-ref bench
+#   env: WARMUP/WINDOW (rank bench requests), GEN_REQUESTS (per gen-ref run), GEN_RATES
+#   (open-loop requests/s), HF_REQUESTS (through Hugging Face), GEN_ARGS (more bench flags,
+#   e.g. "--profile 2 --fp32-agreement 16")
 # Needs the fixing wheels of ../shared/device/prep.sh carried in .device/ on that machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -15,7 +15,7 @@ import numpy as np
 from ..api import GenerateRequest
 from ..errors import IdOutOfRange, InvalidRequest
 from ..runtime.beam import BeamRequest, BeamSearch
-from ..runtime.plans import PlanCache
+from ..runtime.plans import PlanCache, bucket_rows
 from .rank import BatchOutcome
 
 MAX_BEAM = 4096
@@ -108,12 +108,8 @@ class GenerateRunner:
             return
         n = self.policy.max_context_items * self.trie.depth + int(self.policy.append_eos)
         ctx = np.full(n, self.model.cfg.eos_token_id, dtype=np.int64)
-        rows = 1
-        while True:
+        for rows in sorted({bucket_rows(r, plans.max_rows) for r in range(1, plans.max_rows + 1)}):
             self.search.run([BeamRequest(ctx, 1, list(self.policy.beam_widths))] * rows)
-            if rows >= self.search.plans.max_rows:
-                break
-            rows = min(rows * 2, self.search.plans.max_rows)
 
     def background(self) -> None:
         pass

@@ -176,14 +176,15 @@ class BeamSearch:
         stages: dict[str, float] = {}
         w_steps = self.step_widths([r.widths for r in reqs])
         t0 = time.perf_counter()
+        out = None
         if self.plans is not None and dev.type == "cuda" and not self.sync:
             out = self.plans.run(self, reqs, w_steps)
             self._tick(stages, "plan", t0, dev)
-        else:
+        if out is None:  # no plans here, or they are off
             tokens, mask, cap = (x.to(dev) for x in self.inputs(reqs))
             out = self.search(tokens, mask, cap, w_steps, stages)
         event = None
-        if dev.type == "cuda":
+        if dev.type == "cuda":  # copied now, so a later replay of the same plan cannot clobber
             host = tuple(torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in out)
             for h, x in zip(host, out):
                 h.copy_(x, non_blocking=True)

@@ -78,43 +78,45 @@ class PlanCache:
         with self._lock:
             self.plans.clear()
 
-    def key(self, search, reqs, w_steps) -> tuple[int, int, tuple[int, ...]]:
+    def key(self, reqs, w_steps) -> tuple[int, int, tuple[int, ...]]:
         longest = max(len(r.context) for r in reqs)
         length = -(-longest // self.length_step) * self.length_step
         return bucket_rows(len(reqs), self.max_rows), length, w_steps
 
+    def _plan(self, search, key) -> DecodePlan | None:
+        """The shape's plan, captured on first sight; None once plans are off."""
+        plan = self.plans.get(key) if self.enabled else None
+        if plan is None and self.enabled:
+            try:
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                plan = DecodePlan(search, *key, self._pool)
+                self.captures += 1
+                self.plans[key] = plan
+                while len(self.plans) > self.max_plans:
+                    self.plans.popitem(last=False)
+            except Exception as e:  # noqa: BLE001 - any capture failure: search eagerly
+                self.enabled = False
+                self.plans.clear()
+                warnings.warn(f"decode plans off, searching eagerly: capture failed: {e!r}")
+                return None
+        self.plans.move_to_end(key)
+        return plan
+
     def run(self, search, reqs, w_steps):
-        """The batch through its plan (captured on first sight), or eagerly if plans are off."""
-        rows, length, _ = key = self.key(search, reqs, w_steps)
-        dev = search.model.shared.weight.device
-        tokens, mask, cap = search.inputs(reqs, rows, length)
+        """The batch through its shape's plan: the final beams (scores, nodes, codes) of its
+        rows, as views of the plan's outputs, valid until the plan's next replay (the caller
+        copies them behind the replay, in stream order). None when plans are off: the caller
+        searches eagerly."""
         with self._lock:
-            plan = self.plans.get(key) if self.enabled else None
-            if plan is None and self.enabled:
-                try:
-                    if self._pool is None:
-                        self._pool = torch.cuda.graph_pool_handle()
-                    plan = DecodePlan(search, rows, length, w_steps, self._pool)
-                    self.captures += 1
-                    self.plans[key] = plan
-                    while len(self.plans) > self.max_plans:
-                        self.plans.popitem(last=False)
-                except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly
-                    self.enabled = False
-                    self.plans.clear()
-                    warnings.warn(f"decode plans off, searching eagerly: capture failed: {e!r}")
-                    plan = None
-            if plan is not None:
-                self.plans.move_to_end(key)
-                self.replays += 1
-                n = len(reqs)
-                scores, nodes, codes = plan.replay(tokens.pin_memory(), mask.pin_memory(),
-                                                   cap.pin_memory())
-                # Copies, so the next replay cannot overwrite what the caller reads.
-                return scores[:n].clone(), nodes[:n].clone(), codes[:n].clone()
-        tokens, mask, cap = tokens.to(dev), mask.to(dev), cap.to(dev)
-        scores, nodes, codes = search.search(tokens, mask, cap, w_steps)
-        return scores[:len(reqs)], nodes[:len(reqs)], codes[:len(reqs)]
+            key = self.key(reqs, w_steps)
+            plan = self._plan(search, key)
+            if plan is None:
+                return None
+            self.replays += 1
+            tokens, mask, cap = search.inputs(reqs, *key[:2])
+            out = plan.replay(tokens.pin_memory(), mask.pin_memory(), cap.pin_memory())
+            return tuple(x[:len(reqs)] for x in out)
 
     def stats(self) -> dict:
         return {"plans": len(self.plans), "captures": self.captures, "replays": self.replays,

@@ -1,5 +1,5 @@
-// HSTU attention over a jagged batch whose history K/V live in pages or in contiguous rows.
-// bf16 in/out, fp32 accumulation on tensor cores (WMMA 16x16x16).
+// HSTU attention over a jagged batch whose history K/V live in pages or in contiguous rows,
+// split over keys. bf16 in/out, fp32 accumulation on tensor cores (mma.sync m16n8k16).
 //
 // For user b, the query rows are its n_new new history tokens, then its n_cand candidates
 // (rows q_start[b] .. q_start[b+1]). History keys 0..hist-1 come either from pages
@@ -9,167 +9,374 @@
 // attends every history key and its own key (row-aligned with its query in k/v), never another
 // candidate. A = SiLU(alpha q k^T) * inv_n, with inv_n = 1/N for the fixed N of the model.
 //
-// One CUDA block = 64 query rows of one user and one head (a tile from the host's tile list),
-// 4 warps of 16 rows. Per 64-key tile: S = Q K^T (tensor cores), pointwise SiLU and mask in
-// fp32, P to bf16 in shared memory, O += P V (tensor cores). No softmax, so no running max:
-// tiles simply accumulate. The key loop stops at the tile's last visible key (causal).
+// HSTU has no softmax, so partial sums of P V over key ranges simply add. Keys are cut into
+// chunks of KC = 512 absolute positions. A work item is (user, 64-row tile, a range of key
+// tiles); the host's plan picks, per batch, either
+//   - direct (hstu_attn_fwd<D, true>): one item per row tile over all its keys; the item folds
+//     each chunk's partial into a running total (total = total + chunk) and writes bf16 out;
+//   - split (hstu_attn_fwd<D, false>): one item per (row tile, chunk) writing its fp32 partial
+//     to a workspace slot; hstu_attn_merge adds the slots in chunk order (0 + c0 + c1 + ...).
+// Both sum the same fp32 chunk partials in the same order with the same rounding, so a row's
+// output does not depend on the plan: a cached batch (split) equals its recompute (direct)
+// bit for bit. Each chunk partial starts from zero and walks its key tiles in order; a masked
+// or zero-filled key contributes an exact zero.
+//
+// Block: 4 warps x 16 query rows; per 64-key tile, S = Q K^T stays in registers, SiLU and the
+// mask apply there, P is repacked in registers as the A operand of O += P V (FlashAttention-2's
+// register reuse). K/V tiles arrive by cp.async, two stages deep; shared rows are padded by 16
+// bytes so ldmatrix's eight row addresses fall in distinct bank groups. Q, K, V are read through
+// row strides (views of one fused projection need no copy).
 // No torch headers: compiled by NVRTC through CuPy's RawModule.
 
 #include <cuda_bf16.h>
-#include <mma.h>
 
-using namespace nvcuda;
+namespace {
 
-constexpr int BM = 64;
-constexpr int BN = 64;
+constexpr int BM = 64;   // query rows per block
+constexpr int BN = 64;   // keys per tile
+constexpr int KC = 512;  // keys per chunk (the unit of the split and of the fold)
+constexpr int TILES_PER_CHUNK = KC / BN;
 
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_u32(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+
+// d = a (16x16 bf16, row) * b (16x8 bf16, col) + d, fp32.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                         unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+
+// SiLU(x) / N with a fast reciprocal: x * sigmoid(x) * inv_n.
+__device__ __forceinline__ float silu_n(float x, float inv_n) {
+    return __fmul_rn(__fdividef(x, 1.0f + __expf(-x)), inv_n);
+}
+
+struct Batch {
+    const __nv_bfloat16* q;
+    const __nv_bfloat16* k;
+    const __nv_bfloat16* v;
+    __nv_bfloat16* out;
+    long long sq, sk, sv;  // row strides (elements) of q, k, v; a head's D elements are contiguous
+    int H;
+    float alpha, inv_n;
+};
+
+// Writes one query row (global row `g`, head h) from its attention total o (lane holds
+// d = lane + 32 i), adding a candidate's own key. Both the direct and the merge path end here,
+// so their arithmetic is the same instruction for instruction.
 template <int D>
-__global__ void __launch_bounds__(128) hstu_attention_fwd(
+__device__ __forceinline__ void store_row(const Batch& p, float (&o)[D / 32], long long g, int h,
+                                          bool cand, int lane) {
+    if (cand) {
+        const __nv_bfloat16* qr = p.q + g * p.sq + h * D;
+        const __nv_bfloat16* kr = p.k + g * p.sk + h * D;
+        const __nv_bfloat16* vr = p.v + g * p.sv + h * D;
+        float dot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < D / 32; ++i)
+            dot = __fmaf_rn(__bfloat162float(qr[lane + 32 * i]), __bfloat162float(kr[lane + 32 * i]), dot);
+#pragma unroll
+        for (int s = 16; s > 0; s >>= 1) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, s));
+        const float self = silu_n(__fmul_rn(dot, p.alpha), p.inv_n);
+#pragma unroll
+        for (int i = 0; i < D / 32; ++i) o[i] = __fmaf_rn(self, __bfloat162float(vr[lane + 32 * i]), o[i]);
+    }
+    __nv_bfloat16* orow = p.out + g * (long long)(p.H * D) + h * D;
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) orow[lane + 32 * i] = __float2bfloat16(o[i]);
+}
+
+}  // namespace
+
+// grid (items, H), 128 threads. FOLD: direct items (write out); else split items (write ws).
+template <int D, bool FOLD>
+__global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
     const __nv_bfloat16* __restrict__ v, const __nv_bfloat16* __restrict__ store,
-    __nv_bfloat16* __restrict__ out,
-    const int* __restrict__ tile_user, const int* __restrict__ tile_row0,
+    __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
+    const int* __restrict__ item_user, const int* __restrict__ item_row0,
+    const int* __restrict__ item_kt0, const int* __restrict__ item_kt1,
+    const int* __restrict__ item_slot,
     const int* __restrict__ q_start, const int* __restrict__ hist_len,
     const int* __restrict__ n_new, const int* __restrict__ n_cand,
     const int* __restrict__ paged, const int* __restrict__ kv_row,
     const int* __restrict__ page_ptr, const int* __restrict__ pages,
-    int H, int page_size, float alpha, float inv_n) {
+    int H, int page_size, long long sq, long long sk, long long sv, float alpha, float inv_n) {
+    constexpr int SP = D + 8;  // padded shared row (bf16)
     extern __shared__ __align__(16) unsigned char smem[];
-    __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem);  // [BM][D]
-    __nv_bfloat16* Ks = Qs + BM * D;                              // [BN][D]
-    __nv_bfloat16* Vs = Ks + BN * D;                              // [BN][D]
-    float* Sf = reinterpret_cast<float*>(Vs + BN * D);            // [BM][BN]
-    __nv_bfloat16* Pb = reinterpret_cast<__nv_bfloat16*>(Sf + BM * BN);  // [BM][BN]
+    __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem);  // [BM][SP]
+    __nv_bfloat16* Ks = Qs + BM * SP;                             // [2][BN][SP]
+    __nv_bfloat16* Vs = Ks + 2 * BN * SP;                         // [2][BN][SP]
 
-    const int tile = blockIdx.x, h = blockIdx.y;
-    const int b = tile_user[tile], row0 = tile_row0[tile];
+    const int item = blockIdx.x, h = blockIdx.y;
+    const int b = item_user[item], row0 = item_row0[item];
+    const int kt0 = item_kt0[item], kt1 = item_kt1[item];
     const int qs = q_start[b], hist = hist_len[b], nn = n_new[b], nc = n_cand[b];
     const int nrows = min(BM, nn + nc - row0);
     const int start = hist - nn;  // absolute position of the user's first new token
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
     const long long HD = (long long)H * D;
-    constexpr int VEC = 8;  // bf16 per 16-byte load
+    constexpr int VEC = 8;  // bf16 per 16-byte copy
 
-    for (int i = threadIdx.x; i < BM * D / VEC; i += blockDim.x) {
+    for (int i = tid; i < BM * D / VEC; i += 128) {
         const int r = i / (D / VEC), c = (i % (D / VEC)) * VEC;
-        uint4 val = make_uint4(0, 0, 0, 0);
-        if (r < nrows) val = *reinterpret_cast<const uint4*>(q + (qs + row0 + r) * HD + h * D + c);
-        *reinterpret_cast<uint4*>(Qs + r * D + c) = val;
+        const bool ok = r < nrows;
+        cp_async16(Qs + r * SP + c, ok ? q + (qs + row0 + r) * sq + h * D + c : q, ok ? 16 : 0);
     }
-    // A tile holding a candidate sees all history; else its last row's position bounds the keys.
-    const int key_end = (row0 + nrows > nn) ? hist : start + row0 + nrows;
+    cp_async_commit();
+
+    // Keys any row of this tile may see; past it K/V are zero-filled (garbage could be NaN).
+    const int key_lim = (row0 + nrows > nn) ? hist : start + row0 + nrows;
+    // The first row's bound: key tiles wholly below it need no mask.
+    const int min_lim = (row0 < nn) ? start + row0 + 1 : hist;
     const bool is_paged = paged[b] != 0;
-    const int pbase = is_paged ? page_ptr[b] : 0;
+    const int* upages = pages + (is_paged ? page_ptr[b] : 0);
     const long long krow = kv_row[b];
 
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[D / 16];
+    auto load_kv = [&](int stage, int kt) {
+        __nv_bfloat16* kd = Ks + stage * BN * SP;
+        __nv_bfloat16* vd = Vs + stage * BN * SP;
 #pragma unroll
-    for (int n = 0; n < D / 16; ++n) wmma::fill_fragment(acc[n], 0.0f);
-
-    for (int key0 = 0; key0 < key_end; key0 += BN) {
-        __syncthreads();  // the previous tile's K/V are no longer read
-        for (int i = threadIdx.x; i < BN * D / VEC; i += blockDim.x) {
+        for (int i = tid; i < BN * D / VEC; i += 128) {
             const int r = i / (D / VEC), c = (i % (D / VEC)) * VEC;
-            const int j = key0 + r;
-            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-            if (j < key_end) {  // zeros past the end: garbage could be NaN, and NaN * 0 = NaN
-                const __nv_bfloat16 *kp, *vp;
+            const int j = kt * BN + r;
+            const __nv_bfloat16 *kp = q, *vp = q;
+            const bool ok = j < key_lim;
+            if (ok) {
                 if (is_paged) {
-                    const long long pg = pages[pbase + j / page_size];
-                    const int off = j % page_size;
-                    kp = store + ((pg * 2) * page_size + off) * HD + h * D + c;
-                    vp = store + ((pg * 2 + 1) * page_size + off) * HD + h * D + c;
+                    const long long pg = upages[j / page_size];
+                    const long long off = ((pg * 2) * page_size + j % page_size) * HD + h * D + c;
+                    kp = store + off;
+                    vp = store + off + (long long)page_size * HD;
                 } else {
-                    kp = k + (krow + j) * HD + h * D + c;
-                    vp = v + (krow + j) * HD + h * D + c;
+                    kp = k + (krow + j) * sk + h * D + c;
+                    vp = v + (krow + j) * sv + h * D + c;
                 }
-                kv = *reinterpret_cast<const uint4*>(kp);
-                vv = *reinterpret_cast<const uint4*>(vp);
             }
-            *reinterpret_cast<uint4*>(Ks + r * D + c) = kv;
-            *reinterpret_cast<uint4*>(Vs + r * D + c) = vv;
+            cp_async16(kd + r * SP + c, kp, ok ? 16 : 0);
+            cp_async16(vd + r * SP + c, vp, ok ? 16 : 0);
+        }
+    };
+
+    float acc[D / 8][4];
+    float tot[FOLD ? D / 8 : 1][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+    if (FOLD) {
+#pragma unroll
+        for (int n = 0; n < (FOLD ? D / 8 : 1); ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) tot[n][e] = 0.0f;
+    }
+
+    if (kt0 < kt1) {
+        load_kv(0, kt0);
+        cp_async_commit();
+    }
+    const __nv_bfloat16* qw = Qs + warp * 16 * SP;
+    for (int kt = kt0; kt < kt1; ++kt) {
+        const int s = (kt - kt0) & 1;
+        if (kt + 1 < kt1) {
+            load_kv(s ^ 1, kt + 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
         }
         __syncthreads();
+        const __nv_bfloat16* Kt = Ks + s * BN * SP;
+        const __nv_bfloat16* Vt = Vs + s * BN * SP;
 
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> s[BN / 16];
+        if (warp * 16 < nrows) {  // a warp past the tile's rows only helps load
+        float S[BN / 8][4];
 #pragma unroll
-        for (int n = 0; n < BN / 16; ++n) wmma::fill_fragment(s[n], 0.0f);
+        for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
-        for (int d0 = 0; d0 < D; d0 += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
-            wmma::load_matrix_sync(a, Qs + warp * 16 * D + d0, D);
+            for (int e = 0; e < 4; ++e) S[n][e] = 0.0f;
 #pragma unroll
-            for (int n = 0; n < BN / 16; ++n) {
-                // K^T as a column-major [D][BN] matrix is K row-major [BN][D].
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> kb;
-                wmma::load_matrix_sync(kb, Ks + n * 16 * D + d0, D);
-                wmma::mma_sync(s[n], a, kb, s[n]);
+        for (int kk = 0; kk < D / 16; ++kk) {
+            unsigned a[4];
+            ldmatrix_x4(a, qw + ((lane & 7) + ((lane >> 3) & 1) * 8) * SP + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+            for (int np = 0; np < BN / 16; ++np) {
+                unsigned bb[4];
+                ldmatrix_x4(bb, Kt + (np * 16 + (lane & 7) + (lane >> 4) * 8) * SP + kk * 16
+                                    + ((lane >> 3) & 1) * 8);
+                mma_bf16(S[2 * np], a, bb[0], bb[1]);
+                mma_bf16(S[2 * np + 1], a, bb[2], bb[3]);
             }
         }
+
+        const int kbase = kt * BN;
+        const bool need_mask = kbase + BN > min_lim;
 #pragma unroll
-        for (int n = 0; n < BN / 16; ++n)
-            wmma::store_matrix_sync(Sf + warp * 16 * BN + n * 16, s[n], BN, wmma::mem_row_major);
-        __syncwarp();
-        for (int e = lane; e < 16 * BN; e += 32) {
-            const int r = warp * 16 + e / BN, c = e % BN;
-            const int lr = row0 + r, j = key0 + c;
-            bool ok = false;
-            if (r < nrows && j < hist) ok = (lr < nn) ? (j <= start + lr) : true;
-            const float x = Sf[r * BN + c] * alpha;
-            Pb[r * BN + c] = __float2bfloat16(ok ? x / (1.0f + __expf(-x)) * inv_n : 0.0f);
-        }
-        __syncwarp();
+        for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
-        for (int k0 = 0; k0 < BN; k0 += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> pa;
-            wmma::load_matrix_sync(pa, Pb + warp * 16 * BN + k0, BN);
-#pragma unroll
-            for (int n = 0; n < D / 16; ++n) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> vb;
-                wmma::load_matrix_sync(vb, Vs + k0 * D + n * 16, D);
-                wmma::mma_sync(acc[n], pa, vb, acc[n]);
+            for (int e = 0; e < 4; ++e) {
+                float pv = silu_n(__fmul_rn(S[n][e], alpha), inv_n);
+                if (need_mask) {
+                    const int j = kbase + n * 8 + 2 * t + (e & 1);
+                    const int lr = row0 + warp * 16 + g + (e >> 1) * 8;
+                    const bool ok = (lr < nn) ? (j <= start + lr) : (j < hist);
+                    pv = ok ? pv : 0.0f;
+                }
+                S[n][e] = pv;
             }
+
+#pragma unroll
+        for (int kc = 0; kc < BN / 16; ++kc) {
+            unsigned pa[4];
+            pa[0] = pack_bf16(S[2 * kc][0], S[2 * kc][1]);
+            pa[1] = pack_bf16(S[2 * kc][2], S[2 * kc][3]);
+            pa[2] = pack_bf16(S[2 * kc + 1][0], S[2 * kc + 1][1]);
+            pa[3] = pack_bf16(S[2 * kc + 1][2], S[2 * kc + 1][3]);
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                unsigned vb[4];
+                ldmatrix_x4_trans(vb, Vt + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SP
+                                          + dp * 16 + (lane >> 4) * 8);
+                mma_bf16(acc[2 * dp], pa, vb[0], vb[1]);
+                mma_bf16(acc[2 * dp + 1], pa, vb[2], vb[3]);
+            }
+        }
+        }
+        __syncthreads();  // this stage is refilled by the next iteration's prefetch
+
+        if (FOLD && ((kt + 1) % TILES_PER_CHUNK == 0 || kt + 1 == kt1)) {
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    tot[FOLD ? n : 0][e] = __fadd_rn(tot[FOLD ? n : 0][e], acc[n][e]);
+                    acc[n][e] = 0.0f;
+                }
         }
     }
-    __syncthreads();  // K/V smem is reused for the fp32 output tile
-    float* Of = reinterpret_cast<float*>(Ks);  // [BM][D] floats fit in Ks + Vs when BM == BN
+    cp_async_wait<0>();
+
+    const int r_lo = warp * 16 + g, r_hi = r_lo + 8;
+    if (!FOLD) {  // the chunk's partial to its workspace slot
+        float* w = ws + ((long long)item_slot[item] * H + h) * BM * D;
 #pragma unroll
-    for (int n = 0; n < D / 16; ++n)
-        wmma::store_matrix_sync(Of + warp * 16 * D + n * 16, acc[n], D, wmma::mem_row_major);
-    __syncwarp();
-    for (int r = 0; r < 16; ++r) {
-        const int tr = warp * 16 + r;
-        if (tr >= nrows) break;
-        const int lr = row0 + tr;
-        const long long g = (long long)(qs + lr) * HD + h * D;
-        const bool cand = lr >= nn;
-        float self = 0.0f;
-        if (cand) {  // the candidate's own key and value sit in its own row of k/v
-            float dot = 0.0f;
-            for (int d = lane; d < D; d += 32)
-                dot += __bfloat162float(Qs[tr * D + d]) * __bfloat162float(k[g + d]);
+        for (int n = 0; n < D / 8; ++n) {
+            const int c = n * 8 + 2 * t;
+            if (r_lo < nrows) *reinterpret_cast<float2*>(w + r_lo * D + c) = make_float2(acc[n][0], acc[n][1]);
+            if (r_hi < nrows) *reinterpret_cast<float2*>(w + r_hi * D + c) = make_float2(acc[n][2], acc[n][3]);
+        }
+        return;
+    }
+    // Direct: the totals through shared memory (the K stages are free), one warp per row.
+    __syncthreads();
+    constexpr int OP = D + 4;
+    float* Of = reinterpret_cast<float*>(Ks);  // [BM][OP] fits in the two K stages
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-            const float x = dot * alpha;
-            self = x / (1.0f + __expf(-x)) * inv_n;
-        }
-        for (int d = lane; d < D; d += 32) {
-            float o = Of[tr * D + d];
-            if (cand) o += self * __bfloat162float(v[g + d]);
-            out[g + d] = __float2bfloat16(o);
-        }
+    for (int n = 0; n < D / 8; ++n) {
+        const int c = n * 8 + 2 * t;
+        *reinterpret_cast<float2*>(Of + r_lo * OP + c) = make_float2(tot[FOLD ? n : 0][0], tot[FOLD ? n : 0][1]);
+        *reinterpret_cast<float2*>(Of + r_hi * OP + c) = make_float2(tot[FOLD ? n : 0][2], tot[FOLD ? n : 0][3]);
+    }
+    __syncthreads();
+    const Batch p{q, k, v, out, sq, sk, sv, H, alpha, inv_n};
+    for (int r = warp; r < nrows; r += 4) {
+        float o[D / 32];
+#pragma unroll
+        for (int i = 0; i < D / 32; ++i) o[i] = Of[r * OP + lane + 32 * i];
+        const int lr = row0 + r;
+        store_row<D>(p, o, qs + lr, h, lr >= nn, lane);
     }
 }
 
-template __global__ void hstu_attention_fwd<32>(
-    const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
-    __nv_bfloat16*, const int*, const int*, const int*, const int*, const int*, const int*,
-    const int*, const int*, const int*, const int*, int, int, float, float);
-template __global__ void hstu_attention_fwd<64>(
-    const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
-    __nv_bfloat16*, const int*, const int*, const int*, const int*, const int*, const int*,
-    const int*, const int*, const int*, const int*, int, int, float, float);
-template __global__ void hstu_attention_fwd<128>(
-    const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*,
-    __nv_bfloat16*, const int*, const int*, const int*, const int*, const int*, const int*,
-    const int*, const int*, const int*, const int*, int, int, float, float);
+// grid (split row tiles x 16, H), 128 threads, one warp per row:
+// out = bf16(0 + slot0 + slot1 + ... (+ own key)). Slot loads are issued four at a time ahead of
+// their adds (the adds stay in slot order).
+template <int D>
+__global__ void __launch_bounds__(128) hstu_attn_merge(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
+    const __nv_bfloat16* __restrict__ v, __nv_bfloat16* __restrict__ out,
+    const float* __restrict__ ws, const int* __restrict__ fin_user,
+    const int* __restrict__ fin_row0, const int* __restrict__ fin_slot0,
+    const int* __restrict__ fin_nslots, const int* __restrict__ q_start,
+    const int* __restrict__ n_new, const int* __restrict__ n_cand,
+    int H, long long sq, long long sk, long long sv, float alpha, float inv_n) {
+    const int f = blockIdx.x >> 4, h = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int r = (blockIdx.x & 15) * 4 + warp;
+    const int b = fin_user[f], row0 = fin_row0[f], slot0 = fin_slot0[f], ns = fin_nslots[f];
+    const int qs = q_start[b], nn = n_new[b];
+    if (r >= min(BM, nn + n_cand[b] - row0)) return;
+    const Batch p{q, k, v, out, sq, sk, sv, H, alpha, inv_n};
+    const long long slot_stride = (long long)H * BM * D;
+    const float* w = ws + ((long long)slot0 * H + h) * BM * D + r * D + lane;
+    float o[D / 32];
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) o[i] = 0.0f;
+    int s = 0;
+    for (; s + 4 <= ns; s += 4) {
+        float x[4][D / 32];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int i = 0; i < D / 32; ++i) x[j][i] = w[(s + j) * slot_stride + 32 * i];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int i = 0; i < D / 32; ++i) o[i] = __fadd_rn(o[i], x[j][i]);
+    }
+    for (; s < ns; ++s)
+#pragma unroll
+        for (int i = 0; i < D / 32; ++i) o[i] = __fadd_rn(o[i], w[s * slot_stride + 32 * i]);
+    const int lr = row0 + r;
+    store_row<D>(p, o, qs + lr, h, lr >= nn, lane);
+}
+
+#define HSTU_ATTN_INSTANCES(D)                                                                  \
+    template __global__ void hstu_attn_fwd<D, true>(                                            \
+        const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, \
+        __nv_bfloat16*, float*, const int*, const int*, const int*, const int*, const int*,     \
+        const int*, const int*, const int*, const int*, const int*, const int*, const int*,     \
+        const int*, int, int, long long, long long, long long, float, float);                   \
+    template __global__ void hstu_attn_fwd<D, false>(                                           \
+        const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, \
+        __nv_bfloat16*, float*, const int*, const int*, const int*, const int*, const int*,     \
+        const int*, const int*, const int*, const int*, const int*, const int*, const int*,     \
+        const int*, int, int, long long, long long, long long, float, float);                   \
+    template __global__ void hstu_attn_merge<D>(                                                \
+        const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*,      \
+        const float*, const int*, const int*, const int*, const int*, const int*, const int*,   \
+        const int*, int, long long, long long, long long, float, float);
+
+HSTU_ATTN_INSTANCES(32)
+HSTU_ATTN_INSTANCES(64)
+HSTU_ATTN_INSTANCES(128)

@@ -79,7 +79,10 @@ def module(name: str, name_expressions: tuple[str, ...]):
     return mod
 
 
+@functools.lru_cache(maxsize=None)
 def kernel(name: str, name_expressions: tuple[str, ...], expr: str):
+    """One kernel, the same object every call (``launch`` remembers its shared-memory opt-in by
+    object; a fresh object per call could reuse a freed one's id and skip the opt-in)."""
     return module(name, name_expressions).get_function(expr)
 
 

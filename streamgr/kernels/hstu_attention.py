@@ -18,6 +18,7 @@ Shapes: ``q, k`` are ``[tokens, heads, dqk]``, ``v`` and the output ``[tokens, h
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -26,7 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import StreamgrError
-from . import _cuda
+from . import _cuda, hstu_attention_cuda
+
+# STREAMGR_HSTU_PLAN=wmma|split|direct pins the CUDA path (A/B runs of whole benchmarks).
+DEFAULT_PLAN = os.environ.get("STREAMGR_HSTU_PLAN") or None
 
 # History query rows per tile: bounds the [heads, tile, keys] score block (40k keys, 4 heads,
 # bf16: 320 MiB) while keeping each matmul large enough to run near peak.
@@ -169,28 +173,12 @@ class JaggedKV:
             self._cache["ref"] = (cat(g_page), cat(g_off), cat(perm), kv_off)
         return self._cache["ref"]
 
-    def cuda_args(self, device: torch.device):
-        if "cuda" not in self._cache:
-            tiles_user, tiles_row = [], []
-            for b, c in enumerate(self.num_candidates):
-                rows = self.q_offsets[b + 1] - self.q_offsets[b]
-                for r0 in range(0, rows, 64):
-                    tiles_user.append(b)
-                    tiles_row.append(r0)
-            page_ptr = np.zeros(len(self.pages) + 1, dtype=np.int64)
-            page_ptr[1:] = np.cumsum([len(p) if f else 0 for p, f in zip(self.pages, self.paged)])
-            flat = [x for p, f in zip(self.pages, self.paged) if f for x in p]
-            arrays = [tiles_user, tiles_row, self.q_offsets, self.hist_lens, self.new_lens,
-                      self.num_candidates, [int(f) for f in self.paged], self.kv_rows, page_ptr,
-                      flat or [0]]
-            host = np.concatenate([np.asarray(a, dtype=np.int32) for a in arrays])
-            dev = torch.from_numpy(host).pin_memory().to(device, non_blocking=True)
-            views, o = [], 0
-            for a in arrays:
-                views.append(dev[o:o + len(a)])
-                o += len(a)
-            self._cache["cuda"] = (len(tiles_user), views)
-        return self._cache["cuda"]
+    def cuda_plan(self, device: torch.device, heads: int, force: str | None = None):
+        """The CUDA work items of this batch (built once, reused by every layer)."""
+        key = ("cuda", heads, force)
+        if key not in self._cache:
+            self._cache[key] = hstu_attention_cuda.plan(self, device, heads, force)
+        return self._cache[key]
 
 
 def hstu_attention_jagged_reference(q, k, v, desc: JaggedKV, layer: int, alpha: float,
@@ -208,36 +196,33 @@ def hstu_attention_jagged_reference(q, k, v, desc: JaggedKV, layer: int, alpha: 
                                     desc.num_candidates, alpha, max_len)
 
 
-_ATTN_EXPRS = tuple(f"hstu_attention_fwd<{d}>" for d in (32, 64, 128))
-
-
 def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, desc: JaggedKV,
                           layer: int, alpha: float, max_len: int,
-                          out: torch.Tensor | None = None) -> torch.Tensor:
+                          out: torch.Tensor | None = None, plan: str | None = None) -> torch.Tensor:
     """HSTU attention of a jagged batch whose history K/V are paged or contiguous.
 
-    ``q, k, v``: ``[rows, heads, dim]``, rows laid out as ``desc.q_offsets`` says; the new
-    history tokens' K/V must already be in their pages for paged users. CUDA kernel for bf16
-    with dim 32/64/128 on a GPU; the torch reference otherwise.
+    ``q, k, v``: ``[rows, heads, dim]``, rows laid out as ``desc.q_offsets`` says (strided views
+    of one projection are read in place); the new history tokens' K/V must already be in their
+    pages for paged users. CUDA kernel for bf16 with dim 32/64/128 on a GPU (``plan`` forces
+    ``"split"`` or ``"direct"`` work items, ``"wmma"`` the previous kernel: tests and benches);
+    the torch reference otherwise.
     """
     D = q.shape[-1]
     if (q.dtype == torch.bfloat16 and D in (32, 64, 128) and _cuda.usable(q, k, v)
             and (desc.store is None or desc.store.dtype == torch.bfloat16)):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if out is None:
-            out = torch.empty_like(q)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         elif not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
             raise StreamgrError("hstu_attention_jagged: out must be contiguous, shaped like q")
-        n_tiles, a = desc.cuda_args(q.device)
-        if n_tiles:
-            H = q.shape[1]
-            store = desc.store[layer] if desc.store is not None else None
-            fn = _cuda.kernel("hstu_attention.cu", _ATTN_EXPRS, f"hstu_attention_fwd<{D}>")
-            smem = (3 * 64 * D + 64 * 64) * 2 + 64 * 64 * 4
-            _cuda.launch(fn, (n_tiles, H), (128,), (
-                _cuda.ptr(q), _cuda.ptr(k), _cuda.ptr(v), _cuda.ptr(store), _cuda.ptr(out),
-                *(_cuda.ptr(t) for t in a), np.int32(H), np.int32(desc.page_tokens),
-                np.float32(alpha), np.float32(1.0 / max_len)), shared_mem=smem)
+        plan = plan or DEFAULT_PLAN
+        if plan == "wmma":
+            hstu_attention_cuda.run_wmma(q, k, v, desc, layer, alpha, max_len, out)
+            return out
+        H = q.shape[1]
+        if any(hstu_attention_cuda.row_stride(t, H, D) is None for t in (q, k, v)):
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        p = desc.cuda_plan(q.device, H, plan)
+        hstu_attention_cuda.run(q, k, v, desc, layer, alpha, max_len, out, p)
         return out
     res = hstu_attention_jagged_reference(q, k, v, desc, layer, alpha, max_len)
     if out is not None:

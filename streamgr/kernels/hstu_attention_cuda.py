@@ -1,0 +1,184 @@
+"""The CUDA side of the jagged HSTU attention: a plan per batch, a run per layer.
+
+FlashInfer's split of planning from running: :func:`plan` turns a batch's layout
+(:class:`~streamgr.kernels.hstu_attention.JaggedKV`, whose pages are the cache manager's CSR
+page table) into the work items of ``cuda_kernels/hstu_attention.cu`` once per batch, on the
+host, copied to the device in one transfer; :func:`run` launches them for one layer. The torch
+reference in ``hstu_attention.py`` is the judge of both.
+
+The plan cuts each user's query rows into tiles of 64 and their visible keys into chunks of 512
+absolute positions. When the row tiles alone fill the GPU with balanced work (recompute of long
+histories) each tile runs over all its keys (*direct*); when they do not (a cached batch: a few
+hundred query rows against thousands of history keys) each (tile, chunk) is its own CUDA block
+and a merge kernel adds the chunks' fp32 partials in order (*split*). Both add the same chunk
+partials in the same order, so the plan never changes a result's bits.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import StreamgrError
+from . import _cuda
+
+BM, BN, KC = 64, 64, 512  # query rows per tile, keys per tile, keys per chunk (as in the .cu)
+SRC = "hstu_attention.cu"
+EXPRS = tuple(e for d in (32, 64, 128) for e in (
+    f"hstu_attn_fwd<{d}, true>", f"hstu_attn_fwd<{d}, false>", f"hstu_attn_merge<{d}>"))
+
+
+@dataclass
+class Plan:
+    split: bool
+    n_items: int
+    n_fin: int        # split: row tiles to merge
+    n_slots: int      # split: fp32 partials of [64, D] per head
+    args: list        # device int32 views, in the kernel's order
+    fin_args: list
+    workspace: dict   # (H, D, device) -> fp32 workspace, reused by every layer of the batch
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def plan(desc, device: torch.device, heads: int, force: str | None = None) -> Plan:
+    """Work items of one batch (``force``: ``"split"`` or ``"direct"`` for tests and benches)."""
+    q_off = np.asarray(desc.q_offsets, dtype=np.int64)
+    cand = np.asarray(desc.num_candidates, dtype=np.int64)
+    hist = np.asarray(desc.hist_lens, dtype=np.int64)
+    rows = q_off[1:] - q_off[:-1]
+    new = rows - cand
+    tiles = _cdiv(rows, BM)
+    user = np.repeat(np.arange(len(rows)), tiles)
+    row0 = (np.arange(tiles.sum()) - np.repeat(np.cumsum(tiles) - tiles, tiles)) * BM
+    nrows = np.minimum(BM, rows[user] - row0)
+    start = hist[user] - new[user]
+    key_lim = np.where(row0 + nrows > new[user], hist[user], start + row0 + nrows)
+    n_kt = _cdiv(key_lim, BN)
+    n_chunks = _cdiv(key_lim, KC)
+    if force is not None:
+        split = force == "split"
+    else:  # split when one tile's keys are well over a balanced share of two blocks per SM
+        sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
+        share = n_kt.sum() * heads / (2 * sms)
+        split = bool(len(n_kt)) and n_chunks.max() > 1 and n_kt.max() > 1.5 * share
+    if split:
+        item_tile = np.repeat(np.arange(len(n_kt)), n_chunks)
+        slot0 = np.cumsum(n_chunks) - n_chunks
+        chunk = np.arange(n_chunks.sum()) - np.repeat(slot0, n_chunks)
+        kt0 = chunk * (KC // BN)
+        kt1 = np.minimum(kt0 + KC // BN, n_kt[item_tile])
+        slot = np.arange(n_chunks.sum())
+        # longest first; a chunk's row tiles of one user side by side (they share its K/V in L2)
+        order = np.lexsort((item_tile, chunk, user[item_tile], -(kt1 - kt0)))
+        item_tile, kt0, kt1, slot = item_tile[order], kt0[order], kt1[order], slot[order]
+        fin = [user, row0, slot0, n_chunks]
+    else:
+        item_tile = np.argsort(-n_kt, kind="stable")
+        kt0, kt1 = np.zeros_like(item_tile), n_kt[item_tile]
+        slot = np.full_like(item_tile, -1)
+        fin = []
+    page_ptr = np.zeros(len(rows) + 1, dtype=np.int64)
+    page_ptr[1:] = np.cumsum([len(p) if f else 0 for p, f in zip(desc.pages, desc.paged)])
+    flat = [x for p, f in zip(desc.pages, desc.paged) if f for x in p]
+    arrays = [user[item_tile], row0[item_tile], kt0, kt1, slot, q_off[:-1], hist, new, cand,
+              np.asarray(desc.paged, dtype=np.int64), np.asarray(desc.kv_rows, dtype=np.int64),
+              page_ptr, np.asarray(flat or [0], dtype=np.int64)] + fin
+    sizes = [len(a) for a in arrays]
+    host = np.concatenate(arrays).astype(np.int32)
+    host_t = torch.from_numpy(host)
+    if device.type == "cuda":
+        host_t = host_t.pin_memory()
+    dev = host_t.to(device, non_blocking=True)
+    views = list(torch.split(dev, sizes))
+    return Plan(split, len(item_tile), len(n_kt) if split else 0,
+                int(n_chunks.sum()) if split else 0, views[:13], views[13:], {})
+
+
+def row_stride(t: torch.Tensor, H: int, D: int) -> int | None:
+    """Row stride (elements) if the kernel can read ``t`` in place: heads of ``D`` contiguous
+    elements, 16-byte aligned rows."""
+    if t.dim() != 3 or t.stride(2) != 1 or t.stride(1) != D or t.shape[1] != H:
+        return None
+    if t.stride(0) % 8 or t.data_ptr() % 16:
+        return None
+    return t.stride(0)
+
+
+def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, desc, layer: int, alpha: float,
+        max_len: int, out: torch.Tensor, p: Plan) -> None:
+    """One layer: bf16 ``q, k, v`` ``[rows, H, D]`` (strided views allowed), ``out`` contiguous."""
+    H, D = q.shape[1], q.shape[2]
+    if p.n_items == 0 and p.n_fin == 0:
+        return
+    strides = []
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        s = row_stride(t, H, D)
+        if s is None:
+            raise StreamgrError(f"hstu_attention: {name} must have heads of {D} contiguous "
+                                f"elements and 16-byte aligned rows (stride {tuple(t.stride())})")
+        strides.append(np.int64(s))
+    store = desc.store[layer] if desc.store is not None else None
+    ws = None
+    if p.split:
+        key = (H, D, q.device)
+        ws = p.workspace.get(key)
+        if ws is None:
+            ws = p.workspace[key] = torch.empty(max(1, p.n_slots) * H * BM * D,
+                                                dtype=torch.float32, device=q.device)
+    fn = _cuda.kernel(SRC, EXPRS, f"hstu_attn_fwd<{D}, {'false' if p.split else 'true'}>")
+    smem = (BM + 4 * BN) * (D + 8) * 2
+    if p.n_items:  # a split batch of users without history has only the merge (own keys)
+        _cuda.launch(fn, (p.n_items, H), (128,), (
+            _cuda.ptr(q), _cuda.ptr(k), _cuda.ptr(v), _cuda.ptr(store), _cuda.ptr(out),
+            _cuda.ptr(ws), *(_cuda.ptr(t) for t in p.args), np.int32(H),
+            np.int32(desc.page_tokens), *strides, np.float32(alpha), np.float32(1.0 / max_len)),
+            shared_mem=smem)
+    if p.split and p.n_fin:
+        a = p.args
+        merge = _cuda.kernel(SRC, EXPRS, f"hstu_attn_merge<{D}>")
+        _cuda.launch(merge, (p.n_fin * 16, H), (128,), (
+            _cuda.ptr(q), _cuda.ptr(k), _cuda.ptr(v), _cuda.ptr(out), _cuda.ptr(ws),
+            *(_cuda.ptr(t) for t in p.fin_args), _cuda.ptr(a[5]), _cuda.ptr(a[7]),
+            _cuda.ptr(a[8]), np.int32(H), *strides, np.float32(alpha), np.float32(1.0 / max_len)))
+
+
+# -- the previous kernel (WMMA, one block per 64-row tile and head), kept for A/B benchmarks --
+
+_WMMA_EXPRS = tuple(f"hstu_attention_fwd<{d}>" for d in (32, 64, 128))
+
+
+def run_wmma(q, k, v, desc, layer: int, alpha: float, max_len: int, out: torch.Tensor) -> None:
+    if "wmma" not in desc._cache:
+        tu, tr = [], []
+        for b in range(len(desc.num_candidates)):
+            for r0 in range(0, desc.q_offsets[b + 1] - desc.q_offsets[b], BM):
+                tu.append(b), tr.append(r0)
+        page_ptr = np.zeros(len(desc.pages) + 1, dtype=np.int64)
+        page_ptr[1:] = np.cumsum([len(p) if f else 0 for p, f in zip(desc.pages, desc.paged)])
+        flat = [x for p, f in zip(desc.pages, desc.paged) if f for x in p]
+        arrays = [tu, tr, desc.q_offsets, desc.hist_lens, desc.new_lens, desc.num_candidates,
+                  [int(f) for f in desc.paged], desc.kv_rows, page_ptr, flat or [0]]
+        host = np.concatenate([np.asarray(a, dtype=np.int32) for a in arrays])
+        dev = torch.from_numpy(host).to(q.device)
+        desc._cache["wmma"] = (len(tu), list(torch.split(dev, [len(a) for a in arrays])))
+    n_tiles, a = desc._cache["wmma"]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    H, D = q.shape[1], q.shape[2]
+    store = desc.store[layer] if desc.store is not None else None
+    fn = _cuda.kernel("hstu_attention_wmma.cu", _WMMA_EXPRS, f"hstu_attention_fwd<{D}>")
+    smem = (3 * 64 * D + 64 * 64) * 2 + 64 * 64 * 4
+    _cuda.launch(fn, (n_tiles, H), (128,), (
+        _cuda.ptr(q), _cuda.ptr(k), _cuda.ptr(v), _cuda.ptr(store), _cuda.ptr(out),
+        *(_cuda.ptr(t) for t in a), np.int32(H), np.int32(desc.page_tokens),
+        np.float32(alpha), np.float32(1.0 / max_len)), shared_mem=smem)

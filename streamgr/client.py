@@ -16,7 +16,8 @@ from typing import Any
 import msgspec
 
 from . import api
-from .errors import ConnectionLost, ProtocolError, StreamgrError, error_for_code
+from .errors import (ConnectionLost, ProtocolError, ServerUnavailable, StreamgrError,
+                     error_for_code)
 from .protocol import framing, messages as m
 
 
@@ -129,10 +130,14 @@ class AsyncClient:
             loop = asyncio.get_running_loop()
             host, port = parse_address(self.address)
             factory = lambda: _ClientProtocol(self._codec)  # noqa: E731
-            if host == "unix":
-                _, proto = await loop.create_unix_connection(factory, port)
-            else:
-                _, proto = await loop.create_connection(factory, host, port)
+            try:
+                if host == "unix":
+                    _, proto = await loop.create_unix_connection(factory, port)
+                else:
+                    _, proto = await loop.create_connection(factory, host, port)
+            except OSError as err:  # refused, no such socket, unreachable
+                raise ServerUnavailable(f"no streamgr server answers at {self.address} "
+                                        f"({err.strerror or err})") from None
             proto.transport.write(self._codec.frame(
                 m.Hello(m.PROTOCOL_VERSION, self.token or "", self.name)))
             try:
@@ -193,6 +198,10 @@ class AsyncClient:
     async def stats(self, timeout: float | None = None) -> dict[str, Any]:
         return (await self._call(lambda rid: m.StatsRequest(rid), timeout)).stats
 
+    async def health(self, timeout: float | None = None) -> m.HealthReply:
+        """The server's liveness and readiness (``ready`` False while draining)."""
+        return await self._call(lambda rid: m.HealthRequest(rid), timeout)
+
     async def close(self) -> None:
         if self._proto is not None:
             self._proto.transport.close()
@@ -229,6 +238,9 @@ class Client:
 
     def generate(self, request, deadline_ms: float | None = None, timeout: float | None = None):
         return self._call(self._client.generate(request, deadline_ms, timeout))
+
+    def health(self) -> m.HealthReply:
+        return self._call(self._client.health())
 
     def stats(self) -> dict[str, Any]:
         return self._call(self._client.stats())

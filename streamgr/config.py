@@ -8,6 +8,8 @@ Built-in specs (``rank-small``, ``rank-ref``, ...) ship inside the package.
 
 from __future__ import annotations
 
+import difflib
+import math
 import re
 import tomllib
 from importlib import resources
@@ -77,8 +79,8 @@ class EngineSpec(_Section, kw_only=True):
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError("`max_batch` must be >= 1")
-        if self.max_wait_ms < 0:
-            raise ValueError("`max_wait_ms` must be >= 0")
+        if not math.isfinite(self.max_wait_ms) or self.max_wait_ms < 0:
+            raise ValueError("`max_wait_ms` must be a finite number >= 0")
         if self.max_queue < 1:
             raise ValueError("`max_queue` must be >= 1")
         if self.history_events < 0:
@@ -105,6 +107,10 @@ class CacheSpec(_Section, kw_only=True):
                 raise ValueError(f"`{name}` must be >= 1")
         if self.chunk_tokens % self.page_tokens:
             raise ValueError("`chunk_tokens` must be a multiple of `page_tokens`")
+        if self.mode == "hierarchical" and self.offload_quota_tokens < self.chunk_tokens:
+            # an offload moves whole chunks: a smaller quota would never admit one
+            raise ValueError(f"`offload_quota_tokens` ({self.offload_quota_tokens}) must be >= "
+                             f"`chunk_tokens` ({self.chunk_tokens}), else nothing is offloaded")
 
 
 class CatalogSpec(_Section, kw_only=True):
@@ -118,7 +124,10 @@ class CatalogSpec(_Section, kw_only=True):
     sid_policy: Literal["all", "first"] = "all"  # items sharing one SID: all of them, or first
 
     def __post_init__(self) -> None:
-        if (self.path is None) == (self.random_items <= 0):
+        if self.path is not None and self.random_items > 0:
+            raise ValueError("`path` and `random_items` exclude each other (set random_items = 0 "
+                             "to use the file)")
+        if self.path is None and self.random_items <= 0:
             raise ValueError("one of `path` or `random_items` is required")
         if not self.codebook_sizes or min(self.codebook_sizes) < 1:
             raise ValueError("`codebook_sizes` must be positive")
@@ -178,18 +187,39 @@ def _key_path(msg: str) -> str:
     return m.group(1).lstrip(".") if m else ""
 
 
-def _spec_error(err: msgspec.ValidationError, source: str) -> SpecError:
+def _section_keys(where: str) -> list[str]:
+    """The valid keys of the section at a dotted path (``""`` is the root)."""
+    cls: Any = Spec
+    for part in [p for p in where.split(".") if p]:
+        field = next((f for f in msgspec.structs.fields(cls) if f.name == part), None)
+        if field is None:
+            return []
+        t = field.type
+        args = getattr(t, "__args__", ())
+        cls = next((a for a in (t, *args) if isinstance(a, type) and issubclass(a, msgspec.Struct)), None)
+        if cls is None:
+            return []
+    return [f.name for f in msgspec.structs.fields(cls)]
+
+
+def _spec_error(err: msgspec.ValidationError, source: str,
+                overrides: Mapping[str, Any] | None = None) -> SpecError:
     msg = str(err)
     where = _key_path(msg)
     head = msg.split(" - at ")[0]
     unknown = re.match(r"Object contains unknown field `([^`]+)`", head)
     if unknown:
         key = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
-        return SpecError(f"{source}: unknown key `{key}`")
+        near = difflib.get_close_matches(unknown.group(1), _section_keys(where), n=1)
+        hint = f" (did you mean `{where + '.' if where else ''}{near[0]}`?)" if near else ""
+        origin = source if key not in (overrides or {}) else "--set"
+        return SpecError(f"{origin}: unknown key `{key}`{hint}")
     missing = re.match(r"Object missing required field `([^`]+)`", head)
     if missing:
         key = f"{where}.{missing.group(1)}" if where else missing.group(1)
         return SpecError(f"{source}: missing key `{key}`")
+    if where and where in (overrides or {}):
+        return SpecError(f"--set {where}={overrides[where]}: `{where}`: {head}")
     return SpecError(f"{source}: `{where or '(root)'}`: {head}")
 
 
@@ -201,10 +231,24 @@ def parse_override_value(text: str) -> Any:
         return text
 
 
+# Keys of which a spec holds one: overriding one drops the other's value from the file.
+_EXCLUSIVE = {"checkpoint": "init_seed", "init_seed": "checkpoint", "path": "random_items",
+              "random_items": "path"}
+
+
 def apply_overrides(raw: dict[str, Any], overrides: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Set dotted keys in a raw spec dict (a copy). Unknown keys are caught by decoding later."""
+    """Set dotted keys in a raw spec dict (a copy). Unknown keys are caught by decoding later.
+    The value ``none`` (or ``None`` from code) removes a key, so it takes its default; setting
+    ``model.checkpoint`` drops the file's ``model.init_seed`` (and the reverse), likewise
+    ``catalog.path`` and ``catalog.random_items``."""
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
-    for dotted, value in (overrides or {}).items():
+    overrides = dict(overrides or {})
+    for dotted in list(overrides):
+        head, _, last = dotted.rpartition(".")
+        other = _EXCLUSIVE.get(last)
+        if other and f"{head}.{other}" not in overrides and isinstance(out.get(head), dict):
+            out[head] = {k: v for k, v in out[head].items() if k != other}
+    for dotted, value in overrides.items():
         parts = dotted.split(".")
         if not all(parts):
             raise SpecError(f"override `{dotted}`: not a dotted key like `cache.mode`")
@@ -216,16 +260,20 @@ def apply_overrides(raw: dict[str, Any], overrides: Mapping[str, Any] | None) ->
             elif not isinstance(child, dict):
                 raise SpecError(f"override `{dotted}`: `{part}` is not a section")
             node = child
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null")):
+            node.pop(parts[-1], None)
+            continue
         # msgspec rejects a str where an int is due; a CLI value arrives as str, so parse it.
         node[parts[-1]] = parse_override_value(value) if isinstance(value, str) else value
     return out
 
 
-def decode_spec(raw: Mapping[str, Any], source: str = "spec") -> Spec:
+def decode_spec(raw: Mapping[str, Any], source: str = "spec",
+                overrides: Mapping[str, Any] | None = None) -> Spec:
     try:
         return msgspec.convert(dict(raw), Spec, strict=True)
     except msgspec.ValidationError as err:
-        raise _spec_error(err, source) from None
+        raise _spec_error(err, source, overrides) from None
 
 
 def _builtin_path(name: str) -> Path | None:
@@ -271,7 +319,9 @@ def load_spec(path_or_spec: str | Path | Spec | Mapping[str, Any],
             if isinstance(val, str) and not Path(val).is_absolute():
                 # Relative paths are relative to the spec file, so specs travel with models.
                 raw[section][key] = str((path.parent / val).resolve())
-    spec = decode_spec(apply_overrides(raw, overrides), source)
+    if overrides:
+        source = f"{source} (with --set {', '.join(f'{k}={v}' for k, v in overrides.items())})"
+    spec = decode_spec(apply_overrides(raw, overrides), source, overrides)
     return spec
 
 

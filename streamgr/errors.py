@@ -101,6 +101,10 @@ class ConnectionLost(StreamgrError):
     code = "CONNECTION_LOST"
 
 
+class ServerUnavailable(ConnectionLost):
+    """No server answers at the client's address (refused, no such socket, unreachable)."""
+
+
 class ProtocolError(StreamgrError):
     """The peer broke the wire protocol (bad frame, wrong version or token, oversize frame)."""
 

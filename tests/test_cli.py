@@ -41,3 +41,23 @@ def test_bad_set_is_a_clean_error():
     p = run("demo", "--set", "engine.max_batch=zero")
     assert p.returncode == 2
     assert "engine.max_batch" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_demo_runs_a_generate_spec():
+    p = run("demo", "--spec", "gen-small", "--requests", "12", "--set", "engine.device=cpu")
+    assert p.returncode == 0, p.stderr
+    row = p.stdout.strip().splitlines()[2].split()
+    assert row[0] == "gen-small" and row[2] == "generate" and row[3] == "12"
+
+
+def test_demo_refuses_zero_requests_and_concurrency():
+    for flag in ("--requests", "--concurrency", "--users"):
+        p = run("demo", flag, "0", "--set", "engine.device=cpu", timeout=60)
+        assert p.returncode == 2 and f"{flag} must be at least 1" in p.stderr, p.stderr
+
+
+def test_demo_on_a_spec_too_large_for_the_machine_names_the_keys():
+    p = run("demo", "--set", "engine.device=cpu", "--set", "cache.mode=hierarchical",
+            "--set", "cache.host_chunks=100000000", timeout=60)
+    assert p.returncode == 2 and "cache.host_chunks" in p.stderr and "GiB" in p.stderr
+    assert "Traceback" not in p.stderr

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamgr.config import BUILTIN_SPECS, load_spec
+from streamgr.config import BUILTIN_SPECS, decode_spec, load_spec
 from streamgr.errors import SpecError
 
 
@@ -98,3 +98,53 @@ def test_gen_ref_matches_workloads_md():
 def test_generate_spec_needs_a_catalog():
     with pytest.raises(SpecError, match="catalog"):
         load_spec({"model": {"family": "t5", "init_seed": 1}})
+
+
+# -- issue 11: the newcomer's and the attacker's spec findings ---------------------------------
+
+def test_checkpoint_override_replaces_a_builtin_init_seed(tmp_path):
+    s = load_spec("rank-small", {"model.checkpoint": str(tmp_path)})
+    assert s.model.checkpoint == str(tmp_path) and s.model.init_seed is None
+    s = load_spec("rank-small", {"model.init_seed": "none", "model.checkpoint": str(tmp_path)})
+    assert s.model.init_seed is None
+    with pytest.raises(SpecError, match="one of `checkpoint` or `init_seed`"):
+        load_spec("rank-small", {"model.init_seed": "none"})
+
+
+def test_catalog_path_and_random_items_say_they_exclude_each_other():
+    with pytest.raises(SpecError, match="exclude each other"):
+        decode_spec({"model": {"family": "t5", "init_seed": 1},
+                     "catalog": {"path": "x.csv", "random_items": 5}})
+    # overriding one of them on a spec holding the other replaces it
+    s = load_spec("gen-small", {"catalog.path": "/tmp/items.csv"})
+    assert s.catalog.path == "/tmp/items.csv" and s.catalog.random_items == 0
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_max_wait_ms_must_be_finite(value):
+    with pytest.raises(SpecError, match="max_wait_ms"):
+        load_spec("rank-small", {"engine.max_wait_ms": value})
+
+
+def test_offload_quota_below_a_chunk_is_refused():
+    with pytest.raises(SpecError, match="offload_quota_tokens"):
+        load_spec("rank-small", {"cache.mode": "hierarchical", "cache.chunk_tokens": 64,
+                                 "cache.offload_quota_tokens": 32})
+
+
+def test_unknown_key_suggests_the_nearest_and_names_set():
+    with pytest.raises(SpecError, match=r"--set: unknown key `cache.device_page` \(did you mean "
+                                        r"`cache.device_pages`\?\)"):
+        load_spec("rank-small", {"cache.device_page": 5})
+    with pytest.raises(SpecError, match=r"^--set engine.max_batch=x: "):
+        load_spec("rank-small", {"engine.max_batch": "x"})
+
+
+def test_cache_sizes_the_machine_cannot_hold_are_refused():
+    from streamgr.engine import Engine
+    with pytest.raises(SpecError, match=r"GiB.*lower cache.device_pages"):
+        Engine.from_spec("rank-small", {"engine.device": "cpu", "cache.mode": "gpu-only",
+                                        "cache.device_pages": 10**12})
+    with pytest.raises(SpecError, match=r"cache.host_chunks"):
+        Engine.from_spec("rank-small", {"engine.device": "cpu", "cache.mode": "hierarchical",
+                                        "cache.host_chunks": 10**8})

@@ -31,6 +31,7 @@ from .batcher import Batcher, Pending
 from .cached_rank import CachedRankRunner
 from .generate import GenerateRunner
 from .metrics import EngineMetrics
+from .preflight import check_cache_memory
 from .rank import RankRunner, prepare_rank
 
 log = logging.getLogger("streamgr.engine")
@@ -92,6 +93,8 @@ class Engine:
             return RankRunner(model, version, self.device, history)
         hierarchical = c.mode == "hierarchical"
         cfg = model.cfg
+        check_cache_memory(c, cfg.num_layers, cfg.num_heads, cfg.head_dim, self.dtype,
+                           self.device, hierarchical)
         manager = KVCacheManager(c.page_tokens, c.chunk_tokens, c.device_pages,
                                  c.host_chunks if hierarchical else 0, c.offload_quota_tokens,
                                  hierarchical=hierarchical)

@@ -47,6 +47,11 @@ class GenerateRunner:
         offs = np.asarray(trie.level_offset)
         self._tokens = (trie.leaf_sids[leaf_of_item] + offs)[order]
 
+    @property
+    def catalog_items(self) -> np.ndarray:
+        """Every catalog item id, sorted."""
+        return self._ids
+
     def prepare(self, req: GenerateRequest) -> PreparedGenerate:
         if not isinstance(req, GenerateRequest):
             raise InvalidRequest(f"expected a GenerateRequest, got {type(req).__name__}")

@@ -84,9 +84,22 @@ class Error(_Msg, tag=9):
     message: str
 
 
+class HealthRequest(_Msg, tag=10):
+    id: RequestId
+
+
+class HealthReply(_Msg, tag=11):
+    """The answers of the metrics port's ``/health`` and ``/ready``."""
+
+    id: RequestId
+    live: bool  # the server answers
+    ready: bool  # the model is loaded, the engine alive, the server not draining
+    status: str  # "ready", "draining", "engine dead", ...
+
+
 Message = Union[Hello, HelloAck, RankRequest, RankReply, GenerateRequest, GenerateReply,
-                StatsRequest, StatsReply, Error]
-REQUESTS = (RankRequest, GenerateRequest, StatsRequest)
+                StatsRequest, StatsReply, Error, HealthRequest, HealthReply]
+REQUESTS = (RankRequest, GenerateRequest, StatsRequest, HealthRequest)
 
 # Codes that only the protocol layer produces (the engine's live in streamgr.errors).
 BAD_FRAME = "BAD_FRAME"  # not MessagePack, or not a message at all: the connection closes

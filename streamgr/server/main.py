@@ -14,20 +14,50 @@ import sys
 from pathlib import Path
 
 from ..engine import Engine
+from ..errors import StreamgrError
 from .server import Server, ServerLimits
 
 log = logging.getLogger("streamgr.server")
 
 
+METRICS_MAX_CONNECTIONS = 64  # HTTP connections at once on the metrics port
+METRICS_REQUEST_TIMEOUT = 5.0  # s for a whole request head, however it trickles in
+_metrics_open = {"n": 0}
+
+
+async def _read_head(reader: asyncio.StreamReader) -> bytes:
+    line = await reader.readline()
+    n = 0
+    while (await reader.readline()) not in (b"\r\n", b"\n", b""):
+        n += 1
+        if n > 100:
+            break
+    return line
+
+
+def health_answer(server: Server, path: str) -> tuple[str, bytes]:
+    """``/health``: the process serves (200); ``/ready``: the model is loaded and the server is
+    not draining (200), else 503."""
+    if path == "/health":
+        return "200 OK", b"ok\n"
+    ready, why = server.readiness()
+    return ("200 OK", b"ready\n") if ready else ("503 Service Unavailable", why.encode() + b"\n")
+
+
 async def _metrics_http(server: Server, reader: asyncio.StreamReader,
                         writer: asyncio.StreamWriter) -> None:
+    if _metrics_open["n"] >= METRICS_MAX_CONNECTIONS:
+        writer.close()
+        return
+    _metrics_open["n"] += 1
     try:
-        line = await asyncio.wait_for(reader.readline(), 5.0)
-        while (await asyncio.wait_for(reader.readline(), 5.0)) not in (b"\r\n", b"\n", b""):
-            pass
+        line = await asyncio.wait_for(_read_head(reader), METRICS_REQUEST_TIMEOUT)
         parts = line.decode("latin-1").split()
-        if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] in ("/metrics", "/"):
+        path = parts[1].split("?")[0] if len(parts) >= 2 and parts[0] == "GET" else ""
+        if path in ("/metrics", "/"):
             body, status = server.prometheus().encode(), "200 OK"
+        elif path in ("/health", "/ready"):
+            status, body = health_answer(server, path)
         else:
             body, status = b"not found\n", "404 Not Found"
         writer.write(f"HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\n"
@@ -36,6 +66,7 @@ async def _metrics_http(server: Server, reader: asyncio.StreamReader,
     except Exception:
         pass
     finally:
+        _metrics_open["n"] -= 1
         writer.close()
 
 
@@ -97,10 +128,18 @@ def run(coro, loop: str = "auto") -> int:
 
 
 def read_token(path: str | None) -> str | None:
-    return Path(path).read_text().strip() if path else None
+    if not path:
+        return None
+    token = Path(path).read_text().strip()
+    if not token:  # an empty token would turn auth off without a word
+        raise StreamgrError(f"--token-file {path}: the file holds no token (only whitespace)")
+    return token
 
 
 def main_serve(args, overrides) -> int:
+    if not args.host or not args.host.strip():
+        raise StreamgrError("--host must be an address (127.0.0.1, 0.0.0.0, ::); an empty one "
+                            "would open no protocol listener")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     limits = ServerLimits(max_connections=args.max_connections, max_frame=args.max_frame,

@@ -14,6 +14,7 @@ connections, so connections and tasks are tracked here, not left to the loop.
 from __future__ import annotations
 
 import asyncio
+import math
 import hmac
 import logging
 import time
@@ -37,6 +38,9 @@ class ServerLimits:
     idle_timeout: float = 300.0  # s without a frame before the connection closes
     read_timeout: float = 10.0  # s to finish a frame once its first byte arrived
     hello_timeout: float = 10.0
+    # Connections that have not said Hello yet; past it the oldest of them is closed, so a flood
+    # of idle sockets cannot starve clients that greet at once.
+    max_ungreeted: int = 64
 
 
 class Connection(asyncio.Protocol):
@@ -52,6 +56,7 @@ class Connection(asyncio.Protocol):
         self.expired: set[asyncio.Future] = set()  # answered DEADLINE_EXCEEDED already
         self.greeted = False
         self.closed = False
+        self.eof_sent = False  # half-closed at shutdown
         self.opened = self.last = time.monotonic()
         self.partial_since: float | None = None  # a frame started arriving and is not complete
 
@@ -67,6 +72,13 @@ class Connection(asyncio.Protocol):
             self.close()
             return
         srv.connections.add(self)
+        waiting = [c for c in srv.connections if not c.greeted]
+        if len(waiting) > srv.limits.max_ungreeted:  # evict the longest-waiting of them
+            oldest = min(waiting, key=lambda c: c.opened)
+            srv.metrics.counters["hello_evictions"] += 1
+            oldest.send(m.Error(0, m.PROTOCOL_ERROR, "expected Hello"))
+            oldest.close()
+            srv.connections.discard(oldest)
 
     def connection_lost(self, exc) -> None:
         self.closed = True
@@ -105,13 +117,29 @@ class Connection(asyncio.Protocol):
     # -- helpers ---------------------------------------------------------------------------------
 
     def send(self, msg) -> None:
-        if not self.closed and self.transport is not None and not self.transport.is_closing():
+        if not self.closed and not self.eof_sent and self.transport is not None and not self.transport.is_closing():
             self.transport.write(self.codec.frame(msg))
+
+    def peer(self) -> str:
+        info = self.transport.get_extra_info("peername") if self.transport else None
+        return str(info) if info else "a local socket"
 
     def close(self) -> None:
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+    def finish(self) -> None:
+        """Shutdown: no more writes (EOF after the replies sent), reads go on until the peer
+        closes, so a late write of the client meets no reset."""
+        t = self.transport
+        if t is None or self.closed or t.is_closing():
+            return
+        if not t.can_write_eof():
+            self.close()
+            return
+        self.eof_sent = True
+        t.write_eof()
 
     def _frame(self, body: bytes) -> None:
         srv = self.server
@@ -120,9 +148,20 @@ class Connection(asyncio.Protocol):
             return
         try:
             msg = self.codec.decode(body)
+        except RecursionError:  # nesting deeper than the decoder's stack: not a message
+            srv.metrics.counters["bad_frames"] += 1
+            self.send(m.Error(0, m.BAD_FRAME, "undecodable frame: nested too deeply"))
+            self.close()
+            return
         except msgspec.ValidationError as err:  # decodes, breaks the schema: per request
+            rid = _guess_id(self.codec, body)
+            if rid is None:  # not even plain MessagePack can hold it (nested too deeply)
+                srv.metrics.counters["bad_frames"] += 1
+                self.send(m.Error(0, m.BAD_FRAME, "undecodable frame: nested too deeply"))
+                self.close()
+                return
             srv.metrics.counters["invalid_frames"] += 1
-            self.send(m.Error(_guess_id(self.codec, body), "INVALID_REQUEST", str(err)))
+            self.send(m.Error(rid, "INVALID_REQUEST", str(err)))
             return
         except msgspec.DecodeError as err:  # not a message at all: close
             srv.metrics.counters["bad_frames"] += 1
@@ -139,7 +178,7 @@ class Connection(asyncio.Protocol):
         srv = self.server
         try:
             hello = self.codec.decode(body)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             hello = None
         if not isinstance(hello, m.Hello):
             srv.metrics.counters["bad_hello"] += 1
@@ -150,21 +189,44 @@ class Connection(asyncio.Protocol):
         elif srv.token is not None and not hmac.compare_digest(hello.token.encode(),
                                                                srv.token.encode()):
             srv.metrics.counters["auth_failures"] += 1
+            log.warning("auth failure from %s: wrong token", self.peer())
             self.send(m.Error(0, m.UNAUTHORIZED, "wrong token"))
         else:
             self.greeted = True
             lim = srv.limits
-            caps = ["rank", "stats"] + (["generate"] if getattr(srv.engine, "serves_generate", False) else [])
+            caps = ["rank", "stats", "health"] + (["generate"] if getattr(srv.engine, "serves_generate", False) else [])
             self.send(m.HelloAck(m.PROTOCOL_VERSION, srv.name, srv.engine.spec.name,
                                  lim.max_frame, lim.max_inflight, caps))
             return
         self.close()
 
 
-def _guess_id(codec: framing.Codec, body: bytes) -> int:
-    """The request id of a frame that did not validate, when it can be read (else 0)."""
+async def _refuse_live_socket(path: str) -> None:
+    """Listening on a Unix path replaces the socket file there; refuse when a server answers
+    on it (a stale file of a dead server is replaced, as before)."""
+    import os
+    import stat
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise OSError(f"--unix {path}: exists and is not a socket")
+    try:
+        _, w = await asyncio.wait_for(asyncio.open_unix_connection(path), 2.0)
+    except (ConnectionRefusedError, FileNotFoundError, asyncio.TimeoutError):
+        return  # nobody listens: a stale socket file
+    w.close()
+    raise OSError(f"--unix {path}: a server is already listening there")
+
+
+def _guess_id(codec: framing.Codec, body: bytes) -> int | None:
+    """The request id of a frame that did not validate, when it can be read (else 0); None
+    when the frame nests deeper than any decoder's stack."""
     try:
         raw = codec.decode_any(body)
+    except RecursionError:
+        return None
     except Exception:
         return 0
     if isinstance(raw, list) and len(raw) > 1 and type(raw[1]) is int and 0 <= raw[1] < 2**63:
@@ -196,6 +258,7 @@ class Server:
         addrs = []
         loop = asyncio.get_running_loop()
         if unix:
+            await _refuse_live_socket(unix)
             srv = await loop.create_unix_server(lambda: Connection(self), path=unix)
             self._servers.append(srv)
             addrs.append(f"unix:{unix}")
@@ -244,9 +307,29 @@ class Server:
         for conn in list(self.connections):
             for t in list(conn.tasks):
                 t.cancel()
+            conn.finish()
+        # Half-closed connections: the clients read every reply, then EOF. Closing at once
+        # instead would let a client's next write meet a reset, which discards the replies
+        # still unread in its socket. Wait briefly for them to close.
+        t_end = time.monotonic() + min(self.LINGER, max(drain_timeout, 0.0))
+        while any(not c.closed for c in self.connections) and time.monotonic() < t_end:
+            await asyncio.sleep(0.01)
+        for conn in list(self.connections):
             conn.close()
         await asyncio.sleep(0)  # let the transports flush and report connection_lost
         return drained
+
+    LINGER = 2.0  # s that half-closed connections get to read their replies at shutdown
+
+    def readiness(self) -> tuple[bool, str]:
+        """Ready to take requests: listening, the engine started and alive, not draining."""
+        if self.closing:
+            return False, "draining"
+        if getattr(self.engine, "_dead", None) is not None:
+            return False, "engine dead"
+        if not self._servers:
+            return False, "not listening"
+        return True, "ready"
 
     def stats(self) -> dict:
         out = self.engine.stats()
@@ -261,6 +344,10 @@ class Server:
 
     def _dispatch(self, conn: Connection, msg) -> None:
         conn.last = t0 = time.monotonic()
+        if isinstance(msg, m.HealthRequest):
+            ready, status = self.readiness()
+            conn.send(m.HealthReply(msg.id, True, ready, status))
+            return
         if isinstance(msg, m.StatsRequest):
             conn.send(m.StatsReply(msg.id, msgspec.to_builtins(self.stats())))
             self.metrics.observe("stats", "ok", 0.0)
@@ -270,6 +357,12 @@ class Server:
             self.metrics.observe(kind, "overloaded", 0.0)
             conn.send(m.Error(msg.id, "OVERLOADED", "server is shutting down" if self.closing
                               else f"{self.inflight} requests in flight"))
+            return
+        dl = msg.deadline_ms
+        if dl is not None and (isinstance(dl, bool) or not math.isfinite(dl) or dl < 0):
+            self.metrics.observe(kind, "invalid_request", 0.0)
+            conn.send(m.Error(msg.id, "INVALID_REQUEST",
+                              f"`deadline_ms` must be a finite number >= 0, got {dl!r}"))
             return
         loop = asyncio.get_running_loop()
         try:
@@ -289,7 +382,7 @@ class Server:
         conn.tasks.add(fut)
         timer = None
         if msg.deadline_ms is not None:
-            timer = loop.call_later(max(msg.deadline_ms, 0.0) / 1e3, self._expire, conn, msg, fut)
+            timer = loop.call_later(msg.deadline_ms / 1e3, self._expire, conn, msg, fut)
         fut.add_done_callback(lambda f: self._done(conn, msg, kind, f, t0, timer))
 
     def _expire(self, conn: Connection, msg, fut: asyncio.Future) -> None:

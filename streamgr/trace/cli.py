@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 
@@ -55,6 +56,7 @@ def add_trace_commands(sub, overrides_fn) -> None:
                    help="fold ids into the model's tables (a small model on a large log)")
     r.add_argument("--candidates", type=int, default=32,
                    help="candidates per request where the trace has none")
+    r.add_argument("--token-file", default=None, help="with --server: file holding the token")
     r.add_argument("-o", "--out", required=True, type=Path, help="results file (JSON lines)")
     r.set_defaults(func=_replay)
 
@@ -95,14 +97,21 @@ def _stats(args) -> int:
 
 
 def _replay(args) -> int:
+    from ..server.main import read_token
     from .run import format_runs, replay_trace
     runs = replay_trace(args.trace, args.out, spec=args.spec,
                         overrides=args._overrides(args.overrides), server=args.server,
                         batch=args.batch, rate=args.rate, concurrency=args.concurrency,
                         compare_modes=args.compare_modes, limit=args.limit,
-                        fold_ids=args.fold_ids, candidates=args.candidates)
+                        fold_ids=args.fold_ids, candidates=args.candidates,
+                        token=read_token(args.token_file))
     print(format_runs(runs))
     print(f"results: {args.out}")
+    failed = sum(r.get("errors", 0) for r in runs)
+    if failed:
+        print(f"streamgr: error: {failed} requests failed (see above and {args.out})",
+              file=sys.stderr)
+        return 1
     return 0
 
 

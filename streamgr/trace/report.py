@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import StreamgrError
+
 
 def load_results(paths) -> list[tuple[str, dict, list[dict]]]:
     """[(label, run summary, request records)] of every run in the results files."""
@@ -37,7 +39,11 @@ def load_results(paths) -> list[tuple[str, dict, list[dict]]]:
 
 
 def write_report(paths, out_dir) -> list[Path]:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise StreamgrError("trace report draws its plots with matplotlib, which is not "
+                            "installed: pip install 'streamgr[trace]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

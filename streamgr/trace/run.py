@@ -81,7 +81,7 @@ def load_requests(path, num_items: int | None, num_actions: int | None, max_hist
 
 def _record(mode: str, i: int, latency_ms: float, stats) -> dict:
     s = stats if isinstance(stats, dict) else msgspec.to_builtins(stats)
-    return {"type": "request", "mode": mode, "index": i, "latency_ms": latency_ms,
+    return {"type": "request", "mode": mode, "index": i, "latency_ms": float(latency_ms),
             "tier": s.get("tier", ""), "history_tokens": s.get("history_tokens", 0),
             "from_gpu": s.get("tokens_from_gpu", 0), "from_host": s.get("tokens_from_host", 0),
             "recomputed": s.get("tokens_recomputed", 0), "batch_size": s.get("batch_size", 0),
@@ -113,22 +113,24 @@ def load_generate_requests(path, catalog_ids: np.ndarray | None, fold_ids: bool,
 
 
 async def drive(call, reqs: list, concurrency: int, rate: float | None, label: str,
-                progress: bool, mode: str) -> tuple[list[dict], float, int]:
+                progress: bool, mode: str) -> tuple[list[dict], float, list[dict]]:
     """Requests through ``call`` closed-loop (``concurrency`` in flight) or open-loop (Poisson
-    arrivals at ``rate``/s; a latency counts from the arrival, so loop lag is not hidden)."""
+    arrivals at ``rate``/s; a latency counts from the arrival, so loop lag is not hidden).
+    Returns the records of answered requests, the wall time, and one record per failure."""
     records: list[dict] = []
-    errors = 0
+    errors: list[dict] = []
     rng = np.random.default_rng(1)
     with Progress(len(reqs), label, enabled=progress) as bar:
         t0 = time.perf_counter()
 
         async def one(i: int, r, t: float | None = None):
-            nonlocal errors
             t = time.perf_counter() if t is None else t
             try:
                 res = await call(r)
-            except StreamgrError:
-                errors += 1
+            except (StreamgrError, OSError, asyncio.TimeoutError) as err:
+                errors.append({"type": "error", "mode": mode, "index": i,
+                               "code": getattr(err, "code", type(err).__name__),
+                               "message": str(err)})
             else:
                 records.append(_record(mode, i, (time.perf_counter() - t) * 1e3, res.stats))
             bar.update()
@@ -154,7 +156,8 @@ async def drive(call, reqs: list, concurrency: int, rate: float | None, label: s
     return records, wall, errors
 
 
-def summarize(mode: str, records: list[dict], wall: float, errors: int, extra: dict) -> dict:
+def summarize(mode: str, records: list[dict], wall: float, errors: list[dict],
+              extra: dict) -> dict:
     lat = np.array([r["latency_ms"] for r in records]) if records else np.zeros(1)
     hist = sum(r["history_tokens"] for r in records)
     gpu = sum(r["from_gpu"] for r in records)
@@ -163,7 +166,11 @@ def summarize(mode: str, records: list[dict], wall: float, errors: int, extra: d
     for r in records:
         for k, v in r["stages"].items():
             stages[k] = stages.get(k, 0.0) + v / len(records)
-    return {"type": "run", "mode": mode, "requests": len(records), "errors": errors,
+    codes: dict[str, int] = {}
+    for e in errors:
+        codes[e["code"]] = codes.get(e["code"], 0) + 1
+    return {"type": "run", "mode": mode, "requests": len(records), "errors": len(errors),
+            "error_codes": codes, "first_error": errors[0]["message"] if errors else None,
             "mean_ms": float(lat.mean()), "p50_ms": float(np.percentile(lat, 50)),
             "p99_ms": float(np.percentile(lat, 99)), "throughput": len(records) / max(wall, 1e-9),
             "gpu_hit_ratio": gpu / hist if hist else 0.0,
@@ -173,13 +180,19 @@ def summarize(mode: str, records: list[dict], wall: float, errors: int, extra: d
 def replay_trace(trace, out, spec=None, overrides=None, server: str | None = None,
                  batch: int | None = None, rate: float | None = None, concurrency: int = 8,
                  compare_modes: bool = False, limit: int | None = None, fold_ids: bool = False,
-                 candidates: int = 32, progress: bool = True) -> list[dict]:
+                 candidates: int = 32, progress: bool = True, token: str | None = None) -> list[dict]:
     from ..config import load_spec
     from ..engine import Engine
+    if server is not None:
+        ignored = [f for f, on in (("--batch", batch), ("--compare-modes", compare_modes),
+                                   ("--fold-ids", fold_ids), ("--set", overrides)) if on]
+        if ignored:  # each needs the engine in this process
+            raise ReplayError(f"{', '.join(ignored)} cannot apply to a replay against a server "
+                              f"(--server {server}); replay with --spec instead")
     sp = load_spec(spec, overrides) if spec is not None else None
     if read_header(trace).kind == "generate":
         return _replay_generate(trace, out, sp, server, rate, concurrency, compare_modes, batch,
-                                limit, fold_ids, progress)
+                                limit, fold_ids, progress, token)
     m = sp.model if sp is not None else None
     reqs, skipped = load_requests(trace, m and m.num_items, m and m.num_actions,
                                   m and m.max_history, fold_ids,
@@ -198,7 +211,7 @@ def replay_trace(trace, out, spec=None, overrides=None, server: str | None = Non
             from ..client import AsyncClient
 
             async def go():
-                async with AsyncClient(server) as c:
+                async with AsyncClient(server, token=token) as c:
                     return await drive(c.rank, rank_requests, concurrency, rate,
                                         f"replay {server}", progress, mode)
             records, wall, errors = asyncio.run(go())
@@ -215,7 +228,7 @@ def replay_trace(trace, out, spec=None, overrides=None, server: str | None = Non
             per_batch = {k: v / max(res.batches, 1) for k, v in res.stages.items()}
             for r in records:
                 r["stages"] = per_batch
-            wall, errors = res.wall_s, 0
+            wall, errors = res.wall_s, []
         else:
             async def go():
                 async with Engine.from_spec(sp, {"cache.mode": mode}) as eng:
@@ -224,20 +237,26 @@ def replay_trace(trace, out, spec=None, overrides=None, server: str | None = Non
             records, wall, errors = asyncio.run(go())
         run = summarize(mode, records, wall, errors, extra)
         runs.append(run)
-        lines += [run, *records]
+        lines += [run, *records, *errors]
     _write_results(out, lines)
     return runs
 
 
+def _numpy_scalar(obj):
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
 def _write_results(out, lines: list[dict]) -> None:
     with open(out, "wb") as f:
-        enc = msgspec.json.Encoder()
+        enc = msgspec.json.Encoder(enc_hook=_numpy_scalar)
         for line in lines:
             f.write(enc.encode(line) + b"\n")
 
 
 def _replay_generate(trace, out, sp, server, rate, concurrency, compare_modes, batch, limit,
-                     fold_ids, progress) -> list[dict]:
+                     fold_ids, progress, token=None) -> list[dict]:
     from ..engine import Engine
     if compare_modes or batch:
         raise ReplayError("--compare-modes and --batch replay rank traces; this one is generate")
@@ -250,7 +269,7 @@ def _replay_generate(trace, out, sp, server, rate, concurrency, compare_modes, b
         from ..client import AsyncClient
 
         async def go():
-            async with AsyncClient(server) as c:
+            async with AsyncClient(server, token=token) as c:
                 return await drive(c.generate, reqs, concurrency, rate, f"replay {server}",
                                     progress, "generate")
     else:
@@ -262,13 +281,14 @@ def _replay_generate(trace, out, sp, server, rate, concurrency, compare_modes, b
     run = summarize("generate", records, wall, errors, {"trace": str(trace), "server": server,
                                                         "spec": sp.name if sp else None,
                                                         "skipped_over_max_history": 0})
-    _write_results(out, [run, *records])
+    _write_results(out, [run, *records, *errors])
     return [run]
 
 
 def format_runs(runs: list[dict]) -> str:
-    head = ("mode", "requests", "mean ms", "p50 ms", "p99 ms", "req/s", "GPU hit", "total hit")
-    rows = [(r["mode"], str(r["requests"]), f"{r['mean_ms']:.2f}", f"{r['p50_ms']:.2f}",
+    head = ("mode", "requests", "errors", "mean ms", "p50 ms", "p99 ms", "req/s", "GPU hit",
+            "total hit")
+    rows = [(r["mode"], str(r["requests"]), str(r.get("errors", 0)), f"{r['mean_ms']:.2f}", f"{r['p50_ms']:.2f}",
              f"{r['p99_ms']:.2f}", f"{r['throughput']:.1f}", f"{100 * r['gpu_hit_ratio']:.2f}%",
              f"{100 * r['total_hit_ratio']:.2f}%") for r in runs]
     w = [max(len(h), *(len(x[i]) for x in rows)) for i, h in enumerate(head)]
@@ -283,6 +303,11 @@ def format_runs(runs: list[dict]) -> str:
     if base and len(runs) > 1:
         lines.append("speed-up vs recompute (mean latency): " + ", ".join(
             f"{r['mode']} {base['mean_ms'] / r['mean_ms']:.2f}x" for r in runs))
+    for r in runs:
+        if r.get("errors"):
+            lines.append(f"{r['mode']}: {r['errors']} requests failed "
+                         f"({', '.join(f'{k} x{v}' for k, v in r['error_codes'].items())}); "
+                         f"first: {r['first_error']}")
     if runs and runs[0].get("skipped_over_max_history"):
         lines.append(f"{runs[0]['skipped_over_max_history']} requests skipped: history over the "
                      f"model's max_history (raise it with --set model.max_history=N)")

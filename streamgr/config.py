@@ -72,6 +72,9 @@ class EngineSpec(_Section, kw_only=True):
     # Generate on CUDA: batch shapes whose whole beam search is captured as a CUDA graph and
     # replayed (runtime/plans.py), kept in an LRU; 0 searches eagerly.
     decode_plans: int = 16
+    # Rank on CUDA: batch shapes whose whole forward is captured as a CUDA graph and replayed
+    # (engine/rank_plans.py), kept in an LRU; 0 runs every batch eagerly.
+    rank_plans: int = 32
     # At start, move every object alive then out of the collector's reach (gc.freeze): a full
     # collection otherwise walks torch's and the models' objects, 100+ ms of stalled serving.
     gc_freeze: bool = True
@@ -85,8 +88,8 @@ class EngineSpec(_Section, kw_only=True):
             raise ValueError("`max_queue` must be >= 1")
         if self.history_events < 0:
             raise ValueError("`history_events` must be >= 0")
-        if self.decode_plans < 0:
-            raise ValueError("`decode_plans` must be >= 0")
+        if self.decode_plans < 0 or self.rank_plans < 0:
+            raise ValueError("`decode_plans` and `rank_plans` must be >= 0")
 
 
 class CacheSpec(_Section, kw_only=True):

@@ -55,6 +55,8 @@ def run_mode(spec, mode, batches, measured, timed_re, prefill):
             r.batch = timed_re[r.batch]
     if hasattr(eng.runner, "flush"):
         eng.runner.flush()
+    if eng.runner.plans is not None:
+        print(f"{mode} bs={len(batches[0])} rank plans: {eng.runner.plans.stats()}", file=sys.stderr)
     eng.runner.close()
     del eng
     gc.collect()

@@ -22,7 +22,8 @@ from ..kernels import paged_kv
 from ..kernels.hstu_attention import JaggedKV, hstu_attention_jagged
 from ..models.hstu import HSTU
 from ..streams import OffloadPipeline, OnloadFault, OnloadPipeline, StreamSet
-from .rank import BatchOutcome, PreparedRank, RankRunner, UserSlice, build_jagged, interleave
+from .rank import (BatchOutcome, PreparedRank, RankRunner, UserSlice, interleave, pack_jagged,
+                   upload_jagged)
 
 log = logging.getLogger("streamgr.cache")
 
@@ -52,21 +53,21 @@ class CachedRankRunner(RankRunner):
     def bytes_onloaded(self) -> int:
         return self.onload.bytes
 
-    def _descriptor(self, plans, jb) -> tuple[JaggedKV, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Where each user's history keys live, and the page slots its new K/V go to."""
+    def _descriptor(self, plans, pb) -> tuple[JaggedKV, tuple[np.ndarray, ...]]:
+        """Where each user's history keys live, and the page slots its new K/V go to
+        (rows of the batch, pages, offsets)."""
         app_p, app_o, app_rows = [], [], []
         for b, p in enumerate(plans):
             if p.transient:
                 continue
-            q0 = jb.q_offsets[b]
+            q0 = pb.q_offsets[b]
             pi, po = self.stores.slots(p.pages, p.start, p.length)
             app_p.append(pi), app_o.append(po), app_rows.append(np.arange(q0, q0 + p.length - p.start))
-        cat = lambda xs: torch.from_numpy(  # noqa: E731
-            np.concatenate(xs) if xs else np.zeros(0, np.int64)).to(self.device)
-        desc = JaggedKV(jb.q_offsets, jb.num_candidates, [p.length for p in plans],
-                        [not p.transient for p in plans], list(jb.q_offsets[:-1]),
+        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
+        desc = JaggedKV(pb.q_offsets, pb.num_candidates, [p.length for p in plans],
+                        [not p.transient for p in plans], list(pb.q_offsets[:-1]),
                         [p.pages for p in plans], self.stores.P, self.stores.pages)
-        return desc, cat(app_p), cat(app_o), cat(app_rows)
+        return desc, (cat(app_rows), cat(app_p), cat(app_o))
 
     def run(self, batch: list[PreparedRank]) -> BatchOutcome:
         self._apply_completions()
@@ -100,29 +101,18 @@ class CachedRankRunner(RankRunner):
                 t = self._mark(stages, "onload_submit", t)
                 users = [UserSlice(tokens[p.key][p.start:], p.start, batch[i].candidates)
                          for i, p in zip(live, plans)]
-                jb = build_jagged(users, self.device)
-                desc, app_p, app_o, app_rows = self._descriptor(plans, jb)
+                pb = pack_jagged(users)
+                desc, app = self._descriptor(plans, pb)
+                # Batches that onload host chunks stay eager (per-layer onload events).
                 t = self._mark(stages, "layout", t)
-                store, cfg = self.stores.pages, self.model.cfg
-                wait = [0.0]
-                ev = self.trace_events = {} if self.trace_events is not None else None
-
-                def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-                    if app_rows.numel():
-                        paged_kv.append_kv(store, layer, k[app_rows], v[app_rows], app_p, app_o)
-                    t0 = time.perf_counter()
-                    handles.wait(layer)  # this layer's history K/V only
-                    wait[0] += time.perf_counter() - t0
-                    if ev is not None:
-                        ev[f"attention_{layer}"] = s.compute.record_event(s.event(timing=True))
-                    return hstu_attention_jagged(q, k, v, desc, layer, cfg.alpha, cfg.attn_max_len)
-
-                scores = self.model(jb, attention)
+                onloads = any(p.onload for p in plans)
+                scores = None if onloads else self._forward_planned(pb, desc, app)
+                if scores is None:
+                    scores = self._forward_eager(pb, desc, app, handles, stages)
                 handles.done()
                 self._compute_done = s.compute.record_event(s.event())
                 scores = scores.cpu().numpy()
             t = self._mark(stages, "model", t)
-            stages["onload_wait"] = wait[0] * 1e3
         except BaseException:
             self.manager.abort_batch(plans)
             raise
@@ -140,6 +130,31 @@ class CachedRankRunner(RankRunner):
             o += c
         self._mark(stages, "postprocess", t)
         return BatchOutcome(results, stages)
+
+    def _forward_eager(self, pb, desc, app, handles, stages) -> torch.Tensor:
+        """The layer loop from Python: each layer appends its new K/V, waits for its own
+        onloaded history (deeper layers' are still in flight), then attends."""
+        s = self.streams
+        jb = upload_jagged(pb, self.device)
+        dev = lambda a: torch.from_numpy(a).to(self.device, non_blocking=False)  # noqa: E731
+        app_rows, app_p, app_o = (dev(a) for a in app)
+        store, cfg = self.stores.pages, self.model.cfg
+        wait = [0.0]
+        ev = self.trace_events = {} if self.trace_events is not None else None
+
+        def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+            if app_rows.numel():
+                paged_kv.append_rows(store, layer, k, v, app_rows, app_p, app_o)
+            t0 = time.perf_counter()
+            handles.wait(layer)  # this layer's history K/V only
+            wait[0] += time.perf_counter() - t0
+            if ev is not None:
+                ev[f"attention_{layer}"] = s.compute.record_event(s.event(timing=True))
+            return hstu_attention_jagged(q, k, v, desc, layer, cfg.alpha, cfg.attn_max_len)
+
+        scores = self.model(jb, attention)
+        stages["onload_wait"] = wait[0] * 1e3
+        return scores
 
     @property
     def has_background_work(self) -> bool:

@@ -90,7 +90,7 @@ class Engine:
         history = HistoryStore(self.spec.engine.history_events)
         c = self.spec.cache
         if c.mode == "recompute":
-            return RankRunner(model, version, self.device, history)
+            return self._with_plans(RankRunner(model, version, self.device, history), None, 1)
         hierarchical = c.mode == "hierarchical"
         cfg = model.cfg
         check_cache_memory(c, cfg.num_layers, cfg.num_heads, cfg.head_dim, self.dtype,
@@ -101,7 +101,17 @@ class Engine:
         stores = KVStores(cfg.num_layers, cfg.num_heads, cfg.head_dim, c.page_tokens,
                           c.chunk_tokens, c.device_pages, c.host_chunks if hierarchical else 0,
                           self.dtype, self.device, c.host_pinned)
-        return CachedRankRunner(model, version, self.device, history, manager, stores)
+        return self._with_plans(CachedRankRunner(model, version, self.device, history, manager,
+                                                 stores), stores.pages, c.page_tokens)
+
+    def _with_plans(self, runner: RankRunner, store, page_tokens: int) -> RankRunner:
+        """Rank plans (CUDA graphs of the forward) where their kernels run."""
+        from .rank_plans import RankPlans
+        n = self.spec.engine.rank_plans
+        if n and RankPlans.usable(runner.model, self.device):
+            runner.plans = RankPlans(runner.model, self.spec.engine.max_batch, n, store,
+                                     page_tokens, self.device)
+        return runner
 
     @property
     def model(self):
@@ -330,6 +340,8 @@ class Engine:
         out["serves"] = [k for k, r in (("rank", self.runner), ("generate", self.gen_runner)) if r]
         if self.gen_runner is not None and self.gen_runner.search.plans is not None:
             out["decode_plans"] = self.gen_runner.search.plans.stats()
+        if self.runner is not None and self.runner.plans is not None:
+            out["rank_plans"] = self.runner.plans.stats()
         queued = (len(self._batcher) + len(self._gen_batcher)) if self._batcher else 0
         out.update(inflight=self._inflight, queued=queued,
                    device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),

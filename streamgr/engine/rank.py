@@ -18,6 +18,7 @@ from ..api import RankRequest
 from ..cache.history import HistoryStore
 from ..errors import (EmptyCandidates, HistoryTooLong, IdOutOfRange, InvalidRequest,
                       LengthMismatch, TooManyCandidates)
+from ..kernels.hstu_attention import JaggedKV
 from ..models.hstu import HSTU, HSTUConfig, JaggedBatch
 
 
@@ -96,8 +97,33 @@ class UserSlice:
     candidates: np.ndarray
 
 
+@dataclass
+class PackedBatch:
+    """A batch's token rows on the host (see ``build_jagged``)."""
+
+    packed: np.ndarray  # int64 [3, rows]: token ids, is_action, positions
+    cand_rows: np.ndarray
+    q_offsets: list[int]
+    num_candidates: list[int]
+    hist_lens: list[int]
+
+
 def build_jagged(users: list[UserSlice], device: torch.device) -> JaggedBatch:
     """One host-to-device copy of the whole batch's token ids, kinds and positions."""
+    return upload_jagged(pack_jagged(users), device)
+
+
+def upload_jagged(pb: PackedBatch, device: torch.device) -> JaggedBatch:
+    t = torch.from_numpy(pb.packed)
+    rows = torch.from_numpy(pb.cand_rows)
+    if device.type == "cuda":
+        t, rows = t.pin_memory().to(device, non_blocking=True), rows.pin_memory().to(device, non_blocking=True)
+    return JaggedBatch(token_ids=t[0], is_action=t[1].bool(), positions=t[2],
+                       candidate_rows=rows, q_offsets=pb.q_offsets,
+                       num_candidates=pb.num_candidates, hist_lens=pb.hist_lens)
+
+
+def pack_jagged(users: list[UserSlice]) -> PackedBatch:
     q_offsets, ncand, hist = [0], [], []
     for u in users:
         q_offsets.append(q_offsets[-1] + len(u.tokens) + len(u.candidates))
@@ -119,13 +145,7 @@ def build_jagged(users: list[UserSlice], device: torch.device) -> JaggedBatch:
         packed[2, q0 + n:q0 + n + c] = h  # every candidate at the next free position
         cand_rows[c0:c0 + c] = np.arange(q0 + n, q0 + n + c)
         c0 += c
-    t = torch.from_numpy(packed)
-    rows = torch.from_numpy(cand_rows)
-    if device.type == "cuda":
-        t, rows = t.pin_memory().to(device, non_blocking=True), rows.pin_memory().to(device, non_blocking=True)
-    return JaggedBatch(token_ids=t[0], is_action=t[1].bool(), positions=t[2],
-                       candidate_rows=rows, q_offsets=q_offsets, num_candidates=ncand,
-                       hist_lens=hist)
+    return PackedBatch(packed, cand_rows, q_offsets, ncand, hist)
 
 
 @dataclass
@@ -148,9 +168,21 @@ class RankRunner:
         self.device = device
         self.history = history
         self.sync_stages = False  # benchmarks set it: stage times then include device work
+        self.plans = None  # RankPlans: CUDA graphs of the forward (engine.rank_plans > 0)
 
     def set_model(self, model: HSTU, version: str) -> None:
         self.model, self.version = model, version
+        if self.plans is not None:
+            self.plans.clear(model)
+
+    def _forward_planned(self, pb: PackedBatch, desc, app=None):
+        """Scores from a rank plan (a replayed CUDA graph), or None: run eagerly."""
+        if self.plans is None:
+            return None
+        from .rank_plans import HostBatch
+        e = np.zeros(0, np.int64)
+        app = app or (e, e, e)
+        return self.plans.run(HostBatch(pb.packed, pb.cand_rows, *app), desc)
 
     def _mark(self, stages: dict, name: str, t: float) -> float:
         if self.sync_stages and self.device.type == "cuda":
@@ -186,9 +218,12 @@ class RankRunner:
         if not live:
             return BatchOutcome(list(resolved), stages)
         users = [UserSlice(interleave(*resolved[i]), 0, batch[i].candidates) for i in live]
-        jb = build_jagged(users, self.device)
+        pb = pack_jagged(users)
         t = self._mark(stages, "layout", t)
-        scores = self.model(jb).cpu().numpy()
+        scores = self._forward_planned(pb, JaggedKV.recompute(pb.q_offsets, pb.num_candidates))
+        if scores is None:
+            scores = self.model(upload_jagged(pb, self.device))
+        scores = scores.cpu().numpy()
         t = self._mark(stages, "model", t)
         self._remember(batch, resolved)
         results: list = list(resolved)

@@ -51,7 +51,20 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
-def plan(desc, device: torch.device, heads: int, force: str | None = None) -> Plan:
+@dataclass
+class HostPlan:
+    """A batch's work items as host int arrays, before they go to the device."""
+
+    split: bool
+    items: list  # user, row0, kt0, kt1, slot: one entry per CUDA block row
+    users: list  # q_start, hist, new, cand, paged, kv_row: one entry per user
+    page_ptr: np.ndarray  # users + 1
+    pages: np.ndarray
+    fin: list  # split: user, row0, slot0, nslots per row tile
+    n_slots: int
+
+
+def plan_host(desc, heads: int, sms: int = 132, force: str | None = None) -> HostPlan:
     """Work items of one batch (``force``: ``"split"`` or ``"direct"`` for tests and benches)."""
     q_off = np.asarray(desc.q_offsets, dtype=np.int64)
     cand = np.asarray(desc.num_candidates, dtype=np.int64)
@@ -69,7 +82,6 @@ def plan(desc, device: torch.device, heads: int, force: str | None = None) -> Pl
     if force is not None:
         split = force == "split"
     else:  # split when one tile's keys are well over a balanced share of two blocks per SM
-        sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
         share = n_kt.sum() * heads / (2 * sms)
         split = bool(len(n_kt)) and n_chunks.max() > 1 and n_kt.max() > 1.5 * share
     if split:
@@ -91,18 +103,75 @@ def plan(desc, device: torch.device, heads: int, force: str | None = None) -> Pl
     page_ptr = np.zeros(len(rows) + 1, dtype=np.int64)
     page_ptr[1:] = np.cumsum([len(p) if f else 0 for p, f in zip(desc.pages, desc.paged)])
     flat = [x for p, f in zip(desc.pages, desc.paged) if f for x in p]
-    arrays = [user[item_tile], row0[item_tile], kt0, kt1, slot, q_off[:-1], hist, new, cand,
-              np.asarray(desc.paged, dtype=np.int64), np.asarray(desc.kv_rows, dtype=np.int64),
-              page_ptr, np.asarray(flat or [0], dtype=np.int64)] + fin
+    return HostPlan(split, [user[item_tile], row0[item_tile], kt0, kt1, slot],
+                    [q_off[:-1], hist, new, cand, np.asarray(desc.paged, dtype=np.int64),
+                     np.asarray(desc.kv_rows, dtype=np.int64)],
+                    page_ptr, np.asarray(flat or [0], dtype=np.int64),
+                    fin, int(n_chunks.sum()) if split else 0)
+
+
+def plan(desc, device: torch.device, heads: int, force: str | None = None) -> Plan:
+    """:func:`plan_host`, copied to the device in one transfer."""
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
+    hp = plan_host(desc, heads, sms, force)
+    arrays = hp.items + hp.users + [hp.page_ptr, hp.pages] + hp.fin
     sizes = [len(a) for a in arrays]
-    host = np.concatenate(arrays).astype(np.int32)
-    host_t = torch.from_numpy(host)
+    host_t = torch.from_numpy(np.concatenate(arrays).astype(np.int32))
     if device.type == "cuda":
         host_t = host_t.pin_memory()
-    dev = host_t.to(device, non_blocking=True)
-    views = list(torch.split(dev, sizes))
-    return Plan(split, len(item_tile), len(n_kt) if split else 0,
-                int(n_chunks.sum()) if split else 0, views[:13], views[13:], {})
+    views = list(torch.split(host_t.to(device, non_blocking=True), sizes))
+    return Plan(hp.split, len(hp.items[0]), len(hp.fin[0]) if hp.split else 0, hp.n_slots,
+                views[:13], views[13:], {})
+
+
+@dataclass
+class Capacity:
+    """Fixed sizes of a captured plan (a CUDA graph replays one grid): items, users (the
+    batch's maximum), pages, merge rows, workspace slots."""
+
+    items: int
+    users: int
+    pages: int
+    fin: int
+    slots: int
+
+    @property
+    def sizes(self) -> list[int]:
+        u = self.users + 1  # + a user with no rows: padding items point at it
+        return [self.items] * 5 + [u] * 6 + [u + 1, self.pages] + [self.fin] * 4
+
+    def fits(self, hp: HostPlan) -> bool:
+        return (len(hp.items[0]) <= self.items and len(hp.users[0]) <= self.users
+                and len(hp.pages) <= self.pages and (not hp.split or (
+                    len(hp.fin[0]) <= self.fin and hp.n_slots <= self.slots)))
+
+
+def pad_plan(hp: HostPlan, cap: Capacity, out: np.ndarray) -> None:
+    """Write ``hp`` into ``out`` (int32, ``sum(cap.sizes)``) at the capacity's layout. Padding
+    items and merge rows belong to the empty user, so their blocks write nothing."""
+    empty = cap.users
+    parts = []
+    for a in hp.items:
+        parts.append((a, 0))
+    parts[0] = (hp.items[0], empty)  # padding items: the empty user, no key tiles
+    for a in hp.users:
+        parts.append((a, 0))
+    parts.append((hp.page_ptr, int(hp.page_ptr[-1])))
+    parts.append((hp.pages, 0))
+    fin = hp.fin if hp.split else [np.zeros(0, np.int64)] * 4
+    parts += [(fin[0], empty), (fin[1], 0), (fin[2], 0), (fin[3], 0)]
+    o = 0
+    for (a, fill), size in zip(parts, cap.sizes):
+        n = len(a)
+        out[o:o + n] = a
+        out[o + n:o + size] = fill
+        o += size
+
+
+def static_plan(split: bool, cap: Capacity, dev: torch.Tensor) -> Plan:
+    """A plan over a static device buffer laid out by ``cap`` (filled by :func:`pad_plan`)."""
+    views = list(torch.split(dev, cap.sizes))
+    return Plan(split, cap.items, cap.fin if split else 0, cap.slots, views[:13], views[13:], {})
 
 
 def row_stride(t: torch.Tensor, H: int, D: int) -> int | None:

@@ -73,26 +73,51 @@ def _check_index(page_idx: torch.Tensor, offset: torch.Tensor, n: int | None = N
         raise StreamgrError(f"{page_idx.shape[0]} slots for {n} tokens")
 
 
-def append_kv(store: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
-              page_idx: torch.Tensor, offset: torch.Tensor) -> None:
-    """Write tokens' ``k, v`` ``[n, heads, dim]`` into their page slots of one layer."""
+def _vec_stride(t: torch.Tensor) -> int | None:
+    """Row stride of ``t`` [n, H, D] in 16-byte units when its rows can be copied as such."""
+    es = t.element_size()
+    if (t.dim() != 3 or t.stride(2) != 1 or t.stride(1) != t.shape[2]
+            or (t.stride(0) * es) % 16 or t.data_ptr() % 16 or (t.shape[1] * t.shape[2] * es) % 16):
+        return None
+    return t.stride(0) * es // 16
+
+
+def append_rows(store: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
+                rows: torch.Tensor, page_idx: torch.Tensor, offset: torch.Tensor) -> None:
+    """Write rows ``rows`` of one layer's ``k, v`` ``[T, heads, dim]`` (strided views of a fused
+    projection allowed) into page slots ``(page_idx, offset)``; entries whose page is negative
+    are padding and write nothing. One CUDA launch for K and V (``paged_append.cu``)."""
     _check_store(store)
-    _check_index(page_idx, offset, k.shape[0])
-    if k.shape != v.shape or k.shape[1:] != store.shape[4:]:
-        raise StreamgrError(f"k{tuple(k.shape)}/v{tuple(v.shape)} do not fit pages of "
-                            f"{tuple(store.shape[4:])}")
-    if _cuda.usable(store, k):
-        # Token rows of the layer: row index ((layer*pages + page)*2 + kv)*P + offset.
-        P = store.shape[3]
-        base = (layer * store.shape[1] + page_idx) * 2 * P + offset
-        row = k.shape[1] * k.shape[2]
-        rows = torch.arange(k.shape[0], device=k.device)
-        block_copy(store, k.to(store.dtype).contiguous(), base, rows, row)
-        block_copy(store, v.to(store.dtype).contiguous(), base + P, rows, row)
+    _check_index(page_idx, offset)
+    if rows.shape != page_idx.shape:
+        raise StreamgrError("append_rows: rows, page_idx and offset must have one length")
+    if k.shape[1:] != store.shape[4:] or v.shape != k.shape or k.dtype != store.dtype:
+        raise StreamgrError(f"k{tuple(k.shape)}/v{tuple(v.shape)} {k.dtype} do not fit pages "
+                            f"of {tuple(store.shape[4:])} {store.dtype}")
+    n = rows.shape[0]
+    if n == 0:
         return
+    ks, vs = _vec_stride(k), _vec_stride(v)
+    if (ks is not None and vs is not None and _cuda.usable(store, k, v, rows)
+            and store.is_contiguous() and store.data_ptr() % 16 == 0
+            and rows.dtype == page_idx.dtype == offset.dtype == torch.int64):
+        fn = _cuda.kernel("paged_append.cu", ("paged_append",), "paged_append")
+        row_vecs = k.shape[1] * k.shape[2] * k.element_size() // 16
+        _cuda.launch(fn, (-(-2 * n // 8),), (256,), (
+            _cuda.ptr(store), _cuda.ptr(k), _cuda.ptr(v), _cuda.ptr(rows.contiguous()),
+            _cuda.ptr(page_idx.contiguous()), _cuda.ptr(offset.contiguous()), np.int32(n),
+            np.int64(store.shape[1]), np.int32(layer), np.int32(store.shape[3]),
+            np.int32(row_vecs), np.int64(ks), np.int64(vs)))
+        return
+    append_rows_reference(store, layer, k, v, rows, page_idx, offset)
+
+
+def append_rows_reference(store, layer, k, v, rows, page_idx, offset) -> None:
+    keep = page_idx >= 0
+    rows, page_idx, offset = rows[keep], page_idx[keep], offset[keep]
     layer_store = store[layer]
-    layer_store[page_idx, 0, offset] = k.to(store.dtype)
-    layer_store[page_idx, 1, offset] = v.to(store.dtype)
+    layer_store[page_idx, 0, offset] = k[rows].to(store.dtype)
+    layer_store[page_idx, 1, offset] = v[rows].to(store.dtype)
 
 
 def gather_kv(store: torch.Tensor, layer: int, page_idx: torch.Tensor,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from streamgr.config import load_spec
 from tests.cache.helpers import GPU_MODEL, MODES, req, run_batch, runners
 
 pytestmark = pytest.mark.gpu
@@ -40,3 +41,39 @@ def test_bf16_cached_equals_recompute(seed):
     assert c["evictions"] > 0 and c["offloaded_chunks"] > 0
     assert cuda["hierarchical"].runner.bytes_onloaded > 0
     cuda["hierarchical"].runner.manager.check_invariants()
+
+
+def _workload(seed, n_batches=30, users=6):
+    rng = np.random.default_rng(seed)
+    hist, out = {}, []
+    for _ in range(n_batches):
+        batch = []
+        for u in rng.choice(users, size=int(rng.integers(1, 4)), replace=False):
+            items, actions = hist.setdefault(int(u), ([], []))
+            n = min(int(rng.integers(1, 9)), 80 - len(items))
+            items += rng.integers(100, size=n).tolist()
+            actions += rng.integers(8, size=n).tolist()
+            batch.append(req(int(u), list(items), list(actions),
+                             rng.choice(100, size=int(rng.integers(1, 5)), replace=False)))
+        out.append(batch)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["recompute", "gpu-only"])
+def test_rank_plans_replay_equals_eager(mode):
+    """A rank plan (the forward as a replayed CUDA graph) gives the eager path's scores bit for
+    bit, batch after batch, while its shapes are reused."""
+    from tests.cache.helpers import tiny_spec
+    from streamgr.engine.core import Engine
+    kw = dict(page_tokens=4, chunk_tokens=8, device_pages=400, host_chunks=64,
+              offload_quota_tokens=16, mode=mode)
+    planned = Engine(tiny_spec("cuda", "bfloat16", GPU_MODEL, **kw))
+    eager = Engine(load_spec(tiny_spec("cuda", "bfloat16", GPU_MODEL, **kw),
+                             {"engine.rank_plans": 0}))
+    assert planned.runner.plans is not None and eager.runner.plans is None
+    for batch in _workload(7):
+        a, b = run_batch(planned, batch), run_batch(eager, batch)
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x[0], y[0])
+    st = planned.runner.plans.stats()
+    assert st["replays"] == 30 and st["captures"] < 30 and st["capture_failures"] == 0, st

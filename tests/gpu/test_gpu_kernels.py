@@ -42,18 +42,21 @@ def store(L=3, pages=40, P=16, H=2, D=64, seed=0):
 
 
 @pytest.mark.parametrize("n", [1, 127, 128, 300])
-def test_append_kv(n):
+def test_append_rows(n):
+    """The fused append reads strided k/v views in place and skips padding entries."""
     s = store(pages=40)
     s_ref = s.clone()
     g = torch.Generator(device=DEV).manual_seed(n)
-    k = torch.randn(n + 1, 2, 64, device=DEV, generator=g).to(torch.bfloat16)[1:]  # a view at +1 row
-    v = torch.randn(n, 2, 64, device=DEV, generator=g).to(torch.bfloat16)
+    fused = torch.randn(n + 7, 4, 2, 64, device=DEV, generator=g).to(torch.bfloat16)
+    k, v = fused[:, 2], fused[:, 3]  # views of one projection, row stride 4 * 2 * 64
+    rows = torch.randperm(n + 7, device=DEV, generator=g)[:n]
     slots = torch.randperm(40 * 16, device=DEV, generator=g)[:n]
     page, off = slots // 16, slots % 16
-    paged_kv.append_kv(s, 1, k, v, page, off)
-    s_ref[1][page, 0, off] = k
-    s_ref[1][page, 1, off] = v
+    page[::5] = -1  # padding entries
+    paged_kv.append_rows(s, 1, k, v, rows, page, off)
+    paged_kv.append_rows_reference(s_ref, 1, k, v, rows, page, off)
     torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+    assert not torch.equal(s[1], store(pages=40)[1])  # something was written
 
 
 @pytest.mark.parametrize("n_chunks", [1, 3, 17])

@@ -1,0 +1,203 @@
+"""Rank plans: a rank batch's whole HSTU forward captured as one CUDA graph per bucketed shape.
+
+A cached rank batch issues ~20 device ops per layer from Python; on a batch of one user that
+host work, not the GPU, sets the latency. A plan captures the forward (embedding, every layer's
+projection, paged append, attention and glue, the head) once per shape bucket and replays it:
+the batch's token ids, positions, candidate rows, append slots and attention work items are
+written into the plan's static device buffers by two host-to-device copies from pinned memory,
+then the graph runs. Shapes are bucketed (rows, candidates, append slots, attention items,
+pages, merge rows, workspace), padding rows belong to no user (row-local ops compute garbage
+there that nothing reads), padding append slots have page -1 and padding attention items
+belong to an empty user, so padding never changes a result: a replayed batch equals its eager
+run bit for bit. Batches that onload host chunks stay eager (their per-layer onload events are
+not part of a graph). Plans live in an LRU over one shared memory pool; new weights drop them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from ..kernels import hstu_attention_cuda as attn_cuda
+from ..kernels import paged_kv
+from ..models.hstu import JaggedBatch
+
+log = logging.getLogger("streamgr.engine")
+
+MAX_ROWS = 16384  # larger batches (long recomputes) are GPU-bound: eager
+
+
+def _up(n: int, step: int) -> int:
+    return max(step, -(-n // step) * step)
+
+
+def _pow2(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, (n - 1).bit_length()))
+
+
+def row_bucket(n: int) -> int:
+    return _up(n, 256) if n <= 4096 else _up(n, 1024)
+
+
+@dataclass
+class HostBatch:
+    """One batch as host arrays: what a plan's static buffers receive."""
+
+    packed: np.ndarray  # int64 [3, rows]: token ids, is_action, positions
+    cand_rows: np.ndarray  # int64 [candidates]
+    app_rows: np.ndarray  # int64 [appends]: rows of k/v whose K/V go to pages
+    app_pages: np.ndarray
+    app_offsets: np.ndarray
+
+
+class _Entry:
+    def __init__(self, key, rows, cands, apps, cap, split, device):
+        self.key, self.rows, self.cands, self.apps, self.cap, self.split = (
+            key, rows, cands, apps, cap, split)
+        self.n64 = 3 * rows + cands + 3 * apps
+        self.n32 = sum(cap.sizes)
+        self.host64 = torch.empty(self.n64, dtype=torch.int64).pin_memory()
+        self.host32 = torch.empty(self.n32, dtype=torch.int32).pin_memory()
+        self.dev64 = torch.empty(self.n64, dtype=torch.int64, device=device)
+        self.dev32 = torch.empty(self.n32, dtype=torch.int32, device=device)
+        d = self.dev64
+        self.ids, self.act, self.pos = d[:rows], d[rows:2 * rows], d[2 * rows:3 * rows]
+        o = 3 * rows
+        self.cand_rows = d[o:o + cands]
+        o += cands
+        self.app_rows, self.app_p, self.app_o = (d[o:o + apps], d[o + apps:o + 2 * apps],
+                                                 d[o + 2 * apps:o + 3 * apps])
+        self.plan = attn_cuda.static_plan(split, cap, self.dev32)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.scores: torch.Tensor | None = None
+
+    def fill(self, hb: HostBatch, hp: attn_cuda.HostPlan) -> None:
+        h = self.host64.numpy()
+        rows, n = self.rows, hb.packed.shape[1]
+        for i in range(3):
+            h[i * rows:i * rows + n] = hb.packed[i]
+            h[i * rows + n:(i + 1) * rows] = 0
+        o = 3 * rows
+        c = len(hb.cand_rows)
+        h[o:o + c] = hb.cand_rows
+        h[o + c:o + self.cands] = 0
+        o += self.cands
+        a, A = len(hb.app_rows), self.apps
+        for arr, fill in ((hb.app_rows, 0), (hb.app_pages, -1), (hb.app_offsets, 0)):
+            h[o:o + a] = arr
+            h[o + a:o + A] = fill
+            o += A
+        attn_cuda.pad_plan(hp, self.cap, self.host32.numpy())
+        self.dev64.copy_(self.host64, non_blocking=True)
+        self.dev32.copy_(self.host32, non_blocking=True)
+
+
+class RankPlans:
+    """The LRU of captured rank forwards of one model (and page store, for cached modes)."""
+
+    def __init__(self, model, max_batch: int, capacity: int, store: torch.Tensor | None,
+                 page_tokens: int, device: torch.device) -> None:
+        self.model, self.max_batch, self.capacity = model, max_batch, capacity
+        self.store, self.page_tokens, self.device = store, page_tokens, device
+        self.entries: OrderedDict = OrderedDict()
+        self.pool = None
+        self.counters = {"replays": 0, "captures": 0, "evictions": 0, "capture_failures": 0}
+        self._broken: set = set()
+        self._sms: int | None = None
+
+    @staticmethod
+    def usable(model, device: torch.device) -> bool:
+        """The plans' kernels run here: CUDA, CuPy, bf16 weights, a head dim they take."""
+        from ..kernels import _cuda
+        w = model.layers[0].uvqk.weight
+        return (device.type == "cuda" and w.dtype == torch.bfloat16
+                and model.cfg.head_dim in (32, 64, 128) and _cuda.usable(w))
+
+    def clear(self, model=None) -> None:
+        """Drop every plan (new weights: the graphs hold the old tensors' addresses)."""
+        self.entries.clear()
+        self._broken.clear()
+        if model is not None:
+            self.model = model
+
+    def stats(self) -> dict:
+        return {"plans": len(self.entries), **self.counters}
+
+    def run(self, hb: HostBatch, desc) -> torch.Tensor | None:
+        """The batch's scores ``[candidates]`` (device fp32) from a plan, or None when this
+        batch cannot replay (too large, or its capture failed before): run it eagerly."""
+        rows, cands, apps = hb.packed.shape[1], len(hb.cand_rows), len(hb.app_rows)
+        if rows > MAX_ROWS or len(desc.num_candidates) > self.max_batch:
+            return None
+        if self._sms is None:
+            self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        hp = attn_cuda.plan_host(desc, self.model.cfg.num_heads, self._sms)
+        cap = attn_cuda.Capacity(
+            items=_pow2(len(hp.items[0]), 64), users=self.max_batch,
+            pages=_pow2(len(hp.pages), 256), fin=_pow2(len(hp.fin[0]) if hp.split else 1, 16),
+            slots=_pow2(hp.n_slots, 64) if hp.split else 1)
+        key = (row_bucket(rows), _up(cands, 256), _pow2(apps, 64) if apps else 0, hp.split,
+               cap.items, cap.pages, cap.fin, cap.slots)
+        if key in self._broken:
+            return None
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+            entry.fill(hb, hp)
+            entry.graph.replay()
+            self.counters["replays"] += 1
+            return entry.scores[:cands]
+        entry = _Entry(key, key[0], key[1], key[2], cap, hp.split, self.device)
+        entry.fill(hb, hp)
+        try:
+            self._capture(entry)
+        except Exception as err:  # the batch still runs, eagerly; this shape stays eager
+            log.warning("rank plan capture failed for shape %s (%s); eager from now on", key, err)
+            self.counters["capture_failures"] += 1
+            self._broken.add(key)
+            torch.cuda.synchronize(self.device)
+            return None
+        self.entries[key] = entry
+        self.counters["captures"] += 1
+        if len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+            self.counters["evictions"] += 1
+        entry.graph.replay()
+        self.counters["replays"] += 1
+        return entry.scores[:cands]
+
+    def _forward(self, e: _Entry) -> torch.Tensor:
+        cfg = self.model.cfg
+        jb = JaggedBatch(token_ids=e.ids, is_action=e.act.bool(), positions=e.pos,
+                         candidate_rows=e.cand_rows, q_offsets=[], num_candidates=[],
+                         hist_lens=[])
+        where = SimpleNamespace(store=self.store, page_tokens=self.page_tokens)
+        store = self.store
+
+        def attention(layer, q, k, v):
+            if e.apps:
+                paged_kv.append_rows(store, layer, k, v, e.app_rows, e.app_p, e.app_o)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            attn_cuda.run(q, k, v, where, layer, cfg.alpha, cfg.attn_max_len, out, e.plan)
+            return out
+        return self.model(jb, attention)
+
+    def _capture(self, e: _Entry) -> None:
+        # One eager run on a side stream first: kernels compile, workspaces and cuBLAS handles
+        # are made outside the capture (what it computes is what the replay computes again).
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._forward(e)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            e.scores = self._forward(e)
+        e.graph = g

@@ -160,6 +160,7 @@ class RankPlans:
             log.warning("rank plan capture failed for shape %s (%s); eager from now on", key, err)
             self.counters["capture_failures"] += 1
             self._broken.add(key)
+            self.pool = None  # a failed capture can leave its pool mid-recording
             torch.cuda.synchronize(self.device)
             return None
         self.entries[key] = entry
@@ -198,6 +199,8 @@ class RankPlans:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
+        # thread_local: the offload and onload threads keep using their own streams meanwhile;
+        # the default (global) mode lets their CUDA calls invalidate this capture.
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
             e.scores = self._forward(e)
         e.graph = g

@@ -59,21 +59,28 @@ def _workload(seed, n_batches=30, users=6):
     return out
 
 
-@pytest.mark.parametrize("mode", ["recompute", "gpu-only"])
+@pytest.mark.parametrize("mode", ["recompute", "gpu-only", "hierarchical"])
 def test_rank_plans_replay_equals_eager(mode):
-    """A rank plan (the forward as a replayed CUDA graph) gives the eager path's scores bit for
-    bit, batch after batch, while its shapes are reused."""
+    """A rank plan (the forward as a replayed CUDA graph) gives the eager path's scores, batch
+    after batch, while its shapes are reused. Within bf16 rounding, not bit for bit: the plan
+    runs its GEMMs over a padded row count, and cuBLAS may pick another kernel for it."""
     from tests.cache.helpers import tiny_spec
     from streamgr.engine.core import Engine
-    kw = dict(page_tokens=4, chunk_tokens=8, device_pages=400, host_chunks=64,
-              offload_quota_tokens=16, mode=mode)
+    # hierarchical: a device cache too small for the users, so batches onload (those run eager)
+    kw = dict(page_tokens=4, chunk_tokens=8, device_pages=40 if mode == "hierarchical" else 400,
+              host_chunks=64, offload_quota_tokens=16, mode=mode)
     planned = Engine(tiny_spec("cuda", "bfloat16", GPU_MODEL, **kw))
     eager = Engine(load_spec(tiny_spec("cuda", "bfloat16", GPU_MODEL, **kw),
                              {"engine.rank_plans": 0}))
     assert planned.runner.plans is not None and eager.runner.plans is None
+    worst = 0.0
     for batch in _workload(7):
         a, b = run_batch(planned, batch), run_batch(eager, batch)
         for x, y in zip(a, b):
-            np.testing.assert_array_equal(x[0], y[0])
+            np.testing.assert_allclose(x[0], y[0], rtol=0.02, atol=0.02)
+        worst = max(worst, max(float(np.abs(x[0] - y[0]).max()) for x, y in zip(a, b)))
+    print(f"rank plans vs eager, {mode}: max abs difference {worst:.3g}")
     st = planned.runner.plans.stats()
-    assert st["replays"] == 30 and st["captures"] < 30 and st["capture_failures"] == 0, st
+    assert st["capture_failures"] == 0 and st["captures"] < st["replays"], st
+    if mode != "hierarchical":
+        assert st["replays"] == 30, st

@@ -10,32 +10,38 @@
 // candidate. A = SiLU(alpha q k^T) * inv_n, with inv_n = 1/N for the fixed N of the model.
 //
 // HSTU has no softmax, so partial sums of P V over key ranges simply add. Keys are cut into
-// chunks of KC = 512 absolute positions. A work item is (user, 64-row tile, a range of key
-// tiles); the host's plan picks, per batch, either
-//   - direct (hstu_attn_fwd<D, true>): one item per row tile over all its keys; the item folds
-//     each chunk's partial into a running total (total = total + chunk) and writes bf16 out;
-//   - split (hstu_attn_fwd<D, false>): one item per (row tile, chunk) writing its fp32 partial
-//     to a workspace slot; hstu_attn_merge adds the slots in chunk order (0 + c0 + c1 + ...).
-// Both sum the same fp32 chunk partials in the same order with the same rounding, so a row's
-// output does not depend on the plan: a cached batch (split) equals its recompute (direct)
-// bit for bit. Each chunk partial starts from zero and walks its key tiles in order; a masked
-// or zero-filled key contributes an exact zero.
+// chunks of KC = 512 absolute positions; rows into tiles of BM = 128. A work item is (user,
+// row tile, a range of key tiles, a workspace slot); the host's plan picks, per batch, either
+//   - direct (hstu_attn_fwd<D, true>): one item per row tile over all its keys, folding each
+//     chunk's partial into the tile's fp32 slot (slot = slot + chunk; the first: 0 + chunk);
+//   - split (hstu_attn_fwd<D, false>): one item per (row tile, chunk), each chunk's partial in
+//     its own slot,
+// then hstu_attn_merge adds a tile's slots in chunk order (0 + s0 + s1 + ...: one slot in the
+// direct plan), adds a candidate's own key and writes bf16. Both plans add the same fp32 chunk
+// partials in the same order with the same rounding, so a row's output does not depend on the
+// plan: a cached batch (split) equals its recompute (direct) bit for bit. A chunk partial
+// starts from zero and walks its key tiles in order, k16 step by k16 step; a masked or
+// zero-filled key contributes an exact zero.
 //
-// Block: 4 warps x 16 query rows; per 64-key tile, S = Q K^T stays in registers, SiLU and the
-// mask apply there, P is repacked in registers as the A operand of O += P V (FlashAttention-2's
-// register reuse). K/V tiles arrive by cp.async, two stages deep; shared rows are padded by 16
-// bytes so ldmatrix's eight row addresses fall in distinct bank groups. Q, K, V are read through
-// row strides (views of one fused projection need no copy).
+// Block: 4 warps x 2 m-tiles of 16 query rows (each K/V fragment feeds two MMAs); per 32-key
+// tile, S = Q K^T stays in registers, SiLU and the mask apply there, P is repacked in registers
+// as the A operand of O += P V (FlashAttention-2's register reuse). K/V tiles arrive by
+// cp.async, three stages deep; shared rows are padded by 16 bytes so ldmatrix's eight row
+// addresses fall in distinct bank groups. Q, K, V are read through row strides (views of one
+// fused projection need no copy).
 // No torch headers: compiled by NVRTC through CuPy's RawModule.
 
 #include <cuda_bf16.h>
 
 namespace {
 
-constexpr int BM = 64;   // query rows per block
-constexpr int BN = 64;   // keys per tile
-constexpr int KC = 512;  // keys per chunk (the unit of the split and of the fold)
-constexpr int TILES_PER_CHUNK = KC / BN;
+constexpr int MT = 2;                // 16-row m-tiles per warp
+constexpr int WARPS = 4;
+constexpr int BM = 16 * MT * WARPS;  // query rows per block (a row tile)
+constexpr int BN = 32;               // keys per tile
+constexpr int KC = 512;              // keys per chunk (the unit of the split and of the fold)
+constexpr int TPC = KC / BN;         // key tiles per chunk
+constexpr int STAGES = 3;            // K/V tiles in flight
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -117,12 +123,13 @@ __device__ __forceinline__ void store_row(const Batch& p, float (&o)[D / 32], lo
 
 }  // namespace
 
-// grid (items, H), 128 threads. FOLD: direct items (write out); else split items (write ws).
-template <int D, bool FOLD>
+// grid (items, H), 128 threads. DIRECT: items fold their chunks into their slot; else each
+// item (one chunk) writes its own slot.
+template <int D, bool DIRECT>
 __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
     const __nv_bfloat16* __restrict__ v, const __nv_bfloat16* __restrict__ store,
-    __nv_bfloat16* __restrict__ out, float* __restrict__ ws,
+    float* __restrict__ ws,
     const int* __restrict__ item_user, const int* __restrict__ item_row0,
     const int* __restrict__ item_kt0, const int* __restrict__ item_kt1,
     const int* __restrict__ item_slot,
@@ -134,17 +141,19 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
     constexpr int SP = D + 8;  // padded shared row (bf16)
     extern __shared__ __align__(16) unsigned char smem[];
     __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem);  // [BM][SP]
-    __nv_bfloat16* Ks = Qs + BM * SP;                             // [2][BN][SP]
-    __nv_bfloat16* Vs = Ks + 2 * BN * SP;                         // [2][BN][SP]
+    __nv_bfloat16* Ks = Qs + BM * SP;                             // [STAGES][BN][SP]
+    __nv_bfloat16* Vs = Ks + STAGES * BN * SP;                    // [STAGES][BN][SP]
 
     const int item = blockIdx.x, h = blockIdx.y;
     const int b = item_user[item], row0 = item_row0[item];
     const int kt0 = item_kt0[item], kt1 = item_kt1[item];
     const int qs = q_start[b], hist = hist_len[b], nn = n_new[b], nc = n_cand[b];
     const int nrows = min(BM, nn + nc - row0);
+    if (nrows <= 0 || kt0 >= kt1) return;  // padding item, or a tile without keys
     const int start = hist - nn;  // absolute position of the user's first new token
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
+    const int wrow = warp * 16 * MT;  // the warp's first row in the tile
     const long long HD = (long long)H * D;
     constexpr int VEC = 8;  // bf16 per 16-byte copy
 
@@ -188,137 +197,134 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
         }
     };
 
-    float acc[D / 8][4];
-    float tot[FOLD ? D / 8 : 1][4];
+    float acc[MT][D / 8][4];
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n)
+    for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
-    if (FOLD) {
+        for (int n = 0; n < D / 8; ++n)
 #pragma unroll
-        for (int n = 0; n < (FOLD ? D / 8 : 1); ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) tot[n][e] = 0.0f;
-    }
+            for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.0f;
 
-    if (kt0 < kt1) {
-        load_kv(0, kt0);
+    float* w = ws + ((long long)item_slot[item] * H + h) * BM * D;
+    auto flush = [&](bool first) {  // the chunk's partial into the slot (DIRECT: folded)
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int hl = 0; hl < 2; ++hl) {
+                const int r = wrow + m * 16 + g + hl * 8;
+                if (r >= nrows) continue;
+#pragma unroll
+                for (int n = 0; n < D / 8; ++n) {
+                    float2* p2 = reinterpret_cast<float2*>(w + r * D + n * 8 + 2 * t);
+                    float2 x = make_float2(acc[m][n][2 * hl], acc[m][n][2 * hl + 1]);
+                    if (DIRECT) {
+                        const float2 o = first ? make_float2(0.0f, 0.0f) : *p2;
+                        x = make_float2(__fadd_rn(o.x, x.x), __fadd_rn(o.y, x.y));
+                    }
+                    *p2 = x;
+                }
+            }
+    };
+
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (kt0 + i < kt1) load_kv(i, kt0 + i);
         cp_async_commit();
     }
-    const __nv_bfloat16* qw = Qs + warp * 16 * SP;
     for (int kt = kt0; kt < kt1; ++kt) {
-        const int s = (kt - kt0) & 1;
-        if (kt + 1 < kt1) {
-            load_kv(s ^ 1, kt + 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        const __nv_bfloat16* Kt = Ks + s * BN * SP;
-        const __nv_bfloat16* Vt = Vs + s * BN * SP;
+        const int it = kt - kt0;
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // tile `it` landed for all; the stage refilled below was read by all
+        if (kt + STAGES - 1 < kt1) load_kv((it + STAGES - 1) % STAGES, kt + STAGES - 1);
+        cp_async_commit();
+        const __nv_bfloat16* Kt = Ks + (it % STAGES) * BN * SP;
+        const __nv_bfloat16* Vt = Vs + (it % STAGES) * BN * SP;
 
-        if (warp * 16 < nrows) {  // a warp past the tile's rows only helps load
-        float S[BN / 8][4];
+        if (wrow < nrows) {  // a warp past the tile's rows only helps load
+            float S[MT][BN / 8][4];
 #pragma unroll
-        for (int n = 0; n < BN / 8; ++n)
+            for (int m = 0; m < MT; ++m)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) S[n][e] = 0.0f;
+                for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            unsigned a[4];
-            ldmatrix_x4(a, qw + ((lane & 7) + ((lane >> 3) & 1) * 8) * SP + kk * 16 + (lane >> 4) * 8);
+                    for (int e = 0; e < 4; ++e) S[m][n][e] = 0.0f;
 #pragma unroll
-            for (int np = 0; np < BN / 16; ++np) {
-                unsigned bb[4];
-                ldmatrix_x4(bb, Kt + (np * 16 + (lane & 7) + (lane >> 4) * 8) * SP + kk * 16
-                                    + ((lane >> 3) & 1) * 8);
-                mma_bf16(S[2 * np], a, bb[0], bb[1]);
-                mma_bf16(S[2 * np + 1], a, bb[2], bb[3]);
-            }
-        }
-
-        const int kbase = kt * BN;
-        const bool need_mask = kbase + BN > min_lim;
+            for (int kk = 0; kk < D / 16; ++kk) {
+                unsigned a[MT][4];
 #pragma unroll
-        for (int n = 0; n < BN / 8; ++n)
+                for (int m = 0; m < MT; ++m)
+                    ldmatrix_x4(a[m], Qs + (wrow + m * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SP
+                                          + kk * 16 + (lane >> 4) * 8);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float pv = silu_n(__fmul_rn(S[n][e], alpha), inv_n);
-                if (need_mask) {
-                    const int j = kbase + n * 8 + 2 * t + (e & 1);
-                    const int lr = row0 + warp * 16 + g + (e >> 1) * 8;
-                    const bool ok = (lr < nn) ? (j <= start + lr) : (j < hist);
-                    pv = ok ? pv : 0.0f;
+                for (int np = 0; np < BN / 16; ++np) {
+                    unsigned bb[4];
+                    ldmatrix_x4(bb, Kt + (np * 16 + (lane & 7) + (lane >> 4) * 8) * SP + kk * 16
+                                        + ((lane >> 3) & 1) * 8);
+#pragma unroll
+                    for (int m = 0; m < MT; ++m) {
+                        mma_bf16(S[m][2 * np], a[m], bb[0], bb[1]);
+                        mma_bf16(S[m][2 * np + 1], a[m], bb[2], bb[3]);
+                    }
                 }
-                S[n][e] = pv;
             }
 
+            const int kbase = kt * BN;
+            const bool need_mask = kbase + BN > min_lim;
 #pragma unroll
-        for (int kc = 0; kc < BN / 16; ++kc) {
-            unsigned pa[4];
-            pa[0] = pack_bf16(S[2 * kc][0], S[2 * kc][1]);
-            pa[1] = pack_bf16(S[2 * kc][2], S[2 * kc][3]);
-            pa[2] = pack_bf16(S[2 * kc + 1][0], S[2 * kc + 1][1]);
-            pa[3] = pack_bf16(S[2 * kc + 1][2], S[2 * kc + 1][3]);
+            for (int m = 0; m < MT; ++m)
 #pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-                unsigned vb[4];
-                ldmatrix_x4_trans(vb, Vt + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SP
-                                          + dp * 16 + (lane >> 4) * 8);
-                mma_bf16(acc[2 * dp], pa, vb[0], vb[1]);
-                mma_bf16(acc[2 * dp + 1], pa, vb[2], vb[3]);
-            }
-        }
-        }
-        __syncthreads();  // this stage is refilled by the next iteration's prefetch
+                for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        float pv = silu_n(__fmul_rn(S[m][n][e], alpha), inv_n);
+                        if (need_mask) {
+                            const int j = kbase + n * 8 + 2 * t + (e & 1);
+                            const int lr = row0 + wrow + m * 16 + g + (e >> 1) * 8;
+                            const bool ok = (lr < nn) ? (j <= start + lr) : (j < hist);
+                            pv = ok ? pv : 0.0f;
+                        }
+                        S[m][n][e] = pv;
+                    }
 
-        if (FOLD && ((kt + 1) % TILES_PER_CHUNK == 0 || kt + 1 == kt1)) {
 #pragma unroll
-            for (int n = 0; n < D / 8; ++n)
+            for (int kc = 0; kc < BN / 16; ++kc) {
+                unsigned pa[MT][4];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    tot[FOLD ? n : 0][e] = __fadd_rn(tot[FOLD ? n : 0][e], acc[n][e]);
-                    acc[n][e] = 0.0f;
+                for (int m = 0; m < MT; ++m) {
+                    pa[m][0] = pack_bf16(S[m][2 * kc][0], S[m][2 * kc][1]);
+                    pa[m][1] = pack_bf16(S[m][2 * kc][2], S[m][2 * kc][3]);
+                    pa[m][2] = pack_bf16(S[m][2 * kc + 1][0], S[m][2 * kc + 1][1]);
+                    pa[m][3] = pack_bf16(S[m][2 * kc + 1][2], S[m][2 * kc + 1][3]);
                 }
+#pragma unroll
+                for (int dp = 0; dp < D / 16; ++dp) {
+                    unsigned vb[4];
+                    ldmatrix_x4_trans(vb, Vt + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SP
+                                              + dp * 16 + (lane >> 4) * 8);
+#pragma unroll
+                    for (int m = 0; m < MT; ++m) {
+                        mma_bf16(acc[m][2 * dp], pa[m], vb[0], vb[1]);
+                        mma_bf16(acc[m][2 * dp + 1], pa[m], vb[2], vb[3]);
+                    }
+                }
+            }
+        }
+
+        if (DIRECT && ((kt + 1) % TPC == 0 || kt + 1 == kt1)) {
+            flush(kt < TPC);
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.0f;
         }
     }
     cp_async_wait<0>();
-
-    const int r_lo = warp * 16 + g, r_hi = r_lo + 8;
-    if (!FOLD) {  // the chunk's partial to its workspace slot
-        float* w = ws + ((long long)item_slot[item] * H + h) * BM * D;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            const int c = n * 8 + 2 * t;
-            if (r_lo < nrows) *reinterpret_cast<float2*>(w + r_lo * D + c) = make_float2(acc[n][0], acc[n][1]);
-            if (r_hi < nrows) *reinterpret_cast<float2*>(w + r_hi * D + c) = make_float2(acc[n][2], acc[n][3]);
-        }
-        return;
-    }
-    // Direct: the totals through shared memory (the K stages are free), one warp per row.
-    __syncthreads();
-    constexpr int OP = D + 4;
-    float* Of = reinterpret_cast<float*>(Ks);  // [BM][OP] fits in the two K stages
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-        const int c = n * 8 + 2 * t;
-        *reinterpret_cast<float2*>(Of + r_lo * OP + c) = make_float2(tot[FOLD ? n : 0][0], tot[FOLD ? n : 0][1]);
-        *reinterpret_cast<float2*>(Of + r_hi * OP + c) = make_float2(tot[FOLD ? n : 0][2], tot[FOLD ? n : 0][3]);
-    }
-    __syncthreads();
-    const Batch p{q, k, v, out, sq, sk, sv, H, alpha, inv_n};
-    for (int r = warp; r < nrows; r += 4) {
-        float o[D / 32];
-#pragma unroll
-        for (int i = 0; i < D / 32; ++i) o[i] = Of[r * OP + lane + 32 * i];
-        const int lr = row0 + r;
-        store_row<D>(p, o, qs + lr, h, lr >= nn, lane);
-    }
+    if (!DIRECT) flush(true);
 }
 
-// grid (split row tiles x 16, H), 128 threads, one warp per row:
+// grid (row tiles x BM / 4, H), 128 threads, one warp per row:
 // out = bf16(0 + slot0 + slot1 + ... (+ own key)). Slot loads are issued four at a time ahead of
 // their adds (the adds stay in slot order).
 template <int D>
@@ -330,9 +336,10 @@ __global__ void __launch_bounds__(128) hstu_attn_merge(
     const int* __restrict__ fin_nslots, const int* __restrict__ q_start,
     const int* __restrict__ n_new, const int* __restrict__ n_cand,
     int H, long long sq, long long sk, long long sv, float alpha, float inv_n) {
-    const int f = blockIdx.x >> 4, h = blockIdx.y;
+    constexpr int PER = BM / 4;  // blocks per row tile
+    const int f = blockIdx.x / PER, h = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int r = (blockIdx.x & 15) * 4 + warp;
+    const int r = (blockIdx.x % PER) * 4 + warp;
     const int b = fin_user[f], row0 = fin_row0[f], slot0 = fin_slot0[f], ns = fin_nslots[f];
     const int qs = q_start[b], nn = n_new[b];
     if (r >= min(BM, nn + n_cand[b] - row0)) return;
@@ -364,14 +371,14 @@ __global__ void __launch_bounds__(128) hstu_attn_merge(
 #define HSTU_ATTN_INSTANCES(D)                                                                  \
     template __global__ void hstu_attn_fwd<D, true>(                                            \
         const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, \
-        __nv_bfloat16*, float*, const int*, const int*, const int*, const int*, const int*,     \
+        float*, const int*, const int*, const int*, const int*, const int*, const int*,         \
         const int*, const int*, const int*, const int*, const int*, const int*, const int*,     \
-        const int*, int, int, long long, long long, long long, float, float);                   \
+        int, int, long long, long long, long long, float, float);                               \
     template __global__ void hstu_attn_fwd<D, false>(                                           \
         const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, \
-        __nv_bfloat16*, float*, const int*, const int*, const int*, const int*, const int*,     \
+        float*, const int*, const int*, const int*, const int*, const int*, const int*,         \
         const int*, const int*, const int*, const int*, const int*, const int*, const int*,     \
-        const int*, int, int, long long, long long, long long, float, float);                   \
+        int, int, long long, long long, long long, float, float);                               \
     template __global__ void hstu_attn_merge<D>(                                                \
         const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*,      \
         const float*, const int*, const int*, const int*, const int*, const int*, const int*,   \

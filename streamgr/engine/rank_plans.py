@@ -139,8 +139,8 @@ class RankPlans:
         hp = attn_cuda.plan_host(desc, self.model.cfg.num_heads, self._sms)
         cap = attn_cuda.Capacity(
             items=_pow2(len(hp.items[0]), 64), users=self.max_batch,
-            pages=_pow2(len(hp.pages), 256), fin=_pow2(len(hp.fin[0]) if hp.split else 1, 16),
-            slots=_pow2(hp.n_slots, 64) if hp.split else 1)
+            pages=_pow2(len(hp.pages), 256), fin=_pow2(len(hp.fin[0]), 16),
+            slots=_pow2(hp.n_slots, 64))
         key = (row_bucket(rows), _up(cands, 256), _pow2(apps, 64) if apps else 0, hp.split,
                cap.items, cap.pages, cap.fin, cap.slots)
         if key in self._broken:

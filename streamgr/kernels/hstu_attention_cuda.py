@@ -6,12 +6,13 @@ page table) into the work items of ``cuda_kernels/hstu_attention.cu`` once per b
 host, copied to the device in one transfer; :func:`run` launches them for one layer. The torch
 reference in ``hstu_attention.py`` is the judge of both.
 
-The plan cuts each user's query rows into tiles of 64 and their visible keys into chunks of 512
-absolute positions. When the row tiles alone fill the GPU with balanced work (recompute of long
-histories) each tile runs over all its keys (*direct*); when they do not (a cached batch: a few
-hundred query rows against thousands of history keys) each (tile, chunk) is its own CUDA block
-and a merge kernel adds the chunks' fp32 partials in order (*split*). Both add the same chunk
-partials in the same order, so the plan never changes a result's bits.
+The plan cuts each user's query rows into tiles of 128 and their visible keys into chunks of
+512 absolute positions. When the row tiles alone fill the GPU with balanced work (recompute of
+long histories) each tile runs over all its keys, folding its chunks into one fp32 slot
+(*direct*); when they do not (a cached batch: a few hundred query rows against thousands of
+history keys) each (tile, chunk) is its own CUDA block with its own slot (*split*). A merge
+kernel then adds each tile's slots in order and writes bf16. Both add the same chunk partials
+in the same order, so the plan never changes a result's bits.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from ..errors import StreamgrError
 from . import _cuda
 
-BM, BN, KC = 64, 64, 512  # query rows per tile, keys per tile, keys per chunk (as in the .cu)
+BM, BN, KC, STAGES = 128, 32, 512, 3  # rows per tile, keys per tile and chunk, K/V stages (.cu)
 SRC = "hstu_attention.cu"
 EXPRS = tuple(e for d in (32, 64, 128) for e in (
     f"hstu_attn_fwd<{d}, true>", f"hstu_attn_fwd<{d}, false>", f"hstu_attn_merge<{d}>"))
@@ -35,8 +36,8 @@ EXPRS = tuple(e for d in (32, 64, 128) for e in (
 class Plan:
     split: bool
     n_items: int
-    n_fin: int        # split: row tiles to merge
-    n_slots: int      # split: fp32 partials of [64, D] per head
+    n_fin: int        # row tiles to merge
+    n_slots: int      # fp32 partials of [BM, D] per head
     args: list        # device int32 views, in the kernel's order
     fin_args: list
     workspace: dict   # (H, D, device) -> fp32 workspace, reused by every layer of the batch
@@ -60,7 +61,7 @@ class HostPlan:
     users: list  # q_start, hist, new, cand, paged, kv_row: one entry per user
     page_ptr: np.ndarray  # users + 1
     pages: np.ndarray
-    fin: list  # split: user, row0, slot0, nslots per row tile
+    fin: list  # user, row0, slot0, nslots per row tile (the merge)
     n_slots: int
 
 
@@ -95,19 +96,20 @@ def plan_host(desc, heads: int, sms: int = 132, force: str | None = None) -> Hos
         order = np.lexsort((item_tile, chunk, user[item_tile], -(kt1 - kt0)))
         item_tile, kt0, kt1, slot = item_tile[order], kt0[order], kt1[order], slot[order]
         fin = [user, row0, slot0, n_chunks]
-    else:
+        n_slots = int(n_chunks.sum())
+    else:  # one slot per tile; tiles without keys only merge (their own keys)
         item_tile = np.argsort(-n_kt, kind="stable")
         kt0, kt1 = np.zeros_like(item_tile), n_kt[item_tile]
-        slot = np.full_like(item_tile, -1)
-        fin = []
+        slot = item_tile.copy()
+        fin = [user, row0, np.arange(len(n_kt)), (n_kt > 0).astype(np.int64)]
+        n_slots = len(n_kt)
     page_ptr = np.zeros(len(rows) + 1, dtype=np.int64)
     page_ptr[1:] = np.cumsum([len(p) if f else 0 for p, f in zip(desc.pages, desc.paged)])
     flat = [x for p, f in zip(desc.pages, desc.paged) if f for x in p]
     return HostPlan(split, [user[item_tile], row0[item_tile], kt0, kt1, slot],
                     [q_off[:-1], hist, new, cand, np.asarray(desc.paged, dtype=np.int64),
                      np.asarray(desc.kv_rows, dtype=np.int64)],
-                    page_ptr, np.asarray(flat or [0], dtype=np.int64),
-                    fin, int(n_chunks.sum()) if split else 0)
+                    page_ptr, np.asarray(flat or [0], dtype=np.int64), fin, n_slots)
 
 
 def plan(desc, device: torch.device, heads: int, force: str | None = None) -> Plan:
@@ -120,8 +122,8 @@ def plan(desc, device: torch.device, heads: int, force: str | None = None) -> Pl
     if device.type == "cuda":
         host_t = host_t.pin_memory()
     views = list(torch.split(host_t.to(device, non_blocking=True), sizes))
-    return Plan(hp.split, len(hp.items[0]), len(hp.fin[0]) if hp.split else 0, hp.n_slots,
-                views[:13], views[13:], {})
+    return Plan(hp.split, len(hp.items[0]), len(hp.fin[0]), hp.n_slots, views[:13], views[13:],
+                {})
 
 
 @dataclass
@@ -142,8 +144,8 @@ class Capacity:
 
     def fits(self, hp: HostPlan) -> bool:
         return (len(hp.items[0]) <= self.items and len(hp.users[0]) <= self.users
-                and len(hp.pages) <= self.pages and (not hp.split or (
-                    len(hp.fin[0]) <= self.fin and hp.n_slots <= self.slots)))
+                and len(hp.pages) <= self.pages and len(hp.fin[0]) <= self.fin
+                and hp.n_slots <= self.slots)
 
 
 def pad_plan(hp: HostPlan, cap: Capacity, out: np.ndarray) -> None:
@@ -158,7 +160,7 @@ def pad_plan(hp: HostPlan, cap: Capacity, out: np.ndarray) -> None:
         parts.append((a, 0))
     parts.append((hp.page_ptr, int(hp.page_ptr[-1])))
     parts.append((hp.pages, 0))
-    fin = hp.fin if hp.split else [np.zeros(0, np.int64)] * 4
+    fin = hp.fin
     parts += [(fin[0], empty), (fin[1], 0), (fin[2], 0), (fin[3], 0)]
     o = 0
     for (a, fill), size in zip(parts, cap.sizes):
@@ -171,7 +173,7 @@ def pad_plan(hp: HostPlan, cap: Capacity, out: np.ndarray) -> None:
 def static_plan(split: bool, cap: Capacity, dev: torch.Tensor) -> Plan:
     """A plan over a static device buffer laid out by ``cap`` (filled by :func:`pad_plan`)."""
     views = list(torch.split(dev, cap.sizes))
-    return Plan(split, cap.items, cap.fin if split else 0, cap.slots, views[:13], views[13:], {})
+    return Plan(split, cap.items, cap.fin, cap.slots, views[:13], views[13:], {})
 
 
 def row_stride(t: torch.Tensor, H: int, D: int) -> int | None:
@@ -198,28 +200,26 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, desc, layer: int, alp
                                 f"elements and 16-byte aligned rows (stride {tuple(t.stride())})")
         strides.append(np.int64(s))
     store = desc.store[layer] if desc.store is not None else None
-    ws = None
-    if p.split:
-        key = (H, D, q.device)
-        ws = p.workspace.get(key)
-        if ws is None:
-            ws = p.workspace[key] = torch.empty(max(1, p.n_slots) * H * BM * D,
-                                                dtype=torch.float32, device=q.device)
+    key = (H, D, q.device)
+    ws = p.workspace.get(key)
+    if ws is None:  # one per plan: every layer of the batch reuses it
+        ws = p.workspace[key] = torch.empty(max(1, p.n_slots) * H * BM * D,
+                                            dtype=torch.float32, device=q.device)
     fn = _cuda.kernel(SRC, EXPRS, f"hstu_attn_fwd<{D}, {'false' if p.split else 'true'}>")
-    smem = (BM + 4 * BN) * (D + 8) * 2
-    if p.n_items:  # a split batch of users without history has only the merge (own keys)
+    smem = (BM + 2 * STAGES * BN) * (D + 8) * 2
+    scal = (*strides, np.float32(alpha), np.float32(1.0 / max_len))
+    if p.n_items:
         _cuda.launch(fn, (p.n_items, H), (128,), (
-            _cuda.ptr(q), _cuda.ptr(k), _cuda.ptr(v), _cuda.ptr(store), _cuda.ptr(out),
-            _cuda.ptr(ws), *(_cuda.ptr(t) for t in p.args), np.int32(H),
-            np.int32(desc.page_tokens), *strides, np.float32(alpha), np.float32(1.0 / max_len)),
+            _cuda.ptr(q), _cuda.ptr(k), _cuda.ptr(v), _cuda.ptr(store), _cuda.ptr(ws),
+            *(_cuda.ptr(t) for t in p.args), np.int32(H), np.int32(desc.page_tokens), *scal),
             shared_mem=smem)
-    if p.split and p.n_fin:
+    if p.n_fin:
         a = p.args
         merge = _cuda.kernel(SRC, EXPRS, f"hstu_attn_merge<{D}>")
-        _cuda.launch(merge, (p.n_fin * 16, H), (128,), (
+        _cuda.launch(merge, (p.n_fin * (BM // 4), H), (128,), (
             _cuda.ptr(q), _cuda.ptr(k), _cuda.ptr(v), _cuda.ptr(out), _cuda.ptr(ws),
             *(_cuda.ptr(t) for t in p.fin_args), _cuda.ptr(a[5]), _cuda.ptr(a[7]),
-            _cuda.ptr(a[8]), np.int32(H), *strides, np.float32(alpha), np.float32(1.0 / max_len)))
+            _cuda.ptr(a[8]), np.int32(H), *scal))
 
 
 # -- the previous kernel (WMMA, one block per 64-row tile and head), kept for A/B benchmarks --
@@ -231,7 +231,7 @@ def run_wmma(q, k, v, desc, layer: int, alpha: float, max_len: int, out: torch.T
     if "wmma" not in desc._cache:
         tu, tr = [], []
         for b in range(len(desc.num_candidates)):
-            for r0 in range(0, desc.q_offsets[b + 1] - desc.q_offsets[b], BM):
+            for r0 in range(0, desc.q_offsets[b + 1] - desc.q_offsets[b], 64):
                 tu.append(b), tr.append(r0)
         page_ptr = np.zeros(len(desc.pages) + 1, dtype=np.int64)
         page_ptr[1:] = np.cumsum([len(p) if f else 0 for p, f in zip(desc.pages, desc.paged)])

@@ -109,6 +109,10 @@ class RankPlans:
         self.counters = {"replays": 0, "captures": 0, "evictions": 0, "capture_failures": 0}
         self._broken: set = set()
         self._sms: int | None = None
+        # Every page a batch can name: max_batch users of the longest history.
+        self.max_pages = max_batch * (-(-(2 * model.cfg.max_history) // page_tokens) + 1)
+        self._ws: dict[int, torch.Tensor] = {}  # slots -> workspace shared by plans (never
+        # two replays at once); a plan keeps the tensor it was captured with
 
     @staticmethod
     def usable(model, device: torch.device) -> bool:
@@ -118,10 +122,19 @@ class RankPlans:
         return (device.type == "cuda" and w.dtype == torch.bfloat16
                 and model.cfg.head_dim in (32, 64, 128) and _cuda.usable(w))
 
+    def _workspace(self, slots: int) -> torch.Tensor:
+        ws = self._ws.get(slots)
+        if ws is None:
+            cfg = self.model.cfg
+            ws = self._ws[slots] = torch.empty(slots * cfg.num_heads * attn_cuda.BM * cfg.head_dim,
+                                               dtype=torch.float32, device=self.device)
+        return ws
+
     def clear(self, model=None) -> None:
         """Drop every plan (new weights: the graphs hold the old tensors' addresses)."""
         self.entries.clear()
         self._broken.clear()
+        self._ws.clear()
         if model is not None:
             self.model = model
 
@@ -134,15 +147,19 @@ class RankPlans:
         rows, cands, apps = hb.packed.shape[1], len(hb.cand_rows), len(hb.app_rows)
         if rows > MAX_ROWS or len(desc.num_candidates) > self.max_batch:
             return None
+        cfg = self.model.cfg
         if self._sms is None:
             self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         hp = attn_cuda.plan_host(desc, self.model.cfg.num_heads, self._sms)
+        # Floors and fixed sizes that keep one batch size's shapes few: an empty padding item
+        # costs a block that returns at once.
         cap = attn_cuda.Capacity(
-            items=_pow2(len(hp.items[0]), 64), users=self.max_batch,
-            pages=_pow2(len(hp.pages), 256), fin=_pow2(len(hp.fin[0]), 16),
-            slots=_pow2(hp.n_slots, 64))
-        key = (row_bucket(rows), _up(cands, 256), _pow2(apps, 64) if apps else 0, hp.split,
-               cap.items, cap.pages, cap.fin, cap.slots)
+            items=_pow2(len(hp.items[0]), 512), users=self.max_batch, pages=self.max_pages,
+            fin=_pow2(len(hp.fin[0]), 64), slots=_pow2(hp.n_slots, 512))
+        if len(hp.pages) > cap.pages:
+            return None
+        rb = row_bucket(rows)
+        key = (rb, _up(cands, 256), hp.split, cap.items, cap.fin, cap.slots)
         if key in self._broken:
             return None
         entry = self.entries.get(key)
@@ -152,7 +169,8 @@ class RankPlans:
             entry.graph.replay()
             self.counters["replays"] += 1
             return entry.scores[:cands]
-        entry = _Entry(key, key[0], key[1], key[2], cap, hp.split, self.device)
+        entry = _Entry(key, rb, key[1], rb, cap, hp.split, self.device)
+        entry.plan.workspace[(cfg.num_heads, cfg.head_dim, self.device)] = self._workspace(cap.slots)
         entry.fill(hb, hp)
         try:
             self._capture(entry)

@@ -169,7 +169,8 @@ class RankPlans:
             entry.graph.replay()
             self.counters["replays"] += 1
             return entry.scores[:cands]
-        entry = _Entry(key, rb, key[1], rb, cap, hp.split, self.device)
+        apps_cap = rb if self.store is not None else 0  # recompute appends nothing
+        entry = _Entry(key, rb, key[1], apps_cap, cap, hp.split, self.device)
         entry.plan.workspace[(cfg.num_heads, cfg.head_dim, self.device)] = self._workspace(cap.slots)
         entry.fill(hb, hp)
         try:

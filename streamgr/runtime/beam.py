@@ -2,10 +2,11 @@
 
 The encoder runs once per request; the cross-attention K/V stay at [requests] and each beam
 attends its request's by index. Per step ``t``: the decoder for all live beams (self K/V per
-beam), log-softmax over the full vocabulary, each beam's trie children gathered into a
-[beams, widest fan-out] grid (what is not a child is not a candidate), the top ``W_t`` per
-request over that grid kept (the same set as over beams x codebook with non-children masked,
-as the issue states it, in far less memory), and the survivors' self
+beam), log-softmax over the full vocabulary, each beam's trie children scored as a
+[beams, widest fan-out] grid (what is not a child is not a candidate) and the top ``W_t`` per
+request over that grid kept, best first, ties to the lower grid index (``kernels.trie_topk``:
+the same set as over beams x codebook with non-children masked, in far less memory), and the
+survivors' self
 K/V gathered from the active buffer into the standby one (double-buffered compaction), then the
 buffers swap. Scores are summed log-probabilities, as Hugging Face's beam search with
 ``prefix_allowed_tokens_fn`` and no length penalty. No illegal SID can come out: only trie
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..kernels.trie_topk import trie_topk
 from ..models.t5 import T5
 from ..selection.vocabulary import SidTrie
 
@@ -132,27 +134,19 @@ class BeamSearch:
         nodes = torch.zeros(R, 1, dtype=torch.long, device=dev)
         step_tok = torch.full((R, 1), cfg.decoder_start_token_id, dtype=torch.long, device=dev)
         codes = torch.zeros(R, 1, 0, dtype=torch.long, device=dev)
-        rank = torch.arange(w_max, device=dev)[None, :]
         for t in range(depth):
             N = R * beams
             K, V = bufs[0][active], bufs[1][active]
             logp = model.decode_step(step_tok.view(-1), t, K[:, :N], V[:, :N], cross, mask, beams)
             t0 = self._tick(stages, "decoder", t0, dev)
             off = trie.level_offset[t]
-            valid = torch.isfinite(scores).view(-1)
-            # Candidates: each live beam's trie children only ([rows, F]), never a whole
-            # codebook; an illegal SID is not representable.
-            child, code, real = trie.child_grid(t, nodes.view(-1), valid)
-            F = child.shape[1]
-            cand = scores.view(-1, 1) + logp.gather(1, off + code)
-            cand = cand.masked_fill(~real, NEG_INF).view(R, beams * F)
             w_next = w_steps[t]
-            top, idx = cand.topk(w_next, dim=1)  # sorted: best first
-            # A request's own width for this step: ranks past it are dropped.
-            top = top.masked_fill(rank[:, :w_next] >= cap[:, t:t + 1], NEG_INF)
-            parent = idx // F
-            nodes = child.view(R, beams * F).gather(1, idx)
-            code = code.view(R, beams * F).gather(1, idx)
+            # Each live beam's trie children only (an illegal SID is not representable), the
+            # request's top w_next over beams x children, best first (kernels/trie_topk.py:
+            # Numba CUDA on the GPU, its torch reference elsewhere).
+            ptr, child_codes = trie.tables(t, dev)
+            top, parent, nodes, code = trie_topk(scores, nodes, logp, ptr, child_codes, off,
+                                                 trie.max_fanout[t], w_next, cap[:, t])
             t0 = self._tick(stages, "selection", t0, dev)
             if t + 1 < depth:  # compaction: survivors' self K/V -> the standby buffer
                 src = (torch.arange(R, device=dev)[:, None] * beams + parent).view(-1)

@@ -110,24 +110,6 @@ class SidTrie:
                               torch.from_numpy(self.codes[level]).to(device))
         return self._dev[key]
 
-    def child_grid(self, level: int, nodes: torch.Tensor, valid: torch.Tensor):
-        """The children of beam rows at ``nodes`` (level ``level``) as a [rows, F] grid, F the
-        level's widest fan-out: (child node ids, their codes, a mask of real children). Row r's
-        children fill its first ``fan-out(r)`` slots in code order. F is known ahead, so nothing
-        waits on the device; and selection scans rows x F (about 160 at gen-ref's second level)
-        instead of rows x the whole codebook (8,192)."""
-        ptr, codes = self.tables(level, nodes.device)
-        width = max(self.max_fanout[level], 1)
-        nodes = torch.where(valid, nodes, 0)
-        lo = ptr[nodes]
-        count = torch.where(valid, ptr[nodes + 1] - lo, 0)
-        slot = torch.arange(width, device=nodes.device)
-        real = slot[None, :] < count[:, None]
-        child = torch.where(real, lo[:, None] + slot[None, :], -1)
-        code = torch.where(real, codes[torch.clamp(child, min=0, max=max(len(codes) - 1, 0))], 0) \
-            if len(codes) else torch.zeros_like(child)
-        return child, code, real
-
     def items_of(self, leaf: int, policy: str) -> np.ndarray:
         items = self.leaf_items[self.leaf_ptr[leaf]:self.leaf_ptr[leaf + 1]]
         return items[:1] if policy == "first" else items

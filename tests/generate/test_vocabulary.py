@@ -1,5 +1,6 @@
-"""The SID trie against a plain Python dictionary of prefixes: its child grid (what beam search
-may select), leaves and item lists, on random, skewed and degenerate catalogs."""
+"""The SID trie against a plain Python dictionary of prefixes: the children beam selection
+offers (``kernels.trie_topk`` over the trie's tables), leaves and item lists, on random,
+skewed and degenerate catalogs."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from streamgr.kernels.trie_topk import trie_topk_reference
 from streamgr.selection.vocabulary import Catalog, SidTrie, random_catalog
 
 
@@ -19,8 +21,22 @@ def prefix_children(cat: Catalog) -> dict[tuple, list[int]]:
 
 
 def walk(trie: SidTrie, valid: torch.Tensor, nodes: torch.Tensor, level: int):
-    child, code, real = trie.child_grid(level, nodes, valid)
-    assert child.shape == code.shape == real.shape == (len(nodes), max(trie.max_fanout[level], 1))
+    """The [beams, F] grid of children that selection sees: every candidate kept (all score
+    0, so the order is the grid's), put back at its grid slot."""
+    B, F = len(nodes), max(trie.max_fanout[level], 1)
+    ptr, codes = trie.tables(level, torch.device("cpu"))
+    scores = torch.where(valid, 0.0, float("-inf")).view(1, B)
+    off = trie.level_offset[level]
+    logp = torch.zeros(B, off + trie.codebook_sizes[level])
+    top, parent, child_s, code_s = trie_topk_reference(scores, nodes.view(1, B), logp, ptr, codes,
+                                                       off, F, B * F, torch.tensor([B * F]))
+    child = torch.full((B, F), -1, dtype=torch.long)
+    code = torch.zeros(B, F, dtype=torch.long)
+    real = torch.zeros(B, F, dtype=torch.bool)
+    for i in torch.nonzero(torch.isfinite(top[0])).view(-1).tolist():
+        b, ch = int(parent[0, i]), int(child_s[0, i])
+        j = ch - int(ptr[nodes[b]])
+        child[b, j], code[b, j], real[b, j] = ch, code_s[0, i], True
     return child, code, real
 
 

@@ -1,0 +1,105 @@
+"""Trie-constrained beam selection: each beam's trie children scored, each request's top ``k``.
+
+One step of the SID beam search (RecoGEM section 3.2): beam ``b`` of request ``r`` with score
+``s[r, b]`` at trie node ``n[r, b]`` offers its children ``ptr[n] .. ptr[n+1]`` (codes
+``codes[child]``), each scored ``s[r, b] + logp[r * B + b, off + code]``. Candidates are laid out
+as Hugging Face's flattened beams x children grid, ``c = b * F + j`` (``F`` the level's widest
+fan-out; a non-child or a dead beam's slot scores ``-inf``). The ``k`` best per request come out
+best first, ties to the lower ``c`` (a stable order: deterministic on every device), with
+their parent beam, child node and code; ranks at or past a request's own width ``cap[r]`` score
+``-inf``.
+
+Kernels (Numba CUDA, on torch's stream, captured inside the decode plans' CUDA graphs):
+``expand`` writes every candidate's score and a 64-bit key ``order(score) << 32 | ~c`` (unique,
+so no ties are left to break); ``reduce`` cuts each request's keys into groups of ``S`` and keeps
+each group's top ``k`` by an in-shared-memory radix select (8-bit digits from the top, stopping
+as soon as a digit settles the set); ``final`` does the same on the last group, sorts the ``k``
+(bitonic) and decodes them. Rows of 2M candidates go through a few ``reduce`` levels, each a
+full-GPU launch. ``NUMBA_ENABLE_CUDASIM=1`` runs the same kernels on the CPU with small groups,
+so CI checks their logic. The torch reference (``trie_topk_reference``) carries the CPU path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import torch
+
+from ..errors import StreamgrError
+
+NEG_INF = float("-inf")
+SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+# Threads per block and keys per group: small under the simulator so its tests run every
+# level with small inputs.
+TPB, S = (32, 64) if SIMULATED else (256, 4096)
+MAX_K = 1024
+
+
+def trie_topk_reference(scores: torch.Tensor, nodes: torch.Tensor, logp: torch.Tensor,
+                        ptr: torch.Tensor, codes: torch.Tensor, off: int, fanout: int, k: int,
+                        cap: torch.Tensor):
+    """(top [R, k] fp32, parent [R, k], child [R, k], code [R, k]) as the module docstring says.
+    ``scores``, ``nodes``: [R, B]; ``logp``: [R * B, V]; ``cap``: [R]."""
+    R, B = scores.shape
+    F = max(fanout, 1)
+    valid = torch.isfinite(scores).view(-1)
+    n = torch.where(valid, nodes.view(-1), 0)
+    lo = ptr[n]
+    count = torch.where(valid, ptr[n + 1] - lo, 0)
+    slot = torch.arange(F, device=scores.device)
+    real = slot[None, :] < count[:, None]
+    child = torch.where(real, lo[:, None] + slot[None, :], 0)
+    code = torch.where(real, codes[child.clamp(max=max(len(codes) - 1, 0))], 0) if len(codes) \
+        else torch.zeros_like(child)
+    cand = scores.view(-1, 1).float() + logp.float().gather(1, off + code)
+    cand = cand.masked_fill(~real, NEG_INF).view(R, B * F)
+    top, idx = torch.sort(cand, dim=1, descending=True, stable=True)
+    top, idx = top[:, :k], idx[:, :k]
+    rank = torch.arange(k, device=scores.device)[None, :]
+    top = top.masked_fill(rank >= cap.view(-1, 1), NEG_INF)
+    return (top, idx // F, child.view(R, B * F).gather(1, idx),
+            code.view(R, B * F).gather(1, idx))
+
+
+def _check(scores, nodes, logp, k, fanout):
+    if scores.dim() != 2 or nodes.shape != scores.shape:
+        raise StreamgrError("trie_topk: scores and nodes must be [requests, beams]")
+    if logp.dim() != 2 or logp.shape[0] != scores.numel():
+        raise StreamgrError(f"trie_topk: logp must be [requests * beams, vocab], got "
+                            f"{tuple(logp.shape)}")
+    if not 1 <= k <= min(MAX_K, scores.shape[1] * max(fanout, 1)):
+        raise StreamgrError(f"trie_topk: k = {k} outside 1..min({MAX_K}, beams x fan-out)")
+
+
+def usable(t: torch.Tensor) -> bool:
+    """The Numba kernels run for these tensors (CUDA with numba-cuda). Under the simulator
+    they run only when asked (``impl="numba"``): it is far too slow to serve with."""
+    if SIMULATED or not t.is_cuda or os.environ.get("STREAMGR_KERNELS", "").lower() == "torch":
+        return False
+    return _numba_cuda() is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _numba_cuda():
+    try:
+        from numba import cuda
+        return cuda if cuda.is_available() else None
+    except Exception:  # not installed, or its numpy is not one it supports
+        return None
+
+
+def trie_topk(scores: torch.Tensor, nodes: torch.Tensor, logp: torch.Tensor, ptr: torch.Tensor,
+              codes: torch.Tensor, off: int, fanout: int, k: int, cap: torch.Tensor,
+              impl: str | None = None):
+    """Numba kernels where they run (CUDA), else the reference; ``impl`` = ``"numba"`` or
+    ``"torch"`` forces one (``"numba"`` on the CPU needs ``NUMBA_ENABLE_CUDASIM=1``)."""
+    _check(scores, nodes, logp, k, fanout)
+    if impl == "numba" and SIMULATED and k > S // 4:
+        raise StreamgrError(f"trie_topk: the simulator's groups of {S} keys take k <= {S // 4}")
+    use = usable(scores) if impl is None else impl == "numba"
+    if not use:
+        return trie_topk_reference(scores, nodes, logp, ptr, codes, off, fanout, k, cap)
+    from . import trie_topk_numba as nb
+    return nb.run(scores, nodes, logp, ptr, codes, off, max(fanout, 1), k, cap)

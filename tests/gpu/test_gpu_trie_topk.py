@@ -1,0 +1,65 @@
+"""GPU: the Numba selection kernels against their torch reference, bit for bit: random tries
+with fan-outs 1 to 8,192, ties, dead beams, beams 1 to 1,024, requests of different widths."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from streamgr.kernels import trie_topk as tt
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device("cuda")
+
+
+def level(R, B, fan_max, V, seed, ties=False, dead=0.1, uniform=False):
+    rng = np.random.default_rng(seed)
+    n_nodes = max(B, 4)
+    counts = np.full(n_nodes, fan_max) if uniform else rng.integers(0, fan_max + 1, size=n_nodes)
+    counts[0] = fan_max  # the widest fan-out is reached
+    ptr = np.concatenate([[0], np.cumsum(counts)])
+    codes = np.concatenate([np.sort(rng.choice(V, size=c, replace=False)) for c in counts])
+    nodes = rng.integers(n_nodes, size=(R, B))
+    scores = rng.normal(size=(R, B)).astype(np.float32) * 3
+    scores[rng.random((R, B)) < dead] = -np.inf
+    logp = rng.normal(size=(R * B, V + 5)).astype(np.float32)
+    if ties:
+        logp = np.round(logp * 2) / 2
+        scores = np.where(np.isfinite(scores), np.round(scores), scores).astype(np.float32)
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(DEV)  # noqa: E731
+    return t(scores), t(nodes), t(logp), t(ptr), t(codes.astype(np.int64)), 5, int(counts.max())
+
+
+def test_numba_is_used():
+    assert tt.usable(torch.zeros(1, device=DEV)), "numba-cuda is not usable on this machine"
+
+
+@pytest.mark.parametrize("R,B,fan,k,ties", [
+    (1, 1, 1, 1, False), (3, 1, 8192, 256, False), (16, 256, 177, 256, False),
+    (16, 256, 3, 256, True), (2, 1024, 40, 1024, False), (4, 64, 8192, 1024, True),
+    (5, 37, 13, 100, True), (1, 256, 8192, 256, False)])
+def test_trie_topk_equals_reference(R, B, fan, k, ties):
+    case = level(R, B, fan, V=max(fan, 64) * 2, seed=R * 1000 + B + fan, ties=ties,
+                 uniform=(B == 256 and fan == 8192))
+    k = min(k, B * case[-1])
+    cap = torch.randint(1, k + 1, (R,), device=DEV)
+    cap[0] = k
+    ref = tt.trie_topk_reference(*case, k, cap)
+    got = tt.trie_topk(*case, k, cap, impl="numba")
+    for name, a, b in zip(("top", "parent", "child", "code"), got, ref):
+        assert torch.equal(a, b), name
+
+
+def test_trie_topk_inside_a_cuda_graph():
+    case = level(8, 256, 177, V=400, seed=3)
+    cap = torch.full((8,), 256, device=DEV)
+    out = tt.trie_topk(*case, 256, cap, impl="numba")  # compiles outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = tt.trie_topk(*case, 256, cap, impl="numba")
+    case[2].normal_()  # new log-probabilities, then a replay
+    g.replay()
+    ref = tt.trie_topk_reference(*case, 256, cap)
+    for a, b in zip(out, ref):
+        assert torch.equal(a, b)

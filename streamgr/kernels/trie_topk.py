@@ -39,9 +39,11 @@ MAX_K = 1024
 
 def trie_topk_reference(scores: torch.Tensor, nodes: torch.Tensor, logp: torch.Tensor,
                         ptr: torch.Tensor, codes: torch.Tensor, off: int, fanout: int, k: int,
-                        cap: torch.Tensor):
+                        cap: torch.Tensor, stable: bool = True):
     """(top [R, k] fp32, parent [R, k], child [R, k], code [R, k]) as the module docstring says.
-    ``scores``, ``nodes``: [R, B]; ``logp``: [R * B, V]; ``cap``: [R]."""
+    ``scores``, ``nodes``: [R, B]; ``logp``: [R * B, V]; ``cap``: [R]. ``stable=False`` selects
+    with ``torch.topk`` (the serving default: the fastest measured, ties as Hugging Face's beam
+    search breaks them, device-dependent)."""
     R, B = scores.shape
     F = max(fanout, 1)
     valid = torch.isfinite(scores).view(-1)
@@ -55,8 +57,11 @@ def trie_topk_reference(scores: torch.Tensor, nodes: torch.Tensor, logp: torch.T
         else torch.zeros_like(child)
     cand = scores.view(-1, 1).float() + logp.float().gather(1, off + code)
     cand = cand.masked_fill(~real, NEG_INF).view(R, B * F)
-    top, idx = torch.sort(cand, dim=1, descending=True, stable=True)
-    top, idx = top[:, :k], idx[:, :k]
+    if stable:
+        top, idx = torch.sort(cand, dim=1, descending=True, stable=True)
+        top, idx = top[:, :k], idx[:, :k]
+    else:
+        top, idx = cand.topk(k, dim=1)
     rank = torch.arange(k, device=scores.device)[None, :]
     top = top.masked_fill(rank >= cap.view(-1, 1), NEG_INF)
     return (top, idx // F, child.view(R, B * F).gather(1, idx),
@@ -73,10 +78,15 @@ def _check(scores, nodes, logp, k, fanout):
         raise StreamgrError(f"trie_topk: k = {k} outside 1..min({MAX_K}, beams x fan-out)")
 
 
+# STREAMGR_SELECTION=numba serves with the Numba kernels. Not the default: on the H200 they
+# ran 0.4-1.0x torch.topk's speed at gen-ref's shapes (docs/benchmarks.md).
+DEFAULT_IMPL = os.environ.get("STREAMGR_SELECTION", "topk").lower()
+
+
 def usable(t: torch.Tensor) -> bool:
-    """The Numba kernels run for these tensors (CUDA with numba-cuda). Under the simulator
+    """The Numba kernels can run for these tensors (CUDA with numba-cuda). Under the simulator
     they run only when asked (``impl="numba"``): it is far too slow to serve with."""
-    if SIMULATED or not t.is_cuda or os.environ.get("STREAMGR_KERNELS", "").lower() == "torch":
+    if SIMULATED or not t.is_cuda:
         return False
     return _numba_cuda() is not None
 
@@ -93,13 +103,15 @@ def _numba_cuda():
 def trie_topk(scores: torch.Tensor, nodes: torch.Tensor, logp: torch.Tensor, ptr: torch.Tensor,
               codes: torch.Tensor, off: int, fanout: int, k: int, cap: torch.Tensor,
               impl: str | None = None):
-    """Numba kernels where they run (CUDA), else the reference; ``impl`` = ``"numba"`` or
-    ``"torch"`` forces one (``"numba"`` on the CPU needs ``NUMBA_ENABLE_CUDASIM=1``)."""
+    """``impl``: ``"topk"`` (the default, ``STREAMGR_SELECTION``): the reference over
+    ``torch.topk``; ``"numba"``: the Numba kernels (CUDA; the CPU under
+    ``NUMBA_ENABLE_CUDASIM=1``), stable ties; ``"stable"``: the reference with stable ties."""
     _check(scores, nodes, logp, k, fanout)
+    impl = impl or DEFAULT_IMPL
     if impl == "numba" and SIMULATED and k > S // 4:
         raise StreamgrError(f"trie_topk: the simulator's groups of {S} keys take k <= {S // 4}")
-    use = usable(scores) if impl is None else impl == "numba"
-    if not use:
-        return trie_topk_reference(scores, nodes, logp, ptr, codes, off, fanout, k, cap)
+    if impl != "numba" or not (SIMULATED or usable(scores)):
+        return trie_topk_reference(scores, nodes, logp, ptr, codes, off, fanout, k, cap,
+                                   stable=impl == "stable")
     from . import trie_topk_numba as nb
     return nb.run(scores, nodes, logp, ptr, codes, off, max(fanout, 1), k, cap)

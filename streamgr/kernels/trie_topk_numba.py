@@ -114,7 +114,7 @@ def _expand(scores, nodes, logp, ptr, codes, off, F, B, cand, keys):
         if j < ptr[n + 1] - lo:
             val = s + logp[r * B + b, off + codes[lo + j]]
     cand[r, c] = val
-    keys[r, c] = _compose(_bits(val), c)
+    keys[r, c] = _compose(_bits(val + float32(0.0)), c)  # -0.0 keys as +0.0: they compare equal
 
 
 @cuda.jit

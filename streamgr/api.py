@@ -1,7 +1,8 @@
 """Public request, result and stats types of the embedded engine (``msgspec.Struct``s).
 
-The same structs are what the socket protocol carries, so a request built for the embedded
-engine can be sent to a server unchanged.
+The socket protocol has its own wire structs (``streamgr.protocol.messages``); the client takes
+and returns these, so a request built for the embedded engine goes to a server unchanged.
+Imports msgspec only: the thin client uses these types without torch.
 """
 
 from __future__ import annotations

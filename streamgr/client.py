@@ -186,14 +186,24 @@ class AsyncClient:
             _ints(request.candidates), request.base_len, deadline_ms), timeout)
         return api.RankResult(scores=reply.scores, stats=msgspec.convert(reply.stats, api.RankStats))
 
+    async def rank_many(self, requests: list[api.RankRequest], deadline_ms: float | None = None,
+                        timeout: float | None = None) -> list[api.RankResult]:
+        """All in flight at once on this connection (they can batch on the server); results
+        in order; the first error raises."""
+        return list(await asyncio.gather(*(self.rank(r, deadline_ms, timeout) for r in requests)))
+
+    async def generate_many(self, requests: list, deadline_ms: float | None = None,
+                            timeout: float | None = None) -> list:
+        return list(await asyncio.gather(*(self.generate(r, deadline_ms, timeout)
+                                           for r in requests)))
+
     async def generate(self, request, deadline_ms: float | None = None,
                        timeout: float | None = None):
         reply = await self._call(lambda rid: m.GenerateRequest(
             rid, request.user_id, _ints(request.history), request.top_k, request.beam_width,
             deadline_ms), timeout)
-        from .api import GenerateResult, GenerateStats
-        return GenerateResult(items=reply.items, scores=reply.scores, sids=reply.sids,
-                              stats=msgspec.convert(reply.stats, GenerateStats))
+        return api.GenerateResult(items=reply.items, scores=reply.scores, sids=reply.sids,
+                                  stats=msgspec.convert(reply.stats, api.GenerateStats))
 
     async def stats(self, timeout: float | None = None) -> dict[str, Any]:
         return (await self._call(lambda rid: m.StatsRequest(rid), timeout)).stats
@@ -238,6 +248,13 @@ class Client:
 
     def generate(self, request, deadline_ms: float | None = None, timeout: float | None = None):
         return self._call(self._client.generate(request, deadline_ms, timeout))
+
+    def rank_many(self, requests, deadline_ms: float | None = None, timeout: float | None = None):
+        return self._call(self._client.rank_many(requests, deadline_ms, timeout))
+
+    def generate_many(self, requests, deadline_ms: float | None = None,
+                      timeout: float | None = None):
+        return self._call(self._client.generate_many(requests, deadline_ms, timeout))
 
     def health(self) -> m.HealthReply:
         return self._call(self._client.health())

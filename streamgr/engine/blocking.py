@@ -8,13 +8,14 @@ import threading
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..api import RankRequest, RankResult
+from ..api import GenerateRequest, GenerateResult, RankRequest, RankResult
 from ..config import Spec
 from .core import Engine
 
 
 class BlockingEngine:
-    """``with BlockingEngine("rank-small") as eng: eng.rank(RankRequest(...))``"""
+    """``with BlockingEngine("rank-small") as eng: eng.rank(RankRequest(...))`` (and
+    ``generate`` / ``generate_many`` on a generate spec)."""
 
     def __init__(self, path_or_spec: str | Path | Spec | Mapping[str, Any] | Engine,
                  overrides: Mapping[str, Any] | None = None) -> None:
@@ -36,6 +37,15 @@ class BlockingEngine:
         """Submit all at once so they batch together; results in order."""
         async def go():
             return await asyncio.gather(*(self.engine.rank(r) for r in requests))
+        return self._call(go())
+
+    def generate(self, request: GenerateRequest, timeout: float | None = None) -> GenerateResult:
+        return self._call(self.engine.generate(request), timeout)
+
+    def generate_many(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        """Submit all at once so they batch together; results in order."""
+        async def go():
+            return await asyncio.gather(*(self.engine.generate(r) for r in requests))
         return self._call(go())
 
     def stats(self) -> dict:

@@ -185,7 +185,10 @@ class Engine:
             return
         self._closing = True
         t_end = time.monotonic() + drain_timeout
-        while self._inflight and time.monotonic() < t_end and not self._task.done():
+        loops = [t for t in (self._task, self._gen_task) if t is not None]
+        # Both loops drain (a generate-only engine's rank loop ends at once: not a reason to
+        # stop waiting), until the deadline or until every loop has died.
+        while self._inflight and time.monotonic() < t_end and not all(t.done() for t in loops):
             await asyncio.sleep(0.005)
         for task in (self._task, self._gen_task):
             task.cancel()
@@ -198,8 +201,9 @@ class Engine:
         for runner in (self.runner, self.gen_runner):
             if runner is not None:
                 await asyncio.get_running_loop().run_in_executor(self._executor, runner.close)
-        self._executor.shutdown(wait=True)
-        self._finisher.shutdown(wait=True)
+        loop = asyncio.get_running_loop()
+        for ex in (self._executor, self._finisher):  # joined off the event loop
+            await loop.run_in_executor(None, ex.shutdown, True)
         if self.spec.engine.gc_freeze:  # what start froze may be garbage now: collectable again
             gc.unfreeze()
         self._task = None
@@ -237,7 +241,7 @@ class Engine:
             raise
         fut = asyncio.get_running_loop().create_future()
         self._inflight += 1
-        fut.add_done_callback(self._settled)
+        fut.add_done_callback(self._settled_rank)
         self._batcher.put(Pending(("rank", prepared.user), prepared, fut))
         return fut
 
@@ -253,7 +257,7 @@ class Engine:
             raise
         fut = asyncio.get_running_loop().create_future()
         self._inflight += 1
-        fut.add_done_callback(self._settled)
+        fut.add_done_callback(self._settled_generate)
         # Generation keeps no per-user state: the same user may share a batch.
         self._gen_batcher.put(Pending(("gen", id(fut)), prepared, fut))
         return fut
@@ -314,7 +318,7 @@ class Engine:
                                   compute_ms=(t_done - t_start) * 1e3,
                                   total_ms=(t_done - p.enqueued) * 1e3,
                                   steps=outcome.stages, **per)
-            self.metrics.count("generate_requests")
+            self.metrics.observe_generate(stats)
             p.future.set_result(GenerateResult(items=items, scores=scores, sids=sids,
                                                stats=stats))
 
@@ -324,10 +328,16 @@ class Engine:
             if not p.future.done():
                 p.future.set_exception(EngineClosed("engine closed"))
 
-    def _settled(self, fut: asyncio.Future) -> None:
+    def _settled(self, fut: asyncio.Future, kind: str) -> None:
         self._inflight -= 1
         if fut.cancelled():  # the caller went away
-            self.metrics.count("rank_cancelled")
+            self.metrics.count(f"{kind}_cancelled")
+
+    def _settled_rank(self, fut: asyncio.Future) -> None:
+        self._settled(fut, "rank")
+
+    def _settled_generate(self, fut: asyncio.Future) -> None:
+        self._settled(fut, "generate")
 
     async def rank(self, request: RankRequest) -> RankResult:
         """Scores for ``request.candidates``, in order. Raises typed errors for bad input."""

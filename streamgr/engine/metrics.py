@@ -16,6 +16,8 @@ class EngineMetrics:
         self.counters: Counter[str] = Counter()
         self._lat: deque[float] = deque(maxlen=self.WINDOW)
         self._lat_summary: tuple[int, dict] = (-1, {})  # (observations, summary): reused until one more
+        self._gen_lat: deque[float] = deque(maxlen=self.WINDOW)
+        self._gen_summary: tuple[int, dict] = (-1, {})
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] += n
@@ -29,18 +31,28 @@ class EngineMetrics:
         c["tokens_recomputed"] += stats.tokens_recomputed
         self._lat.append(stats.total_ms)
 
+    def observe_generate(self, stats) -> None:
+        self.counters["generate_requests"] += 1
+        self._gen_lat.append(stats.total_ms)
+
+    @staticmethod
+    def _summary(cache: tuple[int, dict], n: int, lat: deque) -> tuple[int, dict]:
+        if cache[0] == n:  # percentiles cost O(window): only when something changed
+            return cache
+        a = np.array(lat) if lat else None
+        return (n, {} if a is None else {
+            "mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
+            "p99": float(np.percentile(a, 99)), "window": int(a.size)})
+
     def snapshot(self) -> dict:
         c = self.counters
         hist = c["history_tokens"]
-        n = c["rank_requests"]
-        if self._lat_summary[0] != n:  # percentiles cost O(window): only when something changed
-            lat = np.array(self._lat) if self._lat else None
-            self._lat_summary = (n, {} if lat is None else {
-                "mean": float(lat.mean()), "p50": float(np.percentile(lat, 50)),
-                "p99": float(np.percentile(lat, 99)), "window": int(lat.size)})
+        self._lat_summary = self._summary(self._lat_summary, c["rank_requests"], self._lat)
+        self._gen_summary = self._summary(self._gen_summary, c["generate_requests"], self._gen_lat)
         return {
             "counters": dict(c),
             "gpu_hit_ratio": c["tokens_from_gpu"] / hist if hist else 0.0,
             "total_hit_ratio": (c["tokens_from_gpu"] + c["tokens_from_host"]) / hist if hist else 0.0,
-            "latency_ms": dict(self._lat_summary[1]),
+            "latency_ms": dict(self._lat_summary[1]),  # rank requests
+            "generate_latency_ms": dict(self._gen_summary[1]),
         }

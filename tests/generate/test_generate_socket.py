@@ -61,3 +61,60 @@ def test_rank_only_engine_refuses_generate():
             except UnsupportedRequest as err:
                 return err
     assert "does not serve generate" in str(asyncio.run(go()))
+
+
+def test_rank_and_generate_alike_blocking_and_many():
+    """The blocking engine and both clients take generate as they take rank, one by one or
+    many at once (results in order)."""
+    from streamgr import BlockingEngine, GenerateResult
+    reqs = [GenerateRequest(user_id=u, history=[1 + u, 2, 3], top_k=5) for u in range(6)]
+    with BlockingEngine("gen-small", {"engine.device": "cpu"}) as eng:
+        one = eng.generate(reqs[0])
+        many = eng.generate_many(reqs)
+        assert isinstance(one, GenerateResult) and one.items == many[0].items
+        assert [len(r.items) for r in many] == [5] * 6
+
+        async def serve_and_call():
+            srv = Server(eng.engine)
+            addr = (await srv.start("127.0.0.1", 0))[0]
+            return srv, addr
+        srv, addr = eng._call(serve_and_call())
+        with Client(addr) as c:
+            remote = c.generate_many(reqs)
+            assert c.health().ready
+        eng._call(srv.shutdown(1.0))
+    assert [r.items for r in remote] == [r.items for r in many]
+    assert [r.scores for r in remote] == [r.scores for r in many]
+
+
+def test_engine_stats_have_generate_latency_and_cancellations():
+    async def go():
+        async with Engine.from_spec("gen-small", {"engine.device": "cpu",
+                                                  "engine.max_wait_ms": 50.0}) as eng:
+            await asyncio.gather(*(eng.generate(GenerateRequest(user_id=u, history=[1, 2],
+                                                                top_k=3)) for u in range(5)))
+            t = asyncio.ensure_future(eng.generate(GenerateRequest(user_id=9, history=[1],
+                                                                   top_k=3)))
+            await asyncio.sleep(0)
+            t.cancel()
+            await asyncio.sleep(0.1)
+            return eng.stats()
+    st = asyncio.run(go())
+    c = st["counters"]
+    assert c["generate_requests"] == 5 and c.get("generate_cancelled") == 1
+    assert "rank_cancelled" not in c
+    lat = st["generate_latency_ms"]
+    assert lat["window"] == 5 and 0 < lat["p50"] <= lat["p99"]
+
+
+def test_closing_a_generate_only_engine_drains_its_requests():
+    async def go():
+        eng = Engine.from_spec("gen-small", {"engine.device": "cpu", "engine.max_wait_ms": 30.0})
+        await eng.start()
+        tasks = [asyncio.ensure_future(eng.generate(GenerateRequest(user_id=u, history=[1, 2],
+                                                                    top_k=3))) for u in range(6)]
+        await asyncio.sleep(0)  # admitted, waiting in the batcher
+        await eng.close(drain_timeout=30.0)
+        return await asyncio.gather(*tasks, return_exceptions=True)
+    res = asyncio.run(go())
+    assert all(not isinstance(r, BaseException) and len(r.items) == 3 for r in res), res

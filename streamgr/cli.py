@@ -115,23 +115,47 @@ def cmd_serve(args) -> int:
     return main_serve(args, _overrides(args.overrides))
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _common() -> argparse.ArgumentParser:
+    """Options every command takes (``--log-level``), as an argparse parent."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--log-level", choices=LOG_LEVELS, default=None, type=str.upper,
+                   help="log verbosity on stderr (default: INFO for serve, WARNING otherwise)")
+    return p
+
+
+class _Sub:
+    """``add_parser`` with the common options and defaults shown in every --help."""
+
+    def __init__(self, sub, common):
+        self.sub, self.common = sub, common
+
+    def add_parser(self, name, **kw):
+        kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        return self.sub.add_parser(name, parents=[self.common], **kw)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
     parser = argparse.ArgumentParser(prog="streamgr", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"streamgr {__version__}")
+    sub = _Sub(parser.add_subparsers(dest="command", required=True), _common())
 
     p = sub.add_parser("init-model", help="write a random-weight checkpoint for a spec")
     p.add_argument("--spec", required=True, help="spec file or built-in name")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", dest="overrides")
     p.add_argument("--out", required=True, type=Path, help="output directory")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="weights seed")
     p.set_defaults(func=cmd_init_model)
 
     p = sub.add_parser("demo", help="run a short synthetic workload and print a latency table")
     _add_spec(p, required=False, default="rank-small")
-    p.add_argument("--requests", type=int, default=300)
-    p.add_argument("--users", type=int, default=48)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--requests", type=int, default=300, help="requests to send")
+    p.add_argument("--users", type=int, default=48, help="distinct users among them")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("contract", help="print the deployment contract of a generate spec")
@@ -146,14 +170,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unix", default=None, help="also listen on this Unix socket path")
     p.add_argument("--token-file", default=None, help="file holding a shared token for Hello")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus text endpoint")
-    p.add_argument("--max-connections", type=int, default=1024)
-    p.add_argument("--max-inflight", type=int, default=1024)
-    p.add_argument("--max-frame", type=int, default=16 * 1024 * 1024)
-    p.add_argument("--idle-timeout", type=float, default=300.0)
-    p.add_argument("--read-timeout", type=float, default=10.0)
-    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections; past it a new one gets OVERLOADED")
+    p.add_argument("--max-inflight", type=int, default=1024,
+                   help="requests in flight across the server; past it OVERLOADED")
+    p.add_argument("--max-frame", type=int, default=16 * 1024 * 1024,
+                   help="largest frame body in bytes")
+    p.add_argument("--idle-timeout", type=float, default=300.0,
+                   help="seconds a connection may sit without a frame")
+    p.add_argument("--read-timeout", type=float, default=10.0,
+                   help="seconds to finish a frame once it started")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for requests in flight")
     p.add_argument("--loop", choices=["auto", "uvloop", "asyncio"], default="auto",
                    help="event loop (auto: uvloop where installed)")
+    p.add_argument("--access-log", action="store_true",
+                   help="log one line per request (logger streamgr.access, INFO)")
     p.set_defaults(func=cmd_serve)
 
     from .trace.cli import add_trace_commands
@@ -162,7 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import logging
     args = build_parser().parse_args(argv)
+    level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except (StreamgrError, ValueError, OSError) as err:

@@ -2,7 +2,9 @@
 
 A delta request says "``base_len`` events you already have, plus these". The engine answers it
 only if it still holds exactly ``base_len`` events of that user; otherwise ``HistoryRequired``
-tells the client to resend the full history. Bounded by a total event budget, LRU.
+tells the client to resend the full history. Bounded by a total event budget, LRU, in which
+every user also costs ``USER_COST`` events (its entry's own memory), so many users with short
+or empty histories are bounded too.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from typing import Hashable
 import numpy as np
 
 from ..errors import HistoryRequired
+
+
+USER_COST = 32  # events' worth of memory per user entry (dict slot, two arrays' headers)
 
 
 class HistoryStore:
@@ -43,11 +48,11 @@ class HistoryStore:
     def remember(self, user: Hashable, items: np.ndarray, actions: np.ndarray) -> None:
         old = self._users.pop(user, None)
         if old is not None:
-            self._events -= len(old[0])
-        if len(items) > self.capacity:
+            self._events -= len(old[0]) + USER_COST
+        if len(items) + USER_COST > self.capacity:
             return
         self._users[user] = (items.astype(np.int32), actions.astype(np.int32))
-        self._events += len(items)
+        self._events += len(items) + USER_COST
         while self._events > self.capacity:
             _, (i, _) = self._users.popitem(last=False)
-            self._events -= len(i)
+            self._events -= len(i) + USER_COST

@@ -45,13 +45,17 @@ def _ids(name: str, value, low: int, high: int) -> np.ndarray:
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     if arr.dtype.kind not in "iu":
+        if arr.dtype.kind in "fO" and all(type(v) is int for v in value):
+            # ints past int64/uint64 (numpy fell back to float or object): out of range, said
+            # as the id sent, never as a wrapped or rounded number
+            bad = max(value, key=lambda v: v if v >= high else (-v if v < low else -1))
+            raise IdOutOfRange(f"`{name}` holds id {bad}, outside [{low}, {high})")
         raise InvalidRequest(f"`{name}` must hold integers, got {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
-    lo, hi = int(arr.min()), int(arr.max())
+    lo, hi = int(arr.min()), int(arr.max())  # before any cast: 2**63 (uint64) stays itself
     if lo < low or hi >= high:
         bad = lo if lo < low else hi
         raise IdOutOfRange(f"`{name}` holds id {bad}, outside [{low}, {high})")
-    return arr
+    return arr.astype(np.int64, copy=False)
 
 
 def prepare_rank(req: RankRequest, cfg: HSTUConfig) -> PreparedRank:

@@ -72,10 +72,12 @@ async def _metrics_http(server: Server, reader: asyncio.StreamReader,
 
 async def serve(spec, overrides=None, host: str = "127.0.0.1", port: int | None = 7700,
                 unix: str | None = None, token: str | None = None, metrics_port: int | None = None,
-                limits: ServerLimits | None = None, drain_timeout: float = 30.0) -> int:
+                limits: ServerLimits | None = None, drain_timeout: float = 30.0,
+                access_log: bool = False) -> int:
     engine = Engine.from_spec(spec, overrides)
+    log_startup(engine)
     await engine.start()
-    server = Server(engine, limits, token)
+    server = Server(engine, limits, token, access_log=access_log)
     addrs = await server.start(host, port, unix)
     metrics = None
     if metrics_port is not None:
@@ -114,6 +116,19 @@ async def serve(spec, overrides=None, host: str = "127.0.0.1", port: int | None 
     return 0 if drained else 1
 
 
+def log_startup(engine) -> None:
+    """One line with the spec as it runs (overrides applied) and the devices."""
+    import json
+
+    import msgspec
+    import torch
+    dev = engine.device
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    log.info("spec %s on %s (%s, %s): %s", engine.spec.name, dev, name,
+             str(engine.dtype).replace("torch.", ""),
+             json.dumps(msgspec.to_builtins(engine.spec), separators=(",", ":")))
+
+
 def run(coro, loop: str = "auto") -> int:
     """Run on uvloop where installed (``loop="auto"``), or the named loop."""
     if loop in ("auto", "uvloop"):
@@ -137,14 +152,12 @@ def read_token(path: str | None) -> str | None:
 
 
 def main_serve(args, overrides) -> int:
-    if not args.host or not args.host.strip():
+    if not (args.host or "").strip():
         raise StreamgrError("--host must be an address (127.0.0.1, 0.0.0.0, ::); an empty one "
                             "would open no protocol listener")
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     limits = ServerLimits(max_connections=args.max_connections, max_frame=args.max_frame,
                           max_inflight=args.max_inflight, idle_timeout=args.idle_timeout,
                           read_timeout=args.read_timeout)
     return run(serve(args.spec, overrides, args.host, args.port, args.unix,
-                     read_token(args.token_file), args.metrics_port, limits, args.drain_timeout),
-               args.loop)
+                     read_token(args.token_file), args.metrics_port, limits, args.drain_timeout,
+                     args.access_log), args.loop)

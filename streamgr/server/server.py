@@ -28,6 +28,7 @@ from ..protocol import framing, messages as m
 from .metrics import ServerMetrics
 
 log = logging.getLogger("streamgr.server")
+access = logging.getLogger("streamgr.access")
 
 
 @dataclass
@@ -236,8 +237,9 @@ def _guess_id(codec: framing.Codec, body: bytes) -> int | None:
 
 class Server:
     def __init__(self, engine, limits: ServerLimits | None = None, token: str | None = None,
-                 name: str = "streamgr/0.1.0") -> None:
+                 name: str = "streamgr/0.1.0", access_log: bool = False) -> None:
         self.engine = engine
+        self.access_log = access_log  # one INFO line per request on "streamgr.access"
         self.limits = limits or ServerLimits()
         self.token = token
         self.name = name
@@ -420,7 +422,11 @@ class Server:
             else:
                 conn.send(m.GenerateReply(msg.id, result.items, result.scores, result.sids,
                                           msgspec.to_builtins(result.stats)))
-        self.metrics.observe(kind, outcome, time.monotonic() - t0)
+        dt = time.monotonic() - t0
+        self.metrics.observe(kind, outcome, dt)
+        if self.access_log:
+            access.info("%s %s id=%d user=%r %s %.2f ms", conn.peer(), kind, msg.id,
+                        msg.user_id, outcome, dt * 1e3)
 
     async def _generate(self, msg):
         gen = getattr(self.engine, "generate", None)

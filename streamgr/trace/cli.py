@@ -10,6 +10,8 @@ from pathlib import Path
 def add_trace_commands(sub, overrides_fn) -> None:
     p = sub.add_parser("trace", help="trace tool: convert, synth, stats, replay, report")
     tsub = p.add_subparsers(dest="trace_command", required=True)
+    if hasattr(sub, "common"):  # the same common options and --help defaults as every command
+        tsub = type(sub)(tsub, sub.common)
 
     c = tsub.add_parser("convert", help="a dataset log -> a trace")
     csub = c.add_subparsers(dest="dataset", required=True)

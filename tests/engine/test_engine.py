@@ -166,3 +166,13 @@ async def test_close_mid_flight_settles_every_rank_request():
     refused = [r for r in out if isinstance(r, Exception)]
     assert all(isinstance(r, E.EngineClosed) for r in refused), refused[:3]
     assert refused and len(refused) < len(out)
+
+
+@pytest.mark.parametrize("bad", [2**63, 2**64 + 5, -2**70])
+async def test_huge_ids_are_named_as_sent(bad):
+    from streamgr.errors import IdOutOfRange
+    async with Engine.from_spec("rank-small", small_overrides()) as eng:
+        with pytest.raises(IdOutOfRange, match=rf"holds id {bad},"):
+            await eng.rank(RankRequest(user_id=1, items=[1, bad], actions=[0, 1], candidates=[2]))
+        r = await eng.rank(RankRequest(user_id=1, items=[1], actions=[0], candidates=[2]))
+        assert len(r.scores) == 1

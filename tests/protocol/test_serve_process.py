@@ -92,3 +92,32 @@ def test_prometheus_endpoint():
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
+
+
+def test_logs_startup_access_and_auth_failures_and_health(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    proc, port, line = start_server("uvloop", "--access-log", "--token-file", str(token),
+                                    "--metrics-port", "0")
+    try:
+        mport = int(re.search(r"metrics http://127\.0\.0\.1:(\d+)", line).group(1))
+        bad = socket.create_connection(("127.0.0.1", port), timeout=10)
+        bad.sendall(frame(m.Hello(m.PROTOCOL_VERSION, "wrong")))
+        assert isinstance(recv_msg(bad), m.Error)
+        bad.close()
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(frame(m.Hello(m.PROTOCOL_VERSION, "s3cret")))
+        assert isinstance(recv_msg(sock), m.HelloAck)
+        sock.sendall(frame(rank_msg(5, user=77)))
+        assert isinstance(recv_msg(sock), m.RankReply)
+        for path, code in (("/health", 200), ("/ready", 200)):
+            r = urllib.request.urlopen(f"http://127.0.0.1:{mport}{path}", timeout=10)
+            assert r.status == code
+        sock.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    err = proc.stderr.read()
+    assert re.search(r"spec rank-small on cpu \(cpu, float32\): \{.*\"max_history\":64", err), err
+    assert "auth failure from" in err and "wrong token" in err
+    assert re.search(r"streamgr.access: .* rank id=5 user=77 ok [\d.]+ ms", err), err

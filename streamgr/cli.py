@@ -110,6 +110,12 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_spec_doc(args) -> int:
+    from .spec_doc import render
+    print(render())
+    return 0
+
+
 def cmd_serve(args) -> int:
     from .server.main import main_serve
     return main_serve(args, _overrides(args.overrides))
@@ -162,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec(p)
     p.add_argument("--weights", action="store_true", help="list every weight binding")
     p.set_defaults(func=cmd_contract)
+
+    p = sub.add_parser("spec-doc", help="print the spec reference (docs/specs.md)")
+    p.set_defaults(func=cmd_spec_doc)
 
     p = sub.add_parser("serve", help="serve a spec over the msgspec socket protocol")
     _add_spec(p)

@@ -148,3 +148,13 @@ def test_cache_sizes_the_machine_cannot_hold_are_refused():
     with pytest.raises(SpecError, match=r"cache.host_chunks"):
         Engine.from_spec("rank-small", {"engine.device": "cpu", "cache.mode": "hierarchical",
                                         "cache.host_chunks": 10**8})
+
+
+def test_spec_reference_is_complete_and_in_sync():
+    from pathlib import Path
+
+    from streamgr.spec_doc import MEANING, keys, render
+    assert [k for k in keys() if k not in MEANING] == []  # every key has a meaning
+    assert set(MEANING) == set(keys())  # and no meaning outlives its key
+    doc = Path(__file__).resolve().parents[1] / "docs" / "specs.md"
+    assert doc.read_text() == render() + "\n", "docs/specs.md is stale: streamgr spec-doc > docs/specs.md"

@@ -85,7 +85,7 @@ def _synth(args) -> int:
     if args.profile not in PROFILES:
         raise SystemExit(f"streamgr: error: unknown profile {args.profile!r} "
                          f"({', '.join(PROFILES)})")
-    h = write_synth(args.profile, args.out, args.users, args.seed)
+    h = write_synth(args.profile, args.out, args.users, args.seed, progress=True)
     print(f"wrote {args.out}: {h.records:,} {h.kind} requests of {h.users:,} users")
     return 0
 
@@ -100,13 +100,17 @@ def _stats(args) -> int:
 
 def _replay(args) -> int:
     from ..server.main import read_token
-    from .run import format_runs, replay_trace
-    runs = replay_trace(args.trace, args.out, spec=args.spec,
-                        overrides=args._overrides(args.overrides), server=args.server,
-                        batch=args.batch, rate=args.rate, concurrency=args.concurrency,
-                        compare_modes=args.compare_modes, limit=args.limit,
-                        fold_ids=args.fold_ids, candidates=args.candidates,
-                        token=read_token(args.token_file))
+    from .run import Interrupted, format_runs, replay_trace
+    try:
+        runs = replay_trace(args.trace, args.out, spec=args.spec,
+                            overrides=args._overrides(args.overrides), server=args.server,
+                            batch=args.batch, rate=args.rate, concurrency=args.concurrency,
+                            compare_modes=args.compare_modes, limit=args.limit,
+                            fold_ids=args.fold_ids, candidates=args.candidates,
+                            token=read_token(args.token_file))
+    except Interrupted as stop:
+        print(f"streamgr: {stop}", file=sys.stderr)
+        return 130
     print(format_runs(runs))
     print(f"results: {args.out}")
     failed = sum(r.get("errors", 0) for r in runs)

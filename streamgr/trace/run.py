@@ -11,6 +11,7 @@ and one ``request`` line per request (latency, stages, tier, tokens).
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,13 +113,29 @@ def load_generate_requests(path, catalog_ids: np.ndarray | None, fold_ids: bool,
     return out
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a replay: the results so far were written (``path``)."""
+
+    def __init__(self, path, answered: int) -> None:
+        super().__init__(f"interrupted: {answered} answered requests written to {path}")
+        self.path, self.answered = path, answered
+
+
 async def drive(call, reqs: list, concurrency: int, rate: float | None, label: str,
-                progress: bool, mode: str) -> tuple[list[dict], float, list[dict]]:
+                progress: bool, mode: str, sink: dict | None = None
+                ) -> tuple[list[dict], float, list[dict]]:
     """Requests through ``call`` closed-loop (``concurrency`` in flight) or open-loop (Poisson
     arrivals at ``rate``/s; a latency counts from the arrival, so loop lag is not hidden).
-    Returns the records of answered requests, the wall time, and one record per failure."""
+    Returns the records of answered requests, the wall time, and one record per failure;
+    ``sink`` (a dict) sees the same lists as they fill, so an interrupted replay keeps them."""
     records: list[dict] = []
     errors: list[dict] = []
+    if sink is not None:
+        sink.update(records=records, errors=errors, t0=time.perf_counter())
+    if progress:
+        how = (f"open loop at {rate:g}/s: about {len(reqs) / rate:.0f} s" if rate else
+               f"closed loop, {concurrency} in flight")
+        print(f"{label}: {len(reqs):,} requests, {how}", file=sys.stderr, flush=True)
     rng = np.random.default_rng(1)
     with Progress(len(reqs), label, enabled=progress) as bar:
         t0 = time.perf_counter()
@@ -207,14 +224,15 @@ def replay_trace(trace, out, spec=None, overrides=None, server: str | None = Non
     for mode in modes:
         extra = {"trace": str(trace), "spec": sp.name if sp else None, "server": server,
                  "skipped_over_max_history": skipped}
+        sink: dict = {}
         if server is not None:
             from ..client import AsyncClient
 
             async def go():
                 async with AsyncClient(server, token=token) as c:
                     return await drive(c.rank, rank_requests, concurrency, rate,
-                                        f"replay {server}", progress, mode)
-            records, wall, errors = asyncio.run(go())
+                                        f"replay {server}", progress, mode, sink)
+            records, wall, errors = _run(go, out, lines, mode, extra, sink)
         elif batch:
             eng = Engine(load_spec(sp, {"cache.mode": mode}))
             groups = list(batches_of_distinct_users(((r, r.items, r.actions) for r in reqs),
@@ -233,13 +251,27 @@ def replay_trace(trace, out, spec=None, overrides=None, server: str | None = Non
             async def go():
                 async with Engine.from_spec(sp, {"cache.mode": mode}) as eng:
                     return await drive(eng.rank, rank_requests, concurrency, rate,
-                                        f"replay {mode}", progress, mode)
-            records, wall, errors = asyncio.run(go())
+                                        f"replay {mode}", progress, mode, sink)
+            records, wall, errors = _run(go, out, lines, mode, extra, sink)
         run = summarize(mode, records, wall, errors, extra)
         runs.append(run)
         lines += [run, *records, *errors]
     _write_results(out, lines)
     return runs
+
+
+def _run(go, out, lines: list[dict], mode: str, extra: dict, sink: dict):
+    """``asyncio.run(go())``; on Ctrl-C, the runs so far plus this one's answered requests are
+    written to ``out`` (its summary marked ``interrupted``) before ``Interrupted`` is raised."""
+    try:
+        return asyncio.run(go())
+    except KeyboardInterrupt:
+        records = sorted(sink.get("records", []), key=lambda x: x["index"])
+        errors = sink.get("errors", [])
+        wall = time.perf_counter() - sink.get("t0", time.perf_counter())
+        run = summarize(mode, records, wall, errors, {**extra, "interrupted": True})
+        _write_results(out, [*lines, run, *records, *errors])
+        raise Interrupted(out, len(records)) from None
 
 
 def _numpy_scalar(obj):
@@ -265,22 +297,23 @@ def _replay_generate(trace, out, sp, server, rate, concurrency, compare_modes, b
         raise ReplayError(f"spec {sp.name} serves no generate model; the trace is generate")
     ids = engine.gen_runner.trie.leaf_items if engine is not None else None
     reqs = load_generate_requests(trace, ids, fold_ids, limit)
+    sink: dict = {}
+    extra = {"trace": str(trace), "server": server, "spec": sp.name if sp else None,
+             "skipped_over_max_history": 0}
     if server is not None:
         from ..client import AsyncClient
 
         async def go():
             async with AsyncClient(server, token=token) as c:
                 return await drive(c.generate, reqs, concurrency, rate, f"replay {server}",
-                                    progress, "generate")
+                                    progress, "generate", sink)
     else:
         async def go():
             async with engine:
                 return await drive(engine.generate, reqs, concurrency, rate, "replay generate",
-                                    progress, "generate")
-    records, wall, errors = asyncio.run(go())
-    run = summarize("generate", records, wall, errors, {"trace": str(trace), "server": server,
-                                                        "spec": sp.name if sp else None,
-                                                        "skipped_over_max_history": 0})
+                                    progress, "generate", sink)
+    records, wall, errors = _run(go, out, [], "generate", extra, sink)
+    run = summarize("generate", records, wall, errors, extra)
     _write_results(out, [run, *records, *errors])
     return [run]
 

@@ -11,8 +11,12 @@ history only grows by appending. Candidates are sampled uniformly per request, s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..progress import Progress
 
 
 @dataclass(frozen=True)
@@ -54,13 +58,16 @@ def _lengths(rng: np.random.Generator, p: Profile, n: int) -> np.ndarray:
     return np.clip(rng.lognormal(mu, sigma, size=n).astype(np.int64), 1, p.max_history)
 
 
-def synth_trace(profile: str | Profile, seed: int = 0, users: int | None = None) -> list[SynthRequest]:
-    """A whole trace in arrival order."""
+def synth_trace(profile: str | Profile, seed: int = 0, users: int | None = None,
+                progress: "Progress | None" = None) -> list[SynthRequest]:
+    """A whole trace in arrival order (``progress`` advances once per user)."""
     p = PROFILES[profile] if isinstance(profile, str) else profile
     rng = np.random.default_rng(seed)
     n_users = users or p.users
     out: list[SynthRequest] = []
     for user, total in enumerate(_lengths(rng, p, n_users)):
+        if progress is not None:
+            progress.update()
         # Split the user's events into requests of >= 1 event (geometric sizes).
         sizes = []
         left = int(total)
@@ -127,16 +134,22 @@ class Timeline:
         return out
 
 
-def write_synth(profile: str, out, users: int | None = None, seed: int = 0, top_k: int = 10) -> "Header":
-    """``streamgr trace synth``: a synthetic trace file (rank, or generate for ``gen``)."""
+def write_synth(profile: str, out, users: int | None = None, seed: int = 0, top_k: int = 10,
+                progress: bool = False) -> "Header":
+    """``streamgr trace synth``: a synthetic trace file (rank, or generate for ``gen``), with a
+    progress bar over users, then records, when asked."""
+    from ..progress import Progress
     from .format import GenerateEvent, Header, RankEvent, TraceWriter
     p = PROFILES[profile]
-    trace = synth_trace(p, seed, users)
+    with Progress(users or p.users, f"synth {profile} users", enabled=progress) as bar:
+        trace = synth_trace(p, seed, users, bar)
     kind = "generate" if profile == "gen" else "rank"
     header = Header(kind=kind, source=f"synth:{profile}:seed={seed}", num_items=p.num_items,
                     num_actions=p.num_actions, users=users or p.users, records=len(trace))
-    with TraceWriter(out, header) as w:
+    with TraceWriter(out, header) as w, Progress(len(trace), f"write {out}",
+                                                 enabled=progress) as bar:
         for r in trace:
+            bar.update()
             if kind == "generate":
                 w.write(GenerateEvent(r.time, r.user, r.items.tolist(), top_k))
             else:

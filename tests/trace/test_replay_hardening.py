@@ -74,3 +74,27 @@ def test_report_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
     with pytest.raises(StreamgrError, match=r"streamgr\[trace\]"):
         report.write_report([tmp_path / "none.jsonl"], tmp_path / "rep")
+
+
+def test_ctrl_c_writes_the_results_so_far(tiny_trace, tmp_path):
+    import signal
+    import time
+    out = tmp_path / "partial.jsonl"
+    p = subprocess.Popen([sys.executable, "-m", "streamgr", "trace", "replay", str(tiny_trace),
+                          "--spec", "rank-small", "--set", "engine.device=cpu", "--rate", "10",
+                          "-o", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t_end = time.monotonic() + 120
+    err = ""
+    while time.monotonic() < t_end:  # the estimate line shows the replay has started
+        line = p.stderr.readline()
+        err += line
+        if "open loop at 10/s: about" in line:
+            break
+    time.sleep(1.5)
+    p.send_signal(signal.SIGINT)
+    _, rest = p.communicate(timeout=60)
+    assert p.returncode == 130, err + rest
+    assert "answered requests written to" in rest
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert lines[0]["type"] == "run" and lines[0]["interrupted"] is True
+    assert 0 < lines[0]["requests"] == sum(1 for x in lines if x["type"] == "request")

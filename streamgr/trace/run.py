@@ -230,6 +230,7 @@ def replay_trace(trace, out, spec=None, overrides=None, server: str | None = Non
 
             async def go():
                 async with AsyncClient(server, token=token) as c:
+                    extra["device"] = (await c.stats()).get("device")
                     return await drive(c.rank, rank_requests, concurrency, rate,
                                         f"replay {server}", progress, mode, sink)
             records, wall, errors = _run(go, out, lines, mode, extra, sink)
@@ -239,10 +240,13 @@ def replay_trace(trace, out, spec=None, overrides=None, server: str | None = Non
                                                     batch))
             res = replay_batches(eng, groups, label=f"replay {mode} bs={batch}", progress=progress)
             eng.runner.close()
-            records = [_record(mode, rec.index, rec.latency_ms, {
+            extra["device"] = str(eng.device)
+            # the latency of a request here is its batch's: the report groups by "batch"
+            records = [{**_record(mode, rec.index, rec.latency_ms, {
                 "tier": rec.tier, "history_tokens": rec.history_tokens,
                 "tokens_from_gpu": rec.from_gpu, "tokens_from_host": rec.from_host,
-                "tokens_recomputed": rec.recomputed, "stages": {}}) for rec in res.records]
+                "tokens_recomputed": rec.recomputed, "stages": {}}), "batch": rec.batch}
+                for rec in res.records]
             per_batch = {k: v / max(res.batches, 1) for k, v in res.stages.items()}
             for r in records:
                 r["stages"] = per_batch
@@ -250,6 +254,7 @@ def replay_trace(trace, out, spec=None, overrides=None, server: str | None = Non
         else:
             async def go():
                 async with Engine.from_spec(sp, {"cache.mode": mode}) as eng:
+                    extra["device"] = str(eng.device)
                     return await drive(eng.rank, rank_requests, concurrency, rate,
                                         f"replay {mode}", progress, mode, sink)
             records, wall, errors = _run(go, out, lines, mode, extra, sink)
@@ -305,9 +310,12 @@ def _replay_generate(trace, out, sp, server, rate, concurrency, compare_modes, b
 
         async def go():
             async with AsyncClient(server, token=token) as c:
+                extra["device"] = (await c.stats()).get("device")
                 return await drive(c.generate, reqs, concurrency, rate, f"replay {server}",
                                     progress, "generate", sink)
     else:
+        extra["device"] = str(engine.device)
+
         async def go():
             async with engine:
                 return await drive(engine.generate, reqs, concurrency, rate, "replay generate",

@@ -98,3 +98,25 @@ def test_ctrl_c_writes_the_results_so_far(tiny_trace, tmp_path):
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert lines[0]["type"] == "run" and lines[0]["interrupted"] is True
     assert 0 < lines[0]["requests"] == sum(1 for x in lines if x["type"] == "request")
+
+
+def test_report_of_generate_results_and_batch_tiers(tmp_path, tiny_trace):
+    write_synth("gen", tmp_path / "g.trace", users=4, seed=4)
+    replay_trace(tmp_path / "g.trace", tmp_path / "g.jsonl", spec="gen-small",
+                 overrides={"engine.device": "cpu", "catalog.random_items": 1000}, limit=16,
+                 concurrency=4, progress=False)
+    files = report.write_report([tmp_path / "g.jsonl"], tmp_path / "rep")
+    names = {f.name for f in files}
+    assert {"latency_cdf.png", "latency_over_time.png", "queue_compute.png", "stages.png",
+            "summary.md"} <= names and "hit_ratio.png" not in names
+    summary = (tmp_path / "rep" / "summary.md").read_text()
+    assert "g.trace, spec gen-small, cpu" in summary
+    # --batch: each request carries its batch, the tier plot counts each batch once
+    replay_trace(tiny_trace, tmp_path / "b.jsonl", spec="rank-small",
+                 overrides=small_overrides(**{"cache.mode": "hierarchical"}), batch=2,
+                 progress=False)
+    recs = [json.loads(x) for x in (tmp_path / "b.jsonl").read_text().splitlines()]
+    reqs = [r for r in recs if r["type"] == "request"]
+    assert all("batch" in r for r in reqs) and recs[0]["device"] == "cpu"
+    files = report.write_report([tmp_path / "b.jsonl"], tmp_path / "rep2")
+    assert {"hit_ratio.png", "latency_by_tier.png"} <= {f.name for f in files}

@@ -183,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open connections; past it a new one gets OVERLOADED")
     p.add_argument("--max-inflight", type=int, default=1024,
                    help="requests in flight across the server; past it OVERLOADED")
+    p.add_argument("--max-conn-inflight", type=int, default=256,
+                   help="requests in flight on one connection; past it OVERLOADED")
     p.add_argument("--max-frame", type=int, default=16 * 1024 * 1024,
                    help="largest frame body in bytes")
     p.add_argument("--idle-timeout", type=float, default=300.0,

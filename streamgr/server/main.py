@@ -156,7 +156,8 @@ def main_serve(args, overrides) -> int:
         raise StreamgrError("--host must be an address (127.0.0.1, 0.0.0.0, ::); an empty one "
                             "would open no protocol listener")
     limits = ServerLimits(max_connections=args.max_connections, max_frame=args.max_frame,
-                          max_inflight=args.max_inflight, idle_timeout=args.idle_timeout,
+                          max_inflight=args.max_inflight,
+                          max_conn_inflight=args.max_conn_inflight, idle_timeout=args.idle_timeout,
                           read_timeout=args.read_timeout)
     return run(serve(args.spec, overrides, args.host, args.port, args.unix,
                      read_token(args.token_file), args.metrics_port, limits, args.drain_timeout,

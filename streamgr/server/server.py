@@ -36,6 +36,9 @@ class ServerLimits:
     max_connections: int = 1024
     max_frame: int = framing.DEFAULT_MAX_FRAME
     max_inflight: int = 1024  # requests in flight across the server
+    # ... and on one connection: a client that floods (or never reads its replies) cannot
+    # take every slot from the others
+    max_conn_inflight: int = 256
     idle_timeout: float = 300.0  # s without a frame before the connection closes
     read_timeout: float = 10.0  # s to finish a frame once its first byte arrived
     hello_timeout: float = 10.0
@@ -355,10 +358,13 @@ class Server:
             self.metrics.observe("stats", "ok", 0.0)
             return
         kind = "rank" if isinstance(msg, m.RankRequest) else "generate"
-        if self.closing or self.inflight >= self.limits.max_inflight:
+        if (self.closing or self.inflight >= self.limits.max_inflight
+                or len(conn.tasks) >= self.limits.max_conn_inflight):
             self.metrics.observe(kind, "overloaded", 0.0)
-            conn.send(m.Error(msg.id, "OVERLOADED", "server is shutting down" if self.closing
-                              else f"{self.inflight} requests in flight"))
+            why = ("server is shutting down" if self.closing else
+                   f"{self.inflight} requests in flight" if self.inflight >= self.limits.max_inflight
+                   else f"{len(conn.tasks)} requests in flight on this connection")
+            conn.send(m.Error(msg.id, "OVERLOADED", why))
             return
         dl = msg.deadline_ms
         if dl is not None and (isinstance(dl, bool) or not math.isfinite(dl) or dl < 0):

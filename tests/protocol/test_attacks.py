@@ -219,3 +219,57 @@ def test_hello_flood_then_abandoned_sockets_are_counted(srv):
     for s in flood:
         s.close()
     assert server_stats.get("hello_evictions", 0) >= 80 - 64
+
+
+def _raw_msg(*fields) -> bytes:
+    import msgspec
+    return raw_frame(msgspec.msgpack.encode(list(fields)))
+
+
+@pytest.mark.parametrize("attack", [
+    "unknown tag", "huge array", "overflowing id", "overflowing request id", "nan deadline",
+    "truncated", "string where a list is due"])
+def test_attack_categories_leave_the_server_serving(srv, attack):
+    frames = {
+        "unknown tag": _raw_msg(99, 1, 2, 3),
+        "huge array": _raw_msg(3, 7, 1, list(range(200_000)), [0] * 200_000, [1, 2]),
+        "overflowing id": _raw_msg(3, 8, 1, [2**64 - 1], [0], [1]),
+        "overflowing request id": _raw_msg(3, 2**64 - 1, 1, [1], [0], [1]),
+        "nan deadline": _raw_msg(3, 9, 1, [1], [0], [1], None, float("nan")),
+        "truncated": _raw_msg(3, 10, 1, [1], [0], [1])[:-3],
+        "string where a list is due": _raw_msg(3, 11, 1, "items", [0], [1]),
+    }
+    with connect(srv) as sock:
+        sock.sendall(frames[attack])
+        if attack == "truncated":  # half a frame: the read timeout closes the connection
+            assert recv_msg(sock) is None
+        else:
+            reply = recv_msg(sock)
+            assert isinstance(reply, m.Error), reply
+            assert reply.code in ("INVALID_REQUEST", "ID_OUT_OF_RANGE", "HISTORY_TOO_LONG",
+                                  m.PROTOCOL_ERROR, m.BAD_FRAME), reply
+    good_request_works(srv)
+
+
+def test_idle_flood_and_a_never_reading_client(srv):
+    idle = [connect(srv) for _ in range(50)]  # greeted, then silent
+    hog = connect(srv)
+    hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        hog.settimeout(2)
+        sent = 0
+        try:  # requests whose replies it never reads, until its own socket backs up
+            for i in range(20_000):
+                hog.sendall(frame(rank_msg(1000 + i, user=i % 50)))
+                sent += 1
+        except (socket.timeout, BlockingIOError, OSError):
+            pass
+        assert sent > 0
+        good_request_works(srv)  # everyone else is still served
+    finally:
+        hog.close()
+        for s in idle:
+            s.close()
+    time.sleep(0.5)
+    assert inflight(srv) <= 1024
+    good_request_works(srv)

@@ -59,7 +59,7 @@ def _init_generator(spec, args) -> int:
     from safetensors.torch import save_file
 
     from .config import spec_to_toml
-    from .models.generator import build_catalog, t5_config_from_spec
+    from .runtime.deployment import build_catalog, t5_config_from_spec
     from .models.t5 import T5
     from .selection.vocabulary import save_catalog
     cfg = t5_config_from_spec(spec)
@@ -84,7 +84,7 @@ def cmd_contract(args) -> int:
 
     from .config import load_spec
     from .engine.core import resolve_device, resolve_dtype
-    from .models.generator import build_generator
+    from .runtime.deployment import build_generator
     spec = load_spec(args.spec, _overrides(args.overrides))
     if spec.generate_model is None:
         raise StreamgrError(f"spec {spec.name} has no generate model: no deployment contract")

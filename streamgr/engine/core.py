@@ -68,7 +68,7 @@ class Engine:
             model, version = self._build_model(spec.model)
             self.runner = self._build_runner(model, version)
         if spec.generate_model is not None:
-            from ..models.generator import build_generator
+            from ..runtime.deployment import build_generator
             gmodel, source, trie, contract = build_generator(spec, self.device, self.dtype)
             self._loads += 1
             self.gen_runner = GenerateRunner(gmodel, f"{self._loads}:{source}", trie, contract, spec)

@@ -11,10 +11,10 @@ import asyncio
 import logging
 import signal
 import sys
-from pathlib import Path
 
 from ..engine import Engine
 from ..errors import StreamgrError
+from ..tokens import read_token
 from .server import Server, ServerLimits
 
 log = logging.getLogger("streamgr.server")
@@ -140,15 +140,6 @@ def run(coro, loop: str = "auto") -> int:
         else:
             return uvloop.run(coro)
     return asyncio.run(coro)
-
-
-def read_token(path: str | None) -> str | None:
-    if not path:
-        return None
-    token = Path(path).read_text().strip()
-    if not token:  # an empty token would turn auth off without a word
-        raise StreamgrError(f"--token-file {path}: the file holds no token (only whitespace)")
-    return token
 
 
 def main_serve(args, overrides) -> int:

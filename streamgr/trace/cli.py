@@ -99,7 +99,7 @@ def _stats(args) -> int:
 
 
 def _replay(args) -> int:
-    from ..server.main import read_token
+    from ..tokens import read_token
     from .run import Interrupted, format_runs, replay_trace
     try:
         runs = replay_trace(args.trace, args.out, spec=args.spec,

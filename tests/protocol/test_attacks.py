@@ -17,6 +17,7 @@ from streamgr.client import AsyncClient, Client
 from streamgr.errors import StreamgrError
 from streamgr.protocol import messages as m
 from streamgr.server import main as server_main
+from streamgr.tokens import read_token
 from streamgr.server import Server
 from tests.protocol.helpers import (LOOPS, ServerThread, connect, frame, good_request_works,
                                     rank_msg, raw_frame, recv_msg, run)
@@ -121,9 +122,9 @@ def test_whitespace_token_file_is_an_error(tmp_path):
     f = tmp_path / "token"
     f.write_text("  \n\t\n")
     with pytest.raises(StreamgrError, match="no token"):
-        server_main.read_token(str(f))
+        read_token(str(f))
     f.write_text(" s3cret \n")
-    assert server_main.read_token(str(f)) == "s3cret"
+    assert read_token(str(f)) == "s3cret"
 
 
 class _StubServer:

@@ -1,5 +1,6 @@
-"""Building a SID generator from a spec: the T5 model (checkpoint or random), its catalog and
-trie, and the deployment contract both are checked against."""
+"""A SID generator's deployment from a spec: the T5 model (checkpoint or random), its catalog
+and trie, and the deployment contract both are checked against. (The runtime owns
+deployments; models only define modules and load weights.)"""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError, ContractError
-from ..runtime.contract import build_contract, check
+from ..models.checkpoint import WEIGHTS_FILE, decode_config, read_config
+from ..models.t5 import T5, T5Config, hf_state_dict
 from ..selection.vocabulary import SidTrie, load_catalog, random_catalog
-from .checkpoint import WEIGHTS_FILE, decode_config, read_config
-from .t5 import T5, T5Config, hf_state_dict
+from .contract import build_contract, check
 
 
 def t5_config_from_spec(spec) -> T5Config:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels import paged_kv
-from .manager import OffloadJob
 
 
 class KVStores:
@@ -55,25 +53,3 @@ class KVStores:
         """Page index and in-page offset of tokens ``[start, end)`` of a user with ``pages``."""
         pos = np.arange(start, end)
         return np.asarray(pages, dtype=np.int64)[pos // self.P], pos % self.P
-
-    def onload(self, onload: list[tuple[int, int]], pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy host chunks into their pages; ``onload`` = [(chunk id, chunk index)]. Returns the
-        device onload buffer (the caller scatters it layer by layer)."""
-        ids = torch.tensor([c for c, _ in onload], dtype=torch.long)
-        buf = self.host.index_select(0, ids)
-        if self.device.type == "cuda":
-            buf = buf.pin_memory().to(self.device, non_blocking=True)
-        page_ids = []
-        for _, i in onload:
-            page_ids.extend(pages[i * self.chunk_pages:(i + 1) * self.chunk_pages])
-        return buf, torch.tensor(page_ids, dtype=torch.long, device=self.device)
-
-    def scatter_layer(self, layer: int, buf: torch.Tensor, page_ids: torch.Tensor) -> None:
-        paged_kv.onload_scatter(self.pages, layer, buf, page_ids)
-
-    def offload(self, job: OffloadJob) -> int:
-        """Copy a job's pages into its host chunks; returns the bytes moved."""
-        page_ids = torch.tensor(job.page_ids, dtype=torch.long, device=self.device)
-        data = paged_kv.offload_gather(self.pages, page_ids, self.chunk_pages)
-        self.host[torch.tensor(job.chunk_ids, dtype=torch.long)] = data.to("cpu")
-        return data.numel() * data.element_size()

@@ -106,15 +106,6 @@ def hstu_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-def hstu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   q_offsets: Sequence[int], kv_offsets: Sequence[int],
-                   num_candidates: Sequence[int], alpha: float, max_len: int,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """Contiguous layout (keys = whole history + candidates per user): the torch reference."""
-    return hstu_attention_reference(q, k, v, q_offsets, kv_offsets, num_candidates, alpha,
-                                    max_len, out=out)
-
-
 # -- the jagged batch over pages ------------------------------------------------------------------
 
 @dataclass

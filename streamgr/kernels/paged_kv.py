@@ -1,4 +1,4 @@
-"""Paged K/V movement: append, gather, onload scatter and offload gather (torch references).
+"""Paged K/V movement: append, onload scatter and offload gather (kernels and torch references).
 
 Layouts (MTServe section 4.1):
 
@@ -8,7 +8,8 @@ Layouts (MTServe section 4.1):
   block copies and only the device side scatters/gathers pages.
 
 Token ``t`` of a user lives in page ``pages[t // page_tokens]`` at offset ``t % page_tokens``.
-GPU kernels (``cuda_kernels/paged_kv.cu``) register in the dispatchers as they land.
+GPU kernels: ``cuda_kernels/block_copy.cu`` (block copies, page scatter) and
+``cuda_kernels/paged_append.cu`` (the fused append); the torch references run elsewhere.
 """
 
 from __future__ import annotations
@@ -118,15 +119,6 @@ def append_rows_reference(store, layer, k, v, rows, page_idx, offset) -> None:
     layer_store = store[layer]
     layer_store[page_idx, 0, offset] = k[rows].to(store.dtype)
     layer_store[page_idx, 1, offset] = v[rows].to(store.dtype)
-
-
-def gather_kv(store: torch.Tensor, layer: int, page_idx: torch.Tensor,
-              offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read tokens' ``k, v`` ``[n, heads, dim]`` of one layer from their page slots."""
-    _check_store(store)
-    _check_index(page_idx, offset)
-    layer_store = store[layer]
-    return layer_store[page_idx, 0, offset], layer_store[page_idx, 1, offset]
 
 
 def onload_scatter(store: torch.Tensor, layer: int, buffer: torch.Tensor,

@@ -184,10 +184,13 @@ class CachedRankRunner(RankRunner):
         self.offload.wait_idle(timeout)
         self._apply_completions()
 
-    def close(self) -> None:
-        self.flush()
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Offloads in flight get ``timeout`` s to finish (unfinished ones are left unpersisted,
+        never marked done), then the pipelines and stores are released."""
+        self._apply_completions()
+        self.offload.close(timeout)
+        self._apply_completions()
         self.onload.close()
-        self.offload.close()
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)
         self.stores.close()

@@ -69,12 +69,18 @@ class OffloadPipeline:
                 log.exception("offload of user %r failed to start", job.key)
                 self._finish(job, False, 0)
 
-    def close(self) -> None:
-        """Stop the completion thread once the jobs in flight are done (it holds the stores)."""
-        self.wait_idle()
+    def close(self, timeout: float | None = 60.0) -> bool:
+        """Stop the completion thread once the jobs in flight are done (it holds the stores),
+        waiting at most ``timeout`` s for them: a hung transfer cannot hang the close. Returns
+        whether every job finished (those that did not stay unpersisted)."""
+        idle = self.wait_idle(timeout)
+        if not idle:
+            log.warning("offload: %d jobs still in flight after %s s; closing without them",
+                        self._inflight, timeout)
         self._pending.put(None)
-        self._thread.join()
-        self._workers.shutdown(wait=True)
+        self._thread.join(None if idle else 0.1)  # a daemon: left behind if it is stuck
+        self._workers.shutdown(wait=idle, cancel_futures=not idle)
+        return idle
 
     def _complete(self) -> None:
         while True:

@@ -51,3 +51,14 @@ def test_offload_fault_is_retried_never_marked_persisted():
     c = runner.manager.counters
     assert c["offload_failures"] == 1 and c["offloaded_chunks"] > 0
     runner.manager.check_invariants()
+
+
+def test_close_during_a_hung_transfer_returns_within_its_timeout():
+    import time
+    engines = runners(page_tokens=4, chunk_tokens=8, device_pages=30, host_chunks=64)
+    runner = engines["hierarchical"].runner
+    with runner.offload._lock:  # a transfer that never completes
+        runner.offload._inflight += 1
+    t = time.monotonic()
+    assert runner.offload.close(timeout=0.3) is False
+    assert time.monotonic() - t < 2.0

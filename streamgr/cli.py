@@ -83,7 +83,7 @@ def cmd_contract(args) -> int:
     import json
 
     from .config import load_spec
-    from .engine.core import resolve_device, resolve_dtype
+    from .engine.factory import resolve_device, resolve_dtype
     from .runtime.deployment import build_generator
     spec = load_spec(args.spec, _overrides(args.overrides))
     if spec.generate_model is None:

@@ -13,42 +13,27 @@ import gc
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
-from ..api import (GenerateRequest, GenerateResult, GenerateStats, RankRequest, RankResult,
-                   RankStats)
+from ..api import GenerateRequest, GenerateResult, RankRequest, RankResult
 from ..config import Spec, load_spec
 from ..errors import (EngineClosed, EngineDead, Overloaded, StreamgrError,
                       UnsupportedRequest)
-from ..cache import HistoryStore, KVCacheManager
-from ..cache.store import KVStores
 from ..errors import ContractError
-from ..models import build_ranker
+from .answers import answer_generate, answer_rank
 from .batcher import Batcher, Pending
 from .cached_rank import CachedRankRunner
+from .factory import Builder, resolve_device, resolve_dtype
 from .generate import GenerateRunner
+from .loop import BatchLoop
 from .metrics import EngineMetrics
-from .preflight import check_cache_memory
 from .rank import RankRunner, prepare_rank
 
 log = logging.getLogger("streamgr.engine")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise StreamgrError("engine.device = \"cuda\" but no CUDA device is available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
 
 
 GEN_IN_FLIGHT = 2  # generate batches submitted to the device but not yet answered
@@ -61,57 +46,23 @@ class Engine:
         self.spec = spec
         self.device = resolve_device(spec.engine.device)
         self.dtype = resolve_dtype(spec.model.dtype, self.device)
-        self._loads = 0
+        self._build = Builder(spec, self.device, self.dtype)
         self.runner: RankRunner | None = None
         self.gen_runner: GenerateRunner | None = None
         if spec.model.family == "hstu":
-            model, version = self._build_model(spec.model)
-            self.runner = self._build_runner(model, version)
+            self.runner = self._build.rank_runner(*self._build.ranker(spec.model))
         if spec.generate_model is not None:
-            from ..runtime.deployment import build_generator
-            gmodel, source, trie, contract = build_generator(spec, self.device, self.dtype)
-            self._loads += 1
-            self.gen_runner = GenerateRunner(gmodel, f"{self._loads}:{source}", trie, contract, spec)
+            self.gen_runner = self._build.generate_runner()
         self.metrics = EngineMetrics()
         self._batcher: Batcher | None = None
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] | None = None  # one per BatchLoop, while started
         self._executor: ThreadPoolExecutor | None = None
         self._inflight = 0
         self._dead: BaseException | None = None
         self._closing = False
 
-    def _build_model(self, model_spec):
-        model, source = build_ranker(model_spec, self.device, self.dtype)
-        self._loads += 1
-        # The load counter makes a reloaded checkpoint a new version even at the same path.
-        return model, f"{self._loads}:{source}"
-
-    def _build_runner(self, model, version: str) -> RankRunner:
-        history = HistoryStore(self.spec.engine.history_events)
-        c = self.spec.cache
-        if c.mode == "recompute":
-            return self._with_plans(RankRunner(model, version, self.device, history), None, 1)
-        hierarchical = c.mode == "hierarchical"
-        cfg = model.cfg
-        check_cache_memory(c, cfg.num_layers, cfg.num_heads, cfg.head_dim, self.dtype,
-                           self.device, hierarchical)
-        manager = KVCacheManager(c.page_tokens, c.chunk_tokens, c.device_pages,
-                                 c.host_chunks if hierarchical else 0, c.offload_quota_tokens,
-                                 hierarchical=hierarchical)
-        stores = KVStores(cfg.num_layers, cfg.num_heads, cfg.head_dim, c.page_tokens,
-                          c.chunk_tokens, c.device_pages, c.host_chunks if hierarchical else 0,
-                          self.dtype, self.device, c.host_pinned)
-        return self._with_plans(CachedRankRunner(model, version, self.device, history, manager,
-                                                 stores), stores.pages, c.page_tokens)
-
-    def _with_plans(self, runner: RankRunner, store, page_tokens: int) -> RankRunner:
-        """Rank plans (CUDA graphs of the forward) where their kernels run."""
-        from .rank_plans import RankPlans
-        n = self.spec.engine.rank_plans
-        if n and RankPlans.usable(runner.model, self.device):
-            runner.plans = RankPlans(runner.model, self.spec.engine.max_batch, n, store,
-                                     page_tokens, self.device)
-        return runner
+    def _build_model(self, model_spec):  # tests: new weights of the served architecture
+        return self._build.ranker(model_spec)
 
     @property
     def model(self):
@@ -140,7 +91,7 @@ class Engine:
             raise StreamgrError("give exactly one of checkpoint or init_seed")
         new_spec = msgspec.structs.replace(self.spec.model, checkpoint=checkpoint, init_seed=init_seed)
         loop = asyncio.get_running_loop()
-        model, version = await loop.run_in_executor(None, self._build_model, new_spec)
+        model, version = await loop.run_in_executor(None, self._build.ranker, new_spec)
         if model.cfg != self.runner.model.cfg:
             raise ContractError(f"new weights have architecture {model.cfg}, the engine serves "
                                 f"{self.runner.model.cfg}")
@@ -160,14 +111,14 @@ class Engine:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> "Engine":
-        if self._task is not None:
+        if self._tasks is not None:
             return self
         self._closing = False
         e = self.spec.engine
         self._batcher = Batcher(e.max_batch, e.max_wait_ms)
         self._gen_batcher = Batcher(e.max_batch, e.max_wait_ms)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamgr-exec")
-        # Waits for generate batches on the device and answers them (see _gen_loop).
+        # Waits for submitted batches on the device and hands them to be answered.
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamgr-finish")
         loop = asyncio.get_running_loop()
         if self.gen_runner is not None:  # decode plans of the common shapes, before serving
@@ -175,22 +126,30 @@ class Engine:
         if e.gc_freeze:
             gc.collect()
             gc.freeze()
-        self._task = loop.create_task(self._loop(), name="streamgr-batcher")
-        self._gen_task = loop.create_task(self._gen_loop(), name="streamgr-gen-batcher")
+        count_bg = lambda: self.metrics.count("background_errors")  # noqa: E731
+        # Rank keeps one batch in flight: the cache manager plans a batch against the state the
+        # previous one committed (leases for several are issue 14's next step).
+        loops = [BatchLoop("rank", self._batcher, self.runner, self._executor, self._finisher,
+                           1, partial(answer_rank, self.metrics), self._on_batch_error, count_bg)
+                 if self.runner is not None else None,
+                 BatchLoop("generate", self._gen_batcher, self.gen_runner, self._executor,
+                           self._finisher, GEN_IN_FLIGHT, partial(answer_generate, self.metrics),
+                           self._on_batch_error, count_bg)
+                 if self.gen_runner is not None else None]
+        self._tasks = [loop.create_task(b.run(), name=f"streamgr-{b.name}") for b in loops if b]
         return self
 
     async def close(self, drain_timeout: float = 30.0) -> None:
         """Finish admitted requests (up to ``drain_timeout`` s), then stop."""
-        if self._task is None:
+        if self._tasks is None:
             return
         self._closing = True
         t_end = time.monotonic() + drain_timeout
-        loops = [t for t in (self._task, self._gen_task) if t is not None]
-        # Both loops drain (a generate-only engine's rank loop ends at once: not a reason to
-        # stop waiting), until the deadline or until every loop has died.
+        loops = self._tasks
+        # Every loop drains, until the deadline or until every loop has died.
         while self._inflight and time.monotonic() < t_end and not all(t.done() for t in loops):
             await asyncio.sleep(0.005)
-        for task in (self._task, self._gen_task):
+        for task in loops:
             task.cancel()
             try:
                 await task
@@ -206,7 +165,7 @@ class Engine:
             await loop.run_in_executor(None, ex.shutdown, True)
         if self.spec.engine.gc_freeze:  # what start froze may be garbage now: collectable again
             gc.unfreeze()
-        self._task = None
+        self._tasks = None
 
     async def __aenter__(self) -> "Engine":
         return await self.start()
@@ -219,7 +178,7 @@ class Engine:
     def _admit(self) -> None:
         if self._dead is not None:
             raise EngineDead(f"engine is dead: {self._dead!r}")
-        if self._task is None or self._closing:
+        if self._tasks is None or self._closing:
             raise EngineClosed("engine is not running (use `async with engine:` or start())")
         if self._inflight >= self.spec.engine.max_queue:
             self.metrics.count("overloaded")
@@ -266,68 +225,6 @@ class Engine:
         """The top-k items (and SIDs, scores) for a user's history by beam search."""
         return await self.submit_generate(request)
 
-    async def _gen_loop(self) -> None:
-        """Generate batches, pipelined: the executor thread queues batch i+1 on the device while
-        the completion thread waits for batch i and answers it, so the device does not idle
-        while the host builds inputs and answers (at most ``GEN_IN_FLIGHT`` batches between
-        submit and answer)."""
-        loop = asyncio.get_running_loop()
-        slots = asyncio.Semaphore(GEN_IN_FLIGHT)
-        pending: set[asyncio.Task] = set()
-        try:
-            while True:
-                batch = await self._gen_batcher.next_batch()
-                try:
-                    await slots.acquire()
-                    t_start = time.perf_counter()
-                    handle = await loop.run_in_executor(
-                        self._executor, self.gen_runner.submit, [p.payload for p in batch])
-                except asyncio.CancelledError:  # closing: the batch in hand is refused
-                    self._refuse(batch)
-                    raise
-                except Exception as err:
-                    slots.release()
-                    self._on_batch_error(batch, err)
-                    continue
-                task = loop.create_task(self._gen_finish(batch, handle, t_start, slots))
-                pending.add(task)
-                task.add_done_callback(pending.discard)
-        finally:
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-
-    async def _gen_finish(self, batch: list[Pending], handle, t_start: float,
-                          slots: asyncio.Semaphore) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            outcome = await loop.run_in_executor(self._finisher, self.gen_runner.finish, handle)
-        except asyncio.CancelledError:
-            self._refuse(batch)
-            raise
-        except Exception as err:
-            self._on_batch_error(batch, err)
-            return
-        finally:
-            slots.release()
-        t_done = time.perf_counter()
-        for p, ((items, scores, sids), per) in zip(batch, outcome.results):
-            if p.future.done():
-                continue
-            stats = GenerateStats(batch_size=len(batch), queue_ms=(t_start - p.enqueued) * 1e3,
-                                  compute_ms=(t_done - t_start) * 1e3,
-                                  total_ms=(t_done - p.enqueued) * 1e3,
-                                  steps=outcome.stages, **per)
-            self.metrics.observe_generate(stats)
-            p.future.set_result(GenerateResult(items=items, scores=scores, sids=sids,
-                                               stats=stats))
-
-    @staticmethod
-    def _refuse(batch: list[Pending]) -> None:
-        for p in batch:
-            if not p.future.done():
-                p.future.set_exception(EngineClosed("engine closed"))
-
     def _settled(self, fut: asyncio.Future, kind: str) -> None:
         self._inflight -= 1
         if fut.cancelled():  # the caller went away
@@ -357,45 +254,6 @@ class Engine:
                    device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
                    cache_mode=self.spec.cache.mode, weights_version=self.weights_version)
         return out
-
-    # -- the batch loop ------------------------------------------------------------------------
-
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self.runner is not None:
-            batch = await self._batcher.next_batch()
-            t_start = time.perf_counter()
-            try:
-                outcome = await loop.run_in_executor(
-                    self._executor, self.runner.run, [p.payload for p in batch])
-            except asyncio.CancelledError:  # closing: the batch in hand is refused
-                self._refuse(batch)
-                raise
-            except Exception as err:  # the batch fails; the engine serves on
-                self._on_batch_error(batch, err)
-                continue
-            t_done = time.perf_counter()
-            compute_ms = (t_done - t_start) * 1e3
-            for p, res in zip(batch, outcome.results):
-                if p.future.done():
-                    continue
-                if isinstance(res, Exception):
-                    self.metrics.count("rank_invalid")
-                    p.future.set_exception(res)
-                    continue
-                scores, per = res
-                stats = RankStats(batch_size=len(batch), queue_ms=(t_start - p.enqueued) * 1e3,
-                                  compute_ms=compute_ms, total_ms=(t_done - p.enqueued) * 1e3,
-                                  stages=outcome.stages, **per)
-                self.metrics.observe_rank(stats)
-                p.future.set_result(RankResult(scores=scores.tolist(), stats=stats))
-            if not self.runner.has_background_work:
-                continue
-            try:  # after the replies: offload never delays them
-                await loop.run_in_executor(self._executor, self.runner.background)
-            except Exception:
-                log.exception("background work failed")
-                self.metrics.count("background_errors")
 
     def _on_batch_error(self, batch: list[Pending], err: Exception) -> None:
         log.exception("batch of %d failed", len(batch), exc_info=err)

@@ -241,6 +241,14 @@ class RankRunner:
         self._mark(stages, "postprocess", t)
         return BatchOutcome(results, stages)
 
+    # The BatchLoop's runner protocol: a rank batch runs whole in ``submit`` (the executor
+    # thread: the scores are read back there); ``finish`` has nothing left to wait for.
+    def submit(self, batch: list[PreparedRank]) -> BatchOutcome:
+        return self.run(batch)
+
+    def finish(self, outcome: BatchOutcome) -> BatchOutcome:
+        return outcome
+
     has_background_work = False  # recompute has nothing to do after a batch
 
     def close(self) -> None:

@@ -1,0 +1,77 @@
+"""Building what an engine serves from its spec: the device and dtype, the rank runner (its
+model, history store, cache manager and stores, rank plans) and the generate runner. Cache
+sizes are checked against the machine before anything is allocated."""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import HistoryStore, KVCacheManager
+from ..cache.store import KVStores
+from ..errors import StreamgrError
+from ..models import build_ranker
+from .cached_rank import CachedRankRunner
+from .generate import GenerateRunner
+from .preflight import check_cache_memory
+from .rank import RankRunner
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise StreamgrError("engine.device = \"cuda\" but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class Builder:
+    """Models and runners of one engine; counts loads so a reloaded checkpoint is a new
+    version even at the same path."""
+
+    def __init__(self, spec, device: torch.device, dtype: torch.dtype) -> None:
+        self.spec, self.device, self.dtype = spec, device, dtype
+        self.loads = 0
+
+    def ranker(self, model_spec):
+        model, source = build_ranker(model_spec, self.device, self.dtype)
+        self.loads += 1
+        return model, f"{self.loads}:{source}"
+
+    def rank_runner(self, model, version: str) -> RankRunner:
+        history = HistoryStore(self.spec.engine.history_events)
+        c = self.spec.cache
+        if c.mode == "recompute":
+            return self._with_plans(RankRunner(model, version, self.device, history), None, 1)
+        hierarchical = c.mode == "hierarchical"
+        cfg = model.cfg
+        check_cache_memory(c, cfg.num_layers, cfg.num_heads, cfg.head_dim, self.dtype,
+                           self.device, hierarchical)
+        manager = KVCacheManager(c.page_tokens, c.chunk_tokens, c.device_pages,
+                                 c.host_chunks if hierarchical else 0, c.offload_quota_tokens,
+                                 hierarchical=hierarchical)
+        stores = KVStores(cfg.num_layers, cfg.num_heads, cfg.head_dim, c.page_tokens,
+                          c.chunk_tokens, c.device_pages, c.host_chunks if hierarchical else 0,
+                          self.dtype, self.device, c.host_pinned)
+        return self._with_plans(CachedRankRunner(model, version, self.device, history, manager,
+                                                 stores), stores.pages, c.page_tokens)
+
+    def _with_plans(self, runner: RankRunner, store, page_tokens: int) -> RankRunner:
+        """Rank plans (CUDA graphs of the forward) where their kernels run."""
+        from .rank_plans import RankPlans
+        n = self.spec.engine.rank_plans
+        if n and RankPlans.usable(runner.model, self.device):
+            runner.plans = RankPlans(runner.model, self.spec.engine.max_batch, n, store,
+                                     page_tokens, self.device)
+        return runner
+
+    def generate_runner(self) -> GenerateRunner:
+        from ..runtime.deployment import build_generator
+        gmodel, source, trie, contract = build_generator(self.spec, self.device, self.dtype)
+        self.loads += 1
+        return GenerateRunner(gmodel, f"{self.loads}:{source}", trie, contract, self.spec)

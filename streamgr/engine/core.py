@@ -1,7 +1,8 @@
-"""``Engine``: the embedded async facade over the model, the batcher and the executor thread.
+"""``Engine``: the embedded async facade: admission, lifecycle, stats, one ``BatchLoop`` per runner.
 
 The event loop owns admission and batching; model work runs on one executor thread (torch
-releases the GIL, so the loop keeps accepting while a batch computes). Bad input raises its
+releases the GIL, so the loop keeps accepting while a batch computes) and batches complete on a
+completion thread (``engine/loop.py``); runners are built by ``engine/factory.py``. Bad input raises its
 typed error at the call and never reaches a batch; a fault inside a batch fails that batch's
 requests and the engine keeps serving, except a CUDA fault, which marks the engine dead.
 """

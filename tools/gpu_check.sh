@@ -5,7 +5,8 @@
 #     tests: the gpu-marked tests only; quick: + transfer bench + a short rank-ref bench;
 #     full: + the rank-ref bench at batch 1, 4, 8 (several minutes) + the gen-ref bench;
 #     rank: the rank-ref bench alone; gen: the generate GPU tests + the gen-ref bench;
-#     attn: the kernel, rank and cache GPU tests + tools/bench_attention.py (ATTN_ARGS=--quick)
+#     attn: the kernel, rank and cache GPU tests + tools/bench_attention.py (ATTN_ARGS=--quick);
+#     topk: the selection GPU tests + tools/bench_topk.py
 #   env: WARMUP/WINDOW (rank bench requests), GEN_REQUESTS (per gen-ref run), GEN_RATES
 #   (open-loop requests/s), HF_REQUESTS (through Hugging Face), GEN_ARGS (more bench flags,
 #   e.g. "--profile 2 --fp32-agreement 16")
@@ -31,6 +32,7 @@ if [ "$mode" != rank ]; then
   tests=tests/
   [ "$mode" = gen ] && tests=tests/gpu/test_gpu_generate.py
   [ "$mode" = attn ] && tests="tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_rank.py tests/gpu/test_gpu_cache.py"
+  [ "$mode" = topk ] && tests="tests/gpu/test_gpu_trie_topk.py tests/gpu/test_gpu_generate.py"
   python3 -m pytest -q -s -m gpu $tests -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" \
     | grep -i "agreement\|overlap\|passed\|failed\|error" | tail -n 30
   summary+=("gpu tests: $(tail -n 1 "$out/gpu_tests.log")")
@@ -41,6 +43,10 @@ if [ "$mode" = attn ] || [ "$mode" = full ]; then
     2>"$out/bench_attention.err" | tee "$out/bench_attention.txt"
   tail -n 5 "$out/bench_attention.err"
   summary+=("$(tail -n 1 "$out/bench_attention.txt")")
+fi
+if [ "$mode" = topk ] || [ "$mode" = full ]; then
+  python3 tools/bench_topk.py 2>"$out/bench_topk.err" | tee "$out/bench_topk.txt"
+  summary+=("$(tail -n 1 "$out/bench_topk.txt")")
 fi
 if [ "$mode" = quick ] || [ "$mode" = full ]; then
   python3 tools/bench_transfer.py --chunks 64 2>"$out/bench_transfer.err" | tee "$out/bench_transfer.txt"

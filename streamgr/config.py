@@ -75,6 +75,9 @@ class EngineSpec(_Section, kw_only=True):
     # Rank on CUDA: batch shapes whose whole forward is captured as a CUDA graph and replayed
     # (engine/rank_plans.py), kept in an LRU; 0 runs every batch eagerly.
     rank_plans: int = 32
+    # Rank batches between submit and answer: 2 prepares batch n+1 (plan, pack, queue) while
+    # batch n computes; a user in a batch in flight waits for a later batch.
+    rank_in_flight: int = 1
     # At start, move every object alive then out of the collector's reach (gc.freeze): a full
     # collection otherwise walks torch's and the models' objects, 100+ ms of stalled serving.
     gc_freeze: bool = True
@@ -90,6 +93,8 @@ class EngineSpec(_Section, kw_only=True):
             raise ValueError("`history_events` must be >= 0")
         if self.decode_plans < 0 or self.rank_plans < 0:
             raise ValueError("`decode_plans` and `rank_plans` must be >= 0")
+        if not 1 <= self.rank_in_flight <= 4:
+            raise ValueError("`rank_in_flight` must be 1..4")
 
 
 class CacheSpec(_Section, kw_only=True):

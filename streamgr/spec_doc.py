@@ -41,6 +41,8 @@ MEANING = {
                            "eager",
     "engine.rank_plans": "rank on CUDA: batch shapes whose forward is captured as a CUDA graph "
                          "(LRU); 0: eager",
+    "engine.rank_in_flight": "rank batches between submit and answer (1..4): 2 prepares the "
+                             "next batch while one computes (a user in flight waits)",
     "engine.gc_freeze": "freeze the objects alive at start out of the garbage collector's "
                         "reach (full collections stalled serving 57-155 ms)",
     "cache.mode": "`recompute` (no cache), `gpu-only` (device pages), `hierarchical` (device "

@@ -95,7 +95,9 @@ class KVCacheManager:
         self.host_lru: OrderedDict[Hashable, None] = OrderedDict()
         self.locked: dict[Hashable, OffloadJob] = {}
         self.wanted: OrderedDict[Hashable, None] = OrderedDict()  # users with a full chunk to offload
-        self.in_batch: set[Hashable] = set()
+        # Users of each batch planned and not yet committed or aborted (a lease per batch):
+        # their pages are pinned, and no other batch may plan them meanwhile.
+        self._leases: list[frozenset] = []
         self.queued_tokens = 0
         self.counters: Counter[str] = Counter()
 
@@ -211,14 +213,21 @@ class KVCacheManager:
         keys = [k for k, _ in requests]
         if len(set(keys)) != len(keys):
             raise ValueError("a batch must not hold the same user twice")
-        self.in_batch = set(keys)
+        busy = self.in_batch.intersection(keys)
+        if busy:
+            raise ValueError(f"users {sorted(map(repr, busy))} are in a batch still in flight")
+        self._leases.append(frozenset(keys))
         plans = []
-        for key, tokens in requests:
-            if key in transient:
-                self.counters["transient_users"] += 1
-                plans.append(UserPlan(key, len(tokens), transient=True))
-            else:
-                plans.append(self._plan_user(key, tokens, version))
+        try:
+            for key, tokens in requests:
+                if key in transient:
+                    self.counters["transient_users"] += 1
+                    plans.append(UserPlan(key, len(tokens), transient=True))
+                else:
+                    plans.append(self._plan_user(key, tokens, version))
+        except BaseException:
+            self._leases.remove(frozenset(keys))
+            raise
         return plans
 
     def _plan_user(self, key: Hashable, tokens: np.ndarray, version: str) -> UserPlan:
@@ -281,7 +290,7 @@ class KVCacheManager:
             for i in range(first, _ceil_div(p.length, self.C)):
                 e.fps.append(fingerprint(toks[i * self.C:min((i + 1) * self.C, p.length)]))
             self._relist(e, touch=True)
-        self.in_batch = set()
+        self._release(plans)
 
     def abort_batch(self, plans: list[UserPlan]) -> None:
         """The batch failed: pages taken for it go back; onloaded users are not resident."""
@@ -298,7 +307,17 @@ class KVCacheManager:
                 del e.pages[keep:]
             if e.cached_len(self.C) == 0:
                 self._forget(e)
-        self.in_batch = set()
+        self._release(plans)
+
+    @property
+    def in_batch(self) -> set:
+        """Users of every batch in flight (planned, not yet committed or aborted)."""
+        return set().union(*self._leases)
+
+    def _release(self, plans: list[UserPlan]) -> None:
+        keys = frozenset(p.key for p in plans)
+        if keys in self._leases:
+            self._leases.remove(keys)
 
     # -- offload --------------------------------------------------------------------------------
 

@@ -41,8 +41,21 @@ class Batcher:
             self._queue.popleft()
         return len(self._queue)
 
-    async def next_batch(self) -> list[Pending]:
-        """Wait for work, then give up to ``max_batch`` live requests of distinct keys."""
+    def wake(self) -> None:
+        """Something the batcher waits on changed (a busy key was released)."""
+        self._arrived.set()
+
+    async def next_batch(self, busy: set | frozenset = frozenset()) -> list[Pending]:
+        """Wait for work, then give up to ``max_batch`` live requests of distinct keys, none of
+        them ``busy`` (keys of batches still in flight wait, in order, for a later batch)."""
+        while True:
+            batch = await self._next(busy)
+            if batch:
+                return batch
+            self._arrived.clear()  # every live request is busy: wait for a release or arrival
+            await self._arrived.wait()
+
+    async def _next(self, busy) -> list[Pending]:
         while not self._live():
             self._arrived.clear()
             await self._arrived.wait()
@@ -63,7 +76,7 @@ class Batcher:
             item = self._queue.popleft()
             if item.future.done():
                 continue
-            if item.key in keys:
+            if item.key in keys or item.key in busy:
                 kept.append(item)
             else:
                 keys.add(item.key)

@@ -22,8 +22,8 @@ from ..kernels import paged_kv
 from ..kernels.hstu_attention import JaggedKV, hstu_attention_jagged
 from ..models.hstu import HSTU
 from ..streams import OffloadPipeline, OnloadFault, OnloadPipeline, StreamSet
-from .rank import (BatchOutcome, PreparedRank, RankRunner, UserSlice, interleave, pack_jagged,
-                   upload_jagged)
+from .rank import (BatchOutcome, InFlight, PreparedRank, RankRunner, UserSlice, interleave,
+                   pack_jagged, read_back, upload_jagged)
 
 log = logging.getLogger("streamgr.cache")
 
@@ -69,25 +69,29 @@ class CachedRankRunner(RankRunner):
                         [p.pages for p in plans], self.stores.P, self.stores.pages)
         return desc, (cat(app_rows), cat(app_p), cat(app_o))
 
-    def run(self, batch: list[PreparedRank]) -> BatchOutcome:
-        self._apply_completions()
+    def submit(self, batch: list[PreparedRank]) -> "InFlight":
+        """Plan the batch, queue its onloads and its forward on the device, and queue the
+        scores' copy to the host; nothing here waits for the device (``finish`` does)."""
+        with self._meta:
+            self._apply_completions()
         try:
-            return self._run(batch, frozenset())
+            return self._submit(batch, frozenset())
         except OnloadFault as fault:  # the batch again, those users recomputed: still right
             self.onload_faults += 1
             log.warning("%s; recomputing them", fault)
-            return self._run(batch, frozenset(fault.users))
+            return self._submit(batch, frozenset(fault.users))
 
-    def _run(self, batch: list[PreparedRank], transient: frozenset) -> BatchOutcome:
+    def _submit(self, batch: list[PreparedRank], transient: frozenset) -> "InFlight":
         stages: dict[str, float] = {}
         t = time.perf_counter()
         resolved, live = self._resolve(batch)
         if not live:
-            return BatchOutcome(list(resolved), stages)
+            return InFlight(batch, resolved, live, stages)
         tokens = {batch[i].user: interleave(*resolved[i]) for i in live}
         t = self._mark(stages, "strip", t)
-        plans = self.manager.plan_batch([(batch[i].user, tokens[batch[i].user]) for i in live],
-                                        self.version, transient)
+        with self._meta:
+            plans = self.manager.plan_batch(
+                [(batch[i].user, tokens[batch[i].user]) for i in live], self.version, transient)
         t = self._mark(stages, "metadata", t)
         s = self.streams
         try:
@@ -103,26 +107,42 @@ class CachedRankRunner(RankRunner):
                          for i, p in zip(live, plans)]
                 pb = pack_jagged(users)
                 desc, app = self._descriptor(plans, pb)
-                # Batches that onload host chunks stay eager (per-layer onload events).
                 t = self._mark(stages, "layout", t)
+                # Batches that onload host chunks stay eager (per-layer onload events).
                 onloads = any(p.onload for p in plans)
                 scores = None if onloads else self._forward_planned(pb, desc, app)
                 if scores is None:
                     scores = self._forward_eager(pb, desc, app, handles, stages)
                 handles.done()
                 self._compute_done = s.compute.record_event(s.event())
-                scores = scores.cpu().numpy()
-            t = self._mark(stages, "model", t)
+                host, event = read_back(scores)
+            self._mark(stages, "model", t)
         except BaseException:
-            self.manager.abort_batch(plans)
+            with self._meta:
+                self.manager.abort_batch(plans)
             raise
-        self.manager.commit_batch(plans, tokens)
-        self._remember(batch, resolved)
+        return InFlight(batch, resolved, live, stages, plans, tokens, host, event)
+
+    def finish(self, f: "InFlight") -> BatchOutcome:
+        """Wait for the batch's scores, then commit its users' K/V to the cache metadata."""
+        if not f.live:
+            return BatchOutcome(list(f.resolved), f.stages)
+        stages, t = f.stages, time.perf_counter()
+        try:
+            scores = f.wait()
+        except BaseException:
+            with self._meta:
+                self.manager.abort_batch(f.plans)
+            raise
+        t = self._mark(stages, "readback", t)
+        with self._meta:
+            self.manager.commit_batch(f.plans, f.tokens)
+        self._remember(f.batch, f.resolved)
         t = self._mark(stages, "commit", t)
-        results: list = list(resolved)
+        results: list = list(f.resolved)
         o = 0
-        for i, p in zip(live, plans):
-            c = len(batch[i].candidates)
+        for i, p in zip(f.live, f.plans):
+            c = len(f.batch[i].candidates)
             results[i] = (scores[o:o + c], {
                 "history_tokens": p.length, "tokens_from_gpu": p.from_gpu,
                 "tokens_from_host": p.from_host, "tokens_recomputed": p.length - p.start,
@@ -163,11 +183,13 @@ class CachedRankRunner(RankRunner):
     def background(self) -> None:
         """Start offloading users' filled chunks (within the quota); returns at once. Finished
         offloads are applied to the metadata here and at the next batch."""
-        self._apply_completions()
-        jobs = self.manager.plan_offloads()
+        with self._meta:
+            self._apply_completions()
+            jobs = self.manager.plan_offloads()
         if jobs:
             self.offload.submit(jobs, after=self._compute_done)
-        self._apply_completions()
+        with self._meta:
+            self._apply_completions()
 
     def _apply_completions(self) -> None:
         q = self.offload.completions
@@ -182,7 +204,8 @@ class CachedRankRunner(RankRunner):
     def flush(self, timeout: float | None = 60.0) -> None:
         """Wait for offloads in flight and apply them (tests, benchmarks, shutdown)."""
         self.offload.wait_idle(timeout)
-        self._apply_completions()
+        with self._meta:
+            self._apply_completions()
 
     def close(self, timeout: float | None = 60.0) -> None:
         """Offloads in flight get ``timeout`` s to finish (unfinished ones are left unpersisted,

@@ -128,10 +128,10 @@ class Engine:
             gc.collect()
             gc.freeze()
         count_bg = lambda: self.metrics.count("background_errors")  # noqa: E731
-        # Rank keeps one batch in flight: the cache manager plans a batch against the state the
-        # previous one committed (leases for several are issue 14's next step).
+        # Rank batches in flight: the cache manager leases each batch's users (a user in flight
+        # waits for a later batch), so batch n+1 is planned while batch n computes.
         loops = [BatchLoop("rank", self._batcher, self.runner, self._executor, self._finisher,
-                           1, partial(answer_rank, self.metrics), self._on_batch_error, count_bg)
+                           e.rank_in_flight, partial(answer_rank, self.metrics), self._on_batch_error, count_bg)
                  if self.runner is not None else None,
                  BatchLoop("generate", self._gen_batcher, self.gen_runner, self._executor,
                            self._finisher, GEN_IN_FLIGHT, partial(answer_generate, self.metrics),

@@ -3,7 +3,7 @@
 A ``BatchLoop`` takes batches from its batcher, submits each on the executor thread
 (``runner.submit``) and finishes it on the completion thread (``runner.finish``), with at most
 ``in_flight`` batches between the two: while batch ``n`` computes, batch ``n+1`` is prepared and
-queued. The engine's ``answer`` resolves the batch's futures; then the runner's background work
+queued. A key (a rank user) in a batch in flight waits for a later batch. The engine's ``answer`` resolves the batch's futures; then the runner's background work
 (rank offloads) runs on the executor, before the batch's slot frees, so it never delays a reply
 and never overlaps the next batch's preparation. Rank and generate share this loop, its one
 drain, one refusal path and one error path: they differ only in their runner and ``answer``.
@@ -54,6 +54,7 @@ class BatchLoop:
         self.executor, self.finisher, self.in_flight = executor, finisher, in_flight
         self.answer, self.on_error, self.on_background_error = (answer, on_error,
                                                                 on_background_error)
+        self.busy: set = set()  # keys of the batches between submit and finish
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -61,9 +62,11 @@ class BatchLoop:
         pending: set[asyncio.Task] = set()
         try:
             while True:
-                batch = await self.batcher.next_batch()
+                await slots.acquire()
+                batch = await self.batcher.next_batch(self.busy)
+                keys = [p.key for p in batch]
+                self.busy.update(keys)
                 try:
-                    await slots.acquire()
                     t_start = time.perf_counter()
                     handle = await loop.run_in_executor(
                         self.executor, self.runner.submit, [p.payload for p in batch])
@@ -71,10 +74,10 @@ class BatchLoop:
                     refuse(batch)
                     raise
                 except Exception as err:  # the batch fails; the engine serves on
-                    slots.release()
+                    self._release(keys, slots)
                     self.on_error(batch, err)
                     continue
-                task = loop.create_task(self._finish(batch, handle, t_start, slots))
+                task = loop.create_task(self._finish(batch, keys, handle, t_start, slots))
                 pending.add(task)
                 task.add_done_callback(pending.discard)
         finally:
@@ -82,7 +85,12 @@ class BatchLoop:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
 
-    async def _finish(self, batch: list[Pending], handle, t_start: float,
+    def _release(self, keys: list, slots: asyncio.Semaphore) -> None:
+        self.busy.difference_update(keys)
+        slots.release()
+        self.batcher.wake()
+
+    async def _finish(self, batch: list[Pending], keys: list, handle, t_start: float,
                       slots: asyncio.Semaphore) -> None:
         loop = asyncio.get_running_loop()
         try:
@@ -102,4 +110,4 @@ class BatchLoop:
                     log.exception("%s: background work failed", self.name)
                     self.on_background_error()
         finally:
-            slots.release()
+            self._release(keys, slots)

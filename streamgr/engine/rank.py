@@ -8,6 +8,7 @@ engine's executor thread, never on the event loop.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -153,6 +154,37 @@ def pack_jagged(users: list[UserSlice]) -> PackedBatch:
 
 
 @dataclass
+class InFlight:
+    """A rank batch between ``submit`` and ``finish``: its scores are on their way to ``host``
+    (valid once ``event`` completed; ``None``: already there)."""
+
+    batch: list
+    resolved: list
+    live: list
+    stages: dict
+    plans: list = field(default_factory=list)
+    tokens: dict = field(default_factory=dict)
+    host: torch.Tensor | None = None
+    event: object = None
+
+    def wait(self) -> np.ndarray:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.numpy()
+
+
+def read_back(scores: torch.Tensor):
+    """Queue the scores' copy to pinned host memory behind the batch's work (no wait)."""
+    if not scores.is_cuda:
+        return scores.detach(), None
+    host = torch.empty(scores.shape, dtype=scores.dtype, pin_memory=True)
+    host.copy_(scores, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+@dataclass
 class BatchOutcome:
     """Per request: ``(scores, stats fields)`` or the exception that request gets."""
 
@@ -172,6 +204,9 @@ class RankRunner:
         self.device = device
         self.history = history
         self.sync_stages = False  # benchmarks set it: stage times then include device work
+        # Metadata read when a batch is submitted (executor thread) and written when one
+        # finishes (completion thread): the history store, and the cache manager in subclasses.
+        self._meta = threading.RLock()
         self.plans = None  # RankPlans: CUDA graphs of the forward (engine.rank_plans > 0)
 
     def set_model(self, model: HSTU, version: str) -> None:
@@ -197,6 +232,10 @@ class RankRunner:
 
     def _resolve(self, batch: list[PreparedRank]) -> tuple[list, list[int]]:
         """Each request's full history (or its error), and the indices of the valid ones."""
+        with self._meta:
+            return self._resolve_locked(batch)
+
+    def _resolve_locked(self, batch: list[PreparedRank]) -> tuple[list, list[int]]:
         out: list = []
         max_hist = self.model.cfg.max_history
         for r in batch:
@@ -211,43 +250,51 @@ class RankRunner:
         return out, [i for i, h in enumerate(out) if not isinstance(h, Exception)]
 
     def _remember(self, batch: list[PreparedRank], resolved: list) -> None:
-        for r, h in zip(batch, resolved):
-            if not isinstance(h, Exception):
-                self.history.remember(r.user, *h)
+        with self._meta:
+            for r, h in zip(batch, resolved):
+                if not isinstance(h, Exception):
+                    self.history.remember(r.user, *h)
 
     def run(self, batch: list[PreparedRank]) -> BatchOutcome:
+        """One batch start to finish (offline replays, tests)."""
+        return self.finish(self.submit(batch))
+
+    # The BatchLoop's runner protocol: ``submit`` (executor thread) queues the batch on the
+    # device; ``finish`` (completion thread) waits for its scores and answers it.
+    def submit(self, batch: list[PreparedRank]) -> InFlight:
         stages: dict[str, float] = {}
         t = time.perf_counter()
         resolved, live = self._resolve(batch)
         if not live:
-            return BatchOutcome(list(resolved), stages)
+            return InFlight(batch, resolved, live, stages)
         users = [UserSlice(interleave(*resolved[i]), 0, batch[i].candidates) for i in live]
         pb = pack_jagged(users)
         t = self._mark(stages, "layout", t)
         scores = self._forward_planned(pb, JaggedKV.recompute(pb.q_offsets, pb.num_candidates))
         if scores is None:
             scores = self.model(upload_jagged(pb, self.device))
-        scores = scores.cpu().numpy()
-        t = self._mark(stages, "model", t)
-        self._remember(batch, resolved)
-        results: list = list(resolved)
+        host, event = read_back(scores)
+        self._mark(stages, "model", t)
+        return InFlight(batch, resolved, live, stages, host=host, event=event,
+                        tokens={i: len(u.tokens) for i, u in zip(live, users)})
+
+    def finish(self, f: InFlight) -> BatchOutcome:
+        if not f.live:
+            return BatchOutcome(list(f.resolved), f.stages)
+        t = time.perf_counter()
+        scores = f.wait()
+        t = self._mark(f.stages, "readback", t)
+        self._remember(f.batch, f.resolved)
+        results: list = list(f.resolved)
         o = 0
-        for i, u in zip(live, users):
-            c = len(u.candidates)
-            n = len(u.tokens)
+        for i in f.live:
+            c = len(f.batch[i].candidates)
+            n = f.tokens[i]
             results[i] = (scores[o:o + c], {"history_tokens": n, "tokens_recomputed": n,
                                             "tier": "none" if n == 0 else "miss"})
             o += c
-        self._mark(stages, "postprocess", t)
-        return BatchOutcome(results, stages)
-
-    # The BatchLoop's runner protocol: a rank batch runs whole in ``submit`` (the executor
-    # thread: the scores are read back there); ``finish`` has nothing left to wait for.
-    def submit(self, batch: list[PreparedRank]) -> BatchOutcome:
-        return self.run(batch)
-
-    def finish(self, outcome: BatchOutcome) -> BatchOutcome:
-        return outcome
+        self._mark(f.stages, "postprocess", t)
+        return BatchOutcome(results, f.stages)
 
     has_background_work = False  # recompute has nothing to do after a batch
 

@@ -75,8 +75,11 @@ class _Entry:
         self.plan = attn_cuda.static_plan(split, cap, self.dev32)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.scores: torch.Tensor | None = None
+        self.copied: torch.cuda.Event | None = None  # the last fill's copies out of host64/32
 
     def fill(self, hb: HostBatch, hp: attn_cuda.HostPlan) -> None:
+        if self.copied is not None:  # with batches in flight, the last copy may not have run
+            self.copied.synchronize()
         h = self.host64.numpy()
         rows, n = self.rows, hb.packed.shape[1]
         for i in range(3):
@@ -95,6 +98,8 @@ class _Entry:
         attn_cuda.pad_plan(hp, self.cap, self.host32.numpy())
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
 
 
 class RankPlans:

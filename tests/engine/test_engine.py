@@ -115,7 +115,7 @@ def test_blocking_engine():
 async def test_a_failing_batch_fails_its_requests_and_the_engine_serves_on():
     rng = np.random.default_rng(9)
     async with Engine.from_spec("rank-small", small_overrides()) as eng:
-        real = eng.runner.run
+        real = eng.runner.submit  # what the batch loop calls on the executor
         calls = {"n": 0}
 
         def flaky(batch):
@@ -123,7 +123,7 @@ async def test_a_failing_batch_fails_its_requests_and_the_engine_serves_on():
             if calls["n"] == 1:
                 raise RuntimeError("injected fault")
             return real(batch)
-        eng.runner.run = flaky
+        eng.runner.submit = flaky
         with pytest.raises(E.StreamgrError, match="injected fault"):
             await eng.rank(req(rng, 1, 10))
         ok = await eng.rank(req(rng, 2, 10))
@@ -131,7 +131,7 @@ async def test_a_failing_batch_fails_its_requests_and_the_engine_serves_on():
 
         def dead(batch):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        eng.runner.run = dead
+        eng.runner.submit = dead
         with pytest.raises(E.EngineDead):
             await eng.rank(req(rng, 3, 10))
         with pytest.raises(E.EngineDead):  # refused at admission from now on

@@ -26,6 +26,8 @@ from typing import Hashable, Iterable
 
 import numpy as np
 
+from .offload_plan import OffloadJob, OffloadPlanning
+
 
 def fingerprint(tokens: np.ndarray) -> int:
     """Fingerprint of a token segment (64-bit, process-local: the cache is in-process too)."""
@@ -67,18 +69,7 @@ class UserPlan:
     transient: bool = False  # computed without caching (did not fit, or locked)
 
 
-@dataclass
-class OffloadJob:
-    key: Hashable
-    first_chunk: int  # index of the first chunk in the user's history
-    chunk_ids: list[int]
-    page_ids: list[int]  # pages holding those chunks' tokens, in order
-
-    def tokens(self, chunk: int) -> int:
-        return len(self.chunk_ids) * chunk
-
-
-class KVCacheManager:
+class KVCacheManager(OffloadPlanning):
     def __init__(self, page_tokens: int, chunk_tokens: int, device_pages: int, host_chunks: int,
                  offload_quota_tokens: int, hierarchical: bool = True) -> None:
         if chunk_tokens % page_tokens:
@@ -318,61 +309,6 @@ class KVCacheManager:
         keys = frozenset(p.key for p in plans)
         if keys in self._leases:
             self._leases.remove(keys)
-
-    # -- offload --------------------------------------------------------------------------------
-
-    def _host_chunks(self, n: int, protect: set) -> list[int]:
-        """Up to ``n`` host chunks, evicting LRU users' host copies outside ``protect``."""
-        while len(self.free_chunks) < n:
-            key = self._evictable(self.host_lru, protect)
-            if key is None:
-                break
-            self._evict_host(self.users[key])
-        take = min(n, len(self.free_chunks))
-        return [self.free_chunks.pop() for _ in range(take)]
-
-    def plan_offloads(self) -> list[OffloadJob]:
-        """Jobs for users with full un-persisted chunks, within the quota; the rest is deferred."""
-        jobs = []
-        for key in list(self.wanted):
-            if key in self.locked:
-                continue
-            e = self.users[key]
-            n = e.device_len // self.C - len(e.chunks)
-            room = (self.quota - self.queued_tokens) // self.C
-            if room <= 0:
-                self.counters["deferred_offloads"] += 1
-                continue
-            chunks = self._host_chunks(min(n, room), self.in_batch | {key})
-            if not chunks:
-                self.counters["host_full"] += 1
-                continue
-            first = len(e.chunks)
-            per = self.C // self.P
-            job = OffloadJob(key, first, chunks, e.pages[first * per:(first + len(chunks)) * per])
-            self.locked[key] = job
-            self.queued_tokens += job.tokens(self.C)
-            self.wanted.pop(key, None)
-            jobs.append(job)
-        return jobs
-
-    def finish_offload(self, job: OffloadJob) -> None:
-        e = self.users[job.key]
-        del self.locked[job.key]
-        self.queued_tokens -= job.tokens(self.C)
-        assert len(e.chunks) == job.first_chunk, "offload jobs of one user are serialized"
-        e.chunks.extend(job.chunk_ids)
-        self.counters["offloaded_chunks"] += len(job.chunk_ids)
-        self._relist(e, touch=False)
-
-    def abort_offload(self, job: OffloadJob) -> None:
-        """A failed transfer: the chunks go back, nothing is marked persisted, retry later."""
-        e = self.users[job.key]
-        del self.locked[job.key]
-        self.queued_tokens -= job.tokens(self.C)
-        self.free_chunks.extend(reversed(job.chunk_ids))
-        self.counters["offload_failures"] += 1
-        self._relist(e, touch=False)
 
     # -- views ------------------------------------------------------------------------------------
 

@@ -198,12 +198,15 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
     };
 
     float acc[MT][D / 8][4];
+    auto zero_acc = [&]() {  // each chunk's partial starts from zero
 #pragma unroll
-    for (int m = 0; m < MT; ++m)
+        for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n)
+            for (int n = 0; n < D / 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.0f;
+                for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.0f;
+    };
+    zero_acc();
 
     float* w = ws + ((long long)item_slot[item] * H + h) * BM * D;
     auto flush = [&](bool first) {  // the chunk's partial into the slot (DIRECT: folded)
@@ -312,12 +315,7 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
 
         if (DIRECT && ((kt + 1) % TPC == 0 || kt + 1 == kt1)) {
             flush(kt < TPC);
-#pragma unroll
-            for (int m = 0; m < MT; ++m)
-#pragma unroll
-                for (int n = 0; n < D / 8; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.0f;
+            zero_acc();
         }
     }
     cp_async_wait<0>();

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from graph_timing import graph_ms  # noqa: E402  (tools/, the script's own folder)
 from streamgr.kernels.hstu_attention import (JaggedKV, hstu_attention_jagged,  # noqa: E402
                                              hstu_attention_jagged_reference)
 
@@ -56,33 +57,6 @@ def flops(B, hist, cached):
     return 4.0 * D * H * keys * B
 
 
-def timed(fn, reps=20, rounds=7):
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-        run = graph.replay
-    except Exception as err:  # eager timing then includes host launch time
-        print(f"# graph capture failed ({err}); eager timing", file=sys.stderr)
-        torch.cuda.synchronize()
-
-        def run():
-            for _ in range(reps):
-                fn()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return float(np.median(times))
-
-
 def measure(B, hist, cached, with_ref=True):
     q, k, v, desc = case(B, hist, cached, seed=B * 7919 + hist)
     alpha, n = 1.0 / np.sqrt(D), 2 * 20000 + 256
@@ -102,8 +76,8 @@ def measure(B, hist, cached, with_ref=True):
            "rel_err": max(err["auto"], err["split"], err["direct"]), "rel_err_wmma": err["wmma"],
            "split_eq_direct": bitwise}
     o = out["auto"]
-    row["ms"] = timed(lambda: hstu_attention_jagged(q, k, v, desc, 0, alpha, n, out=o))
-    row["ms_wmma"] = timed(lambda: hstu_attention_jagged(q, k, v, desc, 0, alpha, n, out=o,
+    row["ms"] = graph_ms(lambda: hstu_attention_jagged(q, k, v, desc, 0, alpha, n, out=o))
+    row["ms_wmma"] = graph_ms(lambda: hstu_attention_jagged(q, k, v, desc, 0, alpha, n, out=o,
                                                          plan="wmma"), reps=5, rounds=3)
     if with_ref:
         qf = q

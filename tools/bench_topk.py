@@ -12,10 +12,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from graph_timing import graph_ms  # noqa: E402  (tools/, the script's own folder)
 from streamgr.kernels import trie_topk as tt  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -30,24 +30,6 @@ def level(R, B, F, seed=0):
     scores = torch.randn(R, B, device=DEV, generator=g)
     logp = torch.randn(R * B, F + 3, device=DEV, generator=g)
     return scores, nodes, logp, ptr, codes, 3, F
-
-
-def graph_ms(fn, reps=20, rounds=7):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    out = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / reps)
-    return float(np.median(out))
 
 
 def main() -> None:

@@ -121,7 +121,8 @@ class CachedRankRunner(RankRunner):
             with self._meta:
                 self.manager.abort_batch(plans)
             raise
-        return InFlight(batch, resolved, live, stages, plans, tokens, host, event)
+        return InFlight(batch, resolved, live, stages, plans=plans, tokens=tokens, host=host,
+                        event=event)
 
     def finish(self, f: "InFlight") -> BatchOutcome:
         """Wait for the batch's scores, then commit its users' K/V to the cache metadata."""
@@ -156,8 +157,7 @@ class CachedRankRunner(RankRunner):
         onloaded history (deeper layers' are still in flight), then attends."""
         s = self.streams
         jb = upload_jagged(pb, self.device)
-        dev = lambda a: torch.from_numpy(a).to(self.device, non_blocking=False)  # noqa: E731
-        app_rows, app_p, app_o = (dev(a) for a in app)
+        app_rows, app_p, app_o = torch.from_numpy(np.stack(app)).to(self.device)  # one copy
         store, cfg = self.stores.pages, self.model.cfg
         wait = [0.0]
         ev = self.trace_events = {} if self.trace_events is not None else None

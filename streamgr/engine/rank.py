@@ -162,8 +162,9 @@ class InFlight:
     resolved: list
     live: list
     stages: dict
-    plans: list = field(default_factory=list)
-    tokens: dict = field(default_factory=dict)
+    plans: list = field(default_factory=list)  # cached modes: the users' cache plans
+    tokens: dict = field(default_factory=dict)  # cached modes: user -> history tokens
+    lengths: dict = field(default_factory=dict)  # recompute: request index -> tokens computed
     host: torch.Tensor | None = None
     event: object = None
 
@@ -276,7 +277,7 @@ class RankRunner:
         host, event = read_back(scores)
         self._mark(stages, "model", t)
         return InFlight(batch, resolved, live, stages, host=host, event=event,
-                        tokens={i: len(u.tokens) for i, u in zip(live, users)})
+                        lengths={i: len(u.tokens) for i, u in zip(live, users)})
 
     def finish(self, f: InFlight) -> BatchOutcome:
         if not f.live:
@@ -289,7 +290,7 @@ class RankRunner:
         o = 0
         for i in f.live:
             c = len(f.batch[i].candidates)
-            n = f.tokens[i]
+            n = f.lengths[i]
             results[i] = (scores[o:o + c], {"history_tokens": n, "tokens_recomputed": n,
                                             "tier": "none" if n == 0 else "miss"})
             o += c

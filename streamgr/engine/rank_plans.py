@@ -149,7 +149,7 @@ class RankPlans:
     def run(self, hb: HostBatch, desc) -> torch.Tensor | None:
         """The batch's scores ``[candidates]`` (device fp32) from a plan, or None when this
         batch cannot replay (too large, or its capture failed before): run it eagerly."""
-        rows, cands, apps = hb.packed.shape[1], len(hb.cand_rows), len(hb.app_rows)
+        rows, cands = hb.packed.shape[1], len(hb.cand_rows)
         if rows > MAX_ROWS or len(desc.num_candidates) > self.max_batch:
             return None
         cfg = self.model.cfg

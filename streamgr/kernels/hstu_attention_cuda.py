@@ -65,6 +65,15 @@ class HostPlan:
     n_slots: int
 
 
+def page_csr(desc) -> tuple[np.ndarray, np.ndarray]:
+    """The batch's page table as CSR: ``page_ptr`` [users + 1] and the flat page ids (one dummy
+    entry when no user is paged, so the device array is never empty)."""
+    page_ptr = np.zeros(len(desc.pages) + 1, dtype=np.int64)
+    page_ptr[1:] = np.cumsum([len(p) if f else 0 for p, f in zip(desc.pages, desc.paged)])
+    flat = [x for p, f in zip(desc.pages, desc.paged) if f for x in p]
+    return page_ptr, np.asarray(flat or [0], dtype=np.int64)
+
+
 def plan_host(desc, heads: int, sms: int = 132, force: str | None = None) -> HostPlan:
     """Work items of one batch (``force``: ``"split"`` or ``"direct"`` for tests and benches)."""
     q_off = np.asarray(desc.q_offsets, dtype=np.int64)
@@ -103,13 +112,10 @@ def plan_host(desc, heads: int, sms: int = 132, force: str | None = None) -> Hos
         slot = item_tile.copy()
         fin = [user, row0, np.arange(len(n_kt)), (n_kt > 0).astype(np.int64)]
         n_slots = len(n_kt)
-    page_ptr = np.zeros(len(rows) + 1, dtype=np.int64)
-    page_ptr[1:] = np.cumsum([len(p) if f else 0 for p, f in zip(desc.pages, desc.paged)])
-    flat = [x for p, f in zip(desc.pages, desc.paged) if f for x in p]
+    page_ptr, flat = page_csr(desc)
     return HostPlan(split, [user[item_tile], row0[item_tile], kt0, kt1, slot],
                     [q_off[:-1], hist, new, cand, np.asarray(desc.paged, dtype=np.int64),
-                     np.asarray(desc.kv_rows, dtype=np.int64)],
-                    page_ptr, np.asarray(flat or [0], dtype=np.int64), fin, n_slots)
+                     np.asarray(desc.kv_rows, dtype=np.int64)], page_ptr, flat, fin, n_slots)
 
 
 def plan(desc, device: torch.device, heads: int, force: str | None = None) -> Plan:
@@ -142,26 +148,13 @@ class Capacity:
         u = self.users + 1  # + a user with no rows: padding items point at it
         return [self.items] * 5 + [u] * 6 + [u + 1, self.pages] + [self.fin] * 4
 
-    def fits(self, hp: HostPlan) -> bool:
-        return (len(hp.items[0]) <= self.items and len(hp.users[0]) <= self.users
-                and len(hp.pages) <= self.pages and len(hp.fin[0]) <= self.fin
-                and hp.n_slots <= self.slots)
-
 
 def pad_plan(hp: HostPlan, cap: Capacity, out: np.ndarray) -> None:
     """Write ``hp`` into ``out`` (int32, ``sum(cap.sizes)``) at the capacity's layout. Padding
     items and merge rows belong to the empty user, so their blocks write nothing."""
     empty = cap.users
-    parts = []
-    for a in hp.items:
-        parts.append((a, 0))
-    parts[0] = (hp.items[0], empty)  # padding items: the empty user, no key tiles
-    for a in hp.users:
-        parts.append((a, 0))
-    parts.append((hp.page_ptr, int(hp.page_ptr[-1])))
-    parts.append((hp.pages, 0))
-    fin = hp.fin
-    parts += [(fin[0], empty), (fin[1], 0), (fin[2], 0), (fin[3], 0)]
+    fills = [empty, 0, 0, 0, 0] + [0] * 6 + [int(hp.page_ptr[-1]), 0] + [empty, 0, 0, 0]
+    parts = list(zip(hp.items + hp.users + [hp.page_ptr, hp.pages] + hp.fin, fills))
     o = 0
     for (a, fill), size in zip(parts, cap.sizes):
         n = len(a)
@@ -233,11 +226,9 @@ def run_wmma(q, k, v, desc, layer: int, alpha: float, max_len: int, out: torch.T
         for b in range(len(desc.num_candidates)):
             for r0 in range(0, desc.q_offsets[b + 1] - desc.q_offsets[b], 64):
                 tu.append(b), tr.append(r0)
-        page_ptr = np.zeros(len(desc.pages) + 1, dtype=np.int64)
-        page_ptr[1:] = np.cumsum([len(p) if f else 0 for p, f in zip(desc.pages, desc.paged)])
-        flat = [x for p, f in zip(desc.pages, desc.paged) if f for x in p]
+        page_ptr, flat = page_csr(desc)
         arrays = [tu, tr, desc.q_offsets, desc.hist_lens, desc.new_lens, desc.num_candidates,
-                  [int(f) for f in desc.paged], desc.kv_rows, page_ptr, flat or [0]]
+                  [int(f) for f in desc.paged], desc.kv_rows, page_ptr, flat]
         host = np.concatenate([np.asarray(a, dtype=np.int32) for a in arrays])
         dev = torch.from_numpy(host).to(q.device)
         desc._cache["wmma"] = (len(tu), list(torch.split(dev, [len(a) for a in arrays])))

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import os
 
-import numpy as np
 import torch
 
 from ..errors import StreamgrError

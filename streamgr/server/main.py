@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import sys
 
 from ..engine import Engine
 from ..errors import StreamgrError

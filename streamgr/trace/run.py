@@ -14,7 +14,6 @@ import asyncio
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -22,7 +21,7 @@ import numpy as np
 from ..api import GenerateRequest, RankRequest
 from ..errors import StreamgrError
 from ..progress import Progress
-from .format import RankEvent, read_header, read_trace
+from .format import read_header, read_trace
 from .replay import batches_of_distinct_users, replay_batches
 
 MODES = ("recompute", "gpu-only", "hierarchical")
@@ -282,7 +281,7 @@ def _run(go, out, lines: list[dict], mode: str, extra: dict, sink: dict):
 def _numpy_scalar(obj):
     if isinstance(obj, np.generic):
         return obj.item()
-    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+    raise TypeError(f"cannot encode {type(obj).__name__} in a results line")
 
 
 def _write_results(out, lines: list[dict]) -> None:

@@ -93,3 +93,31 @@ def test_bad_layout_is_a_clear_error(bad):
         args["k"] = k[:, :, :2]
     with pytest.raises(StreamgrError):
         mod.hstu_attention_reference(alpha=1.0, max_len=8, **args)
+
+
+@pytest.mark.parametrize("force", ["split", "direct"])
+def test_padded_plan_adds_only_work_that_writes_nothing(force):
+    """A captured rank plan's work items are padded to a capacity: padding items and merge rows
+    belong to the empty user (index = capacity's users), key ranges are empty, the page table's
+    tail repeats its end, and every slot of the buffer is written."""
+    import numpy as np
+    from streamgr.kernels import hstu_attention_cuda as hc
+    users = [(700, 5, 30, True), (40, 40, 3, False), (0, 0, 2, True)]
+    q_off = [0]
+    for h, n, c, _ in users:
+        q_off.append(q_off[-1] + n + c)
+    desc = mod.JaggedKV(q_off, [u[2] for u in users], [u[0] for u in users],
+                        [u[3] for u in users], q_off[:-1], [list(range(22)), [], []], 32, None)
+    hp = hc.plan_host(desc, heads=2, force=force)
+    cap = hc.Capacity(items=64, users=8, pages=64, fin=16, slots=64)
+    out = np.full(sum(cap.sizes), -99, np.int32)
+    hc.pad_plan(hp, cap, out)
+    assert not (out == -99).any()
+    v = np.split(out, np.cumsum(cap.sizes)[:-1])
+    n, f = len(hp.items[0]), len(hp.fin[0])
+    assert (v[0][:n] == hp.items[0]).all() and (v[0][n:] == cap.users).all()  # item users
+    assert (v[2][n:] == 0).all() and (v[3][n:] == 0).all()  # no key tiles
+    for i in range(6):  # per-user arrays, the empty user's entries zero
+        assert (v[5 + i][:3] == hp.users[i]).all() and (v[5 + i][3:] == 0).all()
+    assert (v[11][:4] == hp.page_ptr).all() and (v[11][4:] == hp.page_ptr[-1]).all()
+    assert (v[13][f:] == cap.users).all() and (v[16][f:] == 0).all()  # merge rows, no slots

@@ -7,6 +7,8 @@
 #     rank: the rank-ref bench alone; gen: the generate GPU tests + the gen-ref bench;
 #     attn: the kernel, rank and cache GPU tests + tools/bench_attention.py (ATTN_ARGS=--quick);
 #     topk: the selection GPU tests + tools/bench_topk.py
+#     inflight: rank-ref trace replays through the engine at engine.rank_in_flight 1 and 2
+#     genprof: the gen-ref bench alone with a torch.profiler kernel table (no tests)
 #   env: WARMUP/WINDOW (rank bench requests), GEN_REQUESTS (per gen-ref run), GEN_RATES
 #   (open-loop requests/s), HF_REQUESTS (through Hugging Face), GEN_ARGS (more bench flags,
 #   e.g. "--profile 2 --fp32-agreement 16")
@@ -28,7 +30,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, numpy, cupy; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'numpy', numpy.__version__, 'cupy', cupy.__version__)"
 
 summary=()
-if [ "$mode" != rank ]; then
+if [ "$mode" != rank ] && [ "$mode" != inflight ] && [ "$mode" != genprof ]; then
   tests=tests/
   [ "$mode" = gen ] && tests=tests/gpu/test_gpu_generate.py
   [ "$mode" = attn ] && tests="tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_rank.py tests/gpu/test_gpu_cache.py"
@@ -70,6 +72,24 @@ if [ "$mode" = full ] || [ "$mode" = rank ]; then
     | tee "$out/bench_rank.txt"
   grep -v "^\(recompute\|gpu-only\|hierarchical\)" "$out/bench_rank.err" | tail -n 15
   summary+=("$(tail -n 1 "$out/bench_rank.txt")")
+fi
+if [ "$mode" = inflight ]; then
+  # Batches overlap only inside the engine (bench_rank runs one batch at a time), so this is
+  # a closed-loop trace replay: the same requests at 1 and 2 rank batches in flight.
+  python3 -m streamgr trace synth --profile kuairand-1k --users ${INFLIGHT_USERS:-400} -o /tmp/kr.trace
+  for k in 1 2; do
+    python3 -m streamgr trace replay /tmp/kr.trace --spec rank-ref --concurrency ${INFLIGHT_CONC:-32} \
+      --limit ${INFLIGHT_LIMIT:-4000} --set engine.rank_in_flight=$k -o "$out/replay_inflight$k.jsonl" \
+      2>&1 | tail -n 12 | tee "$out/replay_inflight$k.txt"
+    summary+=("rank_in_flight=$k: $(grep "^ *hierarchical " "$out/replay_inflight$k.txt" | tail -n 1)")
+  done
+fi
+if [ "$mode" = genprof ]; then
+  python3 tools/bench_generate.py --spec gen-ref --device cuda --requests ${GEN_REQUESTS:-256} \
+    --concurrency 64 --rates ${GEN_RATES:-} --hf-requests 1 --profile 2 ${GEN_ARGS:-} \
+    --json "$out/bench_generate.json" 2>"$out/bench_generate.err" | tee "$out/bench_generate.txt"
+  grep -v "^\(open loop\|closed loop\)" "$out/bench_generate.err" | tail -n 80
+  summary+=("$(tail -n 1 "$out/bench_generate.txt")")
 fi
 if [ "$mode" = full ] || [ "$mode" = gen ]; then
   # gen-ref (WORKLOADS.md): 1,000,000 items, beams of 256, top 256, 256 history items.

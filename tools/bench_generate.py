@@ -116,14 +116,26 @@ def profile(eng, reqs, n):
     runner, B = eng.gen_runner, eng.spec.engine.max_batch
     batch = [runner.prepare(r) for r in reqs[:B]]
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if eng.device.type == "cuda" else [])
-    with torch_profile(activities=acts) as prof:
-        for _ in range(n):
-            runner.run(batch)
-        if eng.device.type == "cuda":
-            torch.cuda.synchronize()
-    keys = (["cuda_time_total"] if eng.device.type == "cuda" else []) + ["cpu_time_total"]
-    for key in keys:
-        print(prof.key_averages().table(sort_by=key, row_limit=25), file=sys.stderr)
+    search = runner.search
+    for plans in ([search.plans, None] if search.plans is not None else [None]):
+        # With plans: the kernels as the graph replays them. Without (eager): each kernel's
+        # time under the aten op and input shapes that launched it.
+        search.plans, saved = plans, search.plans
+        try:
+            runner.run(batch)  # eager: new shapes' set-up outside the profile
+            with torch_profile(activities=acts, record_shapes=plans is None) as prof:
+                for _ in range(n):
+                    runner.run(batch)
+                if eng.device.type == "cuda":
+                    torch.cuda.synchronize()
+        finally:
+            search.plans = saved
+        print(f"== profile, {n} batches of {len(batch)}, "
+              f"{'plans (graph replays)' if plans is not None else 'eager'}", file=sys.stderr)
+        key = "cuda_time_total" if eng.device.type == "cuda" else "cpu_time_total"
+        print(prof.key_averages(group_by_input_shape=plans is None)
+              .table(sort_by=key, row_limit=30, max_name_column_width=60,
+                     max_shapes_column_width=70), file=sys.stderr)
 
 
 class GcPauses:

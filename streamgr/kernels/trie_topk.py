@@ -27,6 +27,7 @@ import os
 import torch
 
 from ..errors import StreamgrError
+from .head_lse import LogProbs, gather_log_probs
 
 NEG_INF = float("-inf")
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
@@ -40,7 +41,7 @@ def trie_topk_reference(scores: torch.Tensor, nodes: torch.Tensor, logp: torch.T
                         ptr: torch.Tensor, codes: torch.Tensor, off: int, fanout: int, k: int,
                         cap: torch.Tensor, stable: bool = True):
     """(top [R, k] fp32, parent [R, k], child [R, k], code [R, k]) as the module docstring says.
-    ``scores``, ``nodes``: [R, B]; ``logp``: [R * B, V]; ``cap``: [R]. ``stable=False`` selects
+    ``scores``, ``nodes``: [R, B]; ``logp``: [R * B, V] (or a lazy ``LogProbs``); ``cap``: [R]. ``stable=False`` selects
     with ``torch.topk`` (the serving default: the fastest measured, ties as Hugging Face's beam
     search breaks them, device-dependent)."""
     R, B = scores.shape
@@ -54,7 +55,7 @@ def trie_topk_reference(scores: torch.Tensor, nodes: torch.Tensor, logp: torch.T
     child = torch.where(real, lo[:, None] + slot[None, :], 0)
     code = torch.where(real, codes[child.clamp(max=max(len(codes) - 1, 0))], 0) if len(codes) \
         else torch.zeros_like(child)
-    cand = scores.view(-1, 1).float() + logp.float().gather(1, off + code)
+    cand = scores.view(-1, 1).float() + gather_log_probs(logp, off + code)
     cand = cand.masked_fill(~real, NEG_INF).view(R, B * F)
     if stable:
         top, idx = torch.sort(cand, dim=1, descending=True, stable=True)
@@ -113,4 +114,6 @@ def trie_topk(scores: torch.Tensor, nodes: torch.Tensor, logp: torch.Tensor, ptr
         return trie_topk_reference(scores, nodes, logp, ptr, codes, off, fanout, k, cap,
                                    stable=impl == "stable")
     from . import trie_topk_numba as nb
+    if isinstance(logp, LogProbs):  # the Numba kernels read a dense matrix
+        logp = logp.dense()
     return nb.run(scores, nodes, logp, ptr, codes, off, max(fanout, 1), k, cap)

@@ -14,6 +14,7 @@ beams with their own self K/V, attending the cross K/V of their request by index
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import msgspec
@@ -21,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ..kernels.head_lse import head_log_probs
 
 
 class T5Config(msgspec.Struct, kw_only=True):
@@ -119,20 +122,34 @@ def bias_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 _fused_attention_ok = True
+# cuDNN's fused attention first, the memory-efficient kernel where cuDNN refuses a shape.
+# On the H200 (tools/bench_t5_attention.py, docs/benchmarks.md) cuDNN runs gen-ref's encoder
+# layer in 0.13 ms against 0.30 and its cross-attention in 0.036 against 0.084. cuDNN builds a
+# plan per new shape (~3 ms of CPU): the decode plans capture each shape once, and eager mode
+# pays it once per shape. STREAMGR_T5_ATTENTION=efficient keeps the memory-efficient kernel only.
+_BACKENDS = ([SDPBackend.EFFICIENT_ATTENTION]
+             if os.environ.get("STREAMGR_T5_ATTENTION", "cudnn") == "efficient"
+             else [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+
+
+def _backends():
+    try:
+        return sdpa_kernel(_BACKENDS, set_priority=True)
+    except TypeError:  # a torch without set_priority: its own order among these
+        return sdpa_kernel(_BACKENDS)
 
 
 def attend(q, k, v, bias, fuse: bool = True) -> torch.Tensor:
     """softmax(q k^T + bias) v in fp32 softmax, as T5 does (no 1/sqrt(d)). In half precision
-    on CUDA (and ``fuse``): one memory-efficient attention kernel, no [.., Q, K] scores in
+    on CUDA (and ``fuse``): one fused attention kernel (``_BACKENDS``), no [.., Q, K] scores in
     memory; the additive bias is then at the activations' precision, as Hugging Face's T5 has it
-    in bf16. Only that backend: SDPA's own choice went to cuDNN (a plan built per new shape,
-    ~3 ms of CPU each) and to the math path (fp32 GEMMs) for gen-ref's shapes."""
+    in bf16. Never SDPA's math path (fp32 GEMMs): it was its choice for gen-ref's shapes."""
     global _fused_attention_ok
     if fuse and _fused_attention_ok and fused(q):
         try:
             if bias is not None and bias.stride(-1) != 1:
                 bias = bias.contiguous()
-            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            with _backends():
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
         except RuntimeError as e:  # shapes the kernel refuses: the reference below, said once
             _fused_attention_ok = False
@@ -144,12 +161,14 @@ def attend(q, k, v, bias, fuse: bool = True) -> torch.Tensor:
 
 
 def attend_few(q, k, v, bias) -> torch.Tensor:
-    """``attend`` for one query over a few keys (the decoder's own SID tokens so far), as
-    fp32 elementwise products: one batched GEMM of shape [1, d] x [d, <= depth] per row and
-    head runs slow tensor-core tiles (~2 ms per gen-ref batch); this is memory-bound and tiny."""
-    s = (q.float() * k.float()).sum(-1, keepdim=True).transpose(-1, -2)  # [.., 1, T]
-    p = F.softmax(s + bias, dim=-1)
-    return (p.transpose(-1, -2) * v.float()).sum(-2, keepdim=True).to(v.dtype)
+    """``attend`` for one query per row over a few keys (the decoder's own SID tokens so far),
+    as fp32 elementwise products: ``q`` [N, H, d], ``k``/``v`` [T, N, H, d] (contiguous: each
+    step's keys are one slab), ``bias`` [T, H] -> [N, H, d]. One batched GEMM of shape
+    [1, d] x [d, <= depth] per row and head runs slow tensor-core tiles (~2 ms per gen-ref
+    batch); this is memory-bound and tiny."""
+    s = (q.float()[None] * k.float()).sum(-1)  # [T, N, H]
+    p = F.softmax(s + bias[:, None, :], dim=0)
+    return (p[..., None] * v.float()).sum(0).to(v.dtype)
 
 
 class FeedForward(nn.Module):
@@ -223,10 +242,12 @@ class T5(nn.Module):
         return self
 
     def head_logits(self, y: torch.Tensor) -> torch.Tensor:
-        """Logits over the vocabulary [N, vocab_size] (through the aligned buffer if any)."""
+        """Logits [N, >= vocab_size]: the first ``vocab_size`` columns are the vocabulary's (the
+        aligned buffer's extra columns, if any, follow; slicing them off here would make the
+        log-softmax read a strided matrix)."""
         buf = getattr(self, "_head_rows", None)
         if buf is not None:
-            return F.linear(y, buf)[:, :self.cfg.vocab_size]
+            return F.linear(y, buf)
         return F.linear(y, self.shared.weight) if self.cfg.tie_word_embeddings else self.lm_head(y)
 
     def init_random(self, seed: int) -> "T5":
@@ -250,15 +271,25 @@ class T5(nn.Module):
         # Contiguous: the fused attention kernel needs the key dimension at stride 1.
         return attn.relative_attention_bias(b).permute(2, 0, 1).float().contiguous()  # [H, Q, K]
 
+    def _encoder_bias(self, attn: Attention, S: int, device) -> torch.Tensor:
+        """``_bias`` of positions ``0..S-1`` against themselves, [H, S, S] fp32: the bias depends
+        on ``j - i`` only, so the table is looked up for the ``2S - 1`` distances and each row
+        is a window of it (an S x S embedding gather cost ~0.37 ms per gen-ref batch)."""
+        rel = torch.arange(-(S - 1), S, device=device)  # index m = j - i + S - 1
+        b = relative_bucket(rel, True, self.cfg.relative_attention_num_buckets,
+                            self.cfg.relative_attention_max_distance)
+        u = attn.relative_attention_bias(b).t().float()  # [H, 2S - 1]
+        # Row i is u[:, S-1-i : 2S-1-i]: the windows of u, last first.
+        return u.unfold(1, S, 1).flip(1).contiguous()
+
     @torch.inference_mode()
     def encode(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``tokens`` [R, S] (right-padded), ``mask`` [R, S] True on real tokens -> [R, S, D]."""
         x = self.shared(tokens)
         S = tokens.shape[1]
-        pos = torch.arange(S, device=tokens.device)
         first = self.encoder.block[0].layer[0].SelfAttention
         bt = bias_dtype(x)
-        bias = self._bias(first, pos, pos, True)[None].to(bt)  # [1, H, S, S]
+        bias = self._encoder_bias(first, S, tokens.device)[None].to(bt)  # [1, H, S, S]
         bias = bias + torch.where(mask, 0.0, torch.finfo(bt).min).to(bt)[:, None, None, :]
         for blk in self.encoder.block:
             sa, ff = blk.layer[0], blk.layer[1]
@@ -284,29 +315,33 @@ class T5(nn.Module):
                     beams: int) -> torch.Tensor:
         """One decoder step for ``R * beams`` rows (row = request * beams + beam).
 
-        ``tokens`` [R*beams] this step's input token; ``self_k/v`` [layers, R*beams, H, T, d]
-        with positions ``< step`` filled (this step's K/V are written at ``step``);
-        ``cross`` per layer [R, H, S, d]; ``enc_mask`` [R, S]. Returns log-probabilities over
-        the full vocabulary [R*beams, vocab] (fp32).
+        ``tokens`` [R*beams] this step's input token; ``self_k/v`` [T, layers, R*beams, H, d]
+        (T > ``step``; each position one contiguous slab, so compaction is a row gather of
+        whole slabs and this step's write is contiguous) with positions ``< step`` filled
+        (this step's K/V are written at ``step``); ``cross`` per layer [R, H, S, d];
+        ``enc_mask`` [R, S]. Returns log-probabilities over the full vocabulary
+        [R*beams, vocab] (fp32): dense, or for bf16 on CUDA a lazy ``LogProbs`` (per-row
+        log-sum-exp; ``gather`` the columns needed).
         """
         cfg = self.cfg
         N = tokens.shape[0]
         R = N // beams
+        H, d = cfg.num_heads, cfg.d_kv
         x = self.shared(tokens)[:, None, :]  # [N, 1, D]
         first = self.decoder.block[0].layer[0].SelfAttention
         pos = torch.arange(step + 1, device=tokens.device)
         bt = bias_dtype(x)
-        sbias = self._bias(first, pos[-1:], pos, False)[None]  # [1, H, 1, step+1], fp32
+        sbias = self._bias(first, pos[-1:], pos, False)[:, 0].t()  # [step+1, H], fp32
         cbias = torch.where(enc_mask, 0.0, torch.finfo(bt).min).to(bt)[:, None, None, :]
         for li, blk in enumerate(self.decoder.block):
             sa, ca, ff = blk.layer
-            h = sa.layer_norm(x)
+            h = sa.layer_norm(x)[:, 0]
             a = sa.SelfAttention
-            q = a.heads(a.q(h))  # [N, H, 1, d]
-            self_k[li, :, :, step] = a.heads(a.k(h))[:, :, 0]
-            self_v[li, :, :, step] = a.heads(a.v(h))[:, :, 0]
-            o = attend_few(q, self_k[li, :, :, :step + 1], self_v[li, :, :, :step + 1], sbias)
-            x = x + a.o(o.transpose(-3, -2).reshape(N, 1, -1))
+            self_k[step, li] = a.k(h).view(N, H, d)
+            self_v[step, li] = a.v(h).view(N, H, d)
+            o = attend_few(a.q(h).view(N, H, d), self_k[:step + 1, li], self_v[:step + 1, li],
+                           sbias)
+            x = x + a.o(o.reshape(N, 1, -1))
             h = ca.layer_norm(x)
             c = ca.EncDecAttention
             # A request's beams are the query rows of one [beams, S] product against its own
@@ -320,8 +355,7 @@ class T5(nn.Module):
         y = self.decoder.final_layer_norm(x)[:, 0]
         if cfg.scale_outputs:
             y = y * cfg.d_model ** -0.5
-        logits = self.head_logits(y)
-        return F.log_softmax(logits, dim=-1, dtype=torch.float32)
+        return head_log_probs(self.head_logits(y), cfg.vocab_size)
 
 
 def hf_state_dict(tensors: dict[str, torch.Tensor], cfg: T5Config) -> dict[str, torch.Tensor]:

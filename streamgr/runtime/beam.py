@@ -7,8 +7,7 @@ beam), log-softmax over the full vocabulary, each beam's trie children scored as
 request over that grid kept, best first, ties to the lower grid index (``kernels.trie_topk``:
 the same set as over beams x codebook with non-children masked, in far less memory), and the
 survivors' self
-K/V gathered from the active buffer into the standby one (double-buffered compaction), then the
-buffers swap. Scores are summed log-probabilities, as Hugging Face's beam search with
+K/V gathered, whole [heads x d] rows per position, into the next step's buffer (compaction). Scores are summed log-probabilities, as Hugging Face's beam search with
 ``prefix_allowed_tokens_fn`` and no length penalty. No illegal SID can come out: only trie
 children are ever selectable.
 """
@@ -122,22 +121,20 @@ class BeamSearch:
         t0 = time.perf_counter()
         cross = model.cross_kv(model.encode(tokens, mask))
         t0 = self._tick(stages, "encoder", t0, dev)
-        w_max = max(w_steps)
         L, H, d = cfg.decoder_layers, cfg.num_heads, cfg.d_kv
         dtype = model.shared.weight.dtype
-        # Active and standby self-K/V buffers [layers, rows, heads, depth, d].
-        bufs = [[torch.empty(L, R * w_max, H, depth, d, dtype=dtype, device=dev)
-                 for _ in range(2)] for _ in range(2)]  # [K pair, V pair]
-        active = 0
+        # Self K/V [positions, layers, rows, heads, d]: a fresh buffer per step, one position
+        # longer, filled by a gather of whole [heads x d] rows of the survivors' parents (the
+        # compaction; each position a contiguous slab, so the gather runs at copy speed).
+        K = torch.empty(1, L, R, H, d, dtype=dtype, device=dev)
+        V = torch.empty_like(K)
         beams = 1
         scores = torch.zeros(R, 1, device=dev)
         nodes = torch.zeros(R, 1, dtype=torch.long, device=dev)
         step_tok = torch.full((R, 1), cfg.decoder_start_token_id, dtype=torch.long, device=dev)
         codes = torch.zeros(R, 1, 0, dtype=torch.long, device=dev)
         for t in range(depth):
-            N = R * beams
-            K, V = bufs[0][active], bufs[1][active]
-            logp = model.decode_step(step_tok.view(-1), t, K[:, :N], V[:, :N], cross, mask, beams)
+            logp = model.decode_step(step_tok.view(-1), t, K, V, cross, mask, beams)
             t0 = self._tick(stages, "decoder", t0, dev)
             off = trie.level_offset[t]
             w_next = w_steps[t]
@@ -148,12 +145,13 @@ class BeamSearch:
             top, parent, nodes, code = trie_topk(scores, nodes, logp, ptr, child_codes, off,
                                                  trie.max_fanout[t], w_next, cap[:, t])
             t0 = self._tick(stages, "selection", t0, dev)
-            if t + 1 < depth:  # compaction: survivors' self K/V -> the standby buffer
+            if t + 1 < depth:  # compaction: survivors' self K/V -> the next step's buffers
                 src = (torch.arange(R, device=dev)[:, None] * beams + parent).view(-1)
-                nK, nV = bufs[0][1 - active], bufs[1][1 - active]
-                nK[:, :R * w_next, :, :t + 1] = K[:, src, :, :t + 1]
-                nV[:, :R * w_next, :, :t + 1] = V[:, src, :, :t + 1]
-                active = 1 - active
+                nK = torch.empty(t + 2, L, R * w_next, H, d, dtype=dtype, device=dev)
+                nV = torch.empty_like(nK)
+                torch.index_select(K, 2, src, out=nK[:t + 1])
+                torch.index_select(V, 2, src, out=nV[:t + 1])
+                K, V = nK, nV
             codes = torch.cat([codes.gather(1, parent[:, :, None].expand(-1, -1, t)),
                                code[:, :, None]], dim=2)
             step_tok = off + code

@@ -20,7 +20,7 @@ def sid_logprob(model, ctx_tokens, sid):
     mask = torch.ones_like(tok, dtype=torch.bool)
     cross = model.cross_kv(model.encode(tok, mask))
     cfg = model.cfg
-    K = torch.zeros(cfg.decoder_layers, 1, cfg.num_heads, len(sid), cfg.d_kv)
+    K = torch.zeros(len(sid), cfg.decoder_layers, 1, cfg.num_heads, cfg.d_kv)
     V = torch.zeros_like(K)
     total, step_tok = 0.0, 0
     offs = np.cumsum([OFFSET] + CODEBOOKS[:-1])

@@ -1,0 +1,89 @@
+"""T5 attention backends on gen-ref's shapes: which SDPA kernel the generate path should ask for.
+
+The encoder's self-attention ([rows, heads, S, S] with the relative-position bias and the
+padding mask as one additive bf16 bias) and the decoder's cross-attention (each request's beams
+against its encoder states, the padding mask as bias) run through
+``F.scaled_dot_product_attention``; this times each backend that accepts the inputs, inside a
+CUDA graph (as the decode plans replay them), and checks each against the memory-efficient
+kernel's output (max abs difference). Flash (no bias accepted) is timed without the bias, as a
+bound.
+
+  python tools/bench_t5_attention.py                  # gen-ref: 16 rows, 8 heads, 832 keys, 256 beams
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tools.graph_timing import graph_ms  # noqa: E402
+
+BACKENDS = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "flash": SDPBackend.FLASH_ATTENTION}
+
+
+def heads(x: torch.Tensor, h: int) -> torch.Tensor:  # [R, T, H*d] -> [R, H, T, d], as t5.py
+    return x.view(*x.shape[:-1], h, -1).transpose(-3, -2)
+
+
+def case(name, q, k, v, bias, flops, reps):
+    ref = None
+    for bname, be in BACKENDS.items():
+        b = None if bname == "flash" else bias
+        try:
+            with sdpa_kernel([be]):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=b, scale=1.0)
+                ms = graph_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=b,
+                                                                     scale=1.0), reps)
+        except RuntimeError as e:
+            print(f"{name:<34}{bname:<11}refused: {str(e).splitlines()[0][:80]}")
+            continue
+        if ref is None:
+            ref = out
+        err = float((out.float() - ref.float()).abs().max()) if b is not None else float("nan")
+        print(f"{name:<34}{bname:<11}{ms:>9.4f} ms{flops / ms / 1e9:>9.1f} TFLOP/s  "
+              f"max |diff| vs efficient {err:.3g}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--length", type=int, default=832, help="encoder length (bucketed)")
+    ap.add_argument("--real", type=int, default=769, help="real tokens per row (rest padding)")
+    ap.add_argument("--beams", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    R, H, S, d, B = a.rows, a.heads, a.length, a.d, a.beams
+    mask = torch.zeros(R, S, dtype=torch.bool, device=dev)
+    mask[:, :a.real] = True
+    pad = torch.where(mask, 0.0, torch.finfo(bf).min).to(bf)[:, None, None, :]
+    x = [torch.randn(R, S, H * d, device=dev, dtype=bf) for _ in range(3)]
+    q, k, v = (heads(t, H) for t in x)
+    pos_bias = torch.randn(1, H, S, S, device=dev, dtype=bf)
+    full = (pos_bias + pad).contiguous()  # [R, H, S, S], as t5.py's encode builds it
+    print(f"torch {torch.__version__}, cudnn {torch.backends.cudnn.version()}, "
+          f"{torch.cuda.get_device_name()}")
+    enc_flops = 4 * R * H * S * S * d
+    case("encoder, dense [R,H,S,S] bias", q, k, v, full, enc_flops, a.reps)
+    case("encoder, [1,H,S,S] expanded bias", q, k, v, pos_bias.expand(R, H, S, S), enc_flops,
+         a.reps)
+    qc = torch.randn(R, B, H, d, device=dev, dtype=bf).transpose(1, 2)  # [R, H, beams, d]
+    case("cross, [R,1,1,S] padding bias", qc, k, v, pad, 4 * R * H * B * S * d, a.reps)
+    case("cross, padding bias expanded", qc, k, v, pad.expand(R, H, B, S),
+         4 * R * H * B * S * d, a.reps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,6 +9,9 @@
 
 namespace {
 
+// NVRTC has no <math.h> (no INFINITY): -inf by its bits.
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
 template <int THREADS>
 __device__ float block_reduce(float v, float* scratch, bool is_max) {
   for (int o = 16; o > 0; o >>= 1) {
@@ -19,7 +22,7 @@ __device__ float block_reduce(float v, float* scratch, bool is_max) {
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    v = lane < THREADS / 32 ? scratch[lane] : (is_max ? -INFINITY : 0.f);
+    v = lane < THREADS / 32 ? scratch[lane] : (is_max ? neg_inf() : 0.f);
     for (int o = 16; o > 0; o >>= 1) {
       float w = __shfl_xor_sync(0xffffffffu, v, o);
       v = is_max ? fmaxf(v, w) : v + w;
@@ -47,7 +50,7 @@ row_lse_bf16(const __nv_bfloat16* __restrict__ x, long long row_stride, int n_co
   const bool vec = (reinterpret_cast<unsigned long long>(row) % 16) == 0;
   const int n_vec = vec ? n_cols / 8 : 0;
 
-  float m = -INFINITY;
+  float m = neg_inf();
   for (int i = threadIdx.x; i < n_vec; i += THREADS) {
     uint4 u = reinterpret_cast<const uint4*>(row)[i];
     if (use_smem) reinterpret_cast<uint4*>(srow)[i] = u;

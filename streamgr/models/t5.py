@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..kernels.decoder_attention import self_attend
 from ..kernels.head_lse import head_log_probs
 
 
@@ -158,17 +159,6 @@ def attend(q, k, v, bias, fuse: bool = True) -> torch.Tensor:
     if bias is not None:
         s = s + bias
     return torch.matmul(F.softmax(s, dim=-1).to(v.dtype), v)
-
-
-def attend_few(q, k, v, bias) -> torch.Tensor:
-    """``attend`` for one query per row over a few keys (the decoder's own SID tokens so far),
-    as fp32 elementwise products: ``q`` [N, H, d], ``k``/``v`` [T, N, H, d] (contiguous: each
-    step's keys are one slab), ``bias`` [T, H] -> [N, H, d]. One batched GEMM of shape
-    [1, d] x [d, <= depth] per row and head runs slow tensor-core tiles (~2 ms per gen-ref
-    batch); this is memory-bound and tiny."""
-    s = (q.float()[None] * k.float()).sum(-1)  # [T, N, H]
-    p = F.softmax(s + bias[:, None, :], dim=0)
-    return (p[..., None] * v.float()).sum(0).to(v.dtype)
 
 
 class FeedForward(nn.Module):
@@ -337,10 +327,9 @@ class T5(nn.Module):
             sa, ca, ff = blk.layer
             h = sa.layer_norm(x)[:, 0]
             a = sa.SelfAttention
-            self_k[step, li] = a.k(h).view(N, H, d)
-            self_v[step, li] = a.v(h).view(N, H, d)
-            o = attend_few(a.q(h).view(N, H, d), self_k[:step + 1, li], self_v[:step + 1, li],
-                           sbias)
+            # This step's K/V written into the buffer and attended in one kernel (bf16 CUDA).
+            o = self_attend(a.q(h).view(N, H, d), a.k(h).view(N, H, d), a.v(h).view(N, H, d),
+                            self_k[:, li], self_v[:, li], step, sbias)
             x = x + a.o(o.reshape(N, 1, -1))
             h = ca.layer_norm(x)
             c = ca.EncDecAttention

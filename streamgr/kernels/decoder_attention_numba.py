@@ -1,0 +1,132 @@
+"""Numba CUDA kernel of ``decoder_attention.self_attend`` (its module docstring says what).
+
+One thread per (beam, head): it copies the step's new K/V row into the buffer, forms the
+``step + 1`` scores in fp32 registers, the softmax, and the weighted sum of the values, reading
+bf16 as 32-bit pairs (bf16 -> fp32 is a 16-bit shift; fp32 -> bf16 rounds to nearest even, as
+torch does). Arrays come from torch without copies (``__cuda_array_interface__``, no stream
+sync, so a CUDA graph captures the launch); the kernel runs on torch's current stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+from numba import cuda, float32, int32, int64
+
+from .decoder_attention import MAX_T, SIMULATED
+
+TPB = 32 if SIMULATED else 128
+
+if SIMULATED:  # kernels are Python there: bit casts through numpy
+    def _as_float(bits):
+        return np.array([int(bits) & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0]
+
+    def _as_bits(x):
+        return int(np.array([x], dtype=np.float32).view(np.uint32)[0])
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, inline=True)
+    def _as_float(bits):
+        return libdevice.int_as_float(int32(bits))
+
+    @cuda.jit(device=True, inline=True)
+    def _as_bits(x):
+        return int64(libdevice.float_as_int(x)) & 0xFFFFFFFF
+
+
+@cuda.jit(device=True, inline=True)
+def _lo(pair):  # the first bf16 of a 32-bit pair (little-endian), as fp32
+    return _as_float((int64(pair) & 0xFFFF) << 16)
+
+
+@cuda.jit(device=True, inline=True)
+def _hi(pair):
+    return _as_float(int64(pair) & 0xFFFF0000)
+
+
+@cuda.jit(device=True, inline=True)
+def _bf16(x):  # fp32 -> bf16 bits, round to nearest even (finite inputs)
+    u = _as_bits(x)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+
+@cuda.jit(device=True, inline=True)
+def _pack(a, b):
+    v = (_bf16(b) << 16) | _bf16(a)
+    return int32(v - (1 << 32) if v >= (1 << 31) else v)
+
+
+@cuda.jit
+def _self_attend(q, kn, vn, K, V, bias, step, out):
+    i = cuda.grid(1)
+    N, H, P = q.shape[0], q.shape[1], q.shape[2]
+    if i >= N * H:
+        return
+    n = i // H
+    h = i - n * H
+    s = cuda.local.array(MAX_T, float32)
+    for t in range(step + 1):
+        acc = float32(0.0)
+        for j in range(P):
+            a = q[n, h, j]
+            if t == step:  # the new key: into the buffer as it is read
+                b = kn[n, h, j]
+                K[step, n, h, j] = b
+                V[step, n, h, j] = vn[n, h, j]
+            else:
+                b = K[t, n, h, j]
+            acc += _lo(a) * _lo(b) + _hi(a) * _hi(b)
+        s[t] = acc + bias[t, h]
+    m = s[0]
+    for t in range(1, step + 1):
+        m = max(m, s[t])
+    z = float32(0.0)
+    for t in range(step + 1):
+        s[t] = math.exp(s[t] - m)
+        z += s[t]
+    for t in range(step + 1):
+        s[t] = s[t] / z
+    for j in range(P):
+        o0 = float32(0.0)
+        o1 = float32(0.0)
+        for t in range(step + 1):
+            v = vn[n, h, j] if t == step else V[t, n, h, j]
+            o0 += s[t] * _lo(v)
+            o1 += s[t] * _hi(v)
+        out[n, h, j] = _pack(o0, o1)
+
+
+@functools.lru_cache(maxsize=64)
+def _stream(handle: int):
+    return cuda.external_stream(handle)
+
+
+def _arr(t: torch.Tensor):
+    return t.numpy() if SIMULATED else cuda.as_cuda_array(t, sync=False)
+
+
+def _pairs(t: torch.Tensor) -> torch.Tensor:
+    """A bf16 tensor (unit stride last) as int32 pairs of its last dimension."""
+    return t.view(torch.int32)
+
+
+def run(q, k_new, v_new, K, V, step: int, bias):
+    N, H, d = q.shape
+    out = torch.empty(N, H, d, dtype=q.dtype, device=q.device)
+    args = [_pairs(x) for x in (q.contiguous(), k_new.contiguous(), v_new.contiguous(), K, V)]
+    b = bias.float().contiguous()
+    grid = max(1, math.ceil(N * H / TPB))
+    if SIMULATED:  # the simulator moves only contiguous arrays: K/V go through copies
+        kc, vc = args[3].contiguous(), args[4].contiguous()
+        _self_attend[grid, TPB](*(_arr(x) for x in args[:3] + [kc, vc]), _arr(b), step,
+                                _arr(_pairs(out)))
+        args[3].copy_(kc)
+        args[4].copy_(vc)
+        return out
+    fn = _self_attend[grid, TPB, _stream(torch.cuda.current_stream(q.device).cuda_stream)]
+    fn(*(_arr(x) for x in args), _arr(b), step, _arr(_pairs(out)))
+    return out

@@ -1,0 +1,116 @@
+"""The decoder's few-key self-attention (kernels/decoder_attention.py): the Numba kernel against
+its torch reference under the CUDA simulator on the CPU (a subprocess with
+NUMBA_ENABLE_CUDASIM=1), and marked gpu on the device (plain and captured in a CUDA graph);
+bad shapes refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from streamgr.errors import StreamgrError
+from streamgr.kernels.decoder_attention import self_attend, self_attend_reference
+
+CASES = textwrap.dedent("""
+    import torch
+    from streamgr.kernels.decoder_attention import self_attend, self_attend_reference
+
+    def case(T, L, N, H, d, step, seed, device, impl):
+        g = torch.Generator().manual_seed(seed)
+        buf = (2 * torch.randn(T, L, N, H, d, generator=g)).to(torch.bfloat16).to(device)
+        K, V = buf.clone(), (buf * 0.5).clone()
+        K2, V2 = K.clone(), V.clone()
+        q, kn, vn = ((2 * torch.randn(N, H, d, generator=g)).to(torch.bfloat16).to(device)
+                     for _ in range(3))
+        bias = torch.randn(step + 1, H, generator=g).to(device)
+        li = seed % L
+        out = self_attend(q, kn, vn, K[:, li], V[:, li], step, bias, impl=impl)
+        ref = self_attend_reference(q, kn, vn, K2[:, li], V2[:, li], step, bias)
+        # the write lands where the reference puts it and nowhere else
+        assert torch.equal(K, K2) and torch.equal(V, V2), (T, N, H, d, step)
+        err = (out.float() - ref.float()).abs().max().item()
+        # fp32 sums in another order, then one bf16 rounding: at most an ulp of the output
+        assert err <= 2 ** -7 * max(1.0, ref.abs().max().item()), (T, N, H, d, step, err)
+        return err
+""")
+
+SIM = CASES + textwrap.dedent("""
+    cases = {cases}
+    for c in cases:
+        case(*c, "cpu", "numba")
+    print("ok", len(cases))
+""")
+
+
+def test_numba_kernel_under_the_simulator():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # (T, layers, rows, heads, d, step, seed): first/middle/last step, rows not a multiple of
+    # the block, d not a multiple of 4, one head.
+    cases = [(3, 2, 5, 3, 8, 0, 0), (3, 2, 5, 3, 8, 2, 1), (4, 1, 37, 2, 6, 1, 2),
+             (5, 3, 3, 1, 64, 4, 3)]
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    p = subprocess.run([sys.executable, "-c", SIM.format(cases=cases)], env=env,
+                       capture_output=True, text=True, timeout=600, cwd=root)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["ok", str(len(cases))]
+
+
+def test_bad_shapes_are_refused():
+    q = torch.zeros(4, 2, 8)
+    K = torch.zeros(3, 4, 2, 8)
+    with pytest.raises(StreamgrError):
+        self_attend(q, q, q, K, K, 3, torch.zeros(4, 2))  # step past the buffer
+    with pytest.raises(StreamgrError):
+        self_attend(q, q, q, torch.zeros(3, 5, 2, 8), torch.zeros(3, 5, 2, 8), 0,
+                    torch.zeros(1, 2))  # rows differ
+    with pytest.raises(StreamgrError):
+        self_attend(q, q, q, K, K, 2, torch.zeros(2, 2))  # bias shorter than step + 1
+
+
+def test_cpu_fp32_takes_the_reference():
+    g = torch.Generator().manual_seed(0)
+    K, V = torch.randn(3, 6, 2, 4, generator=g), torch.randn(3, 6, 2, 4, generator=g)
+    K2, V2 = K.clone(), V.clone()
+    q, kn, vn = (torch.randn(6, 2, 4, generator=g) for _ in range(3))
+    bias = torch.randn(2, 2, generator=g)
+    out = self_attend(q, kn, vn, K, V, 1, bias)
+    assert torch.equal(out, self_attend_reference(q, kn, vn, K2, V2, 1, bias))
+
+
+@pytest.mark.gpu
+def test_numba_kernel_on_the_gpu():
+    ns: dict = {}
+    exec(CASES, ns)
+    for c in [(3, 4, 4096, 8, 64, 0, 0), (3, 4, 4096, 8, 64, 2, 1), (5, 2, 333, 3, 32, 3, 2),
+              (3, 1, 1, 1, 128, 1, 3)]:
+        ns["case"](*c, "cuda", None)
+
+
+@pytest.mark.gpu
+def test_numba_kernel_in_a_cuda_graph():
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    K = torch.randn(3, 2, 64, 4, 32, device=dev, generator=g).to(torch.bfloat16)
+    V = torch.randn_like(K, dtype=torch.float32).to(torch.bfloat16)
+    q, kn, vn = (torch.randn(64, 4, 32, device=dev, generator=g).to(torch.bfloat16)
+                 for _ in range(3))
+    bias = torch.randn(3, 4, device=dev, generator=g)
+    eager = self_attend(q, kn, vn, K[:, 1], V[:, 1], 2, bias).clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        self_attend(q, kn, vn, K[:, 1], V[:, 1], 2, bias)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = self_attend(q, kn, vn, K[:, 1], V[:, 1], 2, bias)
+    K[2].zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    assert torch.equal(K[2, 1], kn)  # the replay wrote the new key again

@@ -1,8 +1,9 @@
 """Numba CUDA kernel of ``decoder_attention.self_attend`` (its module docstring says what).
 
-One thread per (beam, head): it copies the step's new K/V row into the buffer, forms the
-``step + 1`` scores in fp32 registers, the softmax, and the weighted sum of the values, reading
-bf16 as 32-bit pairs (bf16 -> fp32 is a 16-bit shift; fp32 -> bf16 rounds to nearest even, as
+One warp per (beam, head), its lanes over the pairs of ``d`` (coalesced rows): it copies the
+step's new K/V row into the buffer, forms the ``step + 1`` scores (fp32 partials summed through
+shared memory: the simulator has no warp shuffles), the softmax, and the weighted sum of the
+values, reading bf16 as 32-bit pairs (bf16 -> fp32 is a 16-bit shift; fp32 -> bf16 rounds to nearest even, as
 torch does). Arrays come from torch without copies (``__cuda_array_interface__``, no stream
 sync, so a CUDA graph captures the launch); the kernel runs on torch's current stream.
 """
@@ -18,7 +19,8 @@ from numba import cuda, float32, int32, int64
 
 from .decoder_attention import MAX_T, SIMULATED
 
-TPB = 32 if SIMULATED else 128
+TPB = 64 if SIMULATED else 256
+ROWS = TPB // 32  # (beam, head) rows per block: a warp each, lanes over the pairs of d
 
 if SIMULATED:  # kernels are Python there: bit casts through numpy
     def _as_float(bits):
@@ -62,25 +64,39 @@ def _pack(a, b):
 
 @cuda.jit
 def _self_attend(q, kn, vn, K, V, bias, step, out):
-    i = cuda.grid(1)
+    red = cuda.shared.array((ROWS, 32), float32)
+    lane = cuda.threadIdx.x % 32
+    r = cuda.threadIdx.x // 32
     N, H, P = q.shape[0], q.shape[1], q.shape[2]
-    if i >= N * H:
-        return
+    i = cuda.blockIdx.x * ROWS + r
+    active = i < N * H  # no early return: every thread reaches the block's barriers
     n = i // H
     h = i - n * H
     s = cuda.local.array(MAX_T, float32)
     for t in range(step + 1):
         acc = float32(0.0)
-        for j in range(P):
-            a = q[n, h, j]
-            if t == step:  # the new key: into the buffer as it is read
-                b = kn[n, h, j]
-                K[step, n, h, j] = b
-                V[step, n, h, j] = vn[n, h, j]
-            else:
-                b = K[t, n, h, j]
-            acc += _lo(a) * _lo(b) + _hi(a) * _hi(b)
-        s[t] = acc + bias[t, h]
+        if active:
+            for j in range(lane, P, 32):
+                a = q[n, h, j]
+                if t == step:  # the new key: into the buffer as it is read
+                    b = kn[n, h, j]
+                    K[step, n, h, j] = b
+                    V[step, n, h, j] = vn[n, h, j]
+                else:
+                    b = K[t, n, h, j]
+                acc += _lo(a) * _lo(b) + _hi(a) * _hi(b)
+        red[r, lane] = acc
+        cuda.syncthreads()
+        w = 16
+        while w > 0:  # tree sum of the row's 32 partials
+            if lane < w:
+                red[r, lane] += red[r, lane + w]
+            cuda.syncthreads()
+            w //= 2
+        s[t] = red[r, 0] + (bias[t, h] if active else float32(0.0))
+        cuda.syncthreads()  # all have read red[r, 0] before the next position overwrites it
+    if not active:
+        return
     m = s[0]
     for t in range(1, step + 1):
         m = max(m, s[t])
@@ -90,7 +106,7 @@ def _self_attend(q, kn, vn, K, V, bias, step, out):
         z += s[t]
     for t in range(step + 1):
         s[t] = s[t] / z
-    for j in range(P):
+    for j in range(lane, P, 32):
         o0 = float32(0.0)
         o1 = float32(0.0)
         for t in range(step + 1):
@@ -119,7 +135,7 @@ def run(q, k_new, v_new, K, V, step: int, bias):
     out = torch.empty(N, H, d, dtype=q.dtype, device=q.device)
     args = [_pairs(x) for x in (q.contiguous(), k_new.contiguous(), v_new.contiguous(), K, V)]
     b = bias.float().contiguous()
-    grid = max(1, math.ceil(N * H / TPB))
+    grid = max(1, math.ceil(N * H / ROWS))
     if SIMULATED:  # the simulator moves only contiguous arrays: K/V go through copies
         kc, vc = args[3].contiguous(), args[4].contiguous()
         _self_attend[grid, TPB](*(_arr(x) for x in args[:3] + [kc, vc]), _arr(b), step,

@@ -69,7 +69,8 @@ def self_attend(q, k_new, v_new, K, V, step: int, bias, impl: str | None = None)
                             f"step < T, bias [>= step+1, H]; got q {tuple(q.shape)}, "
                             f"K {tuple(K.shape)}, step {step}")
     use = impl == "numba" or (impl is None and usable(q, k_new, v_new, K, V))
-    if not use or step + 1 > MAX_T or q.shape[-1] % 2 or q.dtype != torch.bfloat16:
+    if not use or step + 1 > MAX_T or q.shape[-1] % 2 or q.dtype != torch.bfloat16 \
+            or not (K[0].is_contiguous() and V[0].is_contiguous()):
         return self_attend_reference(q, k_new, v_new, K, V, step, bias)
     from . import decoder_attention_numba as nb
     return nb.run(q, k_new, v_new, K, V, step, bias)

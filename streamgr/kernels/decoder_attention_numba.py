@@ -62,39 +62,55 @@ def _pack(a, b):
     return int32(v - (1 << 32) if v >= (1 << 31) else v)
 
 
+if SIMULATED:  # no warp shuffles in the simulator: the row's 32 partials through shared memory
+    @cuda.jit(device=True)
+    def _row_sum(x, red, r, lane):
+        red[r, lane] = x
+        cuda.syncthreads()
+        w = 16
+        while w > 0:
+            if lane < w:
+                red[r, lane] += red[r, lane + w]
+            cuda.syncthreads()
+            w //= 2
+        total = red[r, 0]
+        cuda.syncthreads()  # all have read it before the next call overwrites it
+        return total
+else:
+    @cuda.jit(device=True, inline=True)
+    def _row_sum(x, red, r, lane):  # butterfly over the warp: every lane gets the sum
+        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 16)
+        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 8)
+        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 4)
+        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 2)
+        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 1)
+        return x
+
+
 @cuda.jit
-def _self_attend(q, kn, vn, K, V, bias, step, out):
+def _self_attend(q, kn, vn, K, V, bias, H, step, out):
+    """q, kn, vn, out: [rows, P] int32 pairs (row = beam * H + head); K, V: [T, rows, P]."""
     red = cuda.shared.array((ROWS, 32), float32)
     lane = cuda.threadIdx.x % 32
     r = cuda.threadIdx.x // 32
-    N, H, P = q.shape[0], q.shape[1], q.shape[2]
+    rows, P = q.shape[0], q.shape[1]
     i = cuda.blockIdx.x * ROWS + r
-    active = i < N * H  # no early return: every thread reaches the block's barriers
-    n = i // H
-    h = i - n * H
+    active = i < rows  # no early return: the simulator's reduction has block barriers
+    h = i % H
     s = cuda.local.array(MAX_T, float32)
     for t in range(step + 1):
         acc = float32(0.0)
         if active:
             for j in range(lane, P, 32):
-                a = q[n, h, j]
+                a = q[i, j]
                 if t == step:  # the new key: into the buffer as it is read
-                    b = kn[n, h, j]
-                    K[step, n, h, j] = b
-                    V[step, n, h, j] = vn[n, h, j]
+                    b = kn[i, j]
+                    K[step, i, j] = b
+                    V[step, i, j] = vn[i, j]
                 else:
-                    b = K[t, n, h, j]
+                    b = K[t, i, j]
                 acc += _lo(a) * _lo(b) + _hi(a) * _hi(b)
-        red[r, lane] = acc
-        cuda.syncthreads()
-        w = 16
-        while w > 0:  # tree sum of the row's 32 partials
-            if lane < w:
-                red[r, lane] += red[r, lane + w]
-            cuda.syncthreads()
-            w //= 2
-        s[t] = red[r, 0] + (bias[t, h] if active else float32(0.0))
-        cuda.syncthreads()  # all have read red[r, 0] before the next position overwrites it
+        s[t] = _row_sum(acc, red, r, lane) + (bias[t, h] if active else float32(0.0))
     if not active:
         return
     m = s[0]
@@ -110,10 +126,10 @@ def _self_attend(q, kn, vn, K, V, bias, step, out):
         o0 = float32(0.0)
         o1 = float32(0.0)
         for t in range(step + 1):
-            v = vn[n, h, j] if t == step else V[t, n, h, j]
+            v = vn[i, j] if t == step else V[t, i, j]
             o0 += s[t] * _lo(v)
             o1 += s[t] * _hi(v)
-        out[n, h, j] = _pack(o0, o1)
+        out[i, j] = _pack(o0, o1)
 
 
 @functools.lru_cache(maxsize=64)
@@ -132,17 +148,21 @@ def _pairs(t: torch.Tensor) -> torch.Tensor:
 
 def run(q, k_new, v_new, K, V, step: int, bias):
     N, H, d = q.shape
+    T = K.shape[0]
     out = torch.empty(N, H, d, dtype=q.dtype, device=q.device)
-    args = [_pairs(x) for x in (q.contiguous(), k_new.contiguous(), v_new.contiguous(), K, V)]
+    # Rows (beam, head) flat: [N, H, d] slabs are contiguous inside each position.
+    args = [_pairs(x.contiguous().view(N * H, d)) for x in (q, k_new, v_new)]
+    args += [_pairs(x.view(T, N * H, d)) for x in (K, V)]  # a view (writes land), or raises
     b = bias.float().contiguous()
+    o = _pairs(out.view(N * H, d))
     grid = max(1, math.ceil(N * H / ROWS))
     if SIMULATED:  # the simulator moves only contiguous arrays: K/V go through copies
         kc, vc = args[3].contiguous(), args[4].contiguous()
-        _self_attend[grid, TPB](*(_arr(x) for x in args[:3] + [kc, vc]), _arr(b), step,
-                                _arr(_pairs(out)))
+        _self_attend[grid, TPB](*(_arr(x) for x in args[:3] + [kc, vc]), _arr(b), H, step,
+                                _arr(o))
         args[3].copy_(kc)
         args[4].copy_(vc)
         return out
     fn = _self_attend[grid, TPB, _stream(torch.cuda.current_stream(q.device).cuda_stream)]
-    fn(*(_arr(x) for x in args), _arr(b), step, _arr(_pairs(out)))
+    fn(*(_arr(x) for x in args), _arr(b), H, step, _arr(o))
     return out

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..errors import StreamgrError
 
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
-MAX_T = 16  # positions a query can attend (SID depth); the kernel keeps them in registers
+MAX_T = 8  # positions a query can attend (SID depth); the kernel keeps them in registers
 
 
 def attend_few(q, k, v, bias) -> torch.Tensor:

@@ -20,6 +20,8 @@ from numba import cuda, float32, int32, int64
 from .decoder_attention import MAX_T, SIMULATED
 
 TPB = 64 if SIMULATED else 256
+# 40 registers: Numba's own choice (128) held the kernel to a quarter of the SM's warps.
+_JIT = {} if SIMULATED else {"max_registers": 40}
 ROWS = TPB // 32  # (beam, head) rows per block: a warp each, lanes over the pairs of d
 
 if SIMULATED:  # kernels are Python there: bit casts through numpy
@@ -87,7 +89,7 @@ else:
         return x
 
 
-@cuda.jit
+@cuda.jit(**_JIT)
 def _self_attend(q, kn, vn, K, V, bias, H, step, out):
     """q, kn, vn, out: [rows, P] int32 pairs (row = beam * H + head); K, V: [T, rows, P]."""
     red = cuda.shared.array((ROWS, 32), float32)
@@ -98,19 +100,23 @@ def _self_attend(q, kn, vn, K, V, bias, H, step, out):
     active = i < rows  # no early return: the simulator's reduction has block barriers
     h = i % H
     s = cuda.local.array(MAX_T, float32)
+    # This lane's partial of every score first: the loads are independent, so they are all in
+    # flight at once (a load, then a reduction, per position left the kernel latency-bound).
     for t in range(step + 1):
-        acc = float32(0.0)
-        if active:
-            for j in range(lane, P, 32):
-                a = q[i, j]
+        s[t] = float32(0.0)
+    if active:
+        for j in range(lane, P, 32):
+            a = q[i, j]
+            for t in range(step + 1):
                 if t == step:  # the new key: into the buffer as it is read
                     b = kn[i, j]
                     K[step, i, j] = b
                     V[step, i, j] = vn[i, j]
                 else:
                     b = K[t, i, j]
-                acc += _lo(a) * _lo(b) + _hi(a) * _hi(b)
-        s[t] = _row_sum(acc, red, r, lane) + (bias[t, h] if active else float32(0.0))
+                s[t] += _lo(a) * _lo(b) + _hi(a) * _hi(b)
+    for t in range(step + 1):
+        s[t] = _row_sum(s[t], red, r, lane) + (bias[t, h] if active else float32(0.0))
     if not active:
         return
     m = s[0]

@@ -96,16 +96,20 @@ def _self_attend(q, kn, vn, K, V, bias, H, step, out):
     lane = cuda.threadIdx.x % 32
     r = cuda.threadIdx.x // 32
     rows, P = q.shape[0], q.shape[1]
-    i = cuda.blockIdx.x * ROWS + r
+    # Grid (beams / ROWS, heads): no integer division anywhere (Numba's are 64-bit, ~100
+    # instructions each, and they dominated a kernel this small). Loops step by hand for the
+    # same reason (a range with a step divides for its trip count).
+    h = cuda.blockIdx.y
+    i = (cuda.blockIdx.x * ROWS + r) * H + h
     active = i < rows  # no early return: the simulator's reduction has block barriers
-    h = i % H
     s = cuda.local.array(MAX_T, float32)
     # This lane's partial of every score first: the loads are independent, so they are all in
     # flight at once (a load, then a reduction, per position left the kernel latency-bound).
     for t in range(step + 1):
         s[t] = float32(0.0)
     if active:
-        for j in range(lane, P, 32):
+        j = lane
+        while j < P:
             a = q[i, j]
             for t in range(step + 1):
                 if t == step:  # the new key: into the buffer as it is read
@@ -115,6 +119,7 @@ def _self_attend(q, kn, vn, K, V, bias, H, step, out):
                 else:
                     b = K[t, i, j]
                 s[t] += _lo(a) * _lo(b) + _hi(a) * _hi(b)
+            j += 32
     for t in range(step + 1):
         s[t] = _row_sum(s[t], red, r, lane) + (bias[t, h] if active else float32(0.0))
     if not active:
@@ -128,7 +133,8 @@ def _self_attend(q, kn, vn, K, V, bias, H, step, out):
         z += s[t]
     for t in range(step + 1):
         s[t] = s[t] / z
-    for j in range(lane, P, 32):
+    j = lane
+    while j < P:
         o0 = float32(0.0)
         o1 = float32(0.0)
         for t in range(step + 1):
@@ -136,6 +142,7 @@ def _self_attend(q, kn, vn, K, V, bias, H, step, out):
             o0 += s[t] * _lo(v)
             o1 += s[t] * _hi(v)
         out[i, j] = _pack(o0, o1)
+        j += 32
 
 
 @functools.lru_cache(maxsize=64)
@@ -161,7 +168,7 @@ def run(q, k_new, v_new, K, V, step: int, bias):
     args += [_pairs(x.view(T, N * H, d)) for x in (K, V)]  # a view (writes land), or raises
     b = bias.float().contiguous()
     o = _pairs(out.view(N * H, d))
-    grid = max(1, math.ceil(N * H / ROWS))
+    grid = (max(1, math.ceil(N / ROWS)), H)
     if SIMULATED:  # the simulator moves only contiguous arrays: K/V go through copies
         kc, vc = args[3].contiguous(), args[4].contiguous()
         _self_attend[grid, TPB](*(_arr(x) for x in args[:3] + [kc, vc]), _arr(b), H, step,

@@ -36,6 +36,7 @@ class RankStats(msgspec.Struct, kw_only=True):
     tokens_recomputed: int = 0  # history tokens computed by the model this time
     tier: str = "miss"  # gpu | host | miss | none: where most of the cached history came from
     stages: dict[str, float] = msgspec.field(default_factory=dict)  # batch stage times, ms
+    version: str = ""  # the rank weights version the request ran on
 
 
 class RankResult(msgspec.Struct, kw_only=True):
@@ -62,6 +63,7 @@ class GenerateStats(msgspec.Struct, kw_only=True):
     total_ms: float = 0.0
     context_tokens: int = 0
     steps: dict[str, float] = msgspec.field(default_factory=dict)  # encoder/decoder/selection/compaction ms
+    version: str = ""  # the generate version (weights, catalog, policy) the request ran on
 
 
 class GenerateResult(msgspec.Struct, kw_only=True):

@@ -89,7 +89,7 @@ def cmd_contract(args) -> int:
     if spec.generate_model is None:
         raise StreamgrError(f"spec {spec.name} has no generate model: no deployment contract")
     device = torch_device("cpu")
-    _, _, _, contract = build_generator(spec, device, resolve_dtype(spec.generate_model.dtype,
+    _, _, _, contract, _ = build_generator(spec, device, resolve_dtype(spec.generate_model.dtype,
                                                                     resolve_device("cpu")))
     if not args.weights:
         contract["weights"] = f"{len(contract['weights'])} tensors (--weights lists them)"

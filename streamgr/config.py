@@ -76,8 +76,9 @@ class EngineSpec(_Section, kw_only=True):
     # (engine/rank_plans.py), kept in an LRU; 0 runs every batch eagerly.
     rank_plans: int = 32
     # Rank batches between submit and answer: 2 prepares batch n+1 (plan, pack, queue) while
-    # batch n computes; a user in a batch in flight waits for a later batch.
-    rank_in_flight: int = 1
+    # batch n computes; a user in a batch in flight waits for a later batch. 2 served a
+    # rank-ref trace 3.9x faster than 1 on the H200 (docs/benchmarks.md).
+    rank_in_flight: int = 2
     # At start, move every object alive then out of the collector's reach (gc.freeze): a full
     # collection otherwise walks torch's and the models' objects, 100+ ms of stalled serving.
     gc_freeze: bool = True

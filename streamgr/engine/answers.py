@@ -21,16 +21,21 @@ def answer_rank(metrics: EngineMetrics, batch: list[Pending], outcome, t_start: 
         scores, per = res
         stats = RankStats(batch_size=len(batch), queue_ms=(t_start - p.enqueued) * 1e3,
                           compute_ms=compute_ms, total_ms=(t_done - p.enqueued) * 1e3,
-                          stages=outcome.stages, **per)
+                          stages=outcome.stages, version=outcome.version, **per)
         metrics.observe_rank(stats)
         p.future.set_result(RankResult(scores=scores.tolist(), stats=stats))
 
 
 def answer_generate(metrics: EngineMetrics, batch: list[Pending], outcome, t_start: float,
                     t_done: float) -> None:
-    for p, ((items, scores, sids), per) in zip(batch, outcome.results):
+    for p, res in zip(batch, outcome.results):
         if p.future.done():
             continue
+        if isinstance(res, Exception):  # refused by the version it ran on
+            metrics.count("generate_invalid")
+            p.future.set_exception(res)
+            continue
+        (items, scores, sids), per = res
         stats = GenerateStats(batch_size=len(batch), queue_ms=(t_start - p.enqueued) * 1e3,
                               compute_ms=(t_done - t_start) * 1e3,
                               total_ms=(t_done - p.enqueued) * 1e3,

@@ -86,7 +86,7 @@ class CachedRankRunner(RankRunner):
         t = time.perf_counter()
         resolved, live = self._resolve(batch)
         if not live:
-            return InFlight(batch, resolved, live, stages)
+            return InFlight(batch, resolved, live, stages, version=self.version)
         tokens = {batch[i].user: interleave(*resolved[i]) for i in live}
         t = self._mark(stages, "strip", t)
         with self._meta:
@@ -122,12 +122,12 @@ class CachedRankRunner(RankRunner):
                 self.manager.abort_batch(plans)
             raise
         return InFlight(batch, resolved, live, stages, plans=plans, tokens=tokens, host=host,
-                        event=event)
+                        event=event, version=self.version)
 
     def finish(self, f: "InFlight") -> BatchOutcome:
         """Wait for the batch's scores, then commit its users' K/V to the cache metadata."""
         if not f.live:
-            return BatchOutcome(list(f.resolved), f.stages)
+            return BatchOutcome(list(f.resolved), f.stages, f.version)
         stages, t = f.stages, time.perf_counter()
         try:
             scores = f.wait()
@@ -150,7 +150,7 @@ class CachedRankRunner(RankRunner):
                 "tier": _tier(p)})
             o += c
         self._mark(stages, "postprocess", t)
-        return BatchOutcome(results, stages)
+        return BatchOutcome(results, stages, f.version)
 
     def _forward_eager(self, pb, desc, app, handles, stages) -> torch.Tensor:
         """The layer loop from Python: each layer appends its new K/V, waits for its own

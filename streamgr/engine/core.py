@@ -24,7 +24,6 @@ from ..api import GenerateRequest, GenerateResult, RankRequest, RankResult
 from ..config import Spec, load_spec
 from ..errors import (EngineClosed, EngineDead, Overloaded, StreamgrError,
                       UnsupportedRequest)
-from ..errors import ContractError
 from .answers import answer_generate, answer_rank
 from .batcher import Batcher, Pending
 from .cached_rank import CachedRankRunner
@@ -32,6 +31,7 @@ from .factory import Builder, resolve_device, resolve_dtype
 from .generate import GenerateRunner
 from .loop import BatchLoop
 from .metrics import EngineMetrics
+from .updates import Updates
 from .rank import RankRunner, prepare_rank
 
 log = logging.getLogger("streamgr.engine")
@@ -40,7 +40,7 @@ log = logging.getLogger("streamgr.engine")
 GEN_IN_FLIGHT = 2  # generate batches submitted to the device but not yet answered
 
 
-class Engine:
+class Engine(Updates):
     """Embedded serving engine. ``async with Engine.from_spec("rank-small") as engine: ...``"""
 
     def __init__(self, spec: Spec) -> None:
@@ -61,6 +61,8 @@ class Engine:
         self._inflight = 0
         self._dead: BaseException | None = None
         self._closing = False
+        self._updating: asyncio.Lock | None = None  # live updates, one at a time (updates.py)
+        self._rank_previous = None  # (model, version) kept for a rank rollback
 
     def _build_model(self, model_spec):  # tests: new weights of the served architecture
         return self._build.ranker(model_spec)
@@ -80,25 +82,6 @@ class Engine:
     @property
     def serves_generate(self) -> bool:
         return self.gen_runner is not None
-
-    async def update_weights(self, checkpoint: str | None = None, init_seed: int | None = None) -> str:
-        """Load new weights of the same architecture off the request path, then cut over between
-        batches: in-flight batches finish on the old weights; cached K/V of the old version are
-        never served again (they are dropped as their users return). Returns the new version."""
-        import msgspec
-        if self.runner is None:
-            raise UnsupportedRequest("update_weights reloads the rank model; this spec has none")
-        if (checkpoint is None) == (init_seed is None):
-            raise StreamgrError("give exactly one of checkpoint or init_seed")
-        new_spec = msgspec.structs.replace(self.spec.model, checkpoint=checkpoint, init_seed=init_seed)
-        loop = asyncio.get_running_loop()
-        model, version = await loop.run_in_executor(None, self._build.ranker, new_spec)
-        if model.cfg != self.runner.model.cfg:
-            raise ContractError(f"new weights have architecture {model.cfg}, the engine serves "
-                                f"{self.runner.model.cfg}")
-        # On the executor thread, so the swap falls between two batches.
-        await loop.run_in_executor(self._executor, self.runner.set_model, model, version)
-        return version
 
     @classmethod
     def from_spec(cls, path_or_spec: str | Path | Spec | Mapping[str, Any],
@@ -254,6 +237,8 @@ class Engine:
         out.update(inflight=self._inflight, queued=queued,
                    device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
                    cache_mode=self.spec.cache.mode, weights_version=self.weights_version)
+        if self.gen_runner is not None:
+            out["generate_version"] = self.gen_runner.version
         return out
 
     def _on_batch_error(self, batch: list[Pending], err: Exception) -> None:

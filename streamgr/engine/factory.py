@@ -11,7 +11,7 @@ from ..cache.store import KVStores
 from ..errors import StreamgrError
 from ..models import build_ranker
 from .cached_rank import CachedRankRunner
-from .generate import GenerateRunner
+from .generate import GenerateRunner, GenerateVersion
 from .preflight import check_cache_memory
 from .rank import RankRunner
 
@@ -37,6 +37,7 @@ class Builder:
     def __init__(self, spec, device: torch.device, dtype: torch.dtype) -> None:
         self.spec, self.device, self.dtype = spec, device, dtype
         self.loads = 0
+        self.versions = 0  # generate versions built (g1, g2, ...)
 
     def ranker(self, model_spec):
         model, source = build_ranker(model_spec, self.device, self.dtype)
@@ -71,7 +72,23 @@ class Builder:
         return runner
 
     def generate_runner(self) -> GenerateRunner:
+        return GenerateRunner(self.generate_version(self.spec))
+
+    def generate_version(self, spec, model=None, weights: str | None = None, catalog=None,
+                         catalog_name: str | None = None, trie=None,
+                         policy_name: str | None = None) -> GenerateVersion:
+        """A generate version of ``spec`` (its model spec, catalog and policy), reusing a
+        loaded ``model`` and a built ``catalog``/``trie`` where given; contract-checked."""
         from ..runtime.deployment import build_generator
-        gmodel, source, trie, contract = build_generator(self.spec, self.device, self.dtype)
-        self.loads += 1
-        return GenerateRunner(gmodel, f"{self.loads}:{source}", trie, contract, self.spec)
+        gmodel, source, trie, contract, catalog = build_generator(
+            spec, self.device, self.dtype, model=model, catalog=catalog, trie=trie)
+        if model is None:
+            self.loads += 1
+            weights = f"{self.loads}:{source}"
+        self.versions += 1
+        cat = spec.catalog
+        return GenerateVersion(
+            f"g{self.versions}", gmodel, weights, catalog,
+            catalog_name or (f"file:{cat.path}" if cat.path else f"random:{cat.random_items}:"
+                                                                f"{cat.random_seed}"),
+            trie, spec.policy, policy_name or "spec", contract, spec)

@@ -1,8 +1,14 @@
-"""The generate path of the engine: request validation and batched trie-constrained beam search.
+"""The generate path of the engine: versioned artifacts, request validation, batched search.
 
-``prepare_generate`` maps a request's history to encoder tokens (each item's SID tokens, the
-newest ``max_context_items`` items, then EOS) or raises a typed error before admission.
-``GenerateRunner.run`` runs one batch of requests through the beam search on the executor thread.
+A ``GenerateVersion`` is one consistent view a request runs on (RecoGEM section 3.3): the T5
+weights, the SID catalog (trie, item -> tokens map), the selection policy, the deployment
+contract they were checked against, and the beam search with its own decode plans (a graph
+holds its version's tensor addresses). ``GenerateRunner`` serves the *active* version and keeps
+the previous one for a rollback; ``activate`` swaps them on the executor thread, between batches,
+so a batch already submitted finishes on the version it started on. A request prepared on an
+older version is prepared again on the active one when its batch is submitted (queued requests
+run on the new version; one that the new version refuses, e.g. a history item taken out of the
+catalog, fails alone with its typed error).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..api import GenerateRequest
-from ..errors import IdOutOfRange, InvalidRequest
+from ..errors import IdOutOfRange, InvalidRequest, StreamgrError
 from ..runtime.beam import BeamRequest, BeamSearch
 from ..runtime.plans import PlanCache, bucket_rows
 from .rank import BatchOutcome
@@ -27,14 +33,18 @@ class PreparedGenerate:
     context: np.ndarray
     top_k: int
     widths: list[int]
+    request: GenerateRequest | None = None
+    version: "GenerateVersion | None" = None
 
 
-class GenerateRunner:
-    has_background_work = False
+class GenerateVersion:
+    """Weights + catalog + policy as one unit; ``name`` is what results and stats report."""
 
-    def __init__(self, model, version: str, trie, contract: dict, spec) -> None:
-        self.model, self.version, self.trie, self.contract = model, version, trie, contract
-        self.policy, self.catalog = spec.policy, spec.catalog
+    def __init__(self, name: str, model, weights: str, catalog, catalog_name: str, trie,
+                 policy, policy_name: str, contract: dict, spec) -> None:
+        self.name, self.model, self.weights = name, model, weights
+        self.catalog, self.catalog_name, self.trie = catalog, catalog_name, trie
+        self.policy, self.policy_name, self.contract = policy, policy_name, contract
         plans = None
         if spec.engine.decode_plans and model.shared.weight.is_cuda:
             plans = PlanCache(spec.engine.max_batch, spec.engine.decode_plans)
@@ -42,24 +52,24 @@ class GenerateRunner:
         # Item id -> its SID tokens, by binary search over the sorted catalog ids.
         ids = trie.leaf_items
         order = np.argsort(ids, kind="stable")
-        self._ids = ids[order]
+        self.item_ids = ids[order]
         leaf_of_item = np.repeat(np.arange(len(trie.leaf_ptr) - 1), np.diff(trie.leaf_ptr))
-        offs = np.asarray(trie.level_offset)
-        self._tokens = (trie.leaf_sids[leaf_of_item] + offs)[order]
+        self._tokens = (trie.leaf_sids[leaf_of_item] + np.asarray(trie.level_offset))[order]
 
-    @property
-    def catalog_items(self) -> np.ndarray:
-        """Every catalog item id, sorted."""
-        return self._ids
+    def describe(self) -> dict:
+        return {"version": self.name, "weights": self.weights, "catalog": self.catalog_name,
+                "catalog_items": int(len(self.item_ids)), "policy": self.policy_name,
+                "beam_widths": list(self.policy.beam_widths), "top_k": self.policy.top_k}
 
     def prepare(self, req: GenerateRequest) -> PreparedGenerate:
         if not isinstance(req, GenerateRequest):
             raise InvalidRequest(f"expected a GenerateRequest, got {type(req).__name__}")
         if isinstance(req.user_id, bool) or not isinstance(req.user_id, (int, str)):
             raise InvalidRequest("`user_id` must be an int or a str")
+        pol = self.policy
         if isinstance(req.top_k, bool) or not isinstance(req.top_k, int) or \
-                not 1 <= req.top_k <= self.policy.max_top_k:
-            raise InvalidRequest(f"`top_k` must be an int in 1..{self.policy.max_top_k}")
+                not 1 <= req.top_k <= pol.max_top_k:
+            raise InvalidRequest(f"`top_k` must be an int in 1..{pol.max_top_k}")
         bw = req.beam_width
         if bw is not None and (isinstance(bw, bool) or not isinstance(bw, int) or not 1 <= bw <= MAX_BEAM):
             raise InvalidRequest(f"`beam_width` must be an int in 1..{MAX_BEAM}")
@@ -69,41 +79,19 @@ class GenerateRunner:
             raise InvalidRequest("`history` is not a list of integers") from None
         if hist.ndim != 1 or (hist.size and hist.dtype.kind not in "iu"):
             raise InvalidRequest("`history` must be a flat list of integers")
-        hist = hist.astype(np.int64)[-self.policy.max_context_items:]
-        pos = np.searchsorted(self._ids, hist)
-        pos = np.minimum(pos, len(self._ids) - 1)
-        bad = np.nonzero(self._ids[pos] != hist)[0]
+        hist = hist.astype(np.int64)[-pol.max_context_items:]
+        pos = np.minimum(np.searchsorted(self.item_ids, hist), len(self.item_ids) - 1)
+        bad = np.nonzero(self.item_ids[pos] != hist)[0]
         if bad.size:
-            raise IdOutOfRange(f"`history` holds item {hist[bad[0]]}, not in the catalog")
+            raise IdOutOfRange(f"`history` holds item {hist[bad[0]]}, not in the catalog "
+                               f"(version {self.name})")
         tokens = self._tokens[pos].reshape(-1)
-        if self.policy.append_eos:
+        if pol.append_eos:
             tokens = np.append(tokens, self.model.cfg.eos_token_id)
         if tokens.size == 0:  # an empty context still needs one encoder position
             tokens = np.array([self.model.cfg.eos_token_id])
-        widths = [bw] * self.trie.depth if bw is not None else list(self.policy.beam_widths)
-        return PreparedGenerate(req.user_id, tokens, req.top_k, widths)
-
-    def set_model(self, model, version: str) -> None:
-        self.model, self.version = model, version
-        self.search.set_model(model)
-
-    def submit(self, batch: list[PreparedGenerate]):
-        """Queue a batch on the device (executor thread); ``finish`` completes it."""
-        t = time.perf_counter()
-        return batch, self.search.submit([BeamRequest(p.context, p.top_k, p.widths)
-                                          for p in batch]), t
-
-    def finish(self, handle) -> BatchOutcome:
-        """Wait for a submitted batch and answer its requests (completion thread)."""
-        batch, sub, t = handle
-        res = self.search.finish(sub)
-        stages = dict(res[0].steps) if res else {}
-        stages["total"] = (time.perf_counter() - t) * 1e3
-        return BatchOutcome([((r.items, r.scores, r.sids), {"context_tokens": len(p.context)})
-                             for p, r in zip(batch, res)], stages)
-
-    def run(self, batch: list[PreparedGenerate]) -> BatchOutcome:
-        return self.finish(self.submit(batch))
+        widths = [bw] * self.trie.depth if bw is not None else list(pol.beam_widths)
+        return PreparedGenerate(req.user_id, tokens, req.top_k, widths, req, self)
 
     def warm_up(self) -> None:
         """Capture the plan of every row bucket for a full-length context and the policy's
@@ -115,6 +103,80 @@ class GenerateRunner:
         ctx = np.full(n, self.model.cfg.eos_token_id, dtype=np.int64)
         for rows in sorted({bucket_rows(r, plans.max_rows) for r in range(1, plans.max_rows + 1)}):
             self.search.run([BeamRequest(ctx, 1, list(self.policy.beam_widths))] * rows)
+
+
+class GenerateRunner:
+    has_background_work = False
+
+    def __init__(self, version: GenerateVersion) -> None:
+        self.active = version
+        self.previous: GenerateVersion | None = None
+
+    # The active version's parts, for callers that predate versions.
+    model = property(lambda self: self.active.model)
+    trie = property(lambda self: self.active.trie)
+    search = property(lambda self: self.active.search)
+    policy = property(lambda self: self.active.policy)
+    contract = property(lambda self: self.active.contract)
+    version = property(lambda self: self.active.name)
+    catalog_items = property(lambda self: self.active.item_ids)  # every catalog item, sorted
+
+    def prepare(self, req: GenerateRequest) -> PreparedGenerate:
+        return self.active.prepare(req)
+
+    def activate(self, version: GenerateVersion, keep_previous: bool = True) -> None:
+        """Cut over (executor thread: between batches). The old active version becomes
+        ``previous`` (dropped when ``keep_previous`` is off: its memory goes once no batch in
+        flight holds it)."""
+        old, self.active = self.active, version
+        self.previous = old if keep_previous else None
+
+    def rollback(self) -> GenerateVersion:
+        if self.previous is None:
+            raise StreamgrError("no previous generate version to roll back to")
+        self.active, self.previous = self.previous, self.active
+        return self.active
+
+    def submit(self, batch: list[PreparedGenerate]):
+        """Queue a batch on the device (executor thread); ``finish`` completes it. The batch
+        runs on the version active now; requests prepared on another are prepared again."""
+        t = time.perf_counter()
+        v = self.active
+        fresh: list[PreparedGenerate | Exception] = []
+        for p in batch:
+            if p.version is v or p.request is None:
+                fresh.append(p)
+                continue
+            try:
+                fresh.append(v.prepare(p.request))
+            except StreamgrError as err:
+                fresh.append(err)
+        run = [p for p in fresh if not isinstance(p, Exception)]
+        sub = v.search.submit([BeamRequest(p.context, p.top_k, p.widths) for p in run]) \
+            if run else None
+        return fresh, sub, t, v
+
+    def finish(self, handle) -> BatchOutcome:
+        """Wait for a submitted batch and answer its requests (completion thread)."""
+        fresh, sub, t, v = handle
+        res = iter(v.search.finish(sub) if sub is not None else [])
+        out, stages = [], {}
+        for p in fresh:
+            if isinstance(p, Exception):
+                out.append(p)
+                continue
+            r = next(res)
+            stages = dict(r.steps)
+            out.append(((r.items, r.scores, r.sids),
+                        {"context_tokens": len(p.context), "version": v.name}))
+        stages["total"] = (time.perf_counter() - t) * 1e3
+        return BatchOutcome(out, stages)
+
+    def run(self, batch: list[PreparedGenerate]) -> BatchOutcome:
+        return self.finish(self.submit(batch))
+
+    def warm_up(self) -> None:
+        self.active.warm_up()
 
     def background(self) -> None:
         pass

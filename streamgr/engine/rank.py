@@ -167,6 +167,7 @@ class InFlight:
     lengths: dict = field(default_factory=dict)  # recompute: request index -> tokens computed
     host: torch.Tensor | None = None
     event: object = None
+    version: str = ""  # the weights the batch runs on (set at submit)
 
     def wait(self) -> np.ndarray:
         if self.event is not None:
@@ -191,6 +192,7 @@ class BatchOutcome:
 
     results: list[tuple[np.ndarray, dict] | Exception]
     stages: dict[str, float] = field(default_factory=dict)
+    version: str = ""  # rank: the weights version the batch ran on
 
 
 class RankRunner:
@@ -267,7 +269,7 @@ class RankRunner:
         t = time.perf_counter()
         resolved, live = self._resolve(batch)
         if not live:
-            return InFlight(batch, resolved, live, stages)
+            return InFlight(batch, resolved, live, stages, version=self.version)
         users = [UserSlice(interleave(*resolved[i]), 0, batch[i].candidates) for i in live]
         pb = pack_jagged(users)
         t = self._mark(stages, "layout", t)
@@ -276,12 +278,12 @@ class RankRunner:
             scores = self.model(upload_jagged(pb, self.device))
         host, event = read_back(scores)
         self._mark(stages, "model", t)
-        return InFlight(batch, resolved, live, stages, host=host, event=event,
+        return InFlight(batch, resolved, live, stages, host=host, event=event, version=self.version,
                         lengths={i: len(u.tokens) for i, u in zip(live, users)})
 
     def finish(self, f: InFlight) -> BatchOutcome:
         if not f.live:
-            return BatchOutcome(list(f.resolved), f.stages)
+            return BatchOutcome(list(f.resolved), f.stages, f.version)
         t = time.perf_counter()
         scores = f.wait()
         t = self._mark(f.stages, "readback", t)
@@ -295,7 +297,7 @@ class RankRunner:
                                             "tier": "none" if n == 0 else "miss"})
             o += c
         self._mark(f.stages, "postprocess", t)
-        return BatchOutcome(results, f.stages)
+        return BatchOutcome(results, f.stages, f.version)
 
     has_background_work = False  # recompute has nothing to do after a batch
 

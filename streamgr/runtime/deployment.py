@@ -12,7 +12,7 @@ from safetensors import safe_open
 from ..errors import CheckpointError, ContractError
 from ..models.checkpoint import WEIGHTS_FILE, decode_config, read_config
 from ..models.t5 import T5, T5Config, hf_state_dict
-from ..selection.vocabulary import SidTrie, load_catalog, random_catalog
+from ..selection.vocabulary import SidTrie, check_catalog, load_catalog, random_catalog
 from .contract import build_contract, check
 
 
@@ -32,12 +32,23 @@ def build_catalog(spec):
     return random_catalog(cat.random_items, cat.codebook_sizes, cat.random_seed)
 
 
-def build_generator(spec, device: torch.device, dtype: torch.dtype):
-    """(model, version, trie, contract) of the spec's generate model, contract-checked."""
+def build_generator(spec, device: torch.device, dtype: torch.dtype, model=None, catalog=None,
+                    trie=None):
+    """(model, source, trie, contract, catalog) of the spec's generate model, contract-checked.
+    A loaded ``model`` (same architecture), a ``catalog`` and its ``trie`` are reused if given
+    (a live update that changes the catalog or the policy only reloads nothing else)."""
     m = spec.generate_model
-    catalog = build_catalog(spec)
-    trie = SidTrie(catalog, spec.catalog.codebook_sizes, spec.catalog.token_offset)
+    if catalog is None:
+        catalog = build_catalog(spec)
+    else:
+        check_catalog(catalog, spec.catalog.codebook_sizes)
+    if trie is None:
+        trie = SidTrie(catalog, spec.catalog.codebook_sizes, spec.catalog.token_offset)
     dname = str(dtype).replace("torch.", "")
+    if model is not None:
+        contract = build_contract(model.cfg, spec, dname)
+        check(contract, {k: t.shape for k, t in model.state_dict().items()}, trie)
+        return model, "reused", trie, contract, catalog
     if m.checkpoint is not None:
         raw = read_config(m.checkpoint)
         if raw.get("model_type", "t5") != "t5" and raw.get("family") != "t5":
@@ -68,4 +79,4 @@ def build_generator(spec, device: torch.device, dtype: torch.dtype):
     model.requires_grad_(False)
     if device.type == "cuda":
         model.align_head()
-    return model, source, trie, contract
+    return model, source, trie, contract, catalog

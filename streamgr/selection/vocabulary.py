@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import torch
 
@@ -113,6 +114,42 @@ class SidTrie:
     def items_of(self, leaf: int, policy: str) -> np.ndarray:
         items = self.leaf_items[self.leaf_ptr[leaf]:self.leaf_ptr[leaf + 1]]
         return items[:1] if policy == "first" else items
+
+
+class CatalogDelta(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A change to a catalog: ``remove`` these item ids; ``add`` items with their SIDs (an id
+    already in the catalog gets the new SID: a re-assignment). Removal first, then additions."""
+
+    add: dict[int, list[int]] = msgspec.field(default_factory=dict)
+    remove: list[int] = msgspec.field(default_factory=list)
+
+
+def apply_delta(cat: Catalog, delta: CatalogDelta, codebook_sizes: list[int]) -> Catalog:
+    """``cat`` with ``delta`` applied (a new Catalog; ``cat`` is left as it is). Removing an
+    item the catalog lacks is a ContractError naming it (a typo must not pass silently)."""
+    ids, sids = cat.item_ids, cat.sids
+    if delta.remove:
+        rm = np.asarray(delta.remove, dtype=np.int64)
+        missing = np.setdiff1d(rm, ids)
+        if missing.size:
+            raise ContractError(f"catalog.remove: item {int(missing[0])} is not in the catalog")
+        keep = ~np.isin(ids, rm)
+        ids, sids = ids[keep], sids[keep]
+    if delta.add:
+        new_ids = np.fromiter(delta.add.keys(), dtype=np.int64, count=len(delta.add))
+        try:
+            new_sids = np.asarray(list(delta.add.values()), dtype=np.int64).reshape(len(new_ids), -1)
+        except ValueError:
+            raise ContractError("catalog.add: every SID must have the catalog's depth") from None
+        if new_sids.shape[1] != cat.depth:
+            raise ContractError(f"catalog.add: SIDs of {new_sids.shape[1]} codes, the catalog's "
+                                f"have {cat.depth}")
+        keep = ~np.isin(ids, new_ids)  # re-assigned items leave their old place
+        ids = np.concatenate([ids[keep], new_ids])
+        sids = np.concatenate([sids[keep], new_sids])
+    out = Catalog(ids, sids)
+    check_catalog(out, codebook_sizes)
+    return out
 
 
 def random_catalog(n_items: int, codebook_sizes: list[int], seed: int,

@@ -73,7 +73,7 @@ async def test_two_batches_in_flight_equal_one_at_a_time(mode):
     cache = {"cache.mode": mode, "cache.page_tokens": 4, "cache.chunk_tokens": 8,
              "cache.device_pages": 40, "cache.host_chunks": 256,
              "cache.offload_quota_tokens": 64, "engine.max_batch": 4, "engine.max_wait_ms": 0.5}
-    one, _, most1 = await serve(small_overrides(**cache), reqs)
+    one, _, most1 = await serve(small_overrides(**cache, **{"engine.rank_in_flight": 1}), reqs)
     two, st, most2 = await serve(small_overrides(**cache, **{"engine.rank_in_flight": 2}), reqs)
     ref, _, _ = await serve(small_overrides(**{"cache.mode": "recompute"}), reqs)
     assert most1 == 1 and most2 == 2  # two batches really were in flight at once

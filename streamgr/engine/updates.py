@@ -1,0 +1,215 @@
+"""Live updates of what an engine serves: versioned, contract-checked, atomic cutovers.
+
+RecoGEM (section 3.3) prepares the next version of the weights, the SID vocabulary and the
+selection policy beside the active one, validates it against the deployment contract outside
+the request path, then publishes it by a pointer switch; each request runs on one consistent
+view. Here:
+
+- ``update(weights=, catalog=, policy=)`` builds the new generate version on a worker thread
+  (a checkpoint load, a trie build: ~0.6 s for a million items), checks it against the contract
+  (a change that breaks it raises ``ContractError`` naming the field, and the active version
+  keeps serving), captures its decode plans of the common shapes on the executor thread (CUDA),
+  then activates it there, between two batches: a batch already submitted finishes on the old
+  version, queued requests run on the new one. Rank takes new weights the same way (cached K/V
+  of older weights are never served: the cache validates the version).
+- The previous version stays loaded for ``rollback()`` until the next update (or
+  ``keep_previous=False``), so a rollback is a cutover too, with no load.
+- Updates run one at a time (a lock); ``versions()`` names what is active and what is kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from ..errors import ContractError, StreamgrError, UnsupportedRequest
+from ..selection.vocabulary import Catalog, CatalogDelta, apply_delta, load_catalog
+from .generate import MAX_BEAM
+
+Target = Literal["auto", "rank", "generate"]
+
+
+def _weights_spec(model_spec, weights):
+    """The model spec for ``weights``: a checkpoint directory (str/Path) or an init seed (int)."""
+    if isinstance(weights, bool) or not isinstance(weights, (str, Path, int)):
+        raise StreamgrError("weights: a checkpoint directory or an int init seed")
+    if isinstance(weights, int):
+        return msgspec.structs.replace(model_spec, checkpoint=None, init_seed=weights)
+    return msgspec.structs.replace(model_spec, checkpoint=str(weights), init_seed=None)
+
+
+def merged_policy(current, changes, depth: int):
+    """The current policy with ``changes`` (a PolicySpec or a dict of its fields) applied and
+    validated against SIDs of ``depth`` levels; errors name the field."""
+    from ..config import PolicySpec
+    fields = changes if isinstance(changes, dict) else msgspec.structs.asdict(changes)
+    unknown = sorted(set(fields) - set(PolicySpec.__struct_fields__))
+    if unknown:
+        raise ContractError(f"policy.{unknown[0]}: not a policy field "
+                            f"({', '.join(PolicySpec.__struct_fields__)})")
+    try:
+        pol = msgspec.convert({**msgspec.structs.asdict(current), **fields}, PolicySpec)
+    except (msgspec.ValidationError, ValueError) as err:
+        raise ContractError(f"policy: {err}") from None
+    if len(pol.beam_widths) != depth:
+        raise ContractError(f"policy.beam_widths: {len(pol.beam_widths)} steps for SIDs of "
+                            f"depth {depth}")
+    if max(pol.beam_widths) > MAX_BEAM:
+        raise ContractError(f"policy.beam_widths: {max(pol.beam_widths)} beams, at most {MAX_BEAM}")
+    if pol.top_k > pol.max_top_k:
+        raise ContractError(f"policy.top_k: {pol.top_k} over max_top_k {pol.max_top_k}")
+    return pol
+
+
+def same_contract(old: dict, new: dict) -> None:
+    """A new version may change weights' values, the catalog's items and the policy, not what
+    the runtime was built around: the model's shape and the SID vocabulary's layout."""
+    for section in ("model", "vocabulary"):
+        for key, value in old[section].items():
+            if new[section].get(key) != value:
+                raise ContractError(f"{section}.{key}: {new[section].get(key)!r}, the engine "
+                                    f"serves {value!r}")
+
+
+class Updates:
+    """Mixed into ``Engine``: ``update``, ``rollback``, ``versions`` (and ``update_weights``)."""
+
+    def _update_lock(self) -> asyncio.Lock:
+        if getattr(self, "_updating", None) is None:
+            self._updating = asyncio.Lock()
+        return self._updating
+
+    def _target(self, target: Target, generate_only: bool) -> str:
+        if target == "auto":
+            if self.gen_runner is not None and (self.runner is None or generate_only):
+                return "generate"
+            if self.runner is not None and self.gen_runner is None:
+                return "rank"
+            raise StreamgrError("this engine serves rank and generate: say target=\"rank\" or "
+                                "target=\"generate\"")
+        if target == "rank" and self.runner is None or target == "generate" and \
+                self.gen_runner is None:
+            raise UnsupportedRequest(f"spec {self.spec.name} does not serve {target}")
+        if target not in ("rank", "generate"):
+            raise StreamgrError(f"target {target!r}: auto, rank or generate")
+        return target
+
+    async def _on_executor(self, fn, *args):
+        """Run ``fn`` where batches run (between two of them), or here if not started."""
+        if self._executor is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def update(self, weights=None, catalog=None, policy=None, *, target: Target = "auto",
+                     keep_previous: bool = True) -> dict[str, Any]:
+        """Prepare, check and cut over to a new version (see the module docstring).
+        ``weights``: a checkpoint directory or an int init seed; ``catalog``: a catalog file, a
+        ``Catalog``, or a ``CatalogDelta`` (or its dict) of additions and removals; ``policy``:
+        a ``PolicySpec`` or a dict of the fields to change. Returns ``versions()``."""
+        if weights is None and catalog is None and policy is None:
+            raise StreamgrError("update: give weights, catalog or policy")
+        which = self._target(target, weights is None)
+        async with self._update_lock():
+            loop = asyncio.get_running_loop()
+            if which == "rank":
+                if catalog is not None or policy is not None:
+                    raise UnsupportedRequest("rank takes new weights only")
+                await self._update_rank(weights, keep_previous)
+            else:
+                new = await loop.run_in_executor(None, self._build_generate, weights, catalog,
+                                                 policy)
+                await self._on_executor(new.warm_up)  # its plans, before it serves
+                await self._on_executor(self.gen_runner.activate, new, keep_previous)
+            self.metrics.count(f"{which}_updates")
+        return self.versions()
+
+    def _build_generate(self, weights, catalog, policy):
+        act, spec = self.gen_runner.active, self.spec
+        model, wname = act.model, act.weights
+        if weights is not None:
+            ms = _weights_spec(spec.generate_model, weights)
+            spec = msgspec.structs.replace(spec, **{"model" if spec.model.family == "t5"
+                                                    else "generator": ms})
+            model = wname = None
+        cat, trie, cname = act.catalog, act.trie, act.catalog_name
+        if catalog is not None:
+            sizes = spec.catalog.codebook_sizes
+            if isinstance(catalog, (str, Path)):
+                cat, cname = load_catalog(catalog, sizes), f"file:{catalog}"
+            elif isinstance(catalog, Catalog):
+                cat, cname = catalog, f"object:{len(catalog.item_ids)}"
+            else:
+                try:
+                    delta = msgspec.convert(catalog, CatalogDelta) if isinstance(catalog, dict) \
+                        else catalog
+                except msgspec.ValidationError as err:
+                    raise ContractError(f"catalog: {err}") from None
+                if not isinstance(delta, CatalogDelta):
+                    raise StreamgrError("catalog: a file, a Catalog or a CatalogDelta")
+                cat = apply_delta(act.catalog, delta, sizes)
+                cname = f"{act.catalog_name}+{len(delta.add)}-{len(delta.remove)}"
+            trie = None
+        pol, pname = act.policy, act.policy_name
+        if policy is not None:
+            pol = merged_policy(act.policy, policy, act.trie.depth)
+            pname = f"p{self._build.versions + 1}"
+        spec = msgspec.structs.replace(spec, policy=pol)
+        new = self._build.generate_version(spec, model=model, weights=wname, catalog=cat,
+                                           catalog_name=cname, trie=trie, policy_name=pname)
+        same_contract(act.contract, new.contract)
+        return new
+
+    async def _update_rank(self, weights, keep_previous: bool) -> None:
+        new_spec = _weights_spec(self.spec.model, weights)
+        loop = asyncio.get_running_loop()
+        model, version = await loop.run_in_executor(None, self._build.ranker, new_spec)
+        if model.cfg != self.runner.model.cfg:
+            raise ContractError(f"model: new weights have architecture {model.cfg}, the engine "
+                                f"serves {self.runner.model.cfg}")
+        old = (self.runner.model, self.runner.version)
+        await self._on_executor(self.runner.set_model, model, version)
+        self._rank_previous = old if keep_previous else None
+
+    async def rollback(self, target: Target = "auto") -> dict[str, Any]:
+        """Back to the previous version (kept since the last update), by the same cutover."""
+        which = self._target(target, True)
+        async with self._update_lock():
+            if which == "generate":
+                if self.gen_runner.previous is None:
+                    raise StreamgrError("no previous generate version to roll back to")
+                await self._on_executor(self.gen_runner.rollback)
+            else:
+                prev = getattr(self, "_rank_previous", None)
+                if prev is None:
+                    raise StreamgrError("no previous rank weights to roll back to")
+                cur = (self.runner.model, self.runner.version)
+                await self._on_executor(self.runner.set_model, *prev)
+                self._rank_previous = cur
+            self.metrics.count(f"{which}_rollbacks")
+        return self.versions()
+
+    def versions(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.runner is not None:
+            prev = getattr(self, "_rank_previous", None)
+            out["rank"] = {"active": self.runner.version, "previous": prev[1] if prev else None}
+        if self.gen_runner is not None:
+            g = self.gen_runner
+            out["generate"] = {"active": g.active.describe(),
+                               "previous": g.previous.describe() if g.previous else None}
+        return out
+
+    async def update_weights(self, checkpoint: str | None = None,
+                             init_seed: int | None = None) -> str:
+        """New rank weights (the first round's call; ``update`` is the general one). Returns
+        the new weights version."""
+        if self.runner is None:
+            raise UnsupportedRequest("update_weights reloads the rank model; this spec has none")
+        if (checkpoint is None) == (init_seed is None):
+            raise StreamgrError("give exactly one of checkpoint or init_seed")
+        await self.update(weights=checkpoint if checkpoint is not None else init_seed,
+                          target="rank")
+        return self.runner.version

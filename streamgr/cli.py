@@ -178,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=7700, help="TCP port (0: pick a free one)")
     p.add_argument("--unix", default=None, help="also listen on this Unix socket path")
     p.add_argument("--token-file", default=None, help="file holding a shared token for Hello")
+    p.add_argument("--admin-token-file", default=None,
+                   help="file holding the admin token (update/rollback/versions); none: no admin")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus text endpoint")
     p.add_argument("--max-connections", type=int, default=1024,
                    help="open connections; past it a new one gets OVERLOADED")
@@ -198,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--access-log", action="store_true",
                    help="log one line per request (logger streamgr.access, INFO)")
     p.set_defaults(func=cmd_serve)
+
+    from .admin_cli import add_admin_commands
+    add_admin_commands(sub)
 
     from .trace.cli import add_trace_commands
     add_trace_commands(sub, _overrides)

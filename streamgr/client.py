@@ -212,6 +212,26 @@ class AsyncClient:
         """The server's liveness and readiness (``ready`` False while draining)."""
         return await self._call(lambda rid: m.HealthRequest(rid), timeout)
 
+    # Admin calls: the connection must have been opened with the server's admin token.
+    async def update(self, weights: str | None = None, seed: int | None = None,
+                     catalog: str | None = None, catalog_add: dict | None = None,
+                     catalog_remove: list | None = None, policy: dict | None = None,
+                     target: str = "auto", keep_previous: bool = True,
+                     timeout: float | None = 600.0) -> dict[str, Any]:
+        """A live update on the server (``Engine.update``); the versions after it. Paths are
+        on the server's host."""
+        add = {int(k): _ints(v) for k, v in (catalog_add or {}).items()}
+        reply = await self._call(lambda rid: m.UpdateRequest(
+            rid, target, weights, seed, catalog, add, _ints(catalog_remove or []),
+            dict(policy or {}), keep_previous), timeout)
+        return reply.versions
+
+    async def rollback(self, target: str = "auto", timeout: float | None = 600.0) -> dict:
+        return (await self._call(lambda rid: m.RollbackRequest(rid, target), timeout)).versions
+
+    async def versions(self, timeout: float | None = None) -> dict[str, Any]:
+        return (await self._call(lambda rid: m.VersionsRequest(rid), timeout)).versions
+
     async def close(self) -> None:
         if self._proto is not None:
             self._proto.transport.close()
@@ -258,6 +278,16 @@ class Client:
 
     def health(self) -> m.HealthReply:
         return self._call(self._client.health())
+
+    def update(self, **kw) -> dict[str, Any]:
+        """``AsyncClient.update`` (admin token required)."""
+        return self._call(self._client.update(**kw))
+
+    def rollback(self, target: str = "auto") -> dict[str, Any]:
+        return self._call(self._client.rollback(target))
+
+    def versions(self) -> dict[str, Any]:
+        return self._call(self._client.versions())
 
     def stats(self) -> dict[str, Any]:
         return self._call(self._client.stats())

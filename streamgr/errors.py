@@ -111,6 +111,13 @@ class ProtocolError(StreamgrError):
     code = "PROTOCOL_ERROR"
 
 
+class Unauthorized(StreamgrError):
+    """The connection's token does not allow this (a wrong token in Hello; an admin request
+    without the admin token)."""
+
+    code = "UNAUTHORIZED"
+
+
 class EngineDead(StreamgrError):
     """The engine hit an unrecoverable fault (e.g. a CUDA error) and cannot serve any more."""
 

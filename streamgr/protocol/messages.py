@@ -97,12 +97,50 @@ class HealthReply(_Msg, tag=11):
     status: str  # "ready", "draining", "engine dead", ...
 
 
+class UpdateRequest(_Msg, tag=12):
+    """Admin (a connection greeted with the admin token): a live update of the engine's
+    weights, catalog and/or policy (``Engine.update``). Paths name files on the server's host."""
+
+    id: RequestId
+    target: str = "auto"  # "auto" | "rank" | "generate"
+    weights: Union[str, None] = None  # a checkpoint directory
+    seed: Union[int, None] = None  # or random weights of this seed
+    catalog: Union[str, None] = None  # a catalog file: full replacement
+    catalog_add: dict[int, list[int]] = msgspec.field(default_factory=dict)  # item -> SID
+    catalog_remove: list[int] = msgspec.field(default_factory=list)
+    policy: dict[str, Any] = msgspec.field(default_factory=dict)  # fields of PolicySpec
+    keep_previous: bool = True
+
+
+class RollbackRequest(_Msg, tag=13):
+    """Admin: back to the version kept by the last update."""
+
+    id: RequestId
+    target: str = "auto"
+
+
+class VersionsRequest(_Msg, tag=14):
+    """Admin: the active and kept versions."""
+
+    id: RequestId
+
+
+class VersionsReply(_Msg, tag=15):
+    """The answer to the three admin requests: ``Engine.versions()`` after the change."""
+
+    id: RequestId
+    versions: dict[str, Any]
+
+
 Message = Union[Hello, HelloAck, RankRequest, RankReply, GenerateRequest, GenerateReply,
-                StatsRequest, StatsReply, Error, HealthRequest, HealthReply]
-REQUESTS = (RankRequest, GenerateRequest, StatsRequest, HealthRequest)
+                StatsRequest, StatsReply, Error, HealthRequest, HealthReply, UpdateRequest,
+                RollbackRequest, VersionsRequest, VersionsReply]
+ADMIN = (UpdateRequest, RollbackRequest, VersionsRequest)
+REQUESTS = (RankRequest, GenerateRequest, StatsRequest, HealthRequest) + ADMIN
 
 # Codes that only the protocol layer produces (the engine's live in streamgr.errors).
 BAD_FRAME = "BAD_FRAME"  # not MessagePack, or not a message at all: the connection closes
 FRAME_TOO_LARGE = "FRAME_TOO_LARGE"  # declared length over max_frame: refused unread, closes
-UNAUTHORIZED = "UNAUTHORIZED"  # wrong token or version in Hello: closes
+UNAUTHORIZED = "UNAUTHORIZED"  # wrong token or version in Hello (closes); an admin request
+# on a connection without the admin token (the connection stays)
 PROTOCOL_ERROR = "PROTOCOL_ERROR"  # a message the server does not take here (e.g. no Hello)

@@ -49,6 +49,7 @@ class Connection(asyncio.Protocol):
         self.tasks: set[asyncio.Future] = set()  # requests in flight (engine futures / tasks)
         self.expired: set[asyncio.Future] = set()  # answered DEADLINE_EXCEEDED already
         self.greeted = False
+        self.admin = False  # greeted with the admin token (server/admin.py)
         self.closed = False
         self.eof_sent = False  # half-closed at shutdown
         self.opened = self.last = time.monotonic()
@@ -168,6 +169,11 @@ class Connection(asyncio.Protocol):
             return
         srv._dispatch(self, msg)
 
+    def _token_ok(self, given: str) -> bool:
+        """The client token (when the server has one) or the admin token opens a connection."""
+        srv = self.server
+        return srv.token is None or _same(given, srv.token) or _same(given, srv.admin_token)
+
     def _hello(self, body: bytes) -> None:
         srv = self.server
         try:
@@ -180,19 +186,24 @@ class Connection(asyncio.Protocol):
         elif hello.version != m.PROTOCOL_VERSION:
             self.send(m.Error(0, m.UNAUTHORIZED, f"protocol version {hello.version} not "
                                                  f"supported (server speaks {m.PROTOCOL_VERSION})"))
-        elif srv.token is not None and not hmac.compare_digest(hello.token.encode(),
-                                                               srv.token.encode()):
+        elif not self._token_ok(hello.token):
             srv.metrics.counters["auth_failures"] += 1
             log.warning("auth failure from %s: wrong token", self.peer())
             self.send(m.Error(0, m.UNAUTHORIZED, "wrong token"))
         else:
             self.greeted = True
+            self.admin = _same(hello.token, srv.admin_token)
             lim = srv.limits
             caps = ["rank", "stats", "health"] + (["generate"] if getattr(srv.engine, "serves_generate", False) else [])
+            caps += ["admin"] if self.admin else []
             self.send(m.HelloAck(m.PROTOCOL_VERSION, srv.name, srv.engine.spec.name,
                                  lim.max_frame, lim.max_inflight, caps))
             return
         self.close()
+
+
+def _same(given: str, token: str | None) -> bool:
+    return token is not None and hmac.compare_digest(given.encode(), token.encode())
 
 
 def _guess_id(codec: framing.Codec, body: bytes) -> int | None:

@@ -72,11 +72,11 @@ async def _metrics_http(server: Server, reader: asyncio.StreamReader,
 async def serve(spec, overrides=None, host: str = "127.0.0.1", port: int | None = 7700,
                 unix: str | None = None, token: str | None = None, metrics_port: int | None = None,
                 limits: ServerLimits | None = None, drain_timeout: float = 30.0,
-                access_log: bool = False) -> int:
+                access_log: bool = False, admin_token: str | None = None) -> int:
     engine = Engine.from_spec(spec, overrides)
     log_startup(engine)
     await engine.start()
-    server = Server(engine, limits, token, access_log=access_log)
+    server = Server(engine, limits, token, access_log=access_log, admin_token=admin_token)
     addrs = await server.start(host, port, unix)
     metrics = None
     if metrics_port is not None:
@@ -151,4 +151,5 @@ def main_serve(args, overrides) -> int:
                           read_timeout=args.read_timeout)
     return run(serve(args.spec, overrides, args.host, args.port, args.unix,
                      read_token(args.token_file), args.metrics_port, limits, args.drain_timeout,
-                     args.access_log), args.loop)
+                     args.access_log, read_token(getattr(args, "admin_token_file", None))),
+               args.loop)

@@ -50,6 +50,15 @@ class ServerMetrics:
         for name, value in sorted(engine_stats.get("decode_plans", {}).items()):
             if isinstance(value, (int, float)):  # plans, captures, replays, enabled (0/1)
                 out.append(f"streamgr_decode_plans_{name} {int(value)}")
+        counters = engine_stats.get("counters", {})
+        for kind in ("rank", "generate"):  # live updates (engine/updates.py)
+            for what in ("updates", "rollbacks"):
+                out.append(f"streamgr_{kind}_{what}_total {counters.get(f'{kind}_{what}', 0)}")
+        out.append("# TYPE streamgr_version_info gauge")
+        for kind, key in (("rank", "weights_version"), ("generate", "generate_version")):
+            if kind in engine_stats.get("serves", []) and key in engine_stats:
+                v = str(engine_stats[key]).replace("\\", "\\\\").replace('"', '\\"')
+                out.append(f'streamgr_version_info{{kind="{kind}",version="{v}"}} 1')
         for name, value in sorted(self.counters.items()):
             out.append(f"streamgr_server_{name}_total {value}")
         return "\n".join(out) + "\n"

@@ -23,6 +23,7 @@ import msgspec
 from .. import api
 from ..errors import StreamgrError
 from ..protocol import messages as m
+from . import admin
 from .connection import Connection, ServerLimits
 from .metrics import ServerMetrics
 
@@ -51,8 +52,14 @@ async def _refuse_live_socket(path: str) -> None:
 
 class Server:
     def __init__(self, engine, limits: ServerLimits | None = None, token: str | None = None,
-                 name: str = "streamgr/0.1.0", access_log: bool = False) -> None:
+                 name: str = "streamgr/0.1.0", access_log: bool = False,
+                 admin_token: str | None = None) -> None:
         self.engine = engine
+        # A Hello with this token opens an admin connection (live updates; server/admin.py).
+        if admin_token is not None and admin_token == token:
+            raise ValueError("the admin token must differ from the client token")
+        self.admin_token = admin_token
+        self.admin_tasks: set[asyncio.Task] = set()
         self.access_log = access_log  # one INFO line per request on "streamgr.access"
         self.limits = limits or ServerLimits()
         self.token = token
@@ -163,6 +170,9 @@ class Server:
         if isinstance(msg, m.HealthRequest):
             ready, status = self.readiness()
             conn.send(m.HealthReply(msg.id, True, ready, status))
+            return
+        if isinstance(msg, m.ADMIN):
+            admin.handle(self, conn, msg)
             return
         if isinstance(msg, m.StatsRequest):
             conn.send(m.StatsReply(msg.id, msgspec.to_builtins(self.stats())))

@@ -54,6 +54,12 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     history: list[int]
     top_k: int
     beam_width: int | None = None  # applies to every step; default: the policy's widths
+    # Selection variants (runtime/variants.py): per-step widths for this request (e.g. narrowing
+    # [64, 32, 16]; excludes beam_width), items never to answer (a deny list), and at most this
+    # many items per first SID code (0: no cap; None: the policy's max_per_prefix).
+    beam_widths: list[int] | None = None
+    exclude_items: list[int] | None = None
+    max_per_prefix: int | None = None
 
 
 class GenerateStats(msgspec.Struct, kw_only=True):

@@ -199,9 +199,12 @@ class AsyncClient:
 
     async def generate(self, request, deadline_ms: float | None = None,
                        timeout: float | None = None):
+        opt = lambda x: None if x is None else _ints(x)  # noqa: E731
         reply = await self._call(lambda rid: m.GenerateRequest(
             rid, request.user_id, _ints(request.history), request.top_k, request.beam_width,
-            deadline_ms), timeout)
+            deadline_ms, opt(getattr(request, "beam_widths", None)),
+            opt(getattr(request, "exclude_items", None)),
+            getattr(request, "max_per_prefix", None)), timeout)
         return api.GenerateResult(items=reply.items, scores=reply.scores, sids=reply.sids,
                                   stats=msgspec.convert(reply.stats, api.GenerateStats))
 

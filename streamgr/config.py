@@ -152,12 +152,15 @@ class PolicySpec(_Section, kw_only=True):
     max_top_k: int = 1024
     max_context_items: int = 256  # history items the encoder reads (the newest)
     append_eos: bool = True
+    max_per_prefix: int = 0  # answered items per first SID code (diversity); 0: no cap
 
     def __post_init__(self) -> None:
         if not self.beam_widths or min(self.beam_widths) < 1:
             raise ValueError("`beam_widths` must be positive")
         if self.top_k < 1 or self.max_context_items < 1:
             raise ValueError("`top_k` and `max_context_items` must be >= 1")
+        if self.max_per_prefix < 0:
+            raise ValueError("`max_per_prefix` must be >= 0 (0: no cap)")
 
 
 class Spec(_Section, kw_only=True):

@@ -67,6 +67,8 @@ MEANING = {
     "policy.max_top_k": "the largest `top_k` a request may ask for",
     "policy.max_context_items": "history items the encoder reads (the newest)",
     "policy.append_eos": "end the encoder input with EOS",
+    "policy.max_per_prefix": "diversity: answered items per first SID code (0: no cap); a "
+                             "request's `max_per_prefix` overrides it",
     "generator": "a `[generator]` section (a `t5` model) beside an HSTU `[model]`: the engine "
                  "serves both",
 }

@@ -35,6 +35,25 @@ class PreparedGenerate:
     widths: list[int]
     request: GenerateRequest | None = None
     version: "GenerateVersion | None" = None
+    exclude: np.ndarray | None = None  # sorted item ids never answered
+    max_per_prefix: int = 0
+
+
+MAX_EXCLUDE = 4096  # items in one request's deny list
+
+
+def _int_in(x, lo: int, hi: int) -> bool:
+    return not isinstance(x, bool) and isinstance(x, int) and lo <= x <= hi
+
+
+def _ids(xs, name: str) -> np.ndarray | None:
+    """A request's list of item ids as a sorted unique array (None: not given)."""
+    if xs is None:
+        return None
+    if not isinstance(xs, list) or len(xs) > MAX_EXCLUDE or \
+            not all(_int_in(x, -2**63, 2**63 - 1) for x in xs):
+        raise InvalidRequest(f"`{name}` must be a list of at most {MAX_EXCLUDE} item ids")
+    return np.unique(np.asarray(xs, dtype=np.int64))
 
 
 class GenerateVersion:
@@ -71,8 +90,15 @@ class GenerateVersion:
                 not 1 <= req.top_k <= pol.max_top_k:
             raise InvalidRequest(f"`top_k` must be an int in 1..{pol.max_top_k}")
         bw = req.beam_width
-        if bw is not None and (isinstance(bw, bool) or not isinstance(bw, int) or not 1 <= bw <= MAX_BEAM):
+        if bw is not None and not _int_in(bw, 1, MAX_BEAM):
             raise InvalidRequest(f"`beam_width` must be an int in 1..{MAX_BEAM}")
+        widths = self._widths(req, bw)
+        exclude = _ids(req.exclude_items, "exclude_items")
+        if exclude is not None and len(exclude):  # the answer keeps top_k items after the cut
+            widths[-1] = min(MAX_BEAM, max(widths[-1], req.top_k + len(exclude)))
+        mpp = req.max_per_prefix if req.max_per_prefix is not None else pol.max_per_prefix
+        if not _int_in(mpp, 0, 2**31 - 1):
+            raise InvalidRequest("`max_per_prefix` must be an int >= 0 (0: no cap)")
         try:
             hist = np.asarray(req.history)
         except Exception:
@@ -90,8 +116,20 @@ class GenerateVersion:
             tokens = np.append(tokens, self.model.cfg.eos_token_id)
         if tokens.size == 0:  # an empty context still needs one encoder position
             tokens = np.array([self.model.cfg.eos_token_id])
-        widths = [bw] * self.trie.depth if bw is not None else list(pol.beam_widths)
-        return PreparedGenerate(req.user_id, tokens, req.top_k, widths, req, self)
+        return PreparedGenerate(req.user_id, tokens, req.top_k, widths, req, self, exclude, mpp)
+
+    def _widths(self, req: GenerateRequest, bw: int | None) -> list[int]:
+        depth = self.trie.depth
+        if req.beam_widths is None:
+            return [bw] * depth if bw is not None else list(self.policy.beam_widths)
+        if bw is not None:
+            raise InvalidRequest("give `beam_width` or `beam_widths`, not both")
+        ws = req.beam_widths
+        if not isinstance(ws, list) or len(ws) != depth or \
+                not all(_int_in(w, 1, MAX_BEAM) for w in ws):
+            raise InvalidRequest(f"`beam_widths` must be {depth} ints in 1..{MAX_BEAM} "
+                                 f"(one per SID level)")
+        return list(ws)
 
     def warm_up(self) -> None:
         """Capture the plan of every row bucket for a full-length context and the policy's
@@ -152,8 +190,8 @@ class GenerateRunner:
             except StreamgrError as err:
                 fresh.append(err)
         run = [p for p in fresh if not isinstance(p, Exception)]
-        sub = v.search.submit([BeamRequest(p.context, p.top_k, p.widths) for p in run]) \
-            if run else None
+        sub = v.search.submit([BeamRequest(p.context, p.top_k, p.widths, p.exclude,
+                                           p.max_per_prefix) for p in run]) if run else None
         return fresh, sub, t, v
 
     def finish(self, handle) -> BatchOutcome:

@@ -59,6 +59,9 @@ class GenerateRequest(_Msg, tag=5):
     top_k: int
     beam_width: Union[int, None] = None
     deadline_ms: Union[float, None] = None
+    beam_widths: Union[list[int], None] = None  # selection variants: see api.GenerateRequest
+    exclude_items: Union[list[int], None] = None
+    max_per_prefix: Union[int, None] = None
 
 
 class GenerateReply(_Msg, tag=6):

@@ -24,6 +24,7 @@ import torch
 from ..kernels.trie_topk import trie_topk
 from ..models.t5 import T5
 from ..selection.vocabulary import SidTrie
+from .variants import keep_mask
 
 if TYPE_CHECKING:
     from .plans import PlanCache
@@ -36,6 +37,8 @@ class BeamRequest:
     context: np.ndarray  # encoder input tokens (SID tokens of the history, then EOS)
     top_k: int
     widths: list[int]  # beam width per step
+    exclude: np.ndarray | None = None  # sorted item ids never answered (runtime/variants.py)
+    max_per_prefix: int = 0  # items per first SID code in the answer (0: no cap)
 
 
 @dataclass
@@ -195,7 +198,9 @@ class BeamSearch:
         stages = sub.stages
         t0 = self._tick(stages, "readback", t0, torch.device("cpu"))
         answers = self.answer_batch(scores_h[:len(sub.reqs)], nodes_h[:len(sub.reqs)],
-                                    codes_h[:len(sub.reqs)], [r.top_k for r in sub.reqs])
+                                    codes_h[:len(sub.reqs)], [r.top_k for r in sub.reqs],
+                                    [r.exclude for r in sub.reqs],
+                                    [r.max_per_prefix for r in sub.reqs])
         out = [BeamResult(*a, stages) for a in answers]
         self._tick(stages, "answer", t0, torch.device("cpu"))
         return out
@@ -204,9 +209,11 @@ class BeamSearch:
         return self.finish(self.submit(reqs))
 
     def answer_batch(self, scores: np.ndarray, nodes: np.ndarray, codes: np.ndarray,
-                     top_ks: list[int]) -> list[tuple[list, list, list]]:
+                     top_ks: list[int], exclude: list | None = None,
+                     max_per_prefix: list[int] | None = None) -> list[tuple[list, list, list]]:
         """Every request's answer at once (``answer`` row by row, as flat arrays: one
-        ``tolist`` per output for the whole batch instead of three per request)."""
+        ``tolist`` per output for the whole batch instead of three per request), after the
+        selection variants (``runtime/variants.py``) where a request asks for them."""
         R, W = scores.shape
         if R == 0:
             return []
@@ -218,6 +225,11 @@ class BeamSearch:
         starts = np.cumsum(n) - n
         pos = lo.reshape(-1)[beam] + np.arange(len(beam)) - starts[beam]
         row = beam // W
+        if (exclude and any(e is not None for e in exclude)) or (max_per_prefix and
+                                                                 any(max_per_prefix)):
+            ok = keep_mask(row, self.trie.leaf_items[pos], codes.reshape(R * W, -1)[beam, 0],
+                           exclude or [None] * R, max_per_prefix or [0] * R)
+            beam, pos, row = beam[ok], pos[ok], row[ok]
         row_start = np.searchsorted(row, np.arange(R))  # items of a row are contiguous
         keep = (np.arange(len(beam)) - row_start[row]) < np.asarray(top_ks)[row]
         beam, pos, row = beam[keep], pos[keep], row[keep]

@@ -262,4 +262,7 @@ class Server:
             raise UnsupportedRequest(f"spec {self.engine.spec.name} does not serve generate")
         from ..api import GenerateRequest
         return await gen(GenerateRequest(user_id=msg.user_id, history=msg.history,
-                                         top_k=msg.top_k, beam_width=msg.beam_width))
+                                         top_k=msg.top_k, beam_width=msg.beam_width,
+                                         beam_widths=msg.beam_widths,
+                                         exclude_items=msg.exclude_items,
+                                         max_per_prefix=msg.max_per_prefix))

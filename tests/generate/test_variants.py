@@ -1,0 +1,85 @@
+"""Selection variants (runtime/variants.py): per-request narrowing widths, a deny list that
+still answers top_k items, prefix diversity; bad values refused with typed errors; the same
+over the socket. Real engines on the CPU (gen-small, fp32)."""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+
+from streamgr import Engine
+from streamgr.api import GenerateRequest
+from streamgr.client import AsyncClient
+from streamgr.errors import InvalidRequest
+from streamgr.runtime.variants import keep_mask
+from streamgr.server import Server
+
+GEN = {"engine.device": "cpu", "model.dtype": "float32"}
+
+
+def test_keep_mask_rows_excludes_and_caps():
+    row = np.array([0, 0, 0, 0, 1, 1, 1])
+    items = np.array([5, 6, 7, 8, 5, 6, 7])
+    prefix = np.array([1, 1, 2, 1, 3, 3, 3])
+    got = keep_mask(row, items, prefix, [np.array([6]), None], [0, 0])
+    assert got.tolist() == [True, False, True, True, True, True, True]
+    got = keep_mask(row, items, prefix, [None, None], [1, 2])
+    assert got.tolist() == [True, False, True, False, True, True, False]
+    # exclusion first, then the cap counts only what survived it
+    got = keep_mask(row, items, prefix, [np.array([5]), np.array([6])], [1, 1])
+    assert got.tolist() == [False, True, True, False, True, False, False]
+
+
+async def test_variants_through_the_engine():
+    async with Engine.from_spec("gen-small", GEN) as eng:
+        ids = eng.gen_runner.catalog_items
+        hist = np.random.default_rng(0).choice(ids, 10).tolist()
+        base = await eng.generate(GenerateRequest(user_id=1, history=hist, top_k=20,
+                                                  beam_width=64))
+        deny = base.items[:5]
+        r = await eng.generate(GenerateRequest(user_id=1, history=hist, top_k=20,
+                                               beam_width=64, exclude_items=deny))
+        assert len(r.items) == 20 and not set(r.items) & set(deny)
+        assert r.items[:15] == base.items[5:]  # the rest of the ranking, in order
+        d = await eng.generate(GenerateRequest(user_id=1, history=hist, top_k=10,
+                                               beam_width=64, max_per_prefix=1))
+        firsts = [s[0] for s in d.sids]
+        assert len(set(firsts)) == len(firsts) and 1 <= len(firsts) <= 10
+        assert d.items[0] == base.items[0]
+        same = await eng.generate(GenerateRequest(user_id=1, history=hist, top_k=20,
+                                                  beam_widths=[64, 64, 64]))
+        assert same.items == base.items
+        narrow = await eng.generate(GenerateRequest(user_id=1, history=hist, top_k=8,
+                                                    beam_widths=[32, 16, 8]))
+        assert len(narrow.items) == 8
+        for bad in ({"beam_widths": [8, 8]}, {"beam_widths": [8, 8, 0]},
+                    {"beam_widths": [8, 8, 8], "beam_width": 8}, {"exclude_items": "x"},
+                    {"exclude_items": [1.5]}, {"max_per_prefix": -1},
+                    {"exclude_items": list(range(5000))}):
+            with pytest.raises(InvalidRequest):
+                await eng.generate(GenerateRequest(user_id=1, history=hist, top_k=5, **bad))
+        assert (await eng.generate(GenerateRequest(user_id=1, history=hist, top_k=5))).items
+
+
+async def test_policy_diversity_default_and_request_override():
+    async with Engine.from_spec("gen-small", {**GEN, "policy.max_per_prefix": 1}) as eng:
+        hist = eng.gen_runner.catalog_items[:6].tolist()
+        r = await eng.generate(GenerateRequest(user_id=1, history=hist, top_k=10))
+        assert len({s[0] for s in r.sids}) == len(r.sids)
+        off = await eng.generate(GenerateRequest(user_id=1, history=hist, top_k=10,
+                                                 max_per_prefix=0))
+        assert len(off.items) == 10
+
+
+async def test_variants_over_the_socket():
+    async with Engine.from_spec("gen-small", GEN) as eng:
+        srv = Server(eng)
+        addr = (await srv.start("127.0.0.1", 0))[0]
+        req = GenerateRequest(user_id=2, history=[1, 2, 3], top_k=6, exclude_items=[1, 2, 3],
+                              max_per_prefix=2, beam_widths=[16, 16, 16])
+        want = await eng.generate(req)
+        async with AsyncClient(addr) as c:
+            got = await c.generate(req)
+        await srv.shutdown(1.0)
+    assert got.items == want.items and not {1, 2, 3} & set(got.items)

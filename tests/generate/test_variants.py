@@ -4,7 +4,6 @@ over the socket. Real engines on the CPU (gen-small, fp32)."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 

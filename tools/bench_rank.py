@@ -43,21 +43,19 @@ def run_mode(spec, mode, batches, measured, timed_re, prefill):
         # Each user's history as of the warm-up start, loaded once (untimed): the cache then
         # holds what a server running since the trace's beginning would hold.
         replay_batches(eng, prefill, measure=[], label=f"{mode} prefill")
-    eng.runner.sync_stages = True
     measure = timed_re if mode == "recompute" else measured
     # Recompute keeps no state: only its timed batches need to run.
     todo = [batches[i] for i in timed_re] if mode == "recompute" else batches
     idx = list(range(len(timed_re))) if mode == "recompute" else measure
     res = replay_batches(eng, todo, measure=idx, keep_scores=True,
-                         label=f"{mode} bs={len(batches[0])}")
+                         label=f"{mode} bs={len(batches[0])}", sync_stages=True)
     if mode == "recompute":  # batch numbers back to the shared numbering
         for r in res.records:
             r.batch = timed_re[r.batch]
-    if hasattr(eng.runner, "flush"):
-        eng.runner.flush()
-    if eng.runner.plans is not None:
-        print(f"{mode} bs={len(batches[0])} rank plans: {eng.runner.plans.stats()}", file=sys.stderr)
-    eng.runner.close()
+    plans = eng.stats().get("rank_plans")
+    if plans is not None:
+        print(f"{mode} bs={len(batches[0])} rank plans: {plans}", file=sys.stderr)
+    eng.close_offline()
     del eng
     gc.collect()
     if torch.cuda.is_available():
@@ -66,8 +64,6 @@ def run_mode(spec, mode, batches, measured, timed_re, prefill):
 
 
 def summarize(res, timed_re_set, n_batches):
-    lat_all = res.latencies()
-    sub = np.array([r.latency_ms for r in res.records if r.batch in timed_re_set])
     per_batch = {}
     for r in res.records:
         per_batch[r.batch] = r.latency_ms

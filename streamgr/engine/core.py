@@ -12,32 +12,23 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import time
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 from typing import Any, Mapping
-
-import torch
 
 from ..api import GenerateRequest, GenerateResult, RankRequest, RankResult
 from ..config import Spec, load_spec
 from ..errors import (EngineClosed, EngineDead, Overloaded, StreamgrError,
                       UnsupportedRequest)
-from .answers import answer_generate, answer_rank
-from .batcher import Batcher, Pending
-from .cached_rank import CachedRankRunner
+from .batcher import Pending
 from .factory import Builder, resolve_device, resolve_dtype
 from .generate import GenerateRunner
-from .loop import BatchLoop
 from .metrics import EngineMetrics
+from .rank import BatchOutcome, RankRunner, prepare_rank
+from .resources import EngineResources
+from .status import engine_stats, fail_batch
 from .updates import Updates
-from .rank import RankRunner, prepare_rank
 
 log = logging.getLogger("streamgr.engine")
-
-
-GEN_IN_FLIGHT = 2  # generate batches submitted to the device but not yet answered
 
 
 class Engine(Updates):
@@ -55,9 +46,7 @@ class Engine(Updates):
         if spec.generate_model is not None:
             self.gen_runner = self._build.generate_runner()
         self.metrics = EngineMetrics()
-        self._batcher: Batcher | None = None
-        self._tasks: list[asyncio.Task] | None = None  # one per BatchLoop, while started
-        self._executor: ThreadPoolExecutor | None = None
+        self._res: EngineResources | None = None  # batchers, threads, loops: while started
         self._inflight = 0
         self._dead: BaseException | None = None
         self._closing = False
@@ -95,61 +84,33 @@ class Engine(Updates):
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> "Engine":
-        if self._tasks is not None:
+        if self._res is not None:
             return self
         self._closing = False
-        e = self.spec.engine
-        self._batcher = Batcher(e.max_batch, e.max_wait_ms)
-        self._gen_batcher = Batcher(e.max_batch, e.max_wait_ms)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamgr-exec")
-        # Waits for submitted batches on the device and hands them to be answered.
-        self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamgr-finish")
-        loop = asyncio.get_running_loop()
+        res = EngineResources(self)
         if self.gen_runner is not None:  # decode plans of the common shapes, before serving
-            await loop.run_in_executor(self._executor, self.gen_runner.warm_up)
-        if e.gc_freeze:
+            await asyncio.get_running_loop().run_in_executor(res.executor, self.gen_runner.warm_up)
+        if self.spec.engine.gc_freeze:
             gc.collect()
             gc.freeze()
-        count_bg = lambda: self.metrics.count("background_errors")  # noqa: E731
-        # Rank batches in flight: the cache manager leases each batch's users (a user in flight
-        # waits for a later batch), so batch n+1 is planned while batch n computes.
-        loops = [BatchLoop("rank", self._batcher, self.runner, self._executor, self._finisher,
-                           e.rank_in_flight, partial(answer_rank, self.metrics), self._on_batch_error, count_bg)
-                 if self.runner is not None else None,
-                 BatchLoop("generate", self._gen_batcher, self.gen_runner, self._executor,
-                           self._finisher, GEN_IN_FLIGHT, partial(answer_generate, self.metrics),
-                           self._on_batch_error, count_bg)
-                 if self.gen_runner is not None else None]
-        self._tasks = [loop.create_task(b.run(), name=f"streamgr-{b.name}") for b in loops if b]
+        res.start_loops(self)
+        self._res = res
         return self
 
     async def close(self, drain_timeout: float = 30.0) -> None:
         """Finish admitted requests (up to ``drain_timeout`` s), then stop."""
-        if self._tasks is None:
+        res = self._res
+        if res is None:
             return
         self._closing = True
-        t_end = time.monotonic() + drain_timeout
-        loops = self._tasks
-        # Every loop drains, until the deadline or until every loop has died.
-        while self._inflight and time.monotonic() < t_end and not all(t.done() for t in loops):
-            await asyncio.sleep(0.005)
-        for task in loops:
-            task.cancel()
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
-        for b in (self._batcher, self._gen_batcher):
-            b.fail_all(lambda: EngineClosed("engine closed"))
-        for runner in (self.runner, self.gen_runner):
-            if runner is not None:
-                await asyncio.get_running_loop().run_in_executor(self._executor, runner.close)
-        loop = asyncio.get_running_loop()
-        for ex in (self._executor, self._finisher):  # joined off the event loop
-            await loop.run_in_executor(None, ex.shutdown, True)
+        await res.aclose(lambda: self._inflight, drain_timeout)
         if self.spec.engine.gc_freeze:  # what start froze may be garbage now: collectable again
             gc.unfreeze()
-        self._tasks = None
+        self._res = None
+
+    @property
+    def _executor(self):  # the executor thread while started (live updates run there)
+        return self._res.executor if self._res is not None else None
 
     async def __aenter__(self) -> "Engine":
         return await self.start()
@@ -162,7 +123,7 @@ class Engine(Updates):
     def _admit(self) -> None:
         if self._dead is not None:
             raise EngineDead(f"engine is dead: {self._dead!r}")
-        if self._tasks is None or self._closing:
+        if self._res is None or self._closing:
             raise EngineClosed("engine is not running (use `async with engine:` or start())")
         if self._inflight >= self.spec.engine.max_queue:
             self.metrics.count("overloaded")
@@ -185,7 +146,7 @@ class Engine(Updates):
         fut = asyncio.get_running_loop().create_future()
         self._inflight += 1
         fut.add_done_callback(self._settled_rank)
-        self._batcher.put(Pending(("rank", prepared.user), prepared, fut))
+        self._res.rank_batcher.put(Pending(("rank", prepared.user), prepared, fut))
         return fut
 
     def submit_generate(self, request: GenerateRequest) -> asyncio.Future:
@@ -202,7 +163,7 @@ class Engine(Updates):
         self._inflight += 1
         fut.add_done_callback(self._settled_generate)
         # Generation keeps no per-user state: the same user may share a batch.
-        self._gen_batcher.put(Pending(("gen", id(fut)), prepared, fut))
+        self._res.gen_batcher.put(Pending(("gen", id(fut)), prepared, fut))
         return fut
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
@@ -225,38 +186,30 @@ class Engine(Updates):
         return await self.submit_rank(request)
 
     def stats(self) -> dict[str, Any]:
-        out = self.metrics.snapshot()
-        if isinstance(self.runner, CachedRankRunner):
-            out["cache"] = self.runner.snapshot()
-        out["serves"] = [k for k, r in (("rank", self.runner), ("generate", self.gen_runner)) if r]
-        if self.gen_runner is not None and self.gen_runner.search.plans is not None:
-            out["decode_plans"] = self.gen_runner.search.plans.stats()
-        if self.runner is not None and self.runner.plans is not None:
-            out["rank_plans"] = self.runner.plans.stats()
-        queued = (len(self._batcher) + len(self._gen_batcher)) if self._batcher else 0
-        out.update(inflight=self._inflight, queued=queued,
-                   device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
-                   cache_mode=self.spec.cache.mode, weights_version=self.weights_version)
-        if self.gen_runner is not None:
-            out["generate_version"] = self.gen_runner.version
-        return out
+        return engine_stats(self)
 
     def _on_batch_error(self, batch: list[Pending], err: Exception) -> None:
-        log.exception("batch of %d failed", len(batch), exc_info=err)
-        self.metrics.count("batch_errors")
-        # A CUDA error (not an out-of-memory) leaves the context unusable: the engine is dead.
-        fatal = not isinstance(err, torch.cuda.OutOfMemoryError) and "CUDA error" in str(err)
-        if fatal:
-            self._dead = err
-        if fatal:
-            wrapped = EngineDead(f"engine is dead: {err!r}")
-        elif isinstance(err, StreamgrError):
-            wrapped = err
-        else:
-            wrapped = StreamgrError(f"batch failed: {err!r}")
-        for p in batch:
-            if not p.future.done():
-                p.future.set_exception(wrapped)
-        if fatal:
-            for b in (self._batcher, self._gen_batcher):
-                b.fail_all(lambda: EngineDead(f"engine is dead: {err!r}"))
+        fail_batch(self, batch, err)
+
+    # -- offline (not started): replays and benchmarks run batches synchronously -----------
+
+    def run_batch(self, requests: list[RankRequest], sync_stages: bool = False) -> BatchOutcome:
+        """One rank batch start to finish on this thread, outside any event loop (offline
+        replays, ``tools/``); ``sync_stages`` times each stage on the device. Not while
+        started: the batch loop owns the runner then."""
+        if self._res is not None:
+            raise StreamgrError("run_batch is for an engine that is not started")
+        if self.runner is None:
+            raise UnsupportedRequest(f"spec {self.spec.name} does not serve rank")
+        prepared = [prepare_rank(r, self.runner.model.cfg) for r in requests]
+        self.runner.sync_stages = sync_stages
+        out = self.runner.run(prepared)
+        self.runner.background()
+        return out
+
+    def close_offline(self) -> None:
+        """After ``run_batch``: pending offloads flushed, the runner's threads stopped."""
+        if self.runner is not None:
+            if hasattr(self.runner, "flush"):
+                self.runner.flush()
+            self.runner.close()

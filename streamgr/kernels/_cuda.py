@@ -94,7 +94,6 @@ _SMEM_OPTED: dict[int, int] = {}  # id(kernel) -> dynamic shared memory it may u
 
 
 def launch(fn, grid, block, args, shared_mem: int = 0) -> None:
-    cupy = _cupy()
     if shared_mem > 48 * 1024 and _SMEM_OPTED.get(id(fn), 0) < shared_mem:
         fn.max_dynamic_shared_size_bytes = shared_mem  # opt in above the 48 KiB default
         _SMEM_OPTED[id(fn)] = shared_mem

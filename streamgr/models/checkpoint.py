@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import msgspec
-import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 

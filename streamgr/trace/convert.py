@@ -16,7 +16,6 @@ from __future__ import annotations
 import csv
 import heapq
 import io
-import os
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterable, Iterator

@@ -14,7 +14,6 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from ..api import RankRequest
-from ..engine.rank import prepare_rank
 from ..progress import Progress
 
 
@@ -66,23 +65,20 @@ def batches_of_distinct_users(requests: Iterable, batch_size: int) -> Iterator[l
 
 def replay_batches(engine, batches: list[list], measure: Iterable[int] | None = None,
                    keep_scores: bool = False, label: str = "replay",
-                   progress: bool = True) -> ReplayResult:
-    """Run ``batches`` through ``engine.runner``; only batches in ``measure`` (default all) are
-    recorded, the others just advance the cache state (warm-up)."""
-    runner = engine.runner
-    cfg = runner.model.cfg
+                   progress: bool = True, sync_stages: bool = False) -> ReplayResult:
+    """Run ``batches`` through ``engine.run_batch`` (offline, in order); only batches in
+    ``measure`` (default all) are recorded, the others just advance the cache state (warm-up).
+    ``sync_stages`` times each stage on the device."""
     measured = set(range(len(batches))) if measure is None else set(measure)
     out = ReplayResult()
     t0 = time.perf_counter()
     with Progress(len(batches), label, enabled=progress) as bar:
         for bi, batch in enumerate(batches):
-            prepared = [prepare_rank(RankRequest(user_id=r.user, items=items, actions=actions,
-                                                 candidates=r.candidates), cfg)
-                        for r, items, actions in batch]
+            reqs = [RankRequest(user_id=r.user, items=items, actions=actions,
+                                candidates=r.candidates) for r, items, actions in batch]
             t = time.perf_counter()
-            outcome = runner.run(prepared)
+            outcome = engine.run_batch(reqs, sync_stages)
             lat = (time.perf_counter() - t) * 1e3
-            runner.background()
             bar.update()
             if bi not in measured:
                 continue

@@ -238,7 +238,7 @@ def replay_trace(trace, out, spec=None, overrides=None, server: str | None = Non
             groups = list(batches_of_distinct_users(((r, r.items, r.actions) for r in reqs),
                                                     batch))
             res = replay_batches(eng, groups, label=f"replay {mode} bs={batch}", progress=progress)
-            eng.runner.close()
+            eng.close_offline()
             extra["device"] = str(eng.device)
             # the latency of a request here is its batch's: the report groups by "batch"
             records = [{**_record(mode, rec.index, rec.latency_ms, {

@@ -17,6 +17,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from ..progress import Progress
+    from .format import Header
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 
 from streamgr import RankRequest
 from streamgr.config import load_spec

@@ -9,7 +9,6 @@ from collections import Counter
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from streamgr.models import build_ranker
 from tests.cache.helpers import MODES, req, run_batch, runners
 
 caches = st.fixed_dictionaries({

@@ -5,7 +5,6 @@ Prometheus shows the versions and update counts; the CLI drives a real server pr
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re

@@ -3,7 +3,6 @@ lengths, overload, deadlines, cancelled callers (real sockets, asyncio and uvloo
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import struct
 import time

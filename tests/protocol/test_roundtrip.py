@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
-import time
 
 import numpy as np
 import pytest
@@ -91,7 +90,7 @@ def test_typed_errors_and_generate_unsupported(loop):
 
 def test_blocking_client_and_unix_socket():
     path = os.path.join(tempfile.mkdtemp(), "sg.sock")
-    with ServerThread("uvloop", unix=path) as srv:
+    with ServerThread("uvloop", unix=path):
         with Client(f"unix:{path}") as c:
             r = c.rank(RankRequest(user_id=1, items=[1, 2], actions=[0, 1], candidates=[3, 4]))
             assert len(r.scores) == 2 and c.stats()["server"]["connections"] == 1

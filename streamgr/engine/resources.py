@@ -1,0 +1,79 @@
+"""What a started engine owns: its batchers, the executor and completion threads, and one
+``BatchLoop`` task per runner. ``Engine.start`` creates an ``EngineResources``; its ``aclose``
+drains, stops and joins everything, is idempotent, and never blocks the event loop (threads are
+joined on a worker thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+from ..errors import EngineClosed
+from .answers import answer_generate, answer_rank
+from .batcher import Batcher
+from .loop import BatchLoop
+
+GEN_IN_FLIGHT = 2  # generate batches submitted to the device but not yet answered
+
+
+class EngineResources:
+    def __init__(self, engine) -> None:
+        e = engine.spec.engine
+        self.rank_batcher = Batcher(e.max_batch, e.max_wait_ms)
+        self.gen_batcher = Batcher(e.max_batch, e.max_wait_ms)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamgr-exec")
+        # Waits for submitted batches on the device and hands them to be answered.
+        self.finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamgr-finish")
+        self.runners = [r for r in (engine.runner, engine.gen_runner) if r is not None]
+        self.tasks: list[asyncio.Task] = []
+        self._closed = False
+
+    def start_loops(self, engine) -> None:
+        """One BatchLoop per runner. Rank batches in flight: the cache manager leases each
+        batch's users (a user in flight waits for a later batch), so batch n+1 is planned while
+        batch n computes."""
+        count_bg = lambda: engine.metrics.count("background_errors")  # noqa: E731
+        loops = []
+        if engine.runner is not None:
+            loops.append(BatchLoop("rank", self.rank_batcher, engine.runner, self.executor,
+                                   self.finisher, engine.spec.engine.rank_in_flight,
+                                   partial(answer_rank, engine.metrics), engine._on_batch_error,
+                                   count_bg))
+        if engine.gen_runner is not None:
+            loops.append(BatchLoop("generate", self.gen_batcher, engine.gen_runner,
+                                   self.executor, self.finisher, GEN_IN_FLIGHT,
+                                   partial(answer_generate, engine.metrics),
+                                   engine._on_batch_error, count_bg))
+        loop = asyncio.get_running_loop()
+        self.tasks = [loop.create_task(b.run(), name=f"streamgr-{b.name}") for b in loops]
+
+    def queued(self) -> int:
+        return len(self.rank_batcher) + len(self.gen_batcher)
+
+    def fail_queued(self, make_error) -> None:
+        for b in (self.rank_batcher, self.gen_batcher):
+            b.fail_all(make_error)
+
+    async def aclose(self, inflight, drain_timeout: float) -> None:
+        """Drain (until ``inflight()`` is 0, the deadline, or every loop died), stop the loops,
+        fail what is still queued, close the runners on the executor, join the threads."""
+        if self._closed:
+            return
+        self._closed = True
+        t_end = time.monotonic() + drain_timeout
+        while inflight() and time.monotonic() < t_end and not all(t.done() for t in self.tasks):
+            await asyncio.sleep(0.005)
+        for task in self.tasks:
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self.fail_queued(lambda: EngineClosed("engine closed"))
+        loop = asyncio.get_running_loop()
+        for runner in self.runners:
+            await loop.run_in_executor(self.executor, runner.close)
+        for ex in (self.executor, self.finisher):  # joined off the event loop
+            await loop.run_in_executor(None, ex.shutdown, True)

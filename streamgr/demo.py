@@ -57,7 +57,7 @@ async def run_demo(spec: str = "rank-small", overrides: Mapping[str, Any] | None
             raise StreamgrError(f"demo: --{name} must be at least 1, got {value}")
     engine = Engine.from_spec(spec, overrides)
     if engine.serves_rank:
-        cfg = engine.model_config
+        cfg = engine.model.cfg
         reqs = synthetic_requests(n_requests, n_users, cfg.max_history, cfg.num_items,
                                   cfg.num_actions, min(32, cfg.max_candidates), seed)
         call = engine.rank

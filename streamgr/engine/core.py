@@ -53,9 +53,6 @@ class Engine(Updates):
         self._updating: asyncio.Lock | None = None  # live updates, one at a time (updates.py)
         self._rank_previous = None  # (model, version) kept for a rank rollback
 
-    def _build_model(self, model_spec):  # tests: new weights of the served architecture
-        return self._build.ranker(model_spec)
-
     @property
     def model(self):
         return self.runner.model if self.runner is not None else self.gen_runner.model
@@ -76,10 +73,6 @@ class Engine(Updates):
     def from_spec(cls, path_or_spec: str | Path | Spec | Mapping[str, Any],
                   overrides: Mapping[str, Any] | None = None) -> "Engine":
         return cls(load_spec(path_or_spec, overrides))
-
-    @property
-    def model_config(self):
-        return self.model.cfg
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -135,35 +128,31 @@ class Engine(Updates):
         Bad input raises its typed error here, before anything is queued. Cancelling the future
         withdraws the request: the batcher skips it if it has not run yet.
         """
-        self._admit()
-        if self.runner is None:
-            raise UnsupportedRequest(f"spec {self.spec.name} does not serve rank")
-        try:
-            prepared = prepare_rank(request, self.runner.model.cfg)
-        except StreamgrError:
-            self.metrics.count("rank_invalid")
-            raise
-        fut = asyncio.get_running_loop().create_future()
-        self._inflight += 1
-        fut.add_done_callback(self._settled_rank)
-        self._res.rank_batcher.put(Pending(("rank", prepared.user), prepared, fut))
-        return fut
+        runner = self.runner
+        return self._submit("rank", runner, lambda: prepare_rank(request, runner.model.cfg),
+                            lambda p, fut: ("rank", p.user))  # one batch per user at a time
 
     def submit_generate(self, request: GenerateRequest) -> asyncio.Future:
         """Admit a generate request; the future of its ``GenerateResult``."""
+        runner = self.gen_runner
+        # Generation keeps no per-user state: the same user may share a batch.
+        return self._submit("generate", runner, lambda: runner.prepare(request),
+                            lambda p, fut: ("gen", id(fut)))
+
+    def _submit(self, kind: str, runner, prepare, key) -> asyncio.Future:
         self._admit()
-        if self.gen_runner is None:
-            raise UnsupportedRequest(f"spec {self.spec.name} does not serve generate")
+        if runner is None:
+            raise UnsupportedRequest(f"spec {self.spec.name} does not serve {kind}")
         try:
-            prepared = self.gen_runner.prepare(request)
+            prepared = prepare()
         except StreamgrError:
-            self.metrics.count("generate_invalid")
+            self.metrics.count(f"{kind}_invalid")
             raise
         fut = asyncio.get_running_loop().create_future()
         self._inflight += 1
-        fut.add_done_callback(self._settled_generate)
-        # Generation keeps no per-user state: the same user may share a batch.
-        self._res.gen_batcher.put(Pending(("gen", id(fut)), prepared, fut))
+        fut.add_done_callback(lambda f: self._settled(f, kind))
+        batcher = self._res.rank_batcher if kind == "rank" else self._res.gen_batcher
+        batcher.put(Pending(key(prepared, fut), prepared, fut))
         return fut
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
@@ -174,12 +163,6 @@ class Engine(Updates):
         self._inflight -= 1
         if fut.cancelled():  # the caller went away
             self.metrics.count(f"{kind}_cancelled")
-
-    def _settled_rank(self, fut: asyncio.Future) -> None:
-        self._settled(fut, "rank")
-
-    def _settled_generate(self, fut: asyncio.Future) -> None:
-        self._settled(fut, "generate")
 
     async def rank(self, request: RankRequest) -> RankResult:
         """Scores for ``request.candidates``, in order. Raises typed errors for bad input."""

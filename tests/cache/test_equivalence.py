@@ -40,7 +40,7 @@ def test_cached_scores_equal_recompute(cache, steps, seed):
             new_seed = int(rng.integers(1000))
             for eng in engines.values():
                 spec = msgspec.structs.replace(eng.spec.model, init_seed=new_seed)
-                eng.runner.set_model(*eng._build_model(spec))
+                eng.runner.set_model(*eng._build.ranker(spec))
         batch = []
         for u in users:
             items, actions = hist.setdefault(u, ([], []))

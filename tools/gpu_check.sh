@@ -9,6 +9,7 @@
 #     topk: the selection GPU tests + tools/bench_topk.py
 #     inflight: rank-ref trace replays through the engine at engine.rank_in_flight 1 and 2
 #     genprof: the gen-ref bench alone with a torch.profiler kernel table (no tests)
+#     update: the GPU tests, then tools/bench_update.py on gen-ref (live updates under traffic)
 #   env: WARMUP/WINDOW (rank bench requests), GEN_REQUESTS (per gen-ref run), GEN_RATES
 #   (open-loop requests/s), HF_REQUESTS (through Hugging Face), GEN_ARGS (more bench flags,
 #   e.g. "--profile 2 --fp32-agreement 16")
@@ -83,6 +84,12 @@ if [ "$mode" = inflight ]; then
       2>&1 | tail -n 12 | tee "$out/replay_inflight$k.txt"
     summary+=("rank_in_flight=$k: $(grep "^ *hierarchical " "$out/replay_inflight$k.txt" | tail -n 1)")
   done
+fi
+if [ "$mode" = update ]; then
+  python3 tools/bench_update.py --spec gen-ref --device cuda --rate ${UPDATE_RATE:-1000} \
+    --seconds ${UPDATE_SECONDS:-8} 2>"$out/bench_update.err" | tee "$out/bench_update.txt"
+  tail -n 5 "$out/bench_update.err"
+  summary+=("$(tail -n 1 "$out/bench_update.txt")")
 fi
 if [ "$mode" = genprof ]; then
   python3 tools/bench_generate.py --spec gen-ref --device cuda --requests ${GEN_REQUESTS:-256} \

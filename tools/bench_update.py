@@ -97,7 +97,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     ids = eng.gen_runner.catalog_items
     hist_ids = ids[:len(ids) // 2]
-    n_hist = min(eng.spec.policy.max_context_items, 64)
+    n_hist = eng.spec.policy.max_context_items  # full contexts: the engine's warm-up shapes
     reqs = [GenerateRequest(user_id=u, history=rng.choice(hist_ids, n_hist).tolist(),
                             top_k=eng.spec.policy.top_k) for u in range(512)]
     log: list[dict] = []

@@ -131,11 +131,20 @@ class GenerateVersion:
                                  f"(one per SID level)")
         return list(ws)
 
-    def warm_up(self) -> None:
-        """Capture the plan of every row bucket for a full-length context and the policy's
-        widths, so that no live request pays for a capture of the common shapes."""
+    def plan_keys(self) -> list[tuple]:
+        """The batch shapes this version's plans hold (what the traffic has been using)."""
+        return self.search.plans.keys() if self.search.plans is not None else []
+
+    def warm_up(self, keys: list[tuple] | None = None) -> None:
+        """Capture plans before serving: the given shapes (a live update passes the active
+        version's, so the traffic's shapes are ready at the cutover), else every row bucket
+        for a full-length context and the policy's widths."""
         plans = self.search.plans
         if plans is None:
+            return
+        if keys is not None:
+            for key in keys:
+                plans.capture(self.search, key)
             return
         n = self.policy.max_context_items * self.trie.depth + int(self.policy.append_eos)
         ctx = np.full(n, self.model.cfg.eos_token_id, dtype=np.int64)

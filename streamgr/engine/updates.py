@@ -121,7 +121,13 @@ class Updates:
             else:
                 new = await loop.run_in_executor(None, self._build_generate, weights, catalog,
                                                  policy)
-                await self._on_executor(new.warm_up)  # its plans, before it serves
+                # Its plans before it serves: the shapes the traffic uses (or the defaults),
+                # one capture per executor job so batches keep running in between.
+                keys = self.gen_runner.active.plan_keys()
+                for key in keys:
+                    await self._on_executor(new.warm_up, [key])
+                if not keys:
+                    await self._on_executor(new.warm_up)
                 await self._on_executor(self.gen_runner.activate, new, keep_previous)
             self.metrics.count(f"{which}_updates")
         return self.versions()

@@ -70,11 +70,6 @@ class BeamSearch:
         self.plans = plans
         self.sync = False  # benchmarks: time stages on the device (runs eagerly)
 
-    def set_model(self, model: T5) -> None:
-        self.model = model
-        if self.plans is not None:  # captured graphs read the old weights' memory
-            self.plans.clear()
-
     def _tick(self, stages: dict | None, name: str, t: float, device) -> float:
         if stages is None:
             return t

@@ -14,8 +14,9 @@ masked. A request's result does not depend on its neighbours, so the padding cha
 
 Plans live in an LRU of ``max_plans``; all share one memory pool. That is safe because plans
 run one at a time on the engine's executor thread and each replay's outputs are read back
-before the next replay: a plan's intermediates are dead between its replays. New weights
-(``BeamSearch.set_model``) drop every plan: a graph holds the old tensors' addresses.
+before the next replay: a plan's intermediates are dead between its replays. A graph holds its
+tensors' addresses, so each generate version (weights, catalog, policy) has its own PlanCache
+(``engine/generate.py``); a new version captures the shapes the traffic uses before it serves.
 A capture that fails (an op that cannot be captured on some build) turns plans off, with a
 warning, and the search runs eagerly from then on.
 """
@@ -77,6 +78,16 @@ class PlanCache:
     def clear(self) -> None:
         with self._lock:
             self.plans.clear()
+
+    def keys(self) -> list[tuple]:
+        """The shapes captured, least recently used first."""
+        with self._lock:
+            return list(self.plans)
+
+    def capture(self, search, key) -> bool:
+        """Capture ``key``'s plan now (a new version's warm-up); False when plans are off."""
+        with self._lock:
+            return self._plan(search, key) is not None
 
     def key(self, reqs, w_steps) -> tuple[int, int, tuple[int, ...]]:
         longest = max(len(r.context) for r in reqs)

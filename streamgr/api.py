@@ -37,6 +37,7 @@ class RankStats(msgspec.Struct, kw_only=True):
     tier: str = "miss"  # gpu | host | miss | none: where most of the cached history came from
     stages: dict[str, float] = msgspec.field(default_factory=dict)  # batch stage times, ms
     version: str = ""  # the rank weights version the request ran on
+    replica: str = ""  # scale-out: the replica that answered (deploy/ray_serve.py)
 
 
 class RankResult(msgspec.Struct, kw_only=True):
@@ -70,6 +71,7 @@ class GenerateStats(msgspec.Struct, kw_only=True):
     context_tokens: int = 0
     steps: dict[str, float] = msgspec.field(default_factory=dict)  # encoder/decoder/selection/compaction ms
     version: str = ""  # the generate version (weights, catalog, policy) the request ran on
+    replica: str = ""  # scale-out: the replica that answered (deploy/ray_serve.py)
 
 
 class GenerateResult(msgspec.Struct, kw_only=True):

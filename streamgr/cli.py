@@ -178,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=7700, help="TCP port (0: pick a free one)")
     p.add_argument("--unix", default=None, help="also listen on this Unix socket path")
     p.add_argument("--token-file", default=None, help="file holding a shared token for Hello")
+    p.add_argument("--ray", action="store_true",
+                   help="serve a Ray Serve application of engine replicas (streamgr[ray])")
+    p.add_argument("--replicas", type=int, default=2, help="with --ray: engine replicas")
+    p.add_argument("--router", choices=["affinity", "default"], default="affinity",
+                   help="with --ray: user-affinity (rendezvous hashing) or Ray's default")
+    p.add_argument("--ray-address", default=None,
+                   help="with --ray: the cluster (default RAY_ADDRESS, else a local one)")
     p.add_argument("--admin-token-file", default=None,
                    help="file holding the admin token (update/rollback/versions); none: no admin")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus text endpoint")

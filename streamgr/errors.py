@@ -111,6 +111,13 @@ class ProtocolError(StreamgrError):
     code = "PROTOCOL_ERROR"
 
 
+class ReplicaUnavailable(StreamgrError):
+    """The replica serving the request went away (scale-out on Ray Serve) and a retry on the
+    next replica failed too: retrying later is safe (rank and generate are idempotent)."""
+
+    code = "UNAVAILABLE"
+
+
 class Unauthorized(StreamgrError):
     """The connection's token does not allow this (a wrong token in Hello; an admin request
     without the admin token)."""

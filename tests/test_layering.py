@@ -24,6 +24,7 @@ ALLOWED = {
                "selection"},
     "client": {"api", "errors", "protocol"},
     "server": {"api", "engine", "errors", "protocol", "tokens", "config"},
+    "deploy": {"api", "engine", "errors", "config", "server", "protocol", "tokens"},
 }
 
 

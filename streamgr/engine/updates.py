@@ -149,7 +149,7 @@ class Updates:
                 cat, cname = catalog, f"object:{len(catalog.item_ids)}"
             else:
                 try:
-                    delta = msgspec.convert(catalog, CatalogDelta) if isinstance(catalog, dict) \
+                    delta = msgspec.convert(catalog, CatalogDelta, strict=False) if isinstance(catalog, dict) \
                         else catalog
                 except msgspec.ValidationError as err:
                     raise ContractError(f"catalog: {err}") from None

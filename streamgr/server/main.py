@@ -72,10 +72,19 @@ async def _metrics_http(server: Server, reader: asyncio.StreamReader,
 async def serve(spec, overrides=None, host: str = "127.0.0.1", port: int | None = 7700,
                 unix: str | None = None, token: str | None = None, metrics_port: int | None = None,
                 limits: ServerLimits | None = None, drain_timeout: float = 30.0,
-                access_log: bool = False, admin_token: str | None = None) -> int:
-    engine = Engine.from_spec(spec, overrides)
-    log_startup(engine)
-    await engine.start()
+                access_log: bool = False, admin_token: str | None = None,
+                ray: dict | None = None) -> int:
+    if ray is not None:  # a Serve application of `replicas` engines behind this socket
+        from ..deploy.ray_serve import RayEngine, connect
+        connect(ray.get("address"))
+        engine = RayEngine(spec, overrides, ray.get("replicas", 2), ray.get("router", "affinity"))
+        await asyncio.get_running_loop().run_in_executor(None, engine.start)
+        log.info("ray serve app %s: %d replicas, %s router", engine.app, ray.get("replicas", 2),
+                 ray.get("router", "affinity"))
+    else:
+        engine = Engine.from_spec(spec, overrides)
+        log_startup(engine)
+        await engine.start()
     server = Server(engine, limits, token, access_log=access_log, admin_token=admin_token)
     addrs = await server.start(host, port, unix)
     metrics = None
@@ -151,5 +160,11 @@ def main_serve(args, overrides) -> int:
                           read_timeout=args.read_timeout)
     return run(serve(args.spec, overrides, args.host, args.port, args.unix,
                      read_token(args.token_file), args.metrics_port, limits, args.drain_timeout,
-                     args.access_log, read_token(getattr(args, "admin_token_file", None))),
-               args.loop)
+                     args.access_log, read_token(getattr(args, "admin_token_file", None)),
+                     _ray_options(args)), args.loop)
+
+
+def _ray_options(args) -> dict | None:
+    if not getattr(args, "ray", False):
+        return None
+    return {"replicas": args.replicas, "router": args.router, "address": args.ray_address}

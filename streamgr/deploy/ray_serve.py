@@ -1,0 +1,245 @@
+"""Scale-out on Ray Serve: one engine replica per GPU, users routed to the replica holding
+their K/V (the optional extra ``streamgr[ray]``).
+
+- ``StreamgrReplica``: a Serve deployment whose replica owns one ``Engine`` (a spec and
+  overrides; ``num_gpus=1`` on GPU machines). Its methods take ``(user_id, request)``: the user
+  comes first so the router can read it. Results come back as ``(result, replica)``: the
+  result's stats name the version, the second item the replica that answered.
+- ``UserAffinityRouter``: rendezvous (highest-random-weight) hashing of ``user_id`` over the
+  live replicas' Serve ranks, returned as ranked choices: the user's own replica first, the
+  next-ranked after it, so Serve spills to the next one only when the first is full
+  (``max_ongoing_requests``); losing a replica moves only its users, and its replacement (which
+  takes its rank) gets them back.
+- Live updates reach every replica through Serve's ``user_config``: it holds the whole list of
+  updates so far, and each replica applies the ones it has not (a replacement replica replays
+  them all, so it serves the same version as the others).
+- ``RayEngine``: the engine surface (``submit_rank``, ``generate``, ``stats``, ``update``, ...)
+  over a deployment handle, so ``streamgr.server.Server`` (the socket protocol) and Python
+  callers use a Ray deployment as they use an embedded engine. A request whose replica dies is
+  retried once on the next-ranked replica (rank and generate are idempotent), then fails with
+  ``ReplicaUnavailable`` (retryable), never hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from ..api import GenerateRequest, RankRequest
+from ..errors import ReplicaUnavailable, StreamgrError
+
+log = logging.getLogger("streamgr.deploy")
+
+APP = "streamgr"
+
+
+def hrw_order(user_id, replica_ids: list[str]) -> list[str]:
+    """Replica ids by rendezvous weight for ``user_id``, highest first (stable across
+    processes: a keyed BLAKE2 hash, not Python's salted ``hash``)."""
+    key = str(user_id).encode()
+
+    def weight(rid: str) -> bytes:
+        return hashlib.blake2b(key, key=rid.encode()[:64], digest_size=8).digest()
+    return sorted(replica_ids, key=weight, reverse=True)
+
+
+class UserAffinityRouter(RequestRouter):
+    """Each user's requests to the same replica while it lives (see the module docstring)."""
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        args = pending_request.args if pending_request is not None else None
+        if not args:  # not a user's request (stats, versions): any replica
+            return [candidate_replicas]
+        # Hash on the replica's Serve rank (0..N-1, reported in its routing stats): a
+        # replacement takes the rank of the replica it replaces, so its users come back to it
+        # and no other user moves. A replica that has not reported a rank yet only takes
+        # spill-over.
+        ranked = {f"rank{r.routing_stats['rank']}": r for r in candidate_replicas
+                  if isinstance(r.routing_stats, dict) and "rank" in r.routing_stats}
+        rest = [r for r in candidate_replicas if r not in ranked.values()]
+        if not ranked:
+            ranked, rest = {r.replica_id.unique_id: r for r in candidate_replicas}, []
+        order = [[ranked[k]] for k in hrw_order(args[0], list(ranked))]
+        return order + ([rest] if rest else [])
+
+
+class StreamgrReplica:
+    """One engine per replica (wrapped by ``serve.deployment`` in ``deployment``)."""
+
+    def __init__(self, spec, overrides: dict | None = None) -> None:
+        from ..engine.core import Engine  # torch loads in the replica, not the driver
+        self.engine = Engine.from_spec(spec, overrides or {})
+        try:
+            ctx = serve.get_replica_context()
+            self.serve_rank = int(getattr(ctx.rank, "rank", ctx.rank))
+            self.replica = f"{self.serve_rank}:{ctx.replica_id.unique_id}"  # rank:id
+        except Exception:  # outside Serve (tests of the class itself)
+            self.serve_rank, self.replica = 0, f"0:local-{os.getpid()}"
+        self.applied = 0  # how many of user_config's updates this replica has applied
+        self._start: asyncio.Future | None = None
+        self._lock = asyncio.Lock()
+
+    async def _ready(self) -> None:
+        if self._start is None:
+            self._start = asyncio.ensure_future(self.engine.start())
+        await asyncio.shield(self._start)
+
+    async def reconfigure(self, config: dict) -> None:
+        """Serve calls this at start and on every ``user_config`` change: apply the updates
+        this replica has not applied yet, in order."""
+        await self._ready()
+        async with self._lock:
+            for change in (config or {}).get("updates", [])[self.applied:]:
+                change = dict(change)
+                if change.pop("rollback", False):
+                    await self.engine.rollback(target=change.get("target", "auto"))
+                else:
+                    await self.engine.update(**change)
+                self.applied += 1
+
+    async def rank(self, user_id, request: RankRequest):
+        await self._ready()
+        return await self.engine.rank(request), self.replica
+
+    async def generate(self, user_id, request: GenerateRequest):
+        await self._ready()
+        return await self.engine.generate(request), self.replica
+
+    async def stats(self) -> dict:
+        await self._ready()
+        return {**self.engine.stats(), "replica": self.replica, "updates_applied": self.applied}
+
+    async def versions(self) -> dict:
+        await self._ready()
+        return {**self.engine.versions(), "replica": self.replica, "updates_applied": self.applied}
+
+    def record_routing_stats(self) -> dict:  # read by UserAffinityRouter
+        return {"rank": self.serve_rank}
+
+    def check_health(self) -> None:  # Serve's health check: a dead engine gets replaced
+        if self.engine._dead is not None:
+            raise RuntimeError(f"engine is dead: {self.engine._dead!r}")
+
+
+def deployment(spec, overrides: dict | None = None, replicas: int = 2, router: str = "affinity",
+               gpus: float | None = None, max_ongoing_requests: int = 256,
+               updates: list | None = None):
+    """The Serve application: ``replicas`` engine replicas behind the chosen router
+    (``"affinity"`` or Ray's ``"default"``). ``gpus`` per replica: 1 on GPU machines (the
+    default when CUDA is visible to the driver), 0 on the CPU."""
+    if gpus is None:
+        import torch
+        gpus = 1.0 if torch.cuda.is_available() else 0.0
+    opts: dict[str, Any] = dict(num_replicas=replicas, max_ongoing_requests=max_ongoing_requests,
+                                ray_actor_options={"num_gpus": gpus, "num_cpus": 1},
+                                user_config={"updates": list(updates or [])},
+                                health_check_period_s=2, health_check_timeout_s=30)
+    if router == "affinity":
+        opts["request_router_config"] = RequestRouterConfig(
+            request_router_class=UserAffinityRouter, request_routing_stats_period_s=1,
+            request_routing_stats_timeout_s=5)
+    elif router != "default":
+        raise StreamgrError(f"router {router!r}: affinity or default")
+    return serve.deployment(StreamgrReplica, name="StreamgrReplica", **opts).bind(spec, overrides)
+
+
+def connect(address: str | None = None) -> None:
+    """Join the Ray cluster at ``address`` (default ``RAY_ADDRESS``; none: start a local one),
+    once per process."""
+    import ray
+    if not ray.is_initialized():
+        ray.init(address=address or os.environ.get("RAY_ADDRESS"), log_to_driver=False,
+                 include_dashboard=False)
+
+
+_RETRY = None  # exception types that mean "the replica went away" (filled on first use)
+
+
+def _gone() -> tuple:
+    global _RETRY
+    if _RETRY is None:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+        _RETRY = (ActorDiedError, ActorUnavailableError, RayActorError)
+    return _RETRY
+
+
+class RayEngine:
+    """An engine-shaped proxy over a running streamgr Serve application."""
+
+    def __init__(self, spec, overrides: dict | None = None, replicas: int = 2,
+                 router: str = "affinity", gpus: float | None = None, app: str = APP) -> None:
+        from ..config import load_spec
+        self.spec = load_spec(spec, overrides)
+        self._args = (spec, overrides, replicas, router, gpus)
+        self.app = app
+        self.updates: list[dict] = []
+        self.handle = None
+        self._dead = None
+        self.serves_rank = self.spec.model.family == "hstu"
+        self.serves_generate = self.spec.generate_model is not None
+
+    def start(self) -> "RayEngine":
+        """Deploy (or re-apply) the application and wait until its replicas serve."""
+        spec, ov, n, router, gpus = self._args
+        self.handle = serve.run(deployment(spec, ov, n, router, gpus, updates=self.updates),
+                                name=self.app, route_prefix=None)
+        return self
+
+    async def _call(self, method: str, user_id, request):
+        for attempt in (0, 1):
+            try:
+                res, replica = await getattr(self.handle, method).remote(user_id, request)
+                res.stats.replica = replica
+                return res
+            except _gone() as err:
+                if attempt:
+                    raise ReplicaUnavailable(f"the replica serving user {user_id!r} went away "
+                                             f"({type(err).__name__}); retry") from None
+                log.warning("replica lost during a %s request; retrying once", method)
+
+    def submit_rank(self, request: RankRequest) -> asyncio.Future:
+        return asyncio.ensure_future(self._call("rank", request.user_id, request))
+
+    async def rank(self, request: RankRequest):
+        return await self._call("rank", request.user_id, request)
+
+    async def generate(self, request: GenerateRequest):
+        return await self._call("generate", request.user_id, request)
+
+    async def replica_stats(self) -> dict:
+        return await self.handle.stats.remote()
+
+    def stats(self) -> dict:
+        return {"serves": [k for k, v in (("rank", self.serves_rank),
+                                           ("generate", self.serves_generate)) if v],
+                "ray_app": self.app, "replicas": self._args[2], "router": self._args[3],
+                "updates": len(self.updates)}
+
+    def versions(self) -> dict:
+        return {"updates": list(self.updates)}
+
+    async def update(self, **change) -> dict:
+        """Append ``change`` (``Engine.update``'s arguments, JSON-able) to the application's
+        updates and re-apply it: Serve calls every replica's ``reconfigure``. Returns once the
+        application is running again."""
+        import msgspec
+        self.updates.append(msgspec.to_builtins(change, str_keys=True))  # user_config is JSON
+        await asyncio.get_running_loop().run_in_executor(None, self.start)
+        return self.versions()
+
+    async def rollback(self, target: str = "auto") -> dict:
+        return await self.update(rollback=True, target=target)
+
+    async def close(self, drain_timeout: float = 0.0) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, serve.delete, self.app)

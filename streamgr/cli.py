@@ -116,6 +116,18 @@ def cmd_spec_doc(args) -> int:
     return 0
 
 
+def cmd_ray_config(args) -> int:
+    import yaml
+
+    from .config import load_spec
+    from .deploy.ray_serve import serve_config
+    ov = _overrides(args.overrides)
+    load_spec(args.spec, ov)  # a bad spec or key fails here, not on the cluster
+    print(yaml.safe_dump(serve_config(args.spec, ov, args.replicas, args.router, args.gpus),
+                         sort_keys=False), end="")
+    return 0
+
+
 def cmd_serve(args) -> int:
     from .server.main import main_serve
     return main_serve(args, _overrides(args.overrides))
@@ -207,6 +219,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--access-log", action="store_true",
                    help="log one line per request (logger streamgr.access, INFO)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("ray-config", help="print a Ray Serve config (YAML) for a spec")
+    p.add_argument("spec", help="a spec file or a built-in name, as the replicas will load it")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", dest="overrides")
+    p.add_argument("--replicas", type=int, default=2, help="engine replicas")
+    p.add_argument("--router", choices=["affinity", "default"], default="affinity")
+    p.add_argument("--gpus", type=float, default=None,
+                   help="GPUs per replica (default: 1 where the driver sees CUDA, else 0)")
+    p.set_defaults(func=cmd_ray_config)
 
     from .admin_cli import add_admin_commands
     add_admin_commands(sub)

@@ -141,8 +141,11 @@ def deployment(spec, overrides: dict | None = None, replicas: int = 2, router: s
     if gpus is None:
         import torch
         gpus = 1.0 if torch.cuda.is_available() else 0.0
+    actor: dict[str, Any] = {"num_gpus": gpus, "num_cpus": 1}
+    if not gpus:  # a CPU replica computes on its one CPU: torch's threads sized to it
+        actor["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": "1"}}
     opts: dict[str, Any] = dict(num_replicas=replicas, max_ongoing_requests=max_ongoing_requests,
-                                ray_actor_options={"num_gpus": gpus, "num_cpus": 1},
+                                ray_actor_options=actor,
                                 user_config={"updates": list(updates or [])},
                                 health_check_period_s=2, health_check_timeout_s=30)
     if router == "affinity":
@@ -161,6 +164,25 @@ def connect(address: str | None = None) -> None:
     if not ray.is_initialized():
         ray.init(address=address or os.environ.get("RAY_ADDRESS"), log_to_driver=False,
                  include_dashboard=False)
+
+
+def build_app(args: dict):
+    """Serve's application builder (``import_path: streamgr.deploy.ray_serve:build_app`` in a
+    Serve config file; ``streamgr ray-config`` writes one): ``args`` are ``deployment``'s."""
+    return deployment(args["spec"], args.get("overrides") or {}, int(args.get("replicas", 2)),
+                      args.get("router", "affinity"), args.get("gpus"),
+                      int(args.get("max_ongoing_requests", 256)), args.get("updates"))
+
+
+def serve_config(spec: str, overrides: dict | None = None, replicas: int = 2,
+                 router: str = "affinity", gpus: float | None = None) -> dict:
+    """A Serve config (``serve run`` / ``serve deploy``, or a RayService's serveConfigV2)."""
+    args: dict[str, Any] = {"spec": spec, "overrides": dict(overrides or {}),
+                            "replicas": replicas, "router": router}
+    if gpus is not None:
+        args["gpus"] = gpus
+    return {"applications": [{"name": APP, "import_path": "streamgr.deploy.ray_serve:build_app",
+                              "args": args}]}
 
 
 _RETRY = None  # exception types that mean "the replica went away" (filled on first use)

@@ -130,7 +130,13 @@ def cmd_ray_config(args) -> int:
 
 def cmd_serve(args) -> int:
     from .server.main import main_serve
-    return main_serve(args, _overrides(args.overrides))
+    ov = _overrides(args.overrides)
+    engine = None
+    if args.ray:  # a Ray Serve application of engine replicas behind the socket
+        from .deploy.ray_serve import RayEngine, connect
+        connect(args.ray_address)
+        engine = RayEngine(args.spec, ov, args.replicas, args.router)
+    return main_serve(args, ov, engine)
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

@@ -8,6 +8,7 @@ exit 0; a second signal forces the close (exit 1).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
 
@@ -73,18 +74,14 @@ async def serve(spec, overrides=None, host: str = "127.0.0.1", port: int | None 
                 unix: str | None = None, token: str | None = None, metrics_port: int | None = None,
                 limits: ServerLimits | None = None, drain_timeout: float = 30.0,
                 access_log: bool = False, admin_token: str | None = None,
-                ray: dict | None = None) -> int:
-    if ray is not None:  # a Serve application of `replicas` engines behind this socket
-        from ..deploy.ray_serve import RayEngine, connect
-        connect(ray.get("address"))
-        engine = RayEngine(spec, overrides, ray.get("replicas", 2), ray.get("router", "affinity"))
-        await asyncio.get_running_loop().run_in_executor(None, engine.start)
-        log.info("ray serve app %s: %d replicas, %s router", engine.app, ray.get("replicas", 2),
-                 ray.get("router", "affinity"))
-    else:
+                engine=None) -> int:
+    if engine is None:
         engine = Engine.from_spec(spec, overrides)
         log_startup(engine)
-        await engine.start()
+    # Or an engine-shaped one built by the caller (a Ray Serve application: `serve --ray`).
+    started = engine.start()
+    if inspect.isawaitable(started):
+        await started
     server = Server(engine, limits, token, access_log=access_log, admin_token=admin_token)
     addrs = await server.start(host, port, unix)
     metrics = None
@@ -150,7 +147,7 @@ def run(coro, loop: str = "auto") -> int:
     return asyncio.run(coro)
 
 
-def main_serve(args, overrides) -> int:
+def main_serve(args, overrides, engine=None) -> int:
     if not (args.host or "").strip():
         raise StreamgrError("--host must be an address (127.0.0.1, 0.0.0.0, ::); an empty one "
                             "would open no protocol listener")
@@ -161,10 +158,4 @@ def main_serve(args, overrides) -> int:
     return run(serve(args.spec, overrides, args.host, args.port, args.unix,
                      read_token(args.token_file), args.metrics_port, limits, args.drain_timeout,
                      args.access_log, read_token(getattr(args, "admin_token_file", None)),
-                     _ray_options(args)), args.loop)
-
-
-def _ray_options(args) -> dict | None:
-    if not getattr(args, "ray", False):
-        return None
-    return {"replicas": args.replicas, "router": args.router, "address": args.ray_address}
+                     engine), args.loop)

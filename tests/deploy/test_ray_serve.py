@@ -153,3 +153,29 @@ def test_affinity_results_updates_ingress_and_a_lost_replica(cluster):
             assert r == home[u]
     print(f"replacement replica serving {took:.1f} s after the kill")
     asyncio.run(eng.close())
+
+
+def test_serve_ray_process_speaks_the_protocol(tmp_path):
+    """`streamgr serve --ray` as a real process: a Serve application behind the socket; a
+    client's rank and stats go through it, and SIGTERM stops it (removing the application)."""
+    import re
+    import subprocess
+    import sys
+
+    from streamgr.client import Client
+    proc = subprocess.Popen([sys.executable, "-m", "streamgr", "serve", "rank-small", "--ray",
+                             "--replicas", "1", "--port", "0", "--set", "engine.device=cpu",
+                             "--set", "model.dtype=float32"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line, t_end = "", time.monotonic() + 180
+        while "serving" not in line and time.monotonic() < t_end and proc.poll() is None:
+            line = proc.stdout.readline()
+        addr = re.search(r"on (\S+:\d+)", line).group(1)
+        with Client(addr) as c:
+            r = c.rank(RankRequest(user_id=1, items=[1, 2], actions=[0, 1], candidates=[3, 4]))
+            assert len(r.scores) == 2 and r.stats.replica.startswith("0:")
+            assert c.stats()["router"] == "affinity"
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=120) in (0, 1)

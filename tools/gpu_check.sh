@@ -33,9 +33,9 @@ python3 -c "import torch, numpy, cupy; print('torch', torch.__version__, 'cuda',
 summary=()
 if [ "$mode" != rank ] && [ "$mode" != inflight ] && [ "$mode" != genprof ]; then
   tests=tests/
-  [ "$mode" = gen ] && tests=tests/gpu/test_gpu_generate.py
-  [ "$mode" = attn ] && tests="tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_rank.py tests/gpu/test_gpu_cache.py"
-  [ "$mode" = topk ] && tests="tests/gpu/test_gpu_trie_topk.py tests/gpu/test_gpu_generate.py"
+  [ "$mode" = gen ] && tests=tests/runtime/test_gpu_generate.py
+  [ "$mode" = attn ] && tests="tests/kernels/test_gpu_kernels.py tests/engine/test_gpu_rank.py tests/cache/test_gpu_cache.py"
+  [ "$mode" = topk ] && tests="tests/kernels/test_gpu_trie_topk.py tests/runtime/test_gpu_generate.py"
   python3 -m pytest -q -s -m gpu $tests -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" \
     | grep -i "agreement\|overlap\|passed\|failed\|error" | tail -n 30
   summary+=("gpu tests: $(tail -n 1 "$out/gpu_tests.log")")

@@ -11,7 +11,7 @@ import torch
 from streamgr import Engine
 from streamgr.api import GenerateRequest
 from streamgr.errors import ContractError, IdOutOfRange, InvalidRequest, SpecError
-from tests.generate.helpers import CODEBOOKS, OFFSET, context, write_hf_checkpoint
+from tests.runtime.helpers import CODEBOOKS, OFFSET, context, write_hf_checkpoint
 
 
 def sid_logprob(model, ctx_tokens, sid):

@@ -11,8 +11,8 @@ import torch
 
 from streamgr import Engine
 from streamgr.api import GenerateRequest
-from tests.generate.helpers import context, write_hf_checkpoint
-from tests.generate.test_beam_search import hf_topk, run
+from tests.runtime.helpers import context, write_hf_checkpoint
+from tests.runtime.test_beam import hf_topk, run
 
 pytestmark = pytest.mark.gpu
 

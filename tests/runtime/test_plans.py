@@ -1,6 +1,6 @@
 """Decode plans on the CPU: the shape buckets, and that the padding a plan adds (idle rows,
 masked encoder positions) changes no request's answer. Capture and replay themselves need CUDA
-(tests/gpu/test_gpu_generate.py)."""
+(tests/runtime/test_gpu_generate.py)."""
 
 from __future__ import annotations
 

@@ -18,9 +18,6 @@ from streamgr.protocol import messages as m
 from tests.protocol.helpers import (LOOPS, ServerThread, connect, frame, good_request_works,
                                     rank_msg, raw_frame, recv_msg, run)
 
-SENT: dict[str, int] = {}  # malformed frames sent, per event loop kind
-
-
 @pytest.fixture(scope="module", params=LOOPS)
 def srv(request):
     with ServerThread(request.param, read_timeout=0.3, max_frame=1 << 16) as s:
@@ -35,7 +32,6 @@ def test_random_bytes_frames(srv):
             sock.sendall(raw_frame(body))
             reply = recv_msg(sock)
             assert isinstance(reply, m.Error) and reply.code in (m.BAD_FRAME, "INVALID_REQUEST", m.PROTOCOL_ERROR)
-        SENT[srv.kind] = SENT.get(srv.kind, 0) + 1
     good_request_works(srv)
 
 
@@ -61,20 +57,20 @@ def test_hypothesis_msgpack_frames(srv, fuzz_conn, value, tag):
     fuzz_conn.sendall(raw_frame(msgspec.msgpack.encode(value)))
     reply = recv_msg(fuzz_conn)
     assert reply is not None, "the server closed a connection for a decodable frame"
-    SENT[srv.kind] = SENT.get(srv.kind, 0) + 1
 
 
 def test_wrong_types_keep_the_connection(srv):
+    """Over ten thousand malformed (decodable, ill-typed) frames on one connection, each
+    answered with an error, then the same connection serves."""
     bad = [[3, "id", 1, [1], [0], [2]], [3, 1, 1.5, [1], [0], [2]], [3, 2, 1, "items", [0], [2]],
            [3, 3, 1, [1], [0]], [7], [7, -1], [5, 4, 1, [1], "k"], [3, 5, 1, [1.5], [0], [2]],
            [3, 6, 1, [1], [0], [2], "x", "y"], {"t": 3}, [2, 1, "s", "m", 1, 1]]
     with connect(srv) as sock:
-        for _ in range(300):
+        for _ in range(910):  # 10,010 frames
             for v in bad:
                 sock.sendall(raw_frame(msgspec.msgpack.encode(v)))
                 reply = recv_msg(sock)
                 assert isinstance(reply, m.Error), reply
-                SENT[srv.kind] = SENT.get(srv.kind, 0) + 1
         sock.sendall(frame(rank_msg(77)))
         assert recv_msg(sock).id == 77  # same connection still serves
 
@@ -86,7 +82,6 @@ def test_huge_lengths_refused_unread(srv):
             reply = recv_msg(sock)
             assert isinstance(reply, m.Error) and reply.code == m.FRAME_TOO_LARGE
             assert recv_msg(sock) is None  # and closed
-        SENT[srv.kind] = SENT.get(srv.kind, 0) + 1
     good_request_works(srv)
 
 
@@ -109,11 +104,6 @@ def test_no_hello_first_is_refused(srv):
         reply = recv_msg(sock)
         assert isinstance(reply, m.Error) and reply.code == m.PROTOCOL_ERROR
         assert recv_msg(sock) is None
-
-
-def test_more_than_ten_thousand_malformed_frames_were_sent(srv):
-    assert SENT[srv.kind] >= 10000, SENT  # the tests above, on this event loop
-    good_request_works(srv)
 
 
 @pytest.mark.parametrize("loop", LOOPS)

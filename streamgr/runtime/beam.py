@@ -99,16 +99,18 @@ class BeamSearch:
         # Padded to a multiple of 16 (masked keys): the fused attention kernel wants its bias
         # rows aligned so, and would otherwise pad a copy of the bias at every call.
         length = length or -(-max(len(r.context) for r in reqs) // 16) * 16
-        tokens = torch.full((rows, length), cfg.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(rows, length, dtype=torch.bool)
-        cap = torch.zeros(rows, self.trie.depth, dtype=torch.long)
-        tokens[len(reqs):, 0] = cfg.eos_token_id
-        mask[len(reqs):, 0] = True
-        for i, r in enumerate(reqs):
-            tokens[i, :len(r.context)] = torch.from_numpy(r.context)
-            mask[i, :len(r.context)] = True
-            cap[i] = torch.tensor(r.widths)
-        return tokens, mask, cap
+        # Array-wise (one scatter of all contexts), not a row at a time: host time per batch.
+        n = len(reqs)
+        lens = np.fromiter((len(r.context) for r in reqs), dtype=np.int64, count=n)
+        mask = np.zeros((rows, length), dtype=bool)
+        mask[:n] = np.arange(length)[None, :] < lens[:, None]
+        mask[n:, 0] = True
+        tokens = np.full((rows, length), cfg.pad_token_id, dtype=np.int64)
+        tokens[:n][mask[:n]] = np.concatenate([r.context for r in reqs]) if n else []
+        tokens[n:, 0] = cfg.eos_token_id
+        cap = np.zeros((rows, self.trie.depth), dtype=np.int64)
+        cap[:n] = [r.widths for r in reqs]
+        return torch.from_numpy(tokens), torch.from_numpy(mask), torch.from_numpy(cap)
 
     def search(self, tokens, mask, cap, w_steps: tuple[int, ...], stages: dict | None = None):
         """The device part: encoder, then per step decoder, selection and compaction. Returns

@@ -66,3 +66,25 @@ def test_aligned_head_changes_no_answer():
     flat = runner.run(batch).results
     (_, scores, _), _ = flat[0]
     np.testing.assert_allclose(scores, scores[0], rtol=1e-6)
+
+
+def test_inputs_are_the_row_by_row_layout():
+    """``BeamSearch.inputs`` builds the batch array-wise; it equals filling row by row."""
+    eng = Engine.from_spec("gen-small", {"engine.device": "cpu", "model.dtype": "float32"})
+    search, cfg = eng.gen_runner.search, eng.gen_runner.model.cfg
+    rng = np.random.default_rng(3)
+    reqs = [BeamRequest(rng.integers(3, 50, size=int(rng.integers(1, 90))).astype(np.int64), 5,
+                        [int(w) for w in rng.integers(1, 40, size=3)]) for _ in range(7)]
+    for n, rows, length in ((7, 8, 128), (3, 3, None), (1, 4, 96)):
+        got = search.inputs(reqs[:n], rows, length)
+        L = got[0].shape[1]
+        tokens = torch.full((rows, L), cfg.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(rows, L, dtype=torch.bool)
+        cap = torch.zeros(rows, 3, dtype=torch.long)
+        tokens[n:, 0], mask[n:, 0] = cfg.eos_token_id, True
+        for i, r in enumerate(reqs[:n]):
+            tokens[i, :len(r.context)] = torch.from_numpy(r.context)
+            mask[i, :len(r.context)] = True
+            cap[i] = torch.tensor(r.widths)
+        for a, b in zip(got, (tokens, mask, cap)):
+            assert a.dtype == b.dtype and torch.equal(a, b)

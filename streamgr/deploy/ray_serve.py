@@ -10,9 +10,12 @@ their K/V (the optional extra ``streamgr[ray]``).
   next-ranked after it, so Serve spills to the next one only when the first is full
   (``max_ongoing_requests``); losing a replica moves only its users, and its replacement (which
   takes its rank) gets them back.
-- Live updates reach every replica through Serve's ``user_config``: it holds the whole list of
-  updates so far, and each replica applies the ones it has not (a replacement replica replays
-  them all, so it serves the same version as the others).
+- Live updates reach every replica through an ``UpdateLog`` actor (one per application): the
+  driver appends a change; every replica polls the log, applies what it has not applied yet, in
+  order, and acknowledges; ``RayEngine.update`` returns once every live replica has. A
+  replacement replica replays the whole log, so it serves the same version as the others.
+  (Serve's ``user_config`` would do the fan-out, but redeploying from Python gives the app a
+  new code version, and Serve then replaces the replicas, caches and all.)
 - ``RayEngine``: the engine surface (``submit_rank``, ``generate``, ``stats``, ``update``, ...)
   over a deployment handle, so ``streamgr.server.Server`` (the socket protocol) and Python
   callers use a Ray deployment as they use an embedded engine. A request whose replica dies is
@@ -77,7 +80,7 @@ class UserAffinityRouter(RequestRouter):
 class StreamgrReplica:
     """One engine per replica (wrapped by ``serve.deployment`` in ``deployment``)."""
 
-    def __init__(self, spec, overrides: dict | None = None) -> None:
+    def __init__(self, spec, overrides: dict | None = None, app: str = "streamgr") -> None:
         from ..engine.core import Engine  # torch loads in the replica, not the driver
         self.engine = Engine.from_spec(spec, overrides or {})
         try:
@@ -86,27 +89,52 @@ class StreamgrReplica:
             self.replica = f"{self.serve_rank}:{ctx.replica_id.unique_id}"  # rank:id
         except Exception:  # outside Serve (tests of the class itself)
             self.serve_rank, self.replica = 0, f"0:local-{os.getpid()}"
-        self.applied = 0  # how many of user_config's updates this replica has applied
+        self.applied = 0  # how many of the update log's changes this replica has applied
+        self.app = app
         self._start: asyncio.Future | None = None
-        self._lock = asyncio.Lock()
+        self._poller: asyncio.Task | None = None
 
     async def _ready(self) -> None:
         if self._start is None:
-            self._start = asyncio.ensure_future(self.engine.start())
+            self._start = asyncio.ensure_future(self._boot())
         await asyncio.shield(self._start)
 
-    async def reconfigure(self, config: dict) -> None:
-        """Serve calls this at start and on every ``user_config`` change: apply the updates
-        this replica has not applied yet, in order."""
-        await self._ready()
-        async with self._lock:
-            for change in (config or {}).get("updates", [])[self.applied:]:
-                change = dict(change)
+    async def _boot(self) -> None:
+        """Start the engine and catch up with the update log before the first request (a
+        replacement replica must not answer from the spec's version), then follow the log."""
+        await self.engine.start()
+        await self._apply_log()
+        self._poller = asyncio.ensure_future(self._follow_updates())
+
+    async def _apply_log(self) -> None:
+        """Apply the changes of the application's update log this replica has not applied, in
+        order, and acknowledge. A change that fails here is logged and skipped (the replicas run
+        the same contract checks, so it fails on every one)."""
+        import ray
+        try:
+            log_actor = ray.get_actor(update_log_name(self.app), namespace="streamgr")
+        except ValueError:  # no log: nothing was ever updated
+            return
+        for change in await log_actor.since.remote(self.applied):
+            change = dict(change)
+            try:
                 if change.pop("rollback", False):
                     await self.engine.rollback(target=change.get("target", "auto"))
                 else:
                     await self.engine.update(**change)
-                self.applied += 1
+            except StreamgrError as err:
+                log.error("replica %s: update %d failed: %s", self.replica, self.applied + 1,
+                          err)
+            self.applied += 1
+        await log_actor.ack.remote(self.replica, self.applied)
+
+    async def _follow_updates(self, every: float = 0.2) -> None:
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await self._apply_log()
+            except Exception as err:  # the log actor restarting: try again
+                log.warning("replica %s: update log unavailable: %r", self.replica, err)
 
     async def rank(self, user_id, request: RankRequest):
         await self._ready()
@@ -132,9 +160,38 @@ class StreamgrReplica:
             raise RuntimeError(f"engine is dead: {self.engine._dead!r}")
 
 
+def update_log_name(app: str) -> str:
+    return f"{app}-updates"
+
+
+def update_log(app: str):
+    """The application's update log actor (created on first use; survives the driver)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class UpdateLog:
+        def __init__(self) -> None:
+            self.updates: list[dict] = []
+            self.acks: dict[str, int] = {}
+
+        def append(self, change: dict) -> int:
+            self.updates.append(change)
+            return len(self.updates)
+
+        def since(self, n: int) -> list[dict]:
+            return self.updates[n:]
+
+        def ack(self, replica: str, n: int) -> None:
+            self.acks[replica] = n
+
+        def state(self) -> tuple[int, dict]:
+            return len(self.updates), dict(self.acks)
+    return UpdateLog.options(name=update_log_name(app), namespace="streamgr",
+                             get_if_exists=True, lifetime="detached").remote()
+
+
 def deployment(spec, overrides: dict | None = None, replicas: int = 2, router: str = "affinity",
-               gpus: float | None = None, max_ongoing_requests: int = 256,
-               updates: list | None = None):
+               gpus: float | None = None, max_ongoing_requests: int = 256, app: str = "streamgr"):
     """The Serve application: ``replicas`` engine replicas behind the chosen router
     (``"affinity"`` or Ray's ``"default"``). ``gpus`` per replica: 1 on GPU machines (the
     default when CUDA is visible to the driver), 0 on the CPU."""
@@ -146,15 +203,18 @@ def deployment(spec, overrides: dict | None = None, replicas: int = 2, router: s
         actor["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": "1"}}
     opts: dict[str, Any] = dict(num_replicas=replicas, max_ongoing_requests=max_ongoing_requests,
                                 ray_actor_options=actor,
-                                user_config={"updates": list(updates or [])},
                                 health_check_period_s=2, health_check_timeout_s=30)
     if router == "affinity":
+        # By import path: a class object is pickled anew on every deploy, which Serve takes
+        # for a code change and answers by replacing the replicas (their caches lost) instead
+        # of reconfiguring them in place.
         opts["request_router_config"] = RequestRouterConfig(
-            request_router_class=UserAffinityRouter, request_routing_stats_period_s=1,
-            request_routing_stats_timeout_s=5)
+            request_router_class="streamgr.deploy.ray_serve:UserAffinityRouter",
+            request_routing_stats_period_s=1, request_routing_stats_timeout_s=5)
     elif router != "default":
         raise StreamgrError(f"router {router!r}: affinity or default")
-    return serve.deployment(StreamgrReplica, name="StreamgrReplica", **opts).bind(spec, overrides)
+    return serve.deployment(StreamgrReplica, name="StreamgrReplica", **opts).bind(spec, overrides,
+                                                                              app)
 
 
 def connect(address: str | None = None) -> None:
@@ -171,7 +231,7 @@ def build_app(args: dict):
     Serve config file; ``streamgr ray-config`` writes one): ``args`` are ``deployment``'s."""
     return deployment(args["spec"], args.get("overrides") or {}, int(args.get("replicas", 2)),
                       args.get("router", "affinity"), args.get("gpus"),
-                      int(args.get("max_ongoing_requests", 256)), args.get("updates"))
+                      int(args.get("max_ongoing_requests", 256)), args.get("app", APP))
 
 
 def serve_config(spec: str, overrides: dict | None = None, replicas: int = 2,
@@ -212,9 +272,10 @@ class RayEngine:
         self.serves_generate = self.spec.generate_model is not None
 
     def start(self) -> "RayEngine":
-        """Deploy (or re-apply) the application and wait until its replicas serve."""
+        """Deploy the application (and its update log) and wait until its replicas serve."""
         spec, ov, n, router, gpus = self._args
-        self.handle = serve.run(deployment(spec, ov, n, router, gpus, updates=self.updates),
+        self.log = update_log(self.app)
+        self.handle = serve.run(deployment(spec, ov, n, router, gpus, app=self.app),
                                 name=self.app, route_prefix=None)
         return self
 
@@ -251,17 +312,36 @@ class RayEngine:
     def versions(self) -> dict:
         return {"updates": list(self.updates)}
 
-    async def update(self, **change) -> dict:
-        """Append ``change`` (``Engine.update``'s arguments, JSON-able) to the application's
-        updates and re-apply it: Serve calls every replica's ``reconfigure``. Returns once the
-        application is running again."""
+    def _replicas(self) -> list[str]:
+        import ray
+        pre = f"SERVE_REPLICA::{self.app}#"
+        return [a["name"].rsplit("#", 1)[1] for a in ray.util.list_named_actors(True)
+                if a["name"].startswith(pre)]
+
+    async def update(self, timeout: float = 600.0, **change) -> dict:
+        """Log ``change`` (``Engine.update``'s arguments) for every replica and return once each
+        live replica has applied it. The driver first checks nothing here: a change a replica
+        refuses is logged there and the replicas keep serving their version."""
         import msgspec
-        self.updates.append(msgspec.to_builtins(change, str_keys=True))  # user_config is JSON
-        await asyncio.get_running_loop().run_in_executor(None, self.start)
-        return self.versions()
+        change = msgspec.to_builtins(change, str_keys=True)
+        n = await self.log.append.remote(change)
+        self.updates.append(change)
+        t_end = asyncio.get_running_loop().time() + timeout
+        while True:
+            _, acks = await self.log.state.remote()
+            live = self._replicas()
+            done = {rid: any(r.endswith(rid) and a >= n for r, a in acks.items()) for rid in live}
+            if live and all(done.values()):
+                return {**self.versions(), "acks": acks}
+            if asyncio.get_running_loop().time() > t_end:
+                raise StreamgrError(f"update {n} not applied by every replica within {timeout} s "
+                                    f"({sum(done.values())} of {len(live)})")
+            await asyncio.sleep(0.1)
 
     async def rollback(self, target: str = "auto") -> dict:
         return await self.update(rollback=True, target=target)
 
     async def close(self, drain_timeout: float = 0.0) -> None:
+        import ray
         await asyncio.get_running_loop().run_in_executor(None, serve.delete, self.app)
+        ray.kill(self.log)  # detached: it would outlive the application

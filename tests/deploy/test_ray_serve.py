@@ -93,8 +93,10 @@ def test_affinity_results_updates_ingress_and_a_lost_replica(cluster):
             r = await c.rank(reqs[0])
             assert r.stats.replica in replicas and len(r.scores) == 4
         await srv.shutdown(1.0)
-        # An update reaches both replicas: every answer afterwards runs on new weights.
-        await eng.update(weights=99)
+        # An update reaches both replicas in place (same replicas, caches kept): every answer
+        # afterwards runs on the new weights.
+        vs = await eng.update(weights=99)
+        assert len(vs["acks"]) == 2 and all(n == 1 for n in vs["acks"].values())
         after = await by_user(eng, requests(seed=1))
         fresh = await embedded(requests(seed=1), {**OV, "model.init_seed": 99})
         seen = set()
@@ -103,7 +105,7 @@ def test_affinity_results_updates_ingress_and_a_lost_replica(cluster):
             for r, w in zip(results, [w for q, w in zip(requests(seed=1), fresh)
                                       if q.user_id == u]):
                 np.testing.assert_allclose(r.scores, w.scores, rtol=1e-4, atol=1e-5)
-        assert len(seen) == 2
+        assert seen == replicas  # not replaced by the update
         return {u: results[0].stats.replica for u, results in after.items()}
     home = asyncio.run(scenario())
 
@@ -143,6 +145,9 @@ def test_affinity_results_updates_ingress_and_a_lost_replica(cluster):
         took = time.monotonic() - t0
         await asyncio.sleep(2.5)  # the replacement's rank reaches the router's stats
         again = await asyncio.wait_for(by_user(eng, requests(seed=3)), 120)
+        # the replacement replayed the update log: every answer on the updated weights
+        assert {r.stats.version.split(":", 1)[1] for rs in again.values() for r in rs} == \
+            {"seed:99"}
         return {u: rs[0].stats.replica for u, rs in again.items()}, took
     moved, took = asyncio.run(under_load())
     for u, r in moved.items():

@@ -18,14 +18,18 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..kernels import paged_kv
-from .streams import StreamSet
+from .streams import StreamSet, threaded_transfers
 
 log = logging.getLogger("streamgr.offload")
 
 
 class OffloadPipeline:
-    def __init__(self, stores, streams: StreamSet, workers: int = 2) -> None:
+    def __init__(self, stores, streams: StreamSet, workers: int = 2,
+                 threaded: bool | None = None) -> None:
         self.stores, self.streams = stores, streams
+        # Completed on the completion thread (CUDA), or inline on the CPU unless asked
+        # (STREAMGR_THREADED_TRANSFERS=1, see OnloadPipeline).
+        self.threaded = threaded_transfers(streams) if threaded is None else threaded
         self.completions: queue.SimpleQueue = queue.SimpleQueue()  # (job, ok, bytes)
         self._pending: queue.SimpleQueue = queue.SimpleQueue()
         self._workers = ThreadPoolExecutor(workers, thread_name_prefix="streamgr-offload")
@@ -60,7 +64,7 @@ class OffloadPipeline:
                     host.copy_(dev, non_blocking=True)
                     done = s.event()
                     done.record(s.offload)
-                if s.cuda:
+                if self.threaded:
                     self._pending.put((job, dev, host, done))
                 else:  # no DMA to overlap: finish on this thread (see OnloadPipeline.submit)
                     self.stores.host.index_copy_(0, torch.tensor(job.chunk_ids), host)

@@ -21,20 +21,23 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..kernels import paged_kv
-from .streams import LayerOnloadHandles, ReadyHandles, StreamSet
+from .streams import LayerOnloadHandles, ReadyHandles, StreamSet, threaded_transfers
 
 log = logging.getLogger("streamgr.onload")
 
 
 class OnloadPipeline:
     def __init__(self, stores, streams: StreamSet, workers: int | None = None,
-                 staging_chunks: int = 4) -> None:
+                 staging_chunks: int = 4, threaded: bool | None = None) -> None:
         workers = workers or min(16, os.cpu_count() or 4)
         self.stores, self.streams = stores, streams
         self.layers = stores.layers
         host = stores.host
         self.slice_shape = tuple(host.shape[2:]) if host is not None else ()  # one chunk, one layer
         self.pin = streams.cuda
+        # On its own thread (CUDA: overlaps the DMA with compute); inline on the CPU unless
+        # asked (STREAMGR_THREADED_TRANSFERS=1: the CPU tests run the threaded path too).
+        self.threaded = threaded_transfers(streams) if threaded is None else threaded
         self.staging_chunks = staging_chunks
         self._staging: list[torch.Tensor] | None = None
         self._copied = [streams.event(), streams.event()]  # staging buffer i drained by the DMA
@@ -69,7 +72,7 @@ class OnloadPipeline:
         if not onload:
             return ReadyHandles(self.layers, self.streams)
         handles = LayerOnloadHandles(self.layers, self.streams, {u for u, _, _ in onload})
-        if self.streams.cuda:
+        if self.threaded:
             self._thread.submit(self._run, onload, after, handles)
         else:
             # Without a DMA engine there is nothing to overlap, and a second thread's torch ops

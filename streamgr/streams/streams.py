@@ -9,6 +9,7 @@ same code runs: streams are no-op contexts and events are always complete.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import torch
@@ -60,6 +61,13 @@ class StreamSet:
     def use(self, stream):
         """Make ``stream`` current (torch allocations and kernels then go to it)."""
         return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
+
+
+def threaded_transfers(streams: "StreamSet") -> bool:
+    """Onload/offload on their threads: on CUDA, or when ``STREAMGR_THREADED_TRANSFERS=1``
+    (``=0`` turns them inline even on CUDA, for A/B runs)."""
+    flag = os.environ.get("STREAMGR_THREADED_TRANSFERS", "")
+    return streams.cuda if flag not in ("0", "1") else flag == "1"
 
 
 class OnloadFault(RuntimeError):

@@ -1,0 +1,49 @@
+"""The onload/offload pipelines on their threads, on the CPU (STREAMGR_THREADED_TRANSFERS=1: the
+path CUDA takes, with streams and events as no-ops): cached scores still equal recompute's,
+transfers really ran on the pipelines' threads, and an injected onload fault still falls back."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from tests.cache.helpers import run_batch, runners
+from tests.cache.test_pipeline_faults import workload
+
+
+def test_threaded_pipelines_on_the_cpu_keep_answers_equal(monkeypatch):
+    monkeypatch.setenv("STREAMGR_THREADED_TRANSFERS", "1")
+    engines = runners(page_tokens=4, chunk_tokens=8, device_pages=24, host_chunks=64)
+    runner = engines["hierarchical"].runner
+    assert runner.onload.threaded and runner.offload.threaded
+    seen: set[str] = set()
+    transfer = runner.onload._transfer
+
+    def spy(*a, **kw):  # which thread moved the bytes
+        seen.add(threading.current_thread().name)
+        return transfer(*a, **kw)
+    runner.onload._transfer = spy
+    rng = np.random.default_rng(1)
+    faults = 0
+    for i, batch in enumerate(workload(rng, engines, steps=40)):
+        if i == 25:
+            runner.onload.fail_next = True
+        ref = run_batch(engines["recompute"], batch)
+        got = run_batch(engines["hierarchical"], batch)
+        for g, r in zip(got, ref):
+            np.testing.assert_allclose(g[0], r[0], rtol=2e-4, atol=2e-5)
+        faults = runner.onload_faults
+    assert runner.bytes_onloaded > 0 and runner.manager.counters["offloaded_chunks"] > 0
+    assert seen and all(n.startswith("streamgr-onload") for n in seen), seen
+    assert faults >= 1
+    runner.manager.check_invariants()
+    for e in engines.values():
+        e.close_offline()
+
+
+def test_inline_is_the_cpu_default(monkeypatch):
+    monkeypatch.delenv("STREAMGR_THREADED_TRANSFERS", raising=False)
+    runner = runners(page_tokens=4, chunk_tokens=8, device_pages=24, host_chunks=64)[
+        "hierarchical"].runner
+    assert not runner.onload.threaded and not runner.offload.threaded

@@ -21,7 +21,8 @@ from ..cache.store import KVStores
 from ..kernels import paged_kv
 from ..kernels.hstu_attention import JaggedKV, hstu_attention_jagged
 from ..models.hstu import HSTU
-from ..streams import OffloadPipeline, OnloadFault, OnloadPipeline, StreamSet
+from ..streams import (NullOffload, NullOnload, OffloadPipeline, OnloadFault, OnloadPipeline,
+                       StreamSet)
 from .rank import (BatchOutcome, InFlight, PreparedRank, RankRunner, UserSlice, interleave,
                    pack_jagged, read_back, upload_jagged)
 
@@ -42,8 +43,11 @@ class CachedRankRunner(RankRunner):
         super().__init__(model, version, device, history)
         self.manager, self.stores = manager, stores
         self.streams = StreamSet(device)
-        self.onload = OnloadPipeline(stores, self.streams)
-        self.offload = OffloadPipeline(stores, self.streams)
+        if manager.hierarchical:
+            self.onload = OnloadPipeline(stores, self.streams)
+            self.offload = OffloadPipeline(stores, self.streams)
+        else:  # no host tier: nothing to move, no pipeline threads
+            self.onload, self.offload = NullOnload(stores.layers, self.streams), NullOffload()
         self._compute_done = None  # the last batch's compute event: pages it read may be reused
         self.bytes_offloaded = 0
         self.onload_faults = 0

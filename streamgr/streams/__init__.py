@@ -1,11 +1,14 @@
 """CUDA stream set, per-layer onload handles, pinned double-buffered onload and transient
-offload pipelines. On a CPU the same code runs with streams as no-ops.
+offload pipelines, and their null twins for a cache without a host tier. On a CPU the same code
+runs with streams as no-ops.
 
 Imports kernels; must not import engine, protocol or server code.
 """
 
+from .null import NullOffload, NullOnload
 from .offload import OffloadPipeline
 from .onload import OnloadPipeline
 from .streams import LayerOnloadHandles, OnloadFault, StreamSet
 
-__all__ = ["StreamSet", "LayerOnloadHandles", "OnloadFault", "OnloadPipeline", "OffloadPipeline"]
+__all__ = ["StreamSet", "LayerOnloadHandles", "OnloadFault", "OnloadPipeline", "OffloadPipeline",
+           "NullOnload", "NullOffload"]

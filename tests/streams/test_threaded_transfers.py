@@ -47,3 +47,23 @@ def test_inline_is_the_cpu_default(monkeypatch):
     runner = runners(page_tokens=4, chunk_tokens=8, device_pages=24, host_chunks=64)[
         "hierarchical"].runner
     assert not runner.onload.threaded and not runner.offload.threaded
+
+
+def test_gpu_only_cache_has_null_transfers():
+    """No host tier: the runner gets null pipelines (no threads), and serving still works."""
+    from streamgr.streams import NullOffload, NullOnload
+    engines = runners(page_tokens=4, chunk_tokens=8, device_pages=24, host_chunks=64)
+    runner = engines["gpu-only"].runner
+    assert isinstance(runner.onload, NullOnload) and isinstance(runner.offload, NullOffload)
+    rng = np.random.default_rng(2)
+    from_gpu = 0
+    for batch in workload(rng, engines, steps=15):
+        ref = run_batch(engines["recompute"], batch)
+        got = run_batch(engines["gpu-only"], batch)
+        for g, r in zip(got, ref):
+            np.testing.assert_allclose(g[0], r[0], rtol=2e-4, atol=2e-5)
+            from_gpu += g[1]["tokens_from_gpu"]
+    assert from_gpu > 0  # the device cache served
+    snap = runner.snapshot()
+    assert snap["bytes_onloaded"] == snap["bytes_offloaded"] == snap["offloads_in_flight"] == 0
+    engines["gpu-only"].close_offline()

@@ -34,6 +34,9 @@ def _catalog_add(path: str | None) -> dict[int, list[int]]:
 
 
 def _ids(text: str | None) -> list[int]:
+    """``1,2,3``, or ``@FILE`` holding ids separated by commas or newlines."""
+    if text and text.startswith("@"):
+        text = Path(text[1:]).read_text()
     if not text:
         return []
     try:
@@ -67,11 +70,9 @@ def cmd_admin(args) -> int:
         elif args.command == "rollback":
             out = c.rollback(args.target)
         else:
-            remove = _ids(Path(args.catalog_remove[1:]).read_text()
-                          if args.catalog_remove and args.catalog_remove.startswith("@")
-                          else args.catalog_remove)
             out = c.update(weights=args.weights, seed=args.seed, catalog=args.catalog,
-                           catalog_add=_catalog_add(args.catalog_add), catalog_remove=remove,
+                           catalog_add=_catalog_add(args.catalog_add),
+                           catalog_remove=_ids(args.catalog_remove),
                            policy=_policy(args.policy), target=args.target,
                            keep_previous=not args.drop_previous)
     print(json.dumps(out, indent=1))

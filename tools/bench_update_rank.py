@@ -29,6 +29,7 @@ from streamgr.cli import _overrides  # noqa: E402
 from streamgr.config import load_spec  # noqa: E402
 from streamgr.trace.run import load_requests  # noqa: E402
 from streamgr.trace.synth import write_synth  # noqa: E402
+from tools.bench_update import pct  # noqa: E402
 
 
 async def open_loop(eng, reqs, start: int, rate: float, seconds: float, rng) -> list[dict]:
@@ -62,10 +63,6 @@ async def refits(eng, every: float, seconds: float, rng, log: list) -> None:
         vs = await eng.update(weights=int(rng.integers(1, 1 << 30)), keep_previous=False)
         log.append({"cutover_ms": (time.perf_counter() - t0) * 1e3,
                     "version": vs["rank"]["active"]})
-
-
-def pct(xs, q):
-    return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
 def main() -> int:

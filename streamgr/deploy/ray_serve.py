@@ -31,6 +31,7 @@ import logging
 import os
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -110,7 +111,6 @@ class StreamgrReplica:
         """Apply the changes of the application's update log this replica has not applied, in
         order, and acknowledge. A change that fails here is logged and skipped (the replicas run
         the same contract checks, so it fails on every one)."""
-        import ray
         try:
             log_actor = ray.get_actor(update_log_name(self.app), namespace="streamgr")
         except ValueError:  # no log: nothing was ever updated
@@ -164,28 +164,30 @@ def update_log_name(app: str) -> str:
     return f"{app}-updates"
 
 
+@ray.remote(num_cpus=0)
+class UpdateLog:
+    """The application's updates, in order, and how far each replica has applied them."""
+
+    def __init__(self) -> None:
+        self.updates: list[dict] = []
+        self.acks: dict[str, int] = {}
+
+    def append(self, change: dict) -> int:
+        self.updates.append(change)
+        return len(self.updates)
+
+    def since(self, n: int) -> list[dict]:
+        return self.updates[n:]
+
+    def ack(self, replica: str, n: int) -> None:
+        self.acks[replica] = n
+
+    def state(self) -> tuple[int, dict]:
+        return len(self.updates), dict(self.acks)
+
+
 def update_log(app: str):
     """The application's update log actor (created on first use; survives the driver)."""
-    import ray
-
-    @ray.remote(num_cpus=0)
-    class UpdateLog:
-        def __init__(self) -> None:
-            self.updates: list[dict] = []
-            self.acks: dict[str, int] = {}
-
-        def append(self, change: dict) -> int:
-            self.updates.append(change)
-            return len(self.updates)
-
-        def since(self, n: int) -> list[dict]:
-            return self.updates[n:]
-
-        def ack(self, replica: str, n: int) -> None:
-            self.acks[replica] = n
-
-        def state(self) -> tuple[int, dict]:
-            return len(self.updates), dict(self.acks)
     return UpdateLog.options(name=update_log_name(app), namespace="streamgr",
                              get_if_exists=True, lifetime="detached").remote()
 
@@ -220,7 +222,6 @@ def deployment(spec, overrides: dict | None = None, replicas: int = 2, router: s
 def connect(address: str | None = None) -> None:
     """Join the Ray cluster at ``address`` (default ``RAY_ADDRESS``; none: start a local one),
     once per process."""
-    import ray
     if not ray.is_initialized():
         ray.init(address=address or os.environ.get("RAY_ADDRESS"), log_to_driver=False,
                  include_dashboard=False)
@@ -313,7 +314,6 @@ class RayEngine:
         return {"updates": list(self.updates)}
 
     def _replicas(self) -> list[str]:
-        import ray
         pre = f"SERVE_REPLICA::{self.app}#"
         return [a["name"].rsplit("#", 1)[1] for a in ray.util.list_named_actors(True)
                 if a["name"].startswith(pre)]
@@ -342,6 +342,5 @@ class RayEngine:
         return await self.update(rollback=True, target=target)
 
     async def close(self, drain_timeout: float = 0.0) -> None:
-        import ray
         await asyncio.get_running_loop().run_in_executor(None, serve.delete, self.app)
         ray.kill(self.log)  # detached: it would outlive the application

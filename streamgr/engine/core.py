@@ -50,7 +50,7 @@ class Engine(Updates):
         self._inflight = 0
         self._dead: BaseException | None = None
         self._closing = False
-        self._updating: asyncio.Lock | None = None  # live updates, one at a time (updates.py)
+        self._updating = asyncio.Lock()  # live updates, one at a time (updates.py)
         self._rank_previous = None  # (model, version) kept for a rank rollback
 
     @property

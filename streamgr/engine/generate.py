@@ -86,8 +86,7 @@ class GenerateVersion:
         if isinstance(req.user_id, bool) or not isinstance(req.user_id, (int, str)):
             raise InvalidRequest("`user_id` must be an int or a str")
         pol = self.policy
-        if isinstance(req.top_k, bool) or not isinstance(req.top_k, int) or \
-                not 1 <= req.top_k <= pol.max_top_k:
+        if not _int_in(req.top_k, 1, pol.max_top_k):
             raise InvalidRequest(f"`top_k` must be an int in 1..{pol.max_top_k}")
         bw = req.beam_width
         if bw is not None and not _int_in(bw, 1, MAX_BEAM):

@@ -77,12 +77,9 @@ def same_contract(old: dict, new: dict) -> None:
 class Updates:
     """Mixed into ``Engine``: ``update``, ``rollback``, ``versions`` (and ``update_weights``)."""
 
-    def _update_lock(self) -> asyncio.Lock:
-        if getattr(self, "_updating", None) is None:
-            self._updating = asyncio.Lock()
-        return self._updating
-
     def _target(self, target: Target, generate_only: bool) -> str:
+        if target not in ("auto", "rank", "generate"):
+            raise StreamgrError(f"target {target!r}: auto, rank or generate")
         if target == "auto":
             if self.gen_runner is not None and (self.runner is None or generate_only):
                 return "generate"
@@ -93,8 +90,6 @@ class Updates:
         if target == "rank" and self.runner is None or target == "generate" and \
                 self.gen_runner is None:
             raise UnsupportedRequest(f"spec {self.spec.name} does not serve {target}")
-        if target not in ("rank", "generate"):
-            raise StreamgrError(f"target {target!r}: auto, rank or generate")
         return target
 
     async def _on_executor(self, fn, *args):
@@ -112,7 +107,7 @@ class Updates:
         if weights is None and catalog is None and policy is None:
             raise StreamgrError("update: give weights, catalog or policy")
         which = self._target(target, weights is None)
-        async with self._update_lock():
+        async with self._updating:
             loop = asyncio.get_running_loop()
             if which == "rank":
                 if catalog is not None or policy is not None:
@@ -182,7 +177,7 @@ class Updates:
     async def rollback(self, target: Target = "auto") -> dict[str, Any]:
         """Back to the previous version (kept since the last update), by the same cutover."""
         which = self._target(target, True)
-        async with self._update_lock():
+        async with self._updating:
             if which == "generate":
                 if self.gen_runner.previous is None:
                     raise StreamgrError("no previous generate version to roll back to")

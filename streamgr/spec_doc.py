@@ -45,6 +45,9 @@ MEANING = {
                              "next batch while one computes (a user in flight waits)",
     "engine.gc_freeze": "freeze the objects alive at start out of the garbage collector's "
                         "reach (full collections stalled serving 57-155 ms)",
+    "engine.gc_gen0": "with gc_freeze: allocations between young-generation collections while "
+                      "serving (Python's default 700; answers allocate ~24,000 lists per gen-ref "
+                      "batch); 0 keeps the interpreter's",
     "cache.mode": "`recompute` (no cache), `gpu-only` (device pages), `hierarchical` (device "
                   "pages + host chunks)",
     "cache.page_tokens": "tokens per device page",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import sys
@@ -31,6 +32,8 @@ from streamgr import Engine  # noqa: E402
 from streamgr.api import GenerateRequest  # noqa: E402
 from streamgr.cli import _overrides  # noqa: E402
 from streamgr.trace.run import drive, summarize  # noqa: E402
+
+from host_sampler import HostSampler  # noqa: E402  (tools/, the script's directory)
 
 
 def hf_model(engine):
@@ -76,13 +79,13 @@ def hugging_face(eng, reqs, results, n):
     from transformers import logging as hf_logging
     hf_logging.set_verbosity_error()
     hf, runner = hf_model(eng), eng.gen_runner
-    trie, W = runner.trie, max(eng.spec.policy.beam_widths)
+    trie, W0 = runner.trie, max(eng.spec.policy.beam_widths)
     allowed, agree = trie_allowed(trie), []
     if eng.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     for r, res in zip(reqs[:n], results):
-        ctx = runner.prepare(r).context
+        ctx, W = runner.prepare(r).context, r.beam_width or W0
         with torch.inference_mode():
             out = hf.generate(input_ids=torch.from_numpy(ctx[None]).to(eng.device),
                               num_beams=W, num_return_sequences=min(r.top_k, W),
@@ -178,9 +181,14 @@ def main() -> int:
     ap.add_argument("--p99-target", type=float, default=35.0)
     ap.add_argument("--hf-requests", type=int, default=32)
     ap.add_argument("--history", type=int, default=None, help="history items per request")
+    ap.add_argument("--beam-width", type=int, default=None,
+                    help="beams per step for every request (the policy's widths otherwise)")
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also run N full batches under torch.profiler and print the top ops")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="sample every thread's Python stack during the closed-loop run and "
+                         "print where the host time goes (tools/host_sampler.py)")
     ap.add_argument("--fp32-agreement", type=int, default=0, metavar="N",
                     help="also compare N requests with Hugging Face both in fp32 (same device)")
     args = ap.parse_args()
@@ -198,7 +206,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     n_hist = args.history or pol.max_context_items
     reqs = [GenerateRequest(user_id=u, history=rng.choice(runner.trie.leaf_items, size=n_hist).tolist(),
-                            top_k=pol.top_k) for u in range(args.requests)]
+                            top_k=pol.top_k, beam_width=args.beam_width) for u in range(args.requests)]
 
     pauses = GcPauses()
 
@@ -208,8 +216,12 @@ def main() -> int:
             pauses.__enter__()  # from here: the measured part (after start's gc.freeze)
             split, bsz = await profiled(eng, reqs[:4 * eng.spec.engine.max_batch])
             results = [await eng.generate(r) for r in reqs[:args.hf_requests]]  # for agreement
-            recs, wall, errs = await drive(eng.generate, reqs, args.concurrency, None,
-                                           f"closed loop x{args.concurrency}", True, "closed")
+            sampler = HostSampler() if args.host_profile else contextlib.nullcontext()
+            with sampler:
+                recs, wall, errs = await drive(eng.generate, reqs, args.concurrency, None,
+                                               f"closed loop x{args.concurrency}", True, "closed")
+            if args.host_profile:
+                print(sampler.table(), file=sys.stderr)
             runs = [summarize("closed", recs, wall, errs, {"concurrency": args.concurrency})]
             for rate in args.rates:
                 recs, wall, errs = await drive(eng.generate, reqs, 0, rate, f"open loop {rate:g}/s",
@@ -261,8 +273,10 @@ def main() -> int:
     ok = [r["throughput"] for r in runs if r["mode"] == "open" and r["p99_ms"] < args.p99_target
           and r["errors"] == 0]
     closed = runs[0]["throughput"]
-    line = (f"bench_generate {eng.spec.name}: {closed:.1f} req/s closed-loop vs Hugging Face "
-            f"{hf_rps:.1f} req/s ({closed / hf_rps:.1f}x); top-k agreement {agree:.3f}")
+    line = f"bench_generate {eng.spec.name}: {closed:.1f} req/s closed-loop"
+    if hf_rps > 0:  # --hf-requests 0 skips Hugging Face
+        line += (f" vs Hugging Face {hf_rps:.1f} req/s ({closed / hf_rps:.1f}x); top-k agreement "
+                 f"{agree:.3f}")
     if args.rates:
         line += (f"; open loop at p99 < {args.p99_target:g} ms: "
                  + (f"{max(ok):.1f} req/s" if ok else "none of the rates"))

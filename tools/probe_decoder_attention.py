@@ -1,6 +1,6 @@
 """Times the decoder self-attention kernel (Numba) against its torch reference on gen-ref's
 step shapes (4,096 beams x 8 heads x 64, positions 1..3), CUDA-graph replays; run under
-``ncu --kernel-name regex:_self_attend`` to see why it runs as it does."""
+``ncu --kernel-name regex:kernel`` to see why it runs as it does."""
 
 from __future__ import annotations
 

@@ -10,7 +10,6 @@ requests and the engine keeps serving, except a CUDA fault, which marks the engi
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 from pathlib import Path
 from typing import Any, Mapping
@@ -24,7 +23,7 @@ from .factory import Builder, resolve_device, resolve_dtype
 from .generate import GenerateRunner
 from .metrics import EngineMetrics
 from .rank import BatchOutcome, RankRunner, prepare_rank
-from .resources import EngineResources
+from .resources import EngineResources, restore_gc, serving_gc
 from .status import engine_stats, fail_batch
 from .updates import Updates
 
@@ -83,9 +82,7 @@ class Engine(Updates):
         res = EngineResources(self)
         if self.gen_runner is not None:  # decode plans of the common shapes, before serving
             await asyncio.get_running_loop().run_in_executor(res.executor, self.gen_runner.warm_up)
-        if self.spec.engine.gc_freeze:
-            gc.collect()
-            gc.freeze()
+        self._gc = serving_gc(self.spec.engine)  # after warm-up: what is alive now is frozen
         res.start_loops(self)
         self._res = res
         return self
@@ -97,8 +94,7 @@ class Engine(Updates):
             return
         self._closing = True
         await res.aclose(lambda: self._inflight, drain_timeout)
-        if self.spec.engine.gc_freeze:  # what start froze may be garbage now: collectable again
-            gc.unfreeze()
+        restore_gc(self._gc)
         self._res = None
 
     @property

@@ -1,11 +1,13 @@
 """What a started engine owns: its batchers, the executor and completion threads, and one
 ``BatchLoop`` task per runner. ``Engine.start`` creates an ``EngineResources``; its ``aclose``
 drains, stops and joins everything, is idempotent, and never blocks the event loop (threads are
-joined on a worker thread)."""
+joined on a worker thread). ``serving_gc``/``restore_gc``: the collector's settings while an
+engine serves (``engine.gc_freeze``, ``engine.gc_gen0``)."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -16,6 +18,27 @@ from .batcher import Batcher
 from .loop import BatchLoop
 
 GEN_IN_FLIGHT = 2  # generate batches submitted to the device but not yet answered
+
+
+def serving_gc(spec) -> tuple | None:
+    """With ``spec.gc_freeze``: freeze what is alive now (a full collection would otherwise
+    walk torch's and the models' objects, 100+ ms stalls) and raise the young generation's
+    threshold to ``spec.gc_gen0``. Returns what ``restore_gc`` puts back."""
+    if not spec.gc_freeze:
+        return None
+    gc.collect()
+    gc.freeze()
+    before = gc.get_threshold()
+    if spec.gc_gen0:
+        gc.set_threshold(max(spec.gc_gen0, before[0]), *before[1:])
+    return before
+
+
+def restore_gc(before: tuple | None) -> None:
+    """Undo ``serving_gc``: what it froze may be garbage now, so collectable again."""
+    if before is not None:
+        gc.unfreeze()
+        gc.set_threshold(*before)
 
 
 class EngineResources:

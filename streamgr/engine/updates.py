@@ -8,10 +8,11 @@ view. Here:
 - ``update(weights=, catalog=, policy=)`` builds the new generate version on a worker thread
   (a checkpoint load, a trie build: ~0.6 s for a million items), checks it against the contract
   (a change that breaks it raises ``ContractError`` naming the field, and the active version
-  keeps serving), captures its decode plans of the common shapes on the executor thread (CUDA),
-  then activates it there, between two batches: a batch already submitted finishes on the old
-  version, queued requests run on the new one. Rank takes new weights the same way (cached K/V
-  of older weights are never served: the cache validates the version).
+  keeps serving), captures its decode plans of the common shapes on that worker thread (CUDA;
+  the executor keeps serving), then activates it on the executor, between two batches: a
+  batch already submitted finishes on the old version, queued requests run on the new one.
+  Rank takes new weights the same way (cached K/V of older weights are never served: the
+  cache validates the version).
 - The previous version stays loaded for ``rollback()`` until the next update (or
   ``keep_previous=False``), so a rollback is a cutover too, with no load.
 - Updates run one at a time (a lock); ``versions()`` names what is active and what is kept.
@@ -117,12 +118,13 @@ class Updates:
                 new = await loop.run_in_executor(None, self._build_generate, weights, catalog,
                                                  policy)
                 # Its plans before it serves: the shapes the traffic uses (or the defaults),
-                # one capture per executor job so batches keep running in between.
+                # captured on a worker thread while the executor keeps serving. A capture is
+                # thread-local (plans.py) into the new version's own memory pool, so the
+                # executor's replays go on beside it; on the executor, each capture (an eager
+                # search, then the graph: ~50 ms at gen-ref) stalled every queued request
+                # (H200: p99 16.6 -> 233.7 ms under updates).
                 keys = self.gen_runner.active.plan_keys()
-                for key in keys:
-                    await self._on_executor(new.warm_up, [key])
-                if not keys:
-                    await self._on_executor(new.warm_up)
+                await loop.run_in_executor(None, new.warm_up, keys or None)
                 await self._on_executor(self.gen_runner.activate, new, keep_previous)
             self.metrics.count(f"{which}_updates")
         return self.versions()

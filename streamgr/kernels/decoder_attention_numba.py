@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from numba import cuda, float32, int32, int64
 
-from .decoder_attention import MAX_T, SIMULATED
+from .decoder_attention import SIMULATED
 
 TPB = 64 if SIMULATED else 256
 # 40 registers: Numba's own choice (128) held the kernel to a quarter of the SM's warps.
@@ -89,60 +89,77 @@ else:
         return x
 
 
-@cuda.jit(**_JIT)
-def _self_attend(q, kn, vn, K, V, bias, H, step, out):
-    """q, kn, vn, out: [rows, P] int32 pairs (row = beam * H + head); K, V: [T, rows, P]."""
-    red = cuda.shared.array((ROWS, 32), float32)
-    lane = cuda.threadIdx.x % 32
-    r = cuda.threadIdx.x // 32
-    rows, P = q.shape[0], q.shape[1]
-    # Grid (beams / ROWS, heads): no integer division anywhere (Numba's are 64-bit, ~100
-    # instructions each, and they dominated a kernel this small). Loops step by hand for the
-    # same reason (a range with a step divides for its trip count).
-    h = cuda.blockIdx.y
-    i = (cuda.blockIdx.x * ROWS + r) * H + h
-    active = i < rows  # no early return: the simulator's reduction has block barriers
-    s = cuda.local.array(MAX_T, float32)
-    # This lane's partial of every score first: the loads are independent, so they are all in
-    # flight at once (a load, then a reduction, per position left the kernel latency-bound).
-    for t in range(step + 1):
-        s[t] = float32(0.0)
-    if active:
+def _make_kernel(T: int):
+    """The kernel for step ``T - 1`` (``T`` keys). ``T`` is a constant of the compiled code, so
+    the loops over keys unroll and the scores stay in registers; with the key count a kernel
+    argument the scores lived in local memory behind runtime-indexed loops (42 us at step 0
+    for a copy and a one-key softmax on the H200)."""
+    step = T - 1
+
+    @cuda.jit(**_JIT)
+    def kernel(q, kn, vn, K, V, bias, H, out):
+        """q, kn, vn, out: [rows, P] int32 pairs (row = beam * H + head); K, V: [>= T, rows, P]."""
+        red = cuda.shared.array((ROWS, 32), float32)
+        lane = cuda.threadIdx.x % 32
+        r = cuda.threadIdx.x // 32
+        rows, P = q.shape[0], q.shape[1]
+        # Grid (beams / ROWS, heads): no integer division anywhere (Numba's are 64-bit, ~100
+        # instructions each, and they dominated a kernel this small). Loops step by hand for
+        # the same reason (a range with a step divides for its trip count).
+        h = cuda.blockIdx.y
+        i = (cuda.blockIdx.x * ROWS + r) * H + h
+        active = i < rows  # no early return: the simulator's reduction has block barriers
+        s = cuda.local.array(T, float32)
+        # This lane's partial of every score first: the loads are independent, so they are
+        # all in flight at once (a load, then a reduction, per key was latency-bound).
+        for t in range(T):
+            s[t] = float32(0.0)
+        if active:
+            j = lane
+            while j < P:
+                a = q[i, j]
+                for t in range(T):
+                    if t == step:  # the new key: into the buffer as it is read
+                        b = kn[i, j]
+                        K[step, i, j] = b
+                        V[step, i, j] = vn[i, j]
+                    else:
+                        b = K[t, i, j]
+                    s[t] += _lo(a) * _lo(b) + _hi(a) * _hi(b)
+                j += 32
+        for t in range(T):
+            s[t] = _row_sum(s[t], red, r, lane) + (bias[t, h] if active else float32(0.0))
+        if not active:
+            return
+        m = s[0]
+        for t in range(1, T):
+            m = max(m, s[t])
+        z = float32(0.0)
+        for t in range(T):
+            s[t] = math.exp(s[t] - m)
+            z += s[t]
+        for t in range(T):
+            s[t] = s[t] / z
         j = lane
         while j < P:
-            a = q[i, j]
-            for t in range(step + 1):
-                if t == step:  # the new key: into the buffer as it is read
-                    b = kn[i, j]
-                    K[step, i, j] = b
-                    V[step, i, j] = vn[i, j]
-                else:
-                    b = K[t, i, j]
-                s[t] += _lo(a) * _lo(b) + _hi(a) * _hi(b)
+            o0 = float32(0.0)
+            o1 = float32(0.0)
+            for t in range(T):
+                v = vn[i, j] if t == step else V[t, i, j]
+                o0 += s[t] * _lo(v)
+                o1 += s[t] * _hi(v)
+            out[i, j] = _pack(o0, o1)
             j += 32
-    for t in range(step + 1):
-        s[t] = _row_sum(s[t], red, r, lane) + (bias[t, h] if active else float32(0.0))
-    if not active:
-        return
-    m = s[0]
-    for t in range(1, step + 1):
-        m = max(m, s[t])
-    z = float32(0.0)
-    for t in range(step + 1):
-        s[t] = math.exp(s[t] - m)
-        z += s[t]
-    for t in range(step + 1):
-        s[t] = s[t] / z
-    j = lane
-    while j < P:
-        o0 = float32(0.0)
-        o1 = float32(0.0)
-        for t in range(step + 1):
-            v = vn[i, j] if t == step else V[t, i, j]
-            o0 += s[t] * _lo(v)
-            o1 += s[t] * _hi(v)
-        out[i, j] = _pack(o0, o1)
-        j += 32
+    return kernel
+
+
+_KERNELS = {}
+
+
+def _kernel(T: int):
+    if T not in _KERNELS:
+        _KERNELS[T] = _make_kernel(T)
+    return _KERNELS[T]
 
 
 @functools.lru_cache(maxsize=64)
@@ -171,11 +188,11 @@ def run(q, k_new, v_new, K, V, step: int, bias):
     grid = (max(1, math.ceil(N / ROWS)), H)
     if SIMULATED:  # the simulator moves only contiguous arrays: K/V go through copies
         kc, vc = args[3].contiguous(), args[4].contiguous()
-        _self_attend[grid, TPB](*(_arr(x) for x in args[:3] + [kc, vc]), _arr(b), H, step,
-                                _arr(o))
+        _kernel(step + 1)[grid, TPB](*(_arr(x) for x in args[:3] + [kc, vc]), _arr(b), H,
+                                     _arr(o))
         args[3].copy_(kc)
         args[4].copy_(vc)
         return out
-    fn = _self_attend[grid, TPB, _stream(torch.cuda.current_stream(q.device).cuda_stream)]
-    fn(*(_arr(x) for x in args), _arr(b), H, step, _arr(o))
+    fn = _kernel(step + 1)[grid, TPB, _stream(torch.cuda.current_stream(q.device).cuda_stream)]
+    fn(*(_arr(x) for x in args), _arr(b), H, _arr(o))
     return out

@@ -321,7 +321,8 @@ class T5(nn.Module):
         first = self.decoder.block[0].layer[0].SelfAttention
         pos = torch.arange(step + 1, device=tokens.device)
         bt = bias_dtype(x)
-        sbias = self._bias(first, pos[-1:], pos, False)[:, 0].t()  # [step+1, H], fp32
+        # [step+1, H] fp32, contiguous once here (the kernel wants it so, every layer)
+        sbias = self._bias(first, pos[-1:], pos, False)[:, 0].t().contiguous()
         cbias = torch.where(enc_mask, 0.0, torch.finfo(bt).min).to(bt)[:, None, None, :]
         for li, blk in enumerate(self.decoder.block):
             sa, ca, ff = blk.layer

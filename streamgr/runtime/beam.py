@@ -91,26 +91,34 @@ class BeamSearch:
             out.append(beams)
         return tuple(out)
 
-    def inputs(self, reqs: list[BeamRequest], rows: int | None = None, length: int | None = None):
+    def inputs(self, reqs: list[BeamRequest], rows: int | None = None, length: int | None = None,
+               out: tuple[torch.Tensor, ...] | None = None):
         """Host tensors of a batch: encoder tokens and mask [rows, length] (right-padded; rows
-        past the requests are idle: one EOS, width 0) and each request's widths [rows, depth]."""
+        past the requests are idle: one EOS, width 0) and each request's widths [rows, depth].
+        ``out``: (tokens, mask, cap) CPU tensors of those shapes to fill in place (a decode
+        plan's pinned staging buffers), else new ones."""
         cfg = self.model.cfg
         rows = rows or len(reqs)
         # Padded to a multiple of 16 (masked keys): the fused attention kernel wants its bias
         # rows aligned so, and would otherwise pad a copy of the bias at every call.
         length = length or -(-max(len(r.context) for r in reqs) // 16) * 16
+        if out is None:
+            out = (torch.empty(rows, length, dtype=torch.long),
+                   torch.empty(rows, length, dtype=torch.bool),
+                   torch.empty(rows, self.trie.depth, dtype=torch.long))
+        tokens, mask, cap = (x.numpy() for x in out)
         # Array-wise (one scatter of all contexts), not a row at a time: host time per batch.
         n = len(reqs)
         lens = np.fromiter((len(r.context) for r in reqs), dtype=np.int64, count=n)
-        mask = np.zeros((rows, length), dtype=bool)
-        mask[:n] = np.arange(length)[None, :] < lens[:, None]
+        np.less(np.arange(length)[None, :], lens[:, None], out=mask[:n])
+        mask[n:] = False
         mask[n:, 0] = True
-        tokens = np.full((rows, length), cfg.pad_token_id, dtype=np.int64)
+        tokens.fill(cfg.pad_token_id)
         tokens[:n][mask[:n]] = np.concatenate([r.context for r in reqs]) if n else []
         tokens[n:, 0] = cfg.eos_token_id
-        cap = np.zeros((rows, self.trie.depth), dtype=np.int64)
+        cap.fill(0)
         cap[:n] = [r.widths for r in reqs]
-        return torch.from_numpy(tokens), torch.from_numpy(mask), torch.from_numpy(cap)
+        return out
 
     def search(self, tokens, mask, cap, w_steps: tuple[int, ...], stages: dict | None = None):
         """The device part: encoder, then per step decoder, selection and compaction. Returns

@@ -144,13 +144,18 @@ async def test_gc_freeze_for_the_serving_lifetime(freeze):
     engine serves (no full collection walks them), and are given back at close."""
     import gc
     gc.unfreeze()
-    eng = Engine.from_spec("rank-small", small_overrides(**{"engine.gc_freeze": freeze}))
+    before = gc.get_threshold()
+    eng = Engine.from_spec("rank-small", small_overrides(**{"engine.gc_freeze": freeze,
+                                                             "engine.gc_gen0": 20_000}))
     async with eng:
         frozen = gc.get_freeze_count()
         assert (frozen > 1000) == freeze, frozen
+        # The young generation's threshold raised while serving (gc_gen0), with the freeze.
+        assert gc.get_threshold()[0] == (max(20_000, before[0]) if freeze else before[0])
         r = await eng.rank(req(np.random.default_rng(3), 1, 10))
         assert len(r.scores) == 5
     assert gc.get_freeze_count() == 0
+    assert gc.get_threshold() == before
 
 
 async def test_close_mid_flight_settles_every_rank_request():

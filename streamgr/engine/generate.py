@@ -22,6 +22,7 @@ from ..api import GenerateRequest
 from ..errors import IdOutOfRange, InvalidRequest, StreamgrError
 from ..runtime.beam import BeamRequest, BeamSearch
 from ..runtime.plans import PlanCache, bucket_rows
+from ..selection.vocabulary import ItemIndex
 from .rank import BatchOutcome
 
 MAX_BEAM = 4096
@@ -68,10 +69,11 @@ class GenerateVersion:
         if spec.engine.decode_plans and model.shared.weight.is_cuda:
             plans = PlanCache(spec.engine.max_batch, spec.engine.decode_plans)
         self.search = BeamSearch(model, trie, spec.catalog.sid_policy, plans)
-        # Item id -> its SID tokens, by binary search over the sorted catalog ids.
+        # Item id -> its SID tokens: a row of the sorted catalog ids (a table when dense).
         ids = trie.leaf_items
         order = np.argsort(ids, kind="stable")
         self.item_ids = ids[order]
+        self.index = ItemIndex(self.item_ids)
         leaf_of_item = np.repeat(np.arange(len(trie.leaf_ptr) - 1), np.diff(trie.leaf_ptr))
         self._tokens = (trie.leaf_sids[leaf_of_item] + np.asarray(trie.level_offset))[order]
 
@@ -105,8 +107,7 @@ class GenerateVersion:
         if hist.ndim != 1 or (hist.size and hist.dtype.kind not in "iu"):
             raise InvalidRequest("`history` must be a flat list of integers")
         hist = hist.astype(np.int64)[-pol.max_context_items:]
-        pos = np.minimum(np.searchsorted(self.item_ids, hist), len(self.item_ids) - 1)
-        bad = np.nonzero(self.item_ids[pos] != hist)[0]
+        pos, bad = self.index.rows(hist)
         if bad.size:
             raise IdOutOfRange(f"`history` holds item {hist[bad[0]]}, not in the catalog "
                                f"(version {self.name})")

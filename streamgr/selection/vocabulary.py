@@ -175,3 +175,33 @@ def save_catalog(cat: Catalog, path: str | Path) -> None:
     header = "item_id," + ",".join(f"s{i + 1}" for i in range(cat.depth))
     np.savetxt(path, np.concatenate([cat.item_ids[:, None], cat.sids], axis=1), fmt="%d",
                delimiter=",", header=header, comments="")
+
+
+class ItemIndex:
+    """Item id -> its row in the sorted catalog ids, for a request's history on the host.
+
+    Dense ids (non-negative, the largest under ``max(4 n, 2**20)``) get a lookup table: one
+    gather per history. Others take a binary search over the sorted ids. The search cost
+    ~0.2 ms per 256-item history over a million ids on the H200 machine (each probe a cache
+    miss), 73% of the event loop's time in a gen-ref closed-loop run."""
+
+    def __init__(self, sorted_ids: np.ndarray) -> None:
+        self.ids = sorted_ids
+        n = len(sorted_ids)
+        self.table = None
+        if n and sorted_ids[0] >= 0 and sorted_ids[-1] < max(4 * n, 1 << 20):
+            self.table = np.full(int(sorted_ids[-1]) + 1, -1, dtype=np.int32)
+            self.table[sorted_ids] = np.arange(n, dtype=np.int32)
+
+    def rows(self, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(row of each item, positions in ``items`` of those not in the catalog); an unknown
+        item's row is a valid row number, meaningless: callers check the second array first."""
+        if self.table is not None:
+            inside = (items >= 0) & (items < len(self.table))
+            pos = self.table[np.where(inside, items, 0)]
+            bad = np.nonzero(~inside | (pos < 0))[0]
+            return np.maximum(pos, 0), bad
+        if not len(self.ids):
+            return np.zeros(len(items), dtype=np.int64), np.arange(len(items))
+        pos = np.minimum(np.searchsorted(self.ids, items), len(self.ids) - 1)
+        return pos, np.nonzero(self.ids[pos] != items)[0]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from streamgr.kernels.trie_topk import trie_topk_reference
-from streamgr.selection.vocabulary import Catalog, SidTrie, random_catalog
+from streamgr.selection.vocabulary import Catalog, ItemIndex, SidTrie, random_catalog
 
 
 def prefix_children(cat: Catalog) -> dict[tuple, list[int]]:
@@ -91,3 +91,26 @@ def test_fan_out_of_a_gen_ref_sized_catalog():
     assert trie.max_fanout[0] == len(np.unique(cat.sids[:, 0]))
     # The second level's grid is far narrower than a codebook: what makes selection cheap.
     assert trie.max_fanout[1] < 100 and trie.max_fanout[2] <= 3
+
+
+@pytest.mark.parametrize("ids", [
+    np.arange(1000, dtype=np.int64),  # dense: the lookup table
+    np.sort(np.random.default_rng(1).choice(5000, size=1200, replace=False)).astype(np.int64),
+    np.sort(np.random.default_rng(2).integers(0, 2**62, size=300)).astype(np.int64),  # sparse
+    np.array([-7, 3, 9], dtype=np.int64),  # negative ids: the search
+    np.array([], dtype=np.int64),
+])
+def test_item_index_equals_binary_search(ids):
+    """Rows and unknown items as a binary search over the sorted ids finds them, for ids in
+    the catalog, beside it, past its largest id, negative, and huge."""
+    idx = ItemIndex(ids)
+    assert (idx.table is not None) == (len(ids) > 0 and ids[0] >= 0 and ids[-1] < 1 << 20)
+    rng = np.random.default_rng(len(ids))
+    probe = np.concatenate([rng.choice(ids, size=50) if len(ids) else np.zeros(0, np.int64),
+                            [-1, 2**62 + 5, int(ids[-1]) + 1 if len(ids) else 0, 10**7]]).astype(np.int64)
+    rng.shuffle(probe)
+    pos, bad = idx.rows(probe)
+    known = np.isin(probe, ids)
+    assert bad.tolist() == np.nonzero(~known)[0].tolist()
+    assert (ids[pos[known]] == probe[known]).all()
+    assert len(idx.rows(np.zeros(0, np.int64))[1]) == 0

@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..kernels.decoder_attention import self_attend
+from ..kernels.encoder_bias import encoder_bias
 from ..kernels.head_lse import head_log_probs
 
 
@@ -172,10 +173,35 @@ class FeedForward(nn.Module):
         self.wo = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
         self.gated = cfg.gated
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``wo(act(wi(x)))``, plus ``residual`` when given (added in the GEMM, fused path)."""
         if self.gated:  # gated-gelu uses the tanh approximation ("gelu_new")
-            return self.wo(F.gelu(self.wi_0(x), approximate="tanh") * self.wi_1(x))
-        return self.wo(F.relu(self.wi(x)))
+            h = F.gelu(self.wi_0(x), approximate="tanh") * self.wi_1(x)
+        elif fused(x):  # the ReLU in the GEMM's epilogue (cuBLASLt), not a pass of its own
+            zero = self._zero_bias(x)
+            h = torch._addmm_activation(zero, x.reshape(-1, x.shape[-1]), self.wi.weight.t())
+            h = h.view(*x.shape[:-1], -1)
+        else:
+            h = F.relu(self.wi(x))
+        return self.wo(h) if residual is None else residual_linear(residual, h, self.wo)
+
+    def _zero_bias(self, x: torch.Tensor) -> torch.Tensor:
+        """A zero bias of ``d_ff`` for the fused ReLU GEMM (made on first use, outside any
+        capture: the decode plans warm up eagerly first)."""
+        z = getattr(self, "_zero", None)
+        if z is None or z.device != x.device or z.dtype != x.dtype:
+            z = self._zero = torch.zeros(self.wi.weight.shape[0], dtype=x.dtype, device=x.device)
+        return z
+
+
+def residual_linear(x: torch.Tensor, inp: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
+    """``x + lin(inp)``. Half precision on CUDA: one GEMM whose epilogue adds ``x`` (cuBLAS,
+    beta = 1; rounded once, from the fp32 accumulator), not a GEMM and an add kernel; fp32
+    and the CPU keep the two steps (fp32 stays bit-equal to Hugging Face's)."""
+    if not fused(x):
+        return x + lin(inp)
+    return torch.addmm(x.reshape(-1, x.shape[-1]), inp.reshape(-1, inp.shape[-1]),
+                       lin.weight.t()).view(x.shape)
 
 
 class _Sub(nn.Module):
@@ -262,15 +288,14 @@ class T5(nn.Module):
         return attn.relative_attention_bias(b).permute(2, 0, 1).float().contiguous()  # [H, Q, K]
 
     def _encoder_bias(self, attn: Attention, S: int, device) -> torch.Tensor:
-        """``_bias`` of positions ``0..S-1`` against themselves, [H, S, S] fp32: the bias depends
-        on ``j - i`` only, so the table is looked up for the ``2S - 1`` distances and each row
-        is a window of it (an S x S embedding gather cost ~0.37 ms per gen-ref batch)."""
-        rel = torch.arange(-(S - 1), S, device=device)  # index m = j - i + S - 1
+        """``_bias`` of positions ``0..S-1`` against themselves as a [H, 2S - 1] fp32 table of
+        distances (index ``j - i + S - 1``): the bias depends on ``j - i`` only, so the table
+        is looked up for the ``2S - 1`` distances (an S x S embedding gather cost ~0.37 ms per
+        gen-ref batch); ``kernels.encoder_bias`` spreads it over [R, H, S, S] with the mask."""
+        rel = torch.arange(-(S - 1), S, device=device)
         b = relative_bucket(rel, True, self.cfg.relative_attention_num_buckets,
                             self.cfg.relative_attention_max_distance)
-        u = attn.relative_attention_bias(b).t().float()  # [H, 2S - 1]
-        # Row i is u[:, S-1-i : 2S-1-i]: the windows of u, last first.
-        return u.unfold(1, S, 1).flip(1).contiguous()
+        return attn.relative_attention_bias(b).t().float()  # [H, 2S - 1]
 
     @torch.inference_mode()
     def encode(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -279,15 +304,14 @@ class T5(nn.Module):
         S = tokens.shape[1]
         first = self.encoder.block[0].layer[0].SelfAttention
         bt = bias_dtype(x)
-        bias = self._encoder_bias(first, S, tokens.device)[None].to(bt)  # [1, H, S, S]
-        bias = bias + torch.where(mask, 0.0, torch.finfo(bt).min).to(bt)[:, None, None, :]
+        bias = encoder_bias(self._encoder_bias(first, S, tokens.device), mask, bt)  # [R, H, S, S]
         for blk in self.encoder.block:
             sa, ff = blk.layer[0], blk.layer[1]
             h = sa.layer_norm(x)
             a = sa.SelfAttention
             o = attend(a.heads(a.q(h)), a.heads(a.k(h)), a.heads(a.v(h)), bias)
-            x = x + a.o(o.transpose(-3, -2).reshape(x.shape[0], S, -1))
-            x = x + ff.DenseReluDense(ff.layer_norm(x))
+            x = residual_linear(x, o.transpose(-3, -2).reshape(x.shape[0], S, -1), a.o)
+            x = ff.DenseReluDense(ff.layer_norm(x), residual=x)
         return self.encoder.final_layer_norm(x)
 
     @torch.inference_mode()
@@ -331,7 +355,7 @@ class T5(nn.Module):
             # This step's K/V written into the buffer and attended in one kernel (bf16 CUDA).
             o = self_attend(a.q(h).view(N, H, d), a.k(h).view(N, H, d), a.v(h).view(N, H, d),
                             self_k[:, li], self_v[:, li], step, sbias)
-            x = x + a.o(o.reshape(N, 1, -1))
+            x = residual_linear(x, o.reshape(N, 1, -1), a.o)
             h = ca.layer_norm(x)
             c = ca.EncDecAttention
             # A request's beams are the query rows of one [beams, S] product against its own
@@ -340,8 +364,8 @@ class T5(nn.Module):
             q = c.q(h).view(R, beams, cfg.num_heads, cfg.d_kv).transpose(1, 2)  # [R, H, beams, d]
             k, v = cross[li]
             o = attend(q, k, v, cbias)  # [R, H, beams, d]
-            x = x + c.o(o.transpose(1, 2).reshape(N, 1, -1))
-            x = x + ff.DenseReluDense(ff.layer_norm(x))
+            x = residual_linear(x, o.transpose(1, 2).reshape(N, 1, -1), c.o)
+            x = ff.DenseReluDense(ff.layer_norm(x), residual=x)
         y = self.decoder.final_layer_norm(x)[:, 0]
         if cfg.scale_outputs:
             y = y * cfg.d_model ** -0.5

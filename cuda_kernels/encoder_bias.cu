@@ -9,29 +9,24 @@
 // stays in cache.
 #include <cuda_bf16.h>
 
-// table: [H, 2S - 1] fp32; keep: [R, S] bytes (0/1); S % 8 == 0; out: [R, H, S, S] bf16.
+// table: [H, 2S - 1] fp32; keep: [R, S] bytes (0/1), 8-byte aligned rows; S % 8 == 0;
+// out: [R, H, S, S] bf16. Grid (ceil(S * S / 8 / 256), R * H): no 64-bit division per vector.
 extern "C" __global__ void __launch_bounds__(256)
 encoder_bias_bf16(const float* __restrict__ table, const unsigned char* __restrict__ keep,
-                  int R, int H, int S, unsigned short masked_bits,
-                  __nv_bfloat16* __restrict__ out) {
-  const int per_row = S / 8;  // 16-byte vectors per [i, :] row
-  const long long total = (long long)R * H * S * per_row;
-  for (long long v = blockIdx.x * (long long)blockDim.x + threadIdx.x; v < total;
-       v += (long long)gridDim.x * blockDim.x) {
-    const int j0 = (int)(v % per_row) * 8;
-    const long long rest = v / per_row;
-    const int i = (int)(rest % S);
-    const long long rh = rest / S;
-    const int h = (int)(rh % H);
-    const int r = (int)(rh / H);
-    const float* t = table + (long long)h * (2 * S - 1) + (S - 1 - i);
-    const unsigned char* k = keep + (long long)r * S;
-    __align__(16) unsigned short w[8];
+                  int H, int S, unsigned short masked_bits, __nv_bfloat16* __restrict__ out) {
+  const int per_row = S >> 3;  // 16-byte vectors per [i, :] row
+  const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= S * per_row) return;
+  const int rh = blockIdx.y, h = rh % H, r = rh / H;
+  const int i = idx / per_row;
+  const int j0 = (idx - i * per_row) * 8;
+  const float* t = table + (long long)h * (2 * S - 1) + (S - 1 - i) + j0;
+  const uint2 k8 = *reinterpret_cast<const uint2*>(keep + (long long)r * S + j0);
+  const unsigned char* k = reinterpret_cast<const unsigned char*>(&k8);
+  __align__(16) unsigned short w[8];
 #pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      const int j = j0 + q;
-      w[q] = k[j] ? __bfloat16_as_ushort(__float2bfloat16_rn(t[j])) : masked_bits;
-    }
-    reinterpret_cast<uint4*>(out)[v] = *reinterpret_cast<const uint4*>(w);
-  }
+  for (int q = 0; q < 8; ++q)
+    w[q] = k[q] ? __bfloat16_as_ushort(__float2bfloat16_rn(t[q])) : masked_bits;
+  reinterpret_cast<uint4*>(out)[((long long)rh * S + i) * per_row + (j0 >> 3)] =
+      *reinterpret_cast<const uint4*>(w);
 }

@@ -67,7 +67,9 @@ class GenerateVersion:
         self.policy, self.policy_name, self.contract = policy, policy_name, contract
         plans = None
         if spec.engine.decode_plans and model.shared.weight.is_cuda:
-            plans = PlanCache(spec.engine.max_batch, spec.engine.decode_plans)
+            longest = policy.max_context_items * trie.depth + int(policy.append_eos)
+            plans = PlanCache(spec.engine.max_batch, spec.engine.decode_plans,
+                              max_length=max(longest, 1))
         self.search = BeamSearch(model, trie, spec.catalog.sid_policy, plans)
         # Item id -> its SID tokens: a row of the sorted catalog ids (a table when dense).
         ids = trie.leaf_items

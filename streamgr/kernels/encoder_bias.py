@@ -40,15 +40,17 @@ def encoder_bias(table: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype) ->
     if table.dim() != 2 or table.shape[1] != 2 * S - 1:
         raise StreamgrError(f"encoder_bias: table [H, {2 * S - 1}] for keys of {S} positions, "
                             f"got {tuple(table.shape)}")
-    if dtype != torch.bfloat16 or S % 8 or R == 0 or not _cuda.usable(table, keep):
-        return encoder_bias_reference(table, keep, dtype)
     H = table.shape[0]
+    if dtype != torch.bfloat16 or S % 8 or R == 0 or R * H >= 65536 \
+            or not _cuda.usable(table, keep):  # (R * H is the grid's y dimension)
+        return encoder_bias_reference(table, keep, dtype)
     t = table.float().contiguous()
     k = keep.contiguous().view(torch.uint8)
+    if k.data_ptr() % 8:  # the kernel reads 8 mask bytes at a time
+        k = k.clone()
     out = torch.empty(R, H, S, S, dtype=dtype, device=table.device)
-    vectors = R * H * S * S // 8
-    blocks = min(-(-vectors // 256), 132 * 16)
     fn = _cuda.kernel(_SRC, _EXPR, _EXPR[0])
-    _cuda.launch(fn, (blocks,), (256,), (_cuda.ptr(t), _cuda.ptr(k), np.int32(R), np.int32(H),
-                                         np.int32(S), np.uint16(_BF16_MIN_BITS), _cuda.ptr(out)))
+    _cuda.launch(fn, (-(-S * S // 8 // 256), R * H), (256,),
+                 (_cuda.ptr(t), _cuda.ptr(k), np.int32(H), np.int32(S),
+                  np.uint16(_BF16_MIN_BITS), _cuda.ptr(out)))
     return out

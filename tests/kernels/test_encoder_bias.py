@@ -56,6 +56,9 @@ def test_kernel_on_unaligned_views():
     table, keep = _inputs(5, 8, 64, 9, "cuda")
     t_view = table.t().contiguous().t()  # same values, column-major
     k_view = torch.cat([keep[:1], keep])[1:]
-    got = encoder_bias(t_view, k_view, torch.bfloat16)
-    assert torch.equal(got.view(torch.int16),
-                       encoder_bias_reference(table, keep, torch.bfloat16).view(torch.int16))
+    flat = torch.zeros(keep.numel() + 3, dtype=torch.bool, device="cuda")
+    flat[3:] = keep.reshape(-1)
+    k_odd = flat[3:].view_as(keep)  # contiguous, 3 bytes off alignment
+    want = encoder_bias_reference(table, keep, torch.bfloat16).view(torch.int16)
+    for k in (k_view, k_odd):
+        assert torch.equal(encoder_bias(t_view, k, torch.bfloat16).view(torch.int16), want)

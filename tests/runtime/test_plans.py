@@ -19,6 +19,17 @@ def test_row_buckets():
     assert bucket_rows(20, 16) == 20  # a batch over max_batch still gets rows for all
 
 
+def test_length_buckets_end_at_the_longest_context():
+    """Lengths go to multiples of 64, except that the last bucket ends at the policy's longest
+    context (rounded to 16): gen-ref's full 769-token contexts run at 784, not 832."""
+    def length(plans, n):
+        return plans.key([BeamRequest(np.zeros(n, dtype=np.int64), 1, [1])], (1,))[1]
+    capped, plain = PlanCache(16, max_length=769), PlanCache(16)
+    assert [length(capped, n) for n in (1, 64, 65, 700, 768, 769)] == [64, 64, 128, 704, 768, 784]
+    assert [length(plain, n) for n in (1, 700, 769)] == [64, 704, 832]
+    assert length(capped, 900) == 960  # past the cap (not a policy's request): plain buckets
+
+
 def test_padding_changes_no_answer():
     eng = Engine.from_spec("gen-small", {"engine.device": "cpu", "model.dtype": "float32"})
     runner, search = eng.gen_runner, eng.gen_runner.search

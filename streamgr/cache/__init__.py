@@ -1,6 +1,8 @@
-"""The hierarchical user K/V cache (MTServe): metadata (page tables, LRU, locks, quota) in
-``manager`` (pure Python, no tensors), the device page and host chunk stores in ``store``, and the
-per-user event histories for delta requests in ``history``.
+"""The hierarchical user K/V cache (MTServe): metadata in ``manager`` (pure Python, no tensors:
+batches as leases, validation, eviction) built from ``pools`` (free pages and chunks),
+``residency`` (the LRU lists) and ``offload_plan`` (offload jobs under the quota); the device
+page and host chunk stores in ``store``, and the per-user event histories for delta requests in
+``history``.
 
 Must not import engine, protocol or server code.
 """

@@ -5,11 +5,14 @@ device pages holding the first ``device_len`` tokens, the host chunks holding th
 ``persisted_len`` tokens (chunk ``i`` = tokens ``[i*C, (i+1)*C)``), a fingerprint per chunk-sized
 segment of the cached tokens, and the weights version the K/V were computed with.
 
-- LRU in O(1): ordered dicts (hash map + doubly-linked list) of resident users, split into *clean*
-  users (every device token has a host copy: eviction loses nothing) and *dirty* ones (an
-  un-persisted tail is lost on eviction and recomputed on the next visit). ``allocate`` evicts
-  clean users first, then dirty ones, least recently used first, never a user of the current
-  batch or a locked one. Eviction only changes metadata (zero-copy): nothing is copied out.
+- Pools (``pools.IdPool``): the free device pages and host chunks.
+- Residency (``residency.Residency``): LRU lists in O(1) of *clean* users (every device token
+  has a host copy: eviction loses nothing), *dirty* ones (an un-persisted tail is lost on
+  eviction and recomputed on the next visit) and host copies. ``allocate`` evicts clean users
+  first, then dirty ones, least recently used first, never a user of a batch in flight or a
+  locked one. Eviction only changes metadata (zero-copy): nothing is copied out.
+- Leases: ``plan_batch`` pins its users until ``commit_batch`` or ``abort_batch``; several
+  batches may be in flight, never two holding the same user.
 - Offload: a user whose un-persisted tokens fill a chunk is queued; ``plan_offloads`` turns the
   queue into jobs under the offload quota (tokens in flight). Over the quota a job is deferred and
   retried later; a range is marked persisted only by ``finish_offload``. A user is locked while a
@@ -20,13 +23,15 @@ segment of the cached tokens, and the weights version the K/V were computed with
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable
 
 import numpy as np
 
 from .offload_plan import OffloadJob, OffloadPlanning
+from .pools import IdPool
+from .residency import Residency
 
 
 def fingerprint(tokens: np.ndarray) -> int:
@@ -79,13 +84,10 @@ class KVCacheManager(OffloadPlanning):
         self.quota = offload_quota_tokens
         self.hierarchical = hierarchical
         self.users: dict[Hashable, UserEntry] = {}
-        self.free_pages: list[int] = list(range(device_pages - 1, -1, -1))
-        self.free_chunks: list[int] = list(range(host_chunks - 1, -1, -1)) if hierarchical else []
-        self.clean: OrderedDict[Hashable, None] = OrderedDict()
-        self.dirty: OrderedDict[Hashable, None] = OrderedDict()
-        self.host_lru: OrderedDict[Hashable, None] = OrderedDict()
+        self.pages = IdPool(device_pages)
+        self.chunk_pool = IdPool(host_chunks if hierarchical else 0)
+        self.res = Residency(chunk_tokens, hierarchical)
         self.locked: dict[Hashable, OffloadJob] = {}
-        self.wanted: OrderedDict[Hashable, None] = OrderedDict()  # users with a full chunk to offload
         # Users of each batch planned and not yet committed or aborted (a lease per batch):
         # their pages are pinned, and no other batch may plan them meanwhile.
         self._leases: list[frozenset] = []
@@ -94,38 +96,24 @@ class KVCacheManager(OffloadPlanning):
 
     # -- residency bookkeeping -------------------------------------------------------------------
 
+    # -- views of the parts (the offload planner and the tests read these) -----------------------
+
+    clean = property(lambda self: self.res.clean)
+    dirty = property(lambda self: self.res.dirty)
+    host_lru = property(lambda self: self.res.host)
+    wanted = property(lambda self: self.res.wanted)  # users with a full chunk to offload
+
     def _relist(self, e: UserEntry, touch: bool) -> None:
-        """Put a user in the right LRU list (clean/dirty) for its state; ``touch`` makes it MRU."""
-        key = e.key
-        was = self.clean if key in self.clean else self.dirty if key in self.dirty else None
-        now = None
-        if e.device_len > 0:
-            now = self.clean if (self.hierarchical and e.device_len == e.persisted_len(self.C)) \
-                else self.dirty
-        if was is not None and (was is not now or touch):
-            del was[key]
-        if now is not None and (key not in now):
-            now[key] = None
-        if self.hierarchical and e.chunks:
-            if touch or key not in self.host_lru:
-                self.host_lru[key] = None
-                self.host_lru.move_to_end(key)
-        else:
-            self.host_lru.pop(key, None)
-        if self.hierarchical and e.device_len - e.persisted_len(self.C) >= self.C:
-            self.wanted.setdefault(key, None)
-        else:
-            self.wanted.pop(key, None)
+        self.res.relist(e, touch)
 
     def _trim_fps(self, e: UserEntry) -> None:
         del e.fps[_ceil_div(e.cached_len(self.C), self.C):]
 
     def _forget(self, e: UserEntry) -> None:
-        self.free_pages.extend(reversed(e.pages))
-        self.free_chunks.extend(reversed(e.chunks))
+        self.pages.give(e.pages)
+        self.chunk_pool.give(e.chunks)
         e.pages, e.chunks, e.device_len, e.fps = [], [], 0, []
-        for d in (self.clean, self.dirty, self.host_lru, self.wanted):
-            d.pop(e.key, None)
+        self.res.drop(e.key)
         del self.users[e.key]
 
     def _evict_device(self, e: UserEntry) -> None:
@@ -135,7 +123,7 @@ class KVCacheManager(OffloadPlanning):
             self.counters["zero_copy_evictions"] += 1
         else:
             self.counters["tail_tokens_dropped"] += lost
-        self.free_pages.extend(reversed(e.pages))
+        self.pages.give(e.pages)
         e.pages, e.device_len = [], 0
         if not e.chunks:
             self._forget(e)
@@ -145,7 +133,7 @@ class KVCacheManager(OffloadPlanning):
 
     def _evict_host(self, e: UserEntry) -> None:
         self.counters["host_evictions"] += 1
-        self.free_chunks.extend(reversed(e.chunks))
+        self.chunk_pool.give(e.chunks)
         e.chunks = []
         if e.device_len == 0:
             self._forget(e)
@@ -157,12 +145,12 @@ class KVCacheManager(OffloadPlanning):
         """Keep only the first ``n`` cached tokens (``n`` is a multiple of C or the cached length)."""
         if e.device_len > n:
             keep = _ceil_div(n, self.P)
-            self.free_pages.extend(reversed(e.pages[keep:]))
+            self.pages.give(e.pages[keep:])
             del e.pages[keep:]
             e.device_len = n
         keep_chunks = n // self.C
         if len(e.chunks) > keep_chunks:
-            self.free_chunks.extend(reversed(e.chunks[keep_chunks:]))
+            self.chunk_pool.give(e.chunks[keep_chunks:])
             del e.chunks[keep_chunks:]
         if e.cached_len(self.C) == 0:
             self._forget(e)
@@ -170,22 +158,14 @@ class KVCacheManager(OffloadPlanning):
         self._trim_fps(e)
         self._relist(e, touch=False)
 
-    def _evictable(self, lru: OrderedDict, protect: set) -> Hashable | None:
-        for key in lru:
-            if key not in protect and key not in self.locked:
-                return key
-        return None
-
     def allocate(self, n: int, protect: set) -> list[int] | None:
         """``n`` free pages, evicting LRU users outside ``protect`` (clean first); None if impossible."""
-        while len(self.free_pages) < n:
-            key = self._evictable(self.clean, protect)
-            if key is None:
-                key = self._evictable(self.dirty, protect)
+        while len(self.pages) < n:
+            key = self.res.device_victim(protect, self.locked)
             if key is None:
                 return None
             self._evict_device(self.users[key])
-        return [self.free_pages.pop() for _ in range(n)]
+        return self.pages.take(n)
 
     # -- the batch ------------------------------------------------------------------------------
 
@@ -290,11 +270,11 @@ class KVCacheManager(OffloadPlanning):
             if p.transient or e is None:
                 continue
             if p.onload:
-                self.free_pages.extend(reversed(e.pages))
+                self.pages.give(e.pages)
                 e.pages = []
             else:
                 keep = _ceil_div(e.device_len, self.P)
-                self.free_pages.extend(reversed(e.pages[keep:]))
+                self.pages.give(e.pages[keep:])
                 del e.pages[keep:]
             if e.cached_len(self.C) == 0:
                 self._forget(e)
@@ -330,8 +310,9 @@ class KVCacheManager(OffloadPlanning):
                 "deferred_offloads", "host_full", "offload_failures")
 
     def snapshot(self) -> dict:
-        return {**{k: 0 for k in self.COUNTERS},"users": len(self.users), "resident_users": len(self.clean) + len(self.dirty),
-                "free_pages": len(self.free_pages), "free_chunks": len(self.free_chunks),
+        return {**{k: 0 for k in self.COUNTERS}, "users": len(self.users),
+                "resident_users": self.res.resident(),
+                "free_pages": len(self.pages), "free_chunks": len(self.chunk_pool),
                 "queued_offload_tokens": self.queued_tokens, "locked_users": len(self.locked),
                 **self.counters}
 
@@ -339,13 +320,14 @@ class KVCacheManager(OffloadPlanning):
         """Raise AssertionError if the metadata is inconsistent (used by the tests)."""
         owned = [p for e in self.users.values() for p in e.pages]
         assert len(owned) == len(set(owned)), "a page is owned twice"
-        assert not set(owned) & set(self.free_pages), "a page is both free and owned"
-        assert len(owned) + len(self.free_pages) == self.device_pages, "pages leaked"
+        assert not set(owned) & self.pages.free_ids(), "a page is both free and owned"
+        assert len(owned) + len(self.pages) == self.device_pages, "pages leaked"
         chunks = [c for e in self.users.values() for c in e.chunks]
         chunks += [c for j in self.locked.values() for c in j.chunk_ids]
         assert len(chunks) == len(set(chunks)), "a chunk is owned twice"
         total_chunks = self.host_chunks if self.hierarchical else 0
-        assert len(chunks) + len(self.free_chunks) == total_chunks, "chunks leaked"
+        assert not set(chunks) & self.chunk_pool.free_ids(), "a chunk is both free and owned"
+        assert len(chunks) + len(self.chunk_pool) == total_chunks, "chunks leaked"
         queued = 0
         for key, e in self.users.items():
             persisted = e.persisted_len(self.C)

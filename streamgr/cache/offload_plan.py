@@ -21,18 +21,17 @@ class OffloadJob:
 
 
 class OffloadPlanning:
-    """The offload half of ``KVCacheManager`` (``users``, ``wanted``, ``locked``, the quota,
-    the free host chunks and the host LRU are the manager's)."""
+    """The offload half of ``KVCacheManager`` (``users``, ``locked``, the quota, the chunk pool
+    and the residency lists are the manager's)."""
 
     def _host_chunks(self, n: int, protect: set) -> list[int]:
         """Up to ``n`` host chunks, evicting LRU users' host copies outside ``protect``."""
-        while len(self.free_chunks) < n:
-            key = self._evictable(self.host_lru, protect)
+        while len(self.chunk_pool) < n:
+            key = self.res.victim(self.res.host, protect, self.locked)
             if key is None:
                 break
             self._evict_host(self.users[key])
-        take = min(n, len(self.free_chunks))
-        return [self.free_chunks.pop() for _ in range(take)]
+        return self.chunk_pool.take(min(n, len(self.chunk_pool)))
 
     def plan_offloads(self) -> list[OffloadJob]:
         """Jobs for users with full un-persisted chunks, within the quota; the rest is deferred."""
@@ -73,6 +72,6 @@ class OffloadPlanning:
         e = self.users[job.key]
         del self.locked[job.key]
         self.queued_tokens -= job.tokens(self.C)
-        self.free_chunks.extend(reversed(job.chunk_ids))
+        self.chunk_pool.give(job.chunk_ids)
         self.counters["offload_failures"] += 1
         self._relist(e, touch=False)

@@ -1,0 +1,54 @@
+"""The cache manager's parts on their own: the id pools (LIFO reuse, refusal past what is
+free) and the residency lists (clean/dirty/host/wanted by a user's state, LRU victims outside
+protected and locked users)."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamgr.cache.manager import UserEntry
+from streamgr.cache.pools import IdPool
+from streamgr.cache.residency import Residency
+
+
+def test_pool_hands_out_and_reuses_last_freed_first():
+    pool = IdPool(4)
+    assert len(pool) == 4 and pool.take(2) == [0, 1]
+    a = pool.take(1)
+    pool.give([7, 8])  # given back in owned order: 7 comes out first
+    assert pool.take(2) == [7, 8] and a == [2]
+    with pytest.raises(ValueError, match="3 ids asked"):
+        pool.take(3)
+    assert pool.free_ids() == {3} and len(IdPool(0)) == 0
+    with pytest.raises(ValueError):
+        IdPool(-1)
+
+
+def test_residency_lists_follow_the_entry_state():
+    C = 4
+    res = Residency(C, hierarchical=True)
+    e = UserEntry("u", "v1", pages=[0, 1], device_len=8)  # nothing persisted: dirty, wants offload
+    res.relist(e, touch=True)
+    assert "u" in res.dirty and "u" not in res.clean and "u" in res.wanted and "u" not in res.host
+    e.chunks = [5, 6]  # both chunks persisted: clean, on the host, nothing to offload
+    res.relist(e, touch=False)
+    assert "u" in res.clean and "u" not in res.dirty and "u" in res.host and "u" not in res.wanted
+    e.pages, e.device_len = [], 0  # evicted from the device: host only
+    res.relist(e, touch=False)
+    assert res.resident() == 0 and "u" in res.host
+    res.drop("u")
+    assert not (res.clean or res.dirty or res.host or res.wanted)
+
+
+def test_victims_are_least_recent_outside_protected_and_locked():
+    res = Residency(4, hierarchical=True)
+    for k in "abc":
+        res.relist(UserEntry(k, "v", pages=[0], device_len=4, chunks=[1]), touch=True)  # clean
+    res.relist(UserEntry("d", "v", pages=[2], device_len=4), touch=True)  # dirty
+    assert res.device_victim(set(), {}) == "a"
+    assert res.device_victim({"a"}, {"b": object()}) == "c"
+    assert res.device_victim({"a", "b", "c"}, {}) == "d"  # dirty only when no clean one is free
+    assert res.device_victim({"a", "b", "c", "d"}, {}) is None
+    res.relist(UserEntry("a", "v", pages=[0], device_len=4, chunks=[1]), touch=True)  # a: MRU
+    assert res.device_victim(set(), {}) == "b"
+    assert not Residency(4, hierarchical=False).wanted

@@ -18,6 +18,7 @@ import torch
 
 from ..cache import HistoryStore, KVCacheManager
 from ..cache.store import KVStores
+from ..errors import EngineDead
 from ..kernels import paged_kv
 from ..kernels.hstu_attention import JaggedKV, hstu_attention_jagged
 from ..models.hstu import HSTU
@@ -98,6 +99,7 @@ class CachedRankRunner(RankRunner):
                 [(batch[i].user, tokens[batch[i].user]) for i in live], self.version, transient)
         t = self._mark(stages, "metadata", t)
         s = self.streams
+        handles = None
         try:
             with s.use(s.compute):
                 # Onload starts now, on its own thread and streams; the model waits per layer.
@@ -122,6 +124,7 @@ class CachedRankRunner(RankRunner):
                 host, event = read_back(scores)
             self._mark(stages, "model", t)
         except BaseException:
+            self._quiesce(handles)
             with self._meta:
                 self.manager.abort_batch(plans)
             raise
@@ -136,6 +139,7 @@ class CachedRankRunner(RankRunner):
         try:
             scores = f.wait()
         except BaseException:
+            self._quiesce(None)
             with self._meta:
                 self.manager.abort_batch(f.plans)
             raise
@@ -155,6 +159,16 @@ class CachedRankRunner(RankRunner):
             o += c
         self._mark(stages, "postprocess", t)
         return BatchOutcome(results, stages, f.version)
+
+    def _quiesce(self, handles) -> None:
+        """Before a failed batch's pages go back to the pool: its onload has stopped issuing
+        copies (within ``streams.TRANSFER_TIMEOUT_S``), and later device work waits for those
+        already issued. Otherwise a retry could reuse a page while a stale scatter still heads
+        for it. A transfer that never settles leaves the pages unusable: the engine is dead."""
+        if handles is not None and not handles.settle():
+            raise EngineDead("an onload transfer did not settle in time: the pages it writes "
+                             "cannot be reused safely")
+        self.streams.fence_transfers()
 
     def _forward_eager(self, pb, desc, app, handles, stages) -> torch.Tensor:
         """The layer loop from Python: each layer appends its new K/V, waits for its own

@@ -36,10 +36,12 @@ def fail_batch(engine, batch: list, err: Exception) -> None:
     log.exception("batch of %d failed", len(batch), exc_info=err)
     engine.metrics.count("batch_errors")
     # A CUDA error (not an out-of-memory) leaves the context unusable: the engine is dead.
-    fatal = not isinstance(err, torch.cuda.OutOfMemoryError) and "CUDA error" in str(err)
+    # So is a runner that says so (EngineDead: e.g. a transfer that never settled).
+    fatal = isinstance(err, EngineDead) or (
+        not isinstance(err, torch.cuda.OutOfMemoryError) and "CUDA error" in str(err))
     if fatal:
         engine._dead = err
-        wrapped = EngineDead(f"engine is dead: {err!r}")
+        wrapped = err if isinstance(err, EngineDead) else EngineDead(f"engine is dead: {err!r}")
     elif isinstance(err, StreamgrError):
         wrapped = err
     else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 
 import torch
 
@@ -62,12 +63,24 @@ class StreamSet:
         """Make ``stream`` current (torch allocations and kernels then go to it)."""
         return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
 
+    def fence_transfers(self) -> None:
+        """Device work issued to ``compute`` from now on waits for every onload copy and
+        scatter issued so far: pages an aborted batch was onloading can then be reused
+        without a stale scatter landing in them after their new owner's writes."""
+        self.compute.wait_stream(self.onload)
+        self.compute.wait_stream(self.scatter)
+
 
 def threaded_transfers(streams: "StreamSet") -> bool:
     """Onload/offload on their threads: on CUDA, or when ``STREAMGR_THREADED_TRANSFERS=1``
     (``=0`` turns them inline even on CUDA, for A/B runs)."""
     flag = os.environ.get("STREAMGR_THREADED_TRANSFERS", "")
     return streams.cuda if flag not in ("0", "1") else flag == "1"
+
+
+# How long the compute thread waits for a layer's onload copies to be issued, and a failed batch
+# for its onload thread to stop, before calling the transfer hung (read at call time).
+TRANSFER_TIMEOUT_S = 60.0
 
 
 class OnloadFault(RuntimeError):
@@ -98,15 +111,29 @@ class LayerOnloadHandles:
     def wait(self, layer: int) -> None:
         """Make the compute stream wait for ``layer``'s K/V (blocks the host only until the
         copies are issued, never until they land)."""
-        self.issued[layer].wait()
+        if not self.issued[layer].wait(TRANSFER_TIMEOUT_S):
+            raise OnloadFault(self.users, TimeoutError(
+                f"layer {layer}'s onload not issued within {TRANSFER_TIMEOUT_S} s"))
         if self.error is not None:
             raise OnloadFault(self.users, self.error)
         self.streams.compute.wait_event(self.ready[layer])
 
-    def done(self) -> None:
-        """Wait (host) until every layer is issued; raise if the transfer failed."""
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait (host) until the transfer thread has issued or given up every layer, without
+        raising; False if that took longer than ``timeout`` s (default ``TRANSFER_TIMEOUT_S``;
+        the thread may still issue copies)."""
+        timeout = TRANSFER_TIMEOUT_S if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         for e in self.issued:
-            e.wait()
+            if not e.wait(max(0.0, deadline - time.monotonic())):
+                return False
+        return True
+
+    def done(self) -> None:
+        """Wait (host) until every layer is issued; raise if the transfer failed or hung."""
+        if not self.settle():
+            raise OnloadFault(self.users, TimeoutError(
+                f"onload not issued within {TRANSFER_TIMEOUT_S} s"))
         if self.error is not None:
             raise OnloadFault(self.users, self.error)
 

@@ -62,3 +62,53 @@ def test_close_during_a_hung_transfer_returns_within_its_timeout():
     t = time.monotonic()
     assert runner.offload.close(timeout=0.3) is False
     assert time.monotonic() - t < 2.0
+
+
+def test_a_failed_onload_fences_its_transfers_before_its_pages_are_freed(monkeypatch):
+    """Every abort of a batch that was onloading comes after a fence (later device work waits
+    for the copies and scatters already issued), on the threaded pipeline too: otherwise the
+    retry could reuse a page while a stale scatter still heads for it."""
+    rng = np.random.default_rng(0)
+    engines = runners(page_tokens=4, chunk_tokens=8, device_pages=30, host_chunks=64)
+    runner = engines["hierarchical"].runner
+    runner.onload.threaded = True
+    calls = []
+    fence, abort = runner.streams.fence_transfers, runner.manager.abort_batch
+    monkeypatch.setattr(runner.streams, "fence_transfers", lambda: (calls.append("fence"), fence())[1])
+    monkeypatch.setattr(runner.manager, "abort_batch", lambda plans: (calls.append("abort"), abort(plans))[1])
+    for batch in workload(rng, engines):
+        if runner.manager.counters["offloaded_chunks"] and runner.onload_faults < 2:
+            runner.onload.fail_next = True
+        ref = run_batch(engines["recompute"], batch)
+        got = run_batch(engines["hierarchical"], batch)
+        for g, r in zip(got, ref):
+            np.testing.assert_allclose(g[0], r[0], rtol=2e-4, atol=2e-5)
+    assert runner.onload_faults >= 1 and calls.count("abort") == runner.onload_faults
+    assert all(calls[i - 1] == "fence" for i, c in enumerate(calls) if c == "abort"), calls
+    runner.manager.check_invariants()
+
+
+def test_a_hung_onload_fails_the_engine_instead_of_hanging_it(monkeypatch):
+    """A layer's copies not issued within the transfer timeout: the batch cannot wait for ever,
+    and its pages cannot be reused while the stuck thread may still write them, so the runner
+    raises EngineDead (the engine stops serving with that error) within about two timeouts."""
+    import time
+
+    from streamgr.errors import EngineDead
+    from streamgr.streams import streams as streams_mod
+    monkeypatch.setattr(streams_mod, "TRANSFER_TIMEOUT_S", 0.3)
+    rng = np.random.default_rng(0)
+    engines = runners(page_tokens=4, chunk_tokens=8, device_pages=30, host_chunks=64)
+    runner = engines["hierarchical"].runner
+    runner.onload.threaded = True
+    for batch in workload(rng, engines, steps=60):
+        if runner.manager.counters["offloaded_chunks"]:
+            runner.onload.delay_layers = {1: 1.5}  # layer 1's copies stall past the timeout
+        t = time.monotonic()
+        try:
+            run_batch(engines["hierarchical"], batch)
+        except EngineDead as err:
+            assert time.monotonic() - t < 1.4, "waited for the stalled transfer"
+            assert "did not settle" in str(err)
+            return
+    raise AssertionError("no batch onloaded host chunks")

@@ -212,12 +212,12 @@ class CachedRankRunner(RankRunner):
     def _apply_completions(self) -> None:
         q = self.offload.completions
         while not q.empty():
-            job, ok, nbytes = q.get()
-            if ok:
-                self.manager.finish_offload(job)
-                self.bytes_offloaded += nbytes
+            done = q.get()  # streams.offload.OffloadDone
+            if done.ok:
+                self.manager.finish_offload(done.job)
+                self.bytes_offloaded += done.nbytes
             else:
-                self.manager.abort_offload(job)
+                self.manager.abort_offload(done.job)
 
     def flush(self, timeout: float | None = 60.0) -> None:
         """Wait for offloads in flight and apply them (tests, benchmarks, shutdown)."""

@@ -6,9 +6,10 @@ Imports kernels; must not import engine, protocol or server code.
 """
 
 from .null import NullOffload, NullOnload
-from .offload import OffloadPipeline
+from .offload import OffloadDone, OffloadPipeline
 from .onload import OnloadPipeline
 from .streams import LayerOnloadHandles, OnloadFault, StreamSet
 
 __all__ = ["StreamSet", "LayerOnloadHandles", "OnloadFault", "OnloadPipeline", "OffloadPipeline",
+           "OffloadDone",
            "NullOnload", "NullOffload"]

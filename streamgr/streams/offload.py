@@ -13,7 +13,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +25,17 @@ from .streams import StreamSet, threaded_transfers
 log = logging.getLogger("streamgr.offload")
 
 
+@dataclass(frozen=True)
+class OffloadDone:
+    """A finished offload job, as the runner's thread applies it to the cache metadata:
+    ``ok`` False means nothing was persisted (the chunks go back, the job is retried later)."""
+    job: object  # cache.OffloadJob
+    ok: bool
+    nbytes: int
+    seconds: float  # submit to completion
+    error: str | None = None
+
+
 class OffloadPipeline:
     def __init__(self, stores, streams: StreamSet, workers: int = 2,
                  threaded: bool | None = None) -> None:
@@ -30,7 +43,7 @@ class OffloadPipeline:
         # Completed on the completion thread (CUDA), or inline on the CPU unless asked
         # (STREAMGR_THREADED_TRANSFERS=1, see OnloadPipeline).
         self.threaded = threaded_transfers(streams) if threaded is None else threaded
-        self.completions: queue.SimpleQueue = queue.SimpleQueue()  # (job, ok, bytes)
+        self.completions: queue.SimpleQueue = queue.SimpleQueue()  # OffloadDone
         self._pending: queue.SimpleQueue = queue.SimpleQueue()
         self._workers = ThreadPoolExecutor(workers, thread_name_prefix="streamgr-offload")
         self._inflight = 0
@@ -50,6 +63,7 @@ class OffloadPipeline:
         for job in jobs:
             with self._lock:
                 self._inflight += 1
+            t0 = time.perf_counter()
             try:
                 if self.fail_next:
                     self.fail_next = False
@@ -65,13 +79,14 @@ class OffloadPipeline:
                     done = s.event()
                     done.record(s.offload)
                 if self.threaded:
-                    self._pending.put((job, dev, host, done))
+                    self._pending.put((job, dev, host, done, t0))
                 else:  # no DMA to overlap: finish on this thread (see OnloadPipeline.submit)
                     self.stores.host.index_copy_(0, torch.tensor(job.chunk_ids), host)
-                    self._finish(job, True, host.numel() * host.element_size())
-            except Exception:  # noqa: BLE001 - the range stays unpersisted and is retried
+                    self._finish(OffloadDone(job, True, host.numel() * host.element_size(),
+                                             time.perf_counter() - t0))
+            except Exception as err:  # noqa: BLE001 - the range stays unpersisted and is retried
                 log.exception("offload of user %r failed to start", job.key)
-                self._finish(job, False, 0)
+                self._finish(OffloadDone(job, False, 0, time.perf_counter() - t0, repr(err)))
 
     def close(self, timeout: float | None = 60.0) -> bool:
         """Stop the completion thread once the jobs in flight are done (it holds the stores),
@@ -91,19 +106,20 @@ class OffloadPipeline:
             item = self._pending.get()
             if item is None:
                 return
-            job, dev, host, done = item
+            job, dev, host, done, t0 = item
             try:
                 done.synchronize()
                 del dev  # the transient device buffer is free once the copy has landed
                 chunk_ids = torch.tensor(job.chunk_ids, dtype=torch.long)
                 self._workers.submit(self.stores.host.index_copy_, 0, chunk_ids, host).result()
-                self._finish(job, True, host.numel() * host.element_size())
-            except Exception:  # noqa: BLE001
+                self._finish(OffloadDone(job, True, host.numel() * host.element_size(),
+                                         time.perf_counter() - t0))
+            except Exception as err:  # noqa: BLE001
                 log.exception("offload of user %r failed", job.key)
-                self._finish(job, False, 0)
+                self._finish(OffloadDone(job, False, 0, time.perf_counter() - t0, repr(err)))
 
-    def _finish(self, job, ok: bool, nbytes: int) -> None:
-        self.completions.put((job, ok, nbytes))
+    def _finish(self, done: OffloadDone) -> None:
+        self.completions.put(done)
         with self._lock:
             self._inflight -= 1
             self._idle.notify_all()

@@ -112,3 +112,22 @@ def test_a_hung_onload_fails_the_engine_instead_of_hanging_it(monkeypatch):
             assert "did not settle" in str(err)
             return
     raise AssertionError("no batch onloaded host chunks")
+
+
+def test_offload_completions_are_typed_with_their_outcome():
+    """What the offload pipeline reports: the job, whether it persisted, its bytes, its time,
+    and for a failure the error (nothing persisted)."""
+    from streamgr.cache.offload_plan import OffloadJob
+    from streamgr.streams import OffloadDone
+    engines = runners(page_tokens=4, chunk_tokens=8, device_pages=30, host_chunks=64)
+    pipe = engines["hierarchical"].runner.offload
+    good, bad = OffloadJob("u", 0, [3], [0, 1]), OffloadJob("v", 0, [4], [2, 3])
+    pipe.submit([good])
+    pipe.fail_next = True
+    pipe.submit([bad])
+    pipe.wait_idle(5)
+    out = [pipe.completions.get_nowait() for _ in range(2)]
+    assert all(isinstance(d, OffloadDone) for d in out)
+    assert out[0].job is good and out[0].ok and out[0].nbytes > 0 and out[0].error is None
+    assert out[1].job is bad and not out[1].ok and out[1].nbytes == 0
+    assert "injected offload fault" in out[1].error and out[1].seconds >= 0

@@ -54,6 +54,18 @@ def hrw_order(user_id, replica_ids: list[str]) -> list[str]:
     return sorted(replica_ids, key=weight, reverse=True)
 
 
+def replica_rank(replica) -> int | None:
+    """A replica's Serve rank as the router sees it: from its static metadata (recorded once
+    when it became ready, so known from its first request on), else from its periodic routing
+    stats (which arrive up to a stats period later: users hashed before then would have
+    landed elsewhere first, splitting their cache), else None."""
+    for source in ("replica_metadata", "routing_stats"):
+        info = getattr(replica, source, None)
+        if isinstance(info, dict) and isinstance(info.get("rank"), int):
+            return info["rank"]
+    return None
+
+
 class UserAffinityRouter(RequestRouter):
     """Each user's requests to the same replica while it lives (see the module docstring)."""
 
@@ -65,12 +77,12 @@ class UserAffinityRouter(RequestRouter):
         args = pending_request.args if pending_request is not None else None
         if not args:  # not a user's request (stats, versions): any replica
             return [candidate_replicas]
-        # Hash on the replica's Serve rank (0..N-1, reported in its routing stats): a
-        # replacement takes the rank of the replica it replaces, so its users come back to it
-        # and no other user moves. A replica that has not reported a rank yet only takes
-        # spill-over.
-        ranked = {f"rank{r.routing_stats['rank']}": r for r in candidate_replicas
-                  if isinstance(r.routing_stats, dict) and "rank" in r.routing_stats}
+        # Hash on the replica's Serve rank (0..N-1): a replacement takes the rank of the
+        # replica it replaces, so its users come back to it and no other user moves. A replica
+        # whose rank is not known yet only takes spill-over.
+        ranks = {id(r): replica_rank(r) for r in candidate_replicas}
+        ranked = {f"rank{ranks[id(r)]}": r for r in candidate_replicas
+                  if ranks[id(r)] is not None}
         rest = [r for r in candidate_replicas if r not in ranked.values()]
         if not ranked:
             ranked, rest = {r.replica_id.unique_id: r for r in candidate_replicas}, []
@@ -152,7 +164,10 @@ class StreamgrReplica:
         await self._ready()
         return {**self.engine.versions(), "replica": self.replica, "updates_applied": self.applied}
 
-    def record_routing_stats(self) -> dict:  # read by UserAffinityRouter
+    def record_replica_metadata(self) -> dict:  # read by UserAffinityRouter, once at ready
+        return {"rank": self.serve_rank}
+
+    def record_routing_stats(self) -> dict:  # the same, for a Ray without replica metadata
         return {"rank": self.serve_rank}
 
     def check_health(self) -> None:  # Serve's health check: a dead engine gets replaced

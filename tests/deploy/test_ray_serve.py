@@ -13,13 +13,15 @@ import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray")
+# One xdist worker runs every test here (CI: -n 2 --dist loadgroup): one local Ray cluster.
+pytestmark = pytest.mark.xdist_group("ray")
 
 from ray import serve  # noqa: E402
 
 from streamgr import Engine  # noqa: E402
 from streamgr.api import RankRequest  # noqa: E402
 from streamgr.client import AsyncClient  # noqa: E402
-from streamgr.deploy.ray_serve import RayEngine, hrw_order  # noqa: E402
+from streamgr.deploy.ray_serve import RayEngine, hrw_order, replica_rank  # noqa: E402
 from streamgr.server import Server  # noqa: E402
 
 OV = {"engine.device": "cpu", "model.dtype": "float32", "model.max_history": 64,
@@ -35,6 +37,18 @@ def test_rendezvous_moves_only_the_lost_replicas_users():
     for u, r in first.items():
         now = hrw_order(u, left)[0]
         assert now == r if r != "r2" else now == hrw_order(u, reps)[1]
+
+
+def test_a_replicas_rank_comes_from_its_metadata_first():
+    """The router reads a replica's rank from the metadata recorded when it became ready (known
+    from its first request on), then from its routing stats, else has none (spill-over only)."""
+    class Replica:
+        def __init__(self, metadata=None, stats=None):
+            self.replica_metadata, self.routing_stats = metadata or {}, stats or {}
+    assert replica_rank(Replica({"rank": 1}, {"rank": 0})) == 1
+    assert replica_rank(Replica(stats={"rank": 3})) == 3
+    assert replica_rank(Replica()) is None and replica_rank(object()) is None
+    assert replica_rank(Replica({"rank": "0"})) is None  # not an int: not a rank
 
 
 @pytest.fixture(scope="module")

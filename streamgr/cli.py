@@ -10,17 +10,8 @@ import asyncio
 import sys
 from pathlib import Path
 
+from .config import parse_set_pairs
 from .errors import StreamgrError
-
-
-def _overrides(pairs: list[str] | None) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise StreamgrError(f"--set {pair!r}: expected KEY=VALUE, e.g. cache.mode=recompute")
-        out[key.strip()] = value.strip()
-    return out
 
 
 def _add_spec(p: argparse.ArgumentParser, required: bool = True, default: str | None = None) -> None:
@@ -36,7 +27,7 @@ def cmd_init_model(args) -> int:
     from .config import load_spec, spec_to_toml
     from .models import HSTU, hstu_config_from_spec
     from .models.checkpoint import save_checkpoint
-    spec = load_spec(args.spec, _overrides(args.overrides))
+    spec = load_spec(args.spec, parse_set_pairs(args.overrides))
     if spec.model.family == "t5":
         return _init_generator(spec, args)
     cfg = hstu_config_from_spec(spec.model)
@@ -85,7 +76,7 @@ def cmd_contract(args) -> int:
     from .config import load_spec
     from .engine.factory import resolve_device, resolve_dtype
     from .runtime.deployment import build_generator
-    spec = load_spec(args.spec, _overrides(args.overrides))
+    spec = load_spec(args.spec, parse_set_pairs(args.overrides))
     if spec.generate_model is None:
         raise StreamgrError(f"spec {spec.name} has no generate model: no deployment contract")
     device = torch_device("cpu")
@@ -104,7 +95,7 @@ def torch_device(name: str):
 
 def cmd_demo(args) -> int:
     from .demo import format_table, run_demo
-    row = asyncio.run(run_demo(args.spec, _overrides(args.overrides), n_requests=args.requests,
+    row = asyncio.run(run_demo(args.spec, parse_set_pairs(args.overrides), n_requests=args.requests,
                                n_users=args.users, concurrency=args.concurrency, seed=args.seed))
     print(format_table([row]))
     return 0
@@ -121,7 +112,7 @@ def cmd_ray_config(args) -> int:
 
     from .config import load_spec
     from .deploy.ray_serve import serve_config
-    ov = _overrides(args.overrides)
+    ov = parse_set_pairs(args.overrides)
     load_spec(args.spec, ov)  # a bad spec or key fails here, not on the cluster
     print(yaml.safe_dump(serve_config(args.spec, ov, args.replicas, args.router, args.gpus),
                          sort_keys=False), end="")
@@ -130,7 +121,7 @@ def cmd_ray_config(args) -> int:
 
 def cmd_serve(args) -> int:
     from .server.main import main_serve
-    ov = _overrides(args.overrides)
+    ov = parse_set_pairs(args.overrides)
     engine = None
     if args.ray:  # a Ray Serve application of engine replicas behind the socket
         from .deploy.ray_serve import RayEngine, connect
@@ -239,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_admin_commands(sub)
 
     from .trace.cli import add_trace_commands
-    add_trace_commands(sub, _overrides)
+    add_trace_commands(sub, parse_set_pairs)
     return parser
 
 

@@ -255,6 +255,17 @@ _EXCLUSIVE = {"checkpoint": "init_seed", "init_seed": "checkpoint", "path": "ran
               "random_items": "path"}
 
 
+def parse_set_pairs(pairs: list[str] | None) -> dict[str, str]:
+    """``--set KEY=VALUE`` arguments as overrides for ``load_spec`` (values parsed there)."""
+    out: dict[str, str] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SpecError(f"--set {pair!r}: expected KEY=VALUE, e.g. cache.mode=recompute")
+        out[key.strip()] = value.strip()
+    return out
+
+
 def apply_overrides(raw: dict[str, Any], overrides: Mapping[str, Any] | None) -> dict[str, Any]:
     """Set dotted keys in a raw spec dict (a copy). Unknown keys are caught by decoding later.
     The value ``none`` (or ``None`` from code) removes a key, so it takes its default; setting

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from streamgr import Engine  # noqa: E402
 from streamgr.api import GenerateRequest  # noqa: E402
-from streamgr.cli import _overrides  # noqa: E402
+from streamgr.config import parse_set_pairs  # noqa: E402
 from streamgr.trace.run import drive, summarize  # noqa: E402
 
 from host_sampler import HostSampler  # noqa: E402  (tools/, the script's directory)
@@ -205,7 +205,7 @@ def main() -> int:
     ap.add_argument("--fp32-agreement", type=int, default=0, metavar="N",
                     help="also compare N requests with Hugging Face both in fp32 (same device)")
     args = ap.parse_args()
-    ov = _overrides(args.overrides)
+    ov = parse_set_pairs(args.overrides)
     if args.device:
         ov["engine.device"] = args.device
     # The SID trie of a gen-ref-sized catalog (1,000,000 items, 3 x 8,192 codes) from scratch.

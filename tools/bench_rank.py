@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from streamgr.cli import _overrides  # noqa: E402
+from streamgr.config import parse_set_pairs  # noqa: E402
 from streamgr.config import load_spec  # noqa: E402
 from streamgr.engine.core import Engine  # noqa: E402
 from streamgr.trace.replay import batches_of_distinct_users, replay_batches  # noqa: E402
@@ -117,7 +117,7 @@ def main() -> int:
     ap.add_argument("--recompute-every", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    ov = _overrides(args.overrides)
+    ov = parse_set_pairs(args.overrides)
     if args.device:
         ov["engine.device"] = args.device
     spec = load_spec(args.spec, ov)

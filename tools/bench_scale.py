@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from streamgr import Engine  # noqa: E402
 from streamgr.api import RankRequest  # noqa: E402
-from streamgr.cli import _overrides  # noqa: E402
+from streamgr.config import parse_set_pairs  # noqa: E402
 from streamgr.config import load_spec  # noqa: E402
 from streamgr.trace.run import drive, load_requests  # noqa: E402
 from streamgr.trace.synth import write_synth  # noqa: E402
@@ -60,7 +60,7 @@ def main() -> int:
     import ray
 
     from streamgr.deploy.ray_serve import RayEngine
-    ov = _overrides(args.overrides)
+    ov = parse_set_pairs(args.overrides)
     spec = load_spec(args.spec, ov)
     m = spec.model
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from streamgr import Engine  # noqa: E402
 from streamgr.api import GenerateRequest  # noqa: E402
-from streamgr.cli import _overrides  # noqa: E402
+from streamgr.config import parse_set_pairs  # noqa: E402
 from streamgr.selection.vocabulary import CatalogDelta  # noqa: E402
 
 
@@ -90,7 +90,7 @@ def main() -> int:
     ap.add_argument("--every", type=float, default=0.6, help="seconds between refits")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    ov = _overrides(args.overrides)
+    ov = parse_set_pairs(args.overrides)
     if args.device:
         ov["engine.device"] = args.device
     eng = Engine.from_spec(args.spec, ov)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from streamgr import Engine  # noqa: E402
 from streamgr.api import RankRequest  # noqa: E402
-from streamgr.cli import _overrides  # noqa: E402
+from streamgr.config import parse_set_pairs  # noqa: E402
 from streamgr.config import load_spec  # noqa: E402
 from streamgr.trace.run import load_requests  # noqa: E402
 from streamgr.trace.synth import write_synth  # noqa: E402
@@ -77,7 +77,7 @@ def main() -> int:
     ap.add_argument("--every", type=float, default=0.6)
     ap.add_argument("--check", type=int, default=200, help="results recomputed and compared")
     args = ap.parse_args()
-    ov = _overrides(args.overrides)
+    ov = parse_set_pairs(args.overrides)
     if args.device:
         ov["engine.device"] = args.device
     m = load_spec(args.spec, ov).model

@@ -8,7 +8,8 @@
 #     attn: the kernel, rank and cache GPU tests + tools/bench_attention.py (ATTN_ARGS=--quick);
 #     topk: the selection GPU tests + tools/bench_topk.py
 #     inflight: rank-ref trace replays through the engine at engine.rank_in_flight 1 and 2
-#     genprof: the gen-ref bench alone with a torch.profiler kernel table (no tests)
+#     genprof: the gen-ref bench alone with a torch.profiler kernel table and a host profile
+#       (no tests)
 #     update: the GPU tests, then tools/bench_update.py on gen-ref (live updates under traffic)
 #   env: WARMUP/WINDOW (rank bench requests), GEN_REQUESTS (per gen-ref run), GEN_RATES
 #   (open-loop requests/s), HF_REQUESTS (through Hugging Face), GEN_ARGS (more bench flags,
@@ -92,16 +93,16 @@ if [ "$mode" = update ]; then
   summary+=("$(tail -n 1 "$out/bench_update.txt")")
 fi
 if [ "$mode" = genprof ]; then
-  python3 tools/bench_generate.py --spec gen-ref --device cuda --requests ${GEN_REQUESTS:-256} \
-    --concurrency 64 --rates ${GEN_RATES:-} --hf-requests 1 --profile 2 ${GEN_ARGS:-} \
+  python3 tools/bench_generate.py --spec gen-ref --device cuda --requests ${GEN_REQUESTS:-4000} \
+    --concurrency 128 --rates ${GEN_RATES:-} --hf-requests 1 --profile 2 --host-profile ${GEN_ARGS:-} \
     --json "$out/bench_generate.json" 2>"$out/bench_generate.err" | tee "$out/bench_generate.txt"
   grep -v "^\(open loop\|closed loop\)" "$out/bench_generate.err" | tail -n 80
   summary+=("$(tail -n 1 "$out/bench_generate.txt")")
 fi
 if [ "$mode" = full ] || [ "$mode" = gen ]; then
   # gen-ref (WORKLOADS.md): 1,000,000 items, beams of 256, top 256, 256 history items.
-  python3 tools/bench_generate.py --spec gen-ref --device cuda --requests ${GEN_REQUESTS:-512} \
-    --concurrency 64 --rates ${GEN_RATES:-100 200 400 800} --hf-requests ${HF_REQUESTS:-8} \
+  python3 tools/bench_generate.py --spec gen-ref --device cuda --requests ${GEN_REQUESTS:-4000} \
+    --concurrency 128 --rates ${GEN_RATES:-3600 4000} --hf-requests ${HF_REQUESTS:-4} \
     --json "$out/bench_generate.json" ${GEN_ARGS:-} 2>"$out/bench_generate.err" | tee "$out/bench_generate.txt"
   grep -v "^\(open loop\|closed loop\)" "$out/bench_generate.err" | tail -n 15
   summary+=("$(tail -n 1 "$out/bench_generate.txt")")

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from ..api import GenerateRequest
 from ..errors import IdOutOfRange, InvalidRequest, StreamgrError
@@ -160,6 +161,11 @@ class GenerateRunner:
     def __init__(self, version: GenerateVersion) -> None:
         self.active = version
         self.previous: GenerateVersion | None = None
+        # A retired version kept only as storage for the next weights refit (never served):
+        # what ``activate(keep_previous=False)`` drops, so a refit can reuse its tensors and
+        # decode plans instead of capturing new ones (see ``refit_target``).
+        self.spare: GenerateVersion | None = None
+        self.refits_in_place = 0
 
     # The active version's parts, for callers that predate versions.
     model = property(lambda self: self.active.model)
@@ -175,10 +181,50 @@ class GenerateRunner:
 
     def activate(self, version: GenerateVersion, keep_previous: bool = True) -> None:
         """Cut over (executor thread: between batches). The old active version becomes
-        ``previous`` (dropped when ``keep_previous`` is off: its memory goes once no batch in
-        flight holds it)."""
+        ``previous``; with ``keep_previous`` off it is not offered for rollback but kept as the
+        spare (its memory goes with the next spare, once no batch in flight holds it)."""
         old, self.active = self.active, version
+        retired = [v for v in (self.spare, self.previous, old) if v is not None
+                   and v is not version]
         self.previous = old if keep_previous else None
+        # The spare: the most recently retired version that is neither active nor previous.
+        free = [v for v in retired if v is not self.previous]
+        self.spare = free[-1] if free else None
+
+    def refit_target(self, new: GenerateVersion) -> GenerateVersion | None:
+        """A retired version whose storage can take ``new``'s weights: the one this update
+        would drop anyway (the spare, or the previous when it is about to be replaced), with
+        the same trie and policy objects and an equal model architecture. Its decode plans
+        read its own tensors, so writing new weights into them keeps the plans valid: a
+        weights refit then captures nothing (captures beside live traffic cost p99)."""
+        for v in (self.spare, self.previous):
+            if v is not None and v is not self.active and v.trie is new.trie \
+                    and v.policy == new.policy and v.policy_name == new.policy_name \
+                    and v.catalog_name == new.catalog_name and v.model.cfg == new.model.cfg:
+                return v
+        return None
+
+    def refit(self, slot: GenerateVersion, new: GenerateVersion, keep_previous: bool) -> None:
+        """Executor thread, between batches: ``new``'s weights into ``slot``'s tensors, then
+        ``slot`` (renamed ``new``'s) becomes active. The copies are queued on the stream every
+        batch is, after all of them, so a batch still running on ``slot`` reads its old weights
+        to the end; its answers keep the name it was submitted under."""
+        # Out of reach first: a copy that failed half-way must not leave a rollback target
+        # with mixed weights.
+        if self.spare is slot:
+            self.spare = None
+        if self.previous is slot:
+            self.previous = None
+        src = new.model.state_dict()
+        with torch.no_grad():
+            for key, dst in slot.model.state_dict().items():
+                dst.copy_(src[key], non_blocking=True)
+        # The source tensors stay alive until the next refit (long after the queued copies ran):
+        # freed now, their memory could be handed to work on another stream before the copies.
+        self._refit_source = new.model
+        slot.name, slot.weights, slot.contract = new.name, new.weights, new.contract
+        self.refits_in_place += 1
+        self.activate(slot, keep_previous)
 
     def rollback(self) -> GenerateVersion:
         if self.previous is None:
@@ -203,11 +249,11 @@ class GenerateRunner:
         run = [p for p in fresh if not isinstance(p, Exception)]
         sub = v.search.submit([BeamRequest(p.context, p.top_k, p.widths, p.exclude,
                                            p.max_per_prefix) for p in run]) if run else None
-        return fresh, sub, t, v
+        return fresh, sub, t, v, v.name  # the name now: a refit may rename v before finish
 
     def finish(self, handle) -> BatchOutcome:
         """Wait for a submitted batch and answer its requests (completion thread)."""
-        fresh, sub, t, v = handle
+        fresh, sub, t, v, name = handle
         res = iter(v.search.finish(sub) if sub is not None else [])
         out, stages = [], {}
         for p in fresh:
@@ -217,7 +263,7 @@ class GenerateRunner:
             r = next(res)
             stages = dict(r.steps)
             out.append(((r.items, r.scores, r.sids),
-                        {"context_tokens": len(p.context), "version": v.name}))
+                        {"context_tokens": len(p.context), "version": name}))
         stages["total"] = (time.perf_counter() - t) * 1e3
         return BatchOutcome(out, stages)
 

@@ -15,6 +15,10 @@ view. Here:
   cache validates the version).
 - The previous version stays loaded for ``rollback()`` until the next update (or
   ``keep_previous=False``), so a rollback is a cutover too, with no load.
+- A weights-only update whose catalog and policy are those of a retired version (the spare
+  that ``keep_previous=False`` keeps, or the previous one this update replaces) is written
+  into that version's tensors instead (``GenerateRunner.refit``): its decode plans stay valid,
+  so a stream of weight refits captures nothing after the first two versions.
 - Updates run one at a time (a lock); ``versions()`` names what is active and what is kept.
 """
 
@@ -117,15 +121,27 @@ class Updates:
             else:
                 new = await loop.run_in_executor(None, self._build_generate, weights, catalog,
                                                  policy)
-                # Its plans before it serves: the shapes the traffic uses (or the defaults),
-                # captured on a worker thread while the executor keeps serving. A capture is
-                # thread-local (plans.py) into the new version's own memory pool, so the
-                # executor's replays go on beside it; on the executor, each capture (an eager
-                # search, then the graph: ~50 ms at gen-ref) stalled every queued request
-                # (H200: p99 16.6 -> 233.7 ms under updates).
-                keys = self.gen_runner.active.plan_keys()
-                await loop.run_in_executor(None, new.warm_up, keys or None)
-                await self._on_executor(self.gen_runner.activate, new, keep_previous)
+                runner = self.gen_runner
+                keys = runner.active.plan_keys()
+                slot = runner.refit_target(new) if catalog is None and policy is None else None
+                if slot is not None:
+                    # A weights refit: into a retired version's tensors, whose decode plans
+                    # stay valid; only shapes it never captured are captured (worker thread).
+                    have = set(slot.plan_keys())
+                    missing = [k for k in keys if k not in have]
+                    if missing:
+                        await loop.run_in_executor(None, slot.warm_up, missing)
+                    await self._on_executor(runner.refit, slot, new, keep_previous)
+                    self.metrics.count("generate_refits_in_place")
+                else:
+                    # Its plans before it serves: the shapes the traffic uses (or the
+                    # defaults), captured on a worker thread while the executor keeps serving.
+                    # A capture is thread-local (plans.py) into the new version's own memory
+                    # pool, so the executor's replays go on beside it; on the executor, each
+                    # capture (an eager search, then the graph: ~50 ms at gen-ref) stalled
+                    # every queued request (H200: p99 16.6 -> 233.7 ms under updates).
+                    await loop.run_in_executor(None, new.warm_up, keys or None)
+                    await self._on_executor(runner.activate, new, keep_previous)
             self.metrics.count(f"{which}_updates")
         return self.versions()
 

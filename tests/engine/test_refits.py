@@ -1,0 +1,73 @@
+"""Weights refits in place: a weights-only update writes into a retired version's tensors (its
+decode plans stay valid on CUDA) and answers exactly as a fresh engine of those weights; other
+updates build a new version; a batch in flight on the reused version keeps its old name."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from streamgr import Engine
+from tests.engine.test_updates import GEN, answers, requests
+
+
+def _items(results):
+    return [(r.items, np.round(r.scores, 5).tolist()) for r in results]
+
+
+async def _fresh(seed, reqs):
+    async with Engine.from_spec("gen-small", {**GEN, "model.init_seed": seed}) as e:
+        return _items(await answers(e, reqs))
+
+
+async def test_weight_refits_reuse_retired_versions_and_answer_as_fresh_weights():
+    eng = Engine.from_spec("gen-small", GEN)
+    reqs = requests(eng, 6)
+    runner = eng.gen_runner
+    first_model = runner.model
+    async with eng:
+        await eng.update(weights=11, keep_previous=False)  # nothing retired yet: a new version
+        assert runner.refits_in_place == 0 and runner.spare is not None
+        second_model = runner.model
+        for k, seed in enumerate((12, 13, 14)):
+            vs = await eng.update(weights=seed, keep_previous=False)
+            assert runner.refits_in_place == k + 1
+            # The two versions' storage alternates: no third model is built to serve.
+            assert runner.model is (first_model if k % 2 == 0 else second_model)
+            assert runner.previous is None and runner.spare is not None
+            got = await answers(eng, reqs)
+            assert {r.stats.version for r in got} == {vs["generate"]["active"]["version"]}
+            assert _items(got) == await _fresh(seed, reqs), seed
+        assert eng.stats()["counters"]["generate_refits_in_place"] == 3
+
+
+async def test_refit_keeps_rollback_and_other_updates_build_new_versions():
+    eng = Engine.from_spec("gen-small", GEN)
+    reqs = requests(eng, 4)
+    runner = eng.gen_runner
+    async with eng:
+        await eng.update(weights=21)  # active 21, previous: the spec's weights
+        await eng.update(weights=22)  # refit into the spec's version: previous is 21
+        assert runner.refits_in_place == 1
+        await eng.rollback()
+        assert _items(await answers(eng, reqs)) == await _fresh(21, reqs)
+        await eng.update(policy={"max_per_prefix": 2})  # not weights only: a new version
+        assert runner.refits_in_place == 1
+        ids = runner.catalog_items
+        await eng.update(catalog={"remove": [int(ids[0])]})
+        assert runner.refits_in_place == 1
+
+
+async def test_a_batch_in_flight_on_the_reused_version_keeps_its_name():
+    """The version a batch was submitted on names its answers, even when a refit renames that
+    version's storage before the batch is answered."""
+    eng = Engine.from_spec("gen-small", GEN)
+    reqs = requests(eng, 3)
+    runner = eng.gen_runner
+    async with eng:
+        v1 = runner.version
+        handle = runner.submit([runner.prepare(r) for r in reqs])  # in flight on v1's storage
+        await eng.update(weights=31)  # v1 retired to previous
+        await eng.update(weights=32)  # refit into v1's storage, renamed
+        assert runner.refits_in_place == 1 and runner.version != v1
+        out = runner.finish(handle)
+        assert {per["version"] for _, per in out.results} == {v1}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -20,25 +21,40 @@ from .loop import BatchLoop
 GEN_IN_FLIGHT = 2  # generate batches submitted to the device but not yet answered
 
 
-def serving_gc(spec) -> tuple | None:
+_GC_LOCK = threading.Lock()
+_GC_STATE = {"engines": 0, "threshold": None}  # engines serving with gc_freeze; what to restore
+
+
+def serving_gc(spec) -> bool:
     """With ``spec.gc_freeze``: freeze what is alive now (a full collection would otherwise
     walk torch's and the models' objects, 100+ ms stalls) and raise the young generation's
-    threshold to ``spec.gc_gen0``. Returns what ``restore_gc`` puts back."""
+    threshold to ``spec.gc_gen0``. Process-wide settings, so counted: the first engine to
+    start saves the interpreter's threshold, the last to close (``restore_gc``) puts it back
+    and unfreezes. Returns whether this engine took part."""
     if not spec.gc_freeze:
-        return None
-    gc.collect()
-    gc.freeze()
-    before = gc.get_threshold()
-    if spec.gc_gen0:
-        gc.set_threshold(max(spec.gc_gen0, before[0]), *before[1:])
-    return before
+        return False
+    with _GC_LOCK:
+        gc.collect()
+        gc.freeze()
+        if _GC_STATE["engines"] == 0:
+            _GC_STATE["threshold"] = gc.get_threshold()
+        _GC_STATE["engines"] += 1
+        before = _GC_STATE["threshold"]
+        if spec.gc_gen0:
+            gc.set_threshold(max(spec.gc_gen0, gc.get_threshold()[0]), *before[1:])
+    return True
 
 
-def restore_gc(before: tuple | None) -> None:
-    """Undo ``serving_gc``: what it froze may be garbage now, so collectable again."""
-    if before is not None:
-        gc.unfreeze()
-        gc.set_threshold(*before)
+def restore_gc(took_part: bool) -> None:
+    """Undo ``serving_gc`` once no engine serves with it: what it froze may be garbage now,
+    so collectable again, and the interpreter's threshold returns."""
+    if not took_part:
+        return
+    with _GC_LOCK:
+        _GC_STATE["engines"] -= 1
+        if _GC_STATE["engines"] == 0:
+            gc.unfreeze()
+            gc.set_threshold(*_GC_STATE["threshold"])
 
 
 class EngineResources:

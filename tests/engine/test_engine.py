@@ -158,6 +158,23 @@ async def test_gc_freeze_for_the_serving_lifetime(freeze):
     assert gc.get_threshold() == before
 
 
+async def test_gc_settings_last_until_the_last_engine_closes():
+    """Two engines whose lifetimes overlap: the first to close leaves the other's settings in
+    place (freeze, threshold); the last one restores the interpreter's."""
+    import gc
+    gc.unfreeze()
+    before = gc.get_threshold()
+    ov = small_overrides(**{"engine.gc_gen0": 30_000})
+    a, b = Engine.from_spec("rank-small", ov), Engine.from_spec("rank-small", ov)
+    await a.start()
+    await b.start()
+    await a.close()
+    assert gc.get_freeze_count() > 1000 and gc.get_threshold()[0] == max(30_000, before[0])
+    assert len((await b.rank(req(np.random.default_rng(4), 1, 10))).scores) == 5
+    await b.close()
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
+
+
 async def test_close_mid_flight_settles_every_rank_request():
     """A close that does not wait: each admitted request gets its scores or EngineClosed,
     including those of the batch the engine holds when it stops."""

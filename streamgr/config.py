@@ -77,15 +77,15 @@ class EngineSpec(_Section, kw_only=True):
     rank_plans: int = 32
     # Rank batches between submit and answer: 2 prepares batch n+1 (plan, pack, queue) while
     # batch n computes; a user in a batch in flight waits for a later batch. 2 served a
-    # rank-ref trace 3.9x faster than 1 on the H200 (docs/benchmarks.md).
+    # rank-ref trace several times faster than 1 on the H200 (docs/benchmarks.md).
     rank_in_flight: int = 2
     # At start, move every object alive then out of the collector's reach (gc.freeze): a full
     # collection otherwise walks torch's and the models' objects, 100+ ms of stalled serving.
     gc_freeze: bool = True
     # With gc_freeze: allocations between young-generation collections (Python's default is
-    # 700). A gen-ref answer builds ~24,000 short-lived lists per batch of 16: at 700 that was
-    # ~35 collections per batch, each walking the answers still being built (856 collections,
-    # 476 ms in a 3,000-request H200 run). 0 keeps the interpreter's threshold.
+    # 700). A gen-ref answer builds tens of thousands of short-lived lists per batch: at 700
+    # the collector runs dozens of times per batch, each time walking the answers still being
+    # built (docs/benchmarks.md, session 3). 0 keeps the interpreter's threshold.
     gc_gen0: int = 50_000
 
     def __post_init__(self) -> None:

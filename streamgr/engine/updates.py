@@ -138,8 +138,8 @@ class Updates:
                     # defaults), captured on a worker thread while the executor keeps serving.
                     # A capture is thread-local (plans.py) into the new version's own memory
                     # pool, so the executor's replays go on beside it; on the executor, each
-                    # capture (an eager search, then the graph: ~50 ms at gen-ref) stalled
-                    # every queued request (H200: p99 16.6 -> 233.7 ms under updates).
+                    # capture (an eager search, then the graph) stalled every queued request
+                    # (the p99 under updates: docs/benchmarks.md).
                     await loop.run_in_executor(None, new.warm_up, keys or None)
                     await self._on_executor(runner.activate, new, keep_previous)
             self.metrics.count(f"{which}_updates")

@@ -4,7 +4,7 @@ Step ``t`` of the beam search: each beam's new K/V are written at position ``t``
 step's self-K/V buffer and its query attends positions ``0..t`` with T5's relative-position
 bias (no 1/sqrt(d), fp32 softmax). A batched GEMM of [1, d] x [d, <= depth] per row and head
 runs slow tensor-core tiles, and the torch reference below costs a dozen elementwise kernels
-(strided fp32 casts of K and V among them: ~0.4 ms of gen-ref's batch). The Numba CUDA kernel
+(strided fp32 casts of K and V among them). The Numba CUDA kernel
 (``decoder_attention_numba``: a warp per beam and head, pairs of bf16 per 32-bit load) does
 the write and the attention in one launch per layer and step, on torch's stream, inside the
 decode plans' CUDA graphs. bf16 CUDA tensors take it; everything else (fp32, whose results stay

@@ -92,8 +92,8 @@ else:
 def _make_kernel(T: int):
     """The kernel for step ``T - 1`` (``T`` keys). ``T`` is a constant of the compiled code, so
     the loops over keys unroll and the scores stay in registers; with the key count a kernel
-    argument the scores lived in local memory behind runtime-indexed loops (42 us at step 0
-    for a copy and a one-key softmax on the H200)."""
+    argument the scores lived in local memory behind runtime-indexed loops, and a copy with a
+    one-key softmax ran several times its bandwidth bound (docs/benchmarks.md)."""
     step = T - 1
 
     @cuda.jit(**_JIT)

@@ -5,8 +5,9 @@ position bias (a function of ``j - i`` only, so a [heads, 2S - 1] table of dista
 key ``j`` of row ``r`` is real, and the most negative finite value where it is padding.
 ``encoder_bias_reference`` builds it with torch (each query row a window of the table, then a
 broadcast add of the padding); ``encoder_bias`` writes it with one CUDA kernel
-(``cuda_kernels/encoder_bias.cu``: 16-byte stores, 0.22 ms -> bandwidth for gen-ref's batch)
-for bf16 on CUDA, bit-equal to the reference; other dtypes and devices take the reference.
+(``cuda_kernels/encoder_bias.cu``: 16-byte stores; torch's broadcast add ran as a generic
+strided kernel) for bf16 on CUDA, bit-equal to the reference; other dtypes and devices take
+the reference. Timings: ``tools/bench_encoder_bias.py``, docs/benchmarks.md.
 """
 
 from __future__ import annotations

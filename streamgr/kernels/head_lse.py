@@ -3,8 +3,8 @@
 Beam search needs log-probabilities of a few columns per row (a beam's trie children: <= 177
 of gen-ref's 24,579 tokens after the first step), but log-softmax over the full vocabulary is
 what makes them equal to Hugging Face's. Writing the fp32 [rows, vocab] matrix costs more than
-the head GEMM itself (on the H200 at gen-ref's 4,096 rows: a 0.35 ms strided cast plus a
-0.27 ms log-softmax, against 0.16 ms for the GEMM). ``head_log_probs`` instead reads the bf16
+the head GEMM itself (a strided cast plus a log-softmax over it: docs/benchmarks.md).
+``head_log_probs`` instead reads the bf16
 logits once (``cuda_kernels/head_lse.cu``: per row max ``m`` and ``log(sum(exp(x - m)))`` in
 fp32) and ``LogProbs.gather`` forms ``(x - m) - logsum`` for the gathered columns only: torch's
 own log-softmax epilogue; only the order of the fp32 sum differs. fp32 logits, the CPU and

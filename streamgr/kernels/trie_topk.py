@@ -79,7 +79,7 @@ def _check(scores, nodes, logp, k, fanout):
 
 
 # STREAMGR_SELECTION=numba serves with the Numba kernels. Not the default: on the H200 they
-# ran 0.4-1.0x torch.topk's speed at gen-ref's shapes (docs/benchmarks.md).
+# ran slower than torch.topk at gen-ref's shapes (docs/benchmarks.md).
 DEFAULT_IMPL = os.environ.get("STREAMGR_SELECTION", "topk").lower()
 
 

@@ -125,10 +125,11 @@ def bias_dtype(x: torch.Tensor) -> torch.dtype:
 
 _fused_attention_ok = True
 # cuDNN's fused attention first, the memory-efficient kernel where cuDNN refuses a shape.
-# On the H200 (tools/bench_t5_attention.py, docs/benchmarks.md) cuDNN runs gen-ref's encoder
-# layer in 0.13 ms against 0.30 and its cross-attention in 0.036 against 0.084. cuDNN builds a
-# plan per new shape (~3 ms of CPU): the decode plans capture each shape once, and eager mode
-# pays it once per shape. STREAMGR_T5_ATTENTION=efficient keeps the memory-efficient kernel only.
+# On the H200 cuDNN ran gen-ref's encoder layer and cross-attention in under half the
+# memory-efficient kernel's time (tools/bench_t5_attention.py, docs/benchmarks.md). cuDNN
+# builds a plan per new shape (milliseconds of CPU): the decode plans capture each shape once,
+# and eager mode pays it once per shape. STREAMGR_T5_ATTENTION=efficient keeps the
+# memory-efficient kernel only.
 _BACKENDS = ([SDPBackend.EFFICIENT_ATTENTION]
              if os.environ.get("STREAMGR_T5_ATTENTION", "cudnn") == "efficient"
              else [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
@@ -245,8 +246,8 @@ class T5(nn.Module):
         """Give the output head a row count that is a multiple of ``multiple``: the head's
         weight becomes the first ``vocab_size`` rows of a zero-padded buffer, and the head GEMM
         runs over the whole buffer (its extra logits are sliced off before the softmax). With
-        gen-ref's 24,579 tokens the unaligned GEMM fell to sm75 tiles, ~1 ms a step. A view,
-        not a copy: weights written in place stay the head's weights."""
+        gen-ref's 24,579 tokens the unaligned GEMM fell to slow sm75 tiles. A view, not a
+        copy: weights written in place stay the head's weights."""
         head = self.shared if self.cfg.tie_word_embeddings else self.lm_head
         w = head.weight
         rows = -(-w.shape[0] // multiple) * multiple
@@ -290,8 +291,8 @@ class T5(nn.Module):
     def _encoder_bias(self, attn: Attention, S: int, device) -> torch.Tensor:
         """``_bias`` of positions ``0..S-1`` against themselves as a [H, 2S - 1] fp32 table of
         distances (index ``j - i + S - 1``): the bias depends on ``j - i`` only, so the table
-        is looked up for the ``2S - 1`` distances (an S x S embedding gather cost ~0.37 ms per
-        gen-ref batch); ``kernels.encoder_bias`` spreads it over [R, H, S, S] with the mask."""
+        is looked up for the ``2S - 1`` distances (not an S x S embedding gather);
+        ``kernels.encoder_bias`` spreads it over [R, H, S, S] with the mask."""
         rel = torch.arange(-(S - 1), S, device=device)
         b = relative_bucket(rel, True, self.cfg.relative_attention_num_buckets,
                             self.cfg.relative_attention_max_distance)

@@ -5,7 +5,7 @@ search (encoder, and per step decoder, trie-child selection, top-k and compactio
 shapes once the batch's rows, encoder length and step widths are fixed, and it never waits on
 the device; so ``BeamSearch.search`` is captured whole, per shape, and a batch costs a copy of
 its inputs, one graph launch and a read-back. In eager mode the same batch is ~1,000 kernel
-launches from Python, which bounded gen-ref at ~20 ms of host time per batch.
+launches from Python, which made the host, not the device, the bound (docs/benchmarks.md).
 
 Shapes are bucketed so a few plans serve all traffic: rows to a power of two (or the engine's
 ``max_batch``), idle rows given one EOS token and width 0 (their beams are -inf from the first
@@ -58,8 +58,8 @@ class DecodePlan:
         with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.out = search.search(self.tokens, self.mask, self.cap, w_steps)
         # Two pinned staging sets, used in turn: a batch's inputs are packed straight into
-        # one (no per-batch pinned allocation: three pin_memory() calls cost ~0.4 ms of host
-        # time per batch on the H200 machine) while the other may still be in its copy.
+        # one (no per-batch pinned allocation, a visible host cost per batch in the H200
+        # profiles) while the other may still be in its copy.
         self._host = [tuple(torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
                             for x in (self.tokens, self.mask, self.cap)) for _ in range(2)]
         self._copied = [torch.cuda.Event(), torch.cuda.Event()]

@@ -181,9 +181,9 @@ class ItemIndex:
     """Item id -> its row in the sorted catalog ids, for a request's history on the host.
 
     Dense ids (non-negative, the largest under ``max(4 n, 2**20)``) get a lookup table: one
-    gather per history. Others take a binary search over the sorted ids. The search cost
-    ~0.2 ms per 256-item history over a million ids on the H200 machine (each probe a cache
-    miss), 73% of the event loop's time in a gen-ref closed-loop run."""
+    gather per history. Others take a binary search over the sorted ids, where each probe
+    into a million ids is a cache miss: in a gen-ref closed-loop run that search was most of
+    the event loop's time (docs/benchmarks.md, session 3)."""
 
     def __init__(self, sorted_ids: np.ndarray) -> None:
         self.ids = sorted_ids

@@ -11,6 +11,7 @@
 #     genprof: the gen-ref bench alone with a torch.profiler kernel table and a host profile
 #       (no tests)
 #     update: the GPU tests, then tools/bench_update.py on gen-ref (live updates under traffic)
+#     verify: the GPU tests, bench_update on gen-ref, then the gen-ref bench (GEN_RATES)
 #   env: WARMUP/WINDOW (rank bench requests), GEN_REQUESTS (per gen-ref run), GEN_RATES
 #   (open-loop requests/s), HF_REQUESTS (through Hugging Face), GEN_ARGS (more bench flags,
 #   e.g. "--profile 2 --fp32-agreement 16")
@@ -86,7 +87,7 @@ if [ "$mode" = inflight ]; then
     summary+=("rank_in_flight=$k: $(grep "^ *hierarchical " "$out/replay_inflight$k.txt" | tail -n 1)")
   done
 fi
-if [ "$mode" = update ]; then
+if [ "$mode" = update ] || [ "$mode" = verify ]; then
   python3 tools/bench_update.py --spec gen-ref --device cuda --rate ${UPDATE_RATE:-1000} \
     --seconds ${UPDATE_SECONDS:-8} 2>"$out/bench_update.err" | tee "$out/bench_update.txt"
   tail -n 5 "$out/bench_update.err"
@@ -99,7 +100,7 @@ if [ "$mode" = genprof ]; then
   grep -v "^\(open loop\|closed loop\)" "$out/bench_generate.err" | tail -n 80
   summary+=("$(tail -n 1 "$out/bench_generate.txt")")
 fi
-if [ "$mode" = full ] || [ "$mode" = gen ]; then
+if [ "$mode" = full ] || [ "$mode" = gen ] || [ "$mode" = verify ]; then
   # gen-ref (WORKLOADS.md): 1,000,000 items, beams of 256, top 256, 256 history items.
   python3 tools/bench_generate.py --spec gen-ref --device cuda --requests ${GEN_REQUESTS:-4000} \
     --concurrency 128 --rates ${GEN_RATES:-3600 4000} --hf-requests ${HF_REQUESTS:-4} \

@@ -96,16 +96,6 @@ class KVCacheManager(OffloadPlanning):
 
     # -- residency bookkeeping -------------------------------------------------------------------
 
-    # -- views of the parts (the offload planner and the tests read these) -----------------------
-
-    clean = property(lambda self: self.res.clean)
-    dirty = property(lambda self: self.res.dirty)
-    host_lru = property(lambda self: self.res.host)
-    wanted = property(lambda self: self.res.wanted)  # users with a full chunk to offload
-
-    def _relist(self, e: UserEntry, touch: bool) -> None:
-        self.res.relist(e, touch)
-
     def _trim_fps(self, e: UserEntry) -> None:
         del e.fps[_ceil_div(e.cached_len(self.C), self.C):]
 
@@ -129,7 +119,7 @@ class KVCacheManager(OffloadPlanning):
             self._forget(e)
             return
         self._trim_fps(e)
-        self._relist(e, touch=False)
+        self.res.relist(e, touch=False)
 
     def _evict_host(self, e: UserEntry) -> None:
         self.counters["host_evictions"] += 1
@@ -139,7 +129,7 @@ class KVCacheManager(OffloadPlanning):
             self._forget(e)
             return
         self._trim_fps(e)
-        self._relist(e, touch=False)
+        self.res.relist(e, touch=False)
 
     def _truncate(self, e: UserEntry, n: int) -> None:
         """Keep only the first ``n`` cached tokens (``n`` is a multiple of C or the cached length)."""
@@ -156,7 +146,7 @@ class KVCacheManager(OffloadPlanning):
             self._forget(e)
             return
         self._trim_fps(e)
-        self._relist(e, touch=False)
+        self.res.relist(e, touch=False)
 
     def allocate(self, n: int, protect: set) -> list[int] | None:
         """``n`` free pages, evicting LRU users outside ``protect`` (clean first); None if impossible."""
@@ -260,7 +250,7 @@ class KVCacheManager(OffloadPlanning):
             del e.fps[first:]
             for i in range(first, _ceil_div(p.length, self.C)):
                 e.fps.append(fingerprint(toks[i * self.C:min((i + 1) * self.C, p.length)]))
-            self._relist(e, touch=True)
+            self.res.relist(e, touch=True)
         self._release(plans)
 
     def abort_batch(self, plans: list[UserPlan]) -> None:
@@ -336,13 +326,13 @@ class KVCacheManager(OffloadPlanning):
             if e.device_len:
                 assert persisted <= e.device_len, f"{key}: persisted beyond the device copy"
                 clean = self.hierarchical and persisted == e.device_len
-                assert (key in self.clean) == clean and (key in self.dirty) == (not clean)
+                assert (key in self.res.clean) == clean and (key in self.res.dirty) == (not clean)
             else:
-                assert key not in self.clean and key not in self.dirty
+                assert key not in self.res.clean and key not in self.res.dirty
             assert e.cached_len(self.C) > 0 or key in self.in_batch, f"{key}: empty entry kept"
             assert len(e.fps) == _ceil_div(e.cached_len(self.C), self.C), f"{key}: fingerprints"
         for key, job in self.locked.items():
             assert self.users[key].device_len >= (job.first_chunk + len(job.chunk_ids)) * self.C
             queued += job.tokens(self.C)
         assert queued == self.queued_tokens <= max(self.quota, 0), "offload quota"
-        assert set(self.clean) | set(self.dirty) == {k for k, e in self.users.items() if e.device_len}
+        assert set(self.res.clean) | set(self.res.dirty) == {k for k, e in self.users.items() if e.device_len}

@@ -36,7 +36,7 @@ class OffloadPlanning:
     def plan_offloads(self) -> list[OffloadJob]:
         """Jobs for users with full un-persisted chunks, within the quota; the rest is deferred."""
         jobs = []
-        for key in list(self.wanted):
+        for key in list(self.res.wanted):
             if key in self.locked:
                 continue
             e = self.users[key]
@@ -54,7 +54,7 @@ class OffloadPlanning:
             job = OffloadJob(key, first, chunks, e.pages[first * per:(first + len(chunks)) * per])
             self.locked[key] = job
             self.queued_tokens += job.tokens(self.C)
-            self.wanted.pop(key, None)
+            self.res.wanted.pop(key, None)
             jobs.append(job)
         return jobs
 
@@ -65,7 +65,7 @@ class OffloadPlanning:
         assert len(e.chunks) == job.first_chunk, "offload jobs of one user are serialized"
         e.chunks.extend(job.chunk_ids)
         self.counters["offloaded_chunks"] += len(job.chunk_ids)
-        self._relist(e, touch=False)
+        self.res.relist(e, touch=False)
 
     def abort_offload(self, job: OffloadJob) -> None:
         """A failed transfer: the chunks go back, nothing is marked persisted, retry later."""
@@ -74,4 +74,4 @@ class OffloadPlanning:
         self.queued_tokens -= job.tokens(self.C)
         self.chunk_pool.give(job.chunk_ids)
         self.counters["offload_failures"] += 1
-        self._relist(e, touch=False)
+        self.res.relist(e, touch=False)

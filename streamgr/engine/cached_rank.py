@@ -196,7 +196,7 @@ class CachedRankRunner(RankRunner):
 
     @property
     def has_background_work(self) -> bool:
-        return bool(self.manager.wanted) or not self.offload.completions.empty()
+        return bool(self.manager.res.wanted) or not self.offload.completions.empty()
 
     def background(self) -> None:
         """Start offloading users' filled chunks (within the quota); returns at once. Finished

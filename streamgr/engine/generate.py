@@ -66,11 +66,12 @@ class GenerateVersion:
         self.name, self.model, self.weights = name, model, weights
         self.catalog, self.catalog_name, self.trie = catalog, catalog_name, trie
         self.policy, self.policy_name, self.contract = policy, policy_name, contract
+        # The longest encoder context the policy allows (SID tokens of every item, then EOS).
+        self.max_context = max(policy.max_context_items * trie.depth + int(policy.append_eos), 1)
         plans = None
         if spec.engine.decode_plans and model.shared.weight.is_cuda:
-            longest = policy.max_context_items * trie.depth + int(policy.append_eos)
             plans = PlanCache(spec.engine.max_batch, spec.engine.decode_plans,
-                              max_length=max(longest, 1))
+                              max_length=self.max_context)
         self.search = BeamSearch(model, trie, spec.catalog.sid_policy, plans)
         # Item id -> its SID tokens: a row of the sorted catalog ids (a table when dense).
         ids = trie.leaf_items
@@ -149,8 +150,7 @@ class GenerateVersion:
             for key in keys:
                 plans.capture(self.search, key)
             return
-        n = self.policy.max_context_items * self.trie.depth + int(self.policy.append_eos)
-        ctx = np.full(n, self.model.cfg.eos_token_id, dtype=np.int64)
+        ctx = np.full(self.max_context, self.model.cfg.eos_token_id, dtype=np.int64)
         for rows in sorted({bucket_rows(r, plans.max_rows) for r in range(1, plans.max_rows + 1)}):
             self.search.run([BeamRequest(ctx, 1, list(self.policy.beam_widths))] * rows)
 
@@ -166,6 +166,7 @@ class GenerateRunner:
         # decode plans instead of capturing new ones (see ``refit_target``).
         self.spare: GenerateVersion | None = None
         self.refits_in_place = 0
+        self._refit_source = None  # the last refit's source weights (see ``refit``)
 
     # The active version's parts, for callers that predate versions.
     model = property(lambda self: self.active.model)
@@ -184,12 +185,13 @@ class GenerateRunner:
         ``previous``; with ``keep_previous`` off it is not offered for rollback but kept as the
         spare (its memory goes with the next spare, once no batch in flight holds it)."""
         old, self.active = self.active, version
-        retired = [v for v in (self.spare, self.previous, old) if v is not None
-                   and v is not version]
-        self.previous = old if keep_previous else None
-        # The spare: the most recently retired version that is neither active nor previous.
-        free = [v for v in retired if v is not self.previous]
-        self.spare = free[-1] if free else None
+        # The version this cutover retires (the old previous, or the old active itself) is
+        # the new spare; anything older goes.
+        retired, self.previous = (self.previous, old) if keep_previous else (old, None)
+        if retired is not None and retired is not version:
+            self.spare = retired
+        if self.spare is version or self.spare is self.previous:
+            self.spare = None
 
     def refit_target(self, new: GenerateVersion) -> GenerateVersion | None:
         """A retired version whose storage can take ``new``'s weights: the one this update

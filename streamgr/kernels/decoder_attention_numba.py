@@ -153,13 +153,7 @@ def _make_kernel(T: int):
     return kernel
 
 
-_KERNELS = {}
-
-
-def _kernel(T: int):
-    if T not in _KERNELS:
-        _KERNELS[T] = _make_kernel(T)
-    return _KERNELS[T]
+_kernel = functools.lru_cache(maxsize=None)(_make_kernel)  # one compiled kernel per key count
 
 
 @functools.lru_cache(maxsize=64)

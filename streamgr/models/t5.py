@@ -283,20 +283,22 @@ class T5(nn.Module):
     def _bias(self, attn: Attention, q_pos: torch.Tensor, k_pos: torch.Tensor,
               bidirectional: bool) -> torch.Tensor:
         rel = k_pos[None, :] - q_pos[:, None]
+        # Contiguous: the fused attention kernel needs the key dimension at stride 1.
+        return self._bucket_bias(attn, rel, bidirectional).permute(2, 0, 1).contiguous()  # [H, Q, K]
+
+    def _bucket_bias(self, attn: Attention, rel: torch.Tensor,
+                     bidirectional: bool) -> torch.Tensor:
+        """The bias of each relative position in ``rel`` (key - query): [..., H] fp32."""
         b = relative_bucket(rel, bidirectional, self.cfg.relative_attention_num_buckets,
                             self.cfg.relative_attention_max_distance)
-        # Contiguous: the fused attention kernel needs the key dimension at stride 1.
-        return attn.relative_attention_bias(b).permute(2, 0, 1).float().contiguous()  # [H, Q, K]
+        return attn.relative_attention_bias(b).float()
 
     def _encoder_bias(self, attn: Attention, S: int, device) -> torch.Tensor:
         """``_bias`` of positions ``0..S-1`` against themselves as a [H, 2S - 1] fp32 table of
         distances (index ``j - i + S - 1``): the bias depends on ``j - i`` only, so the table
         is looked up for the ``2S - 1`` distances (not an S x S embedding gather);
         ``kernels.encoder_bias`` spreads it over [R, H, S, S] with the mask."""
-        rel = torch.arange(-(S - 1), S, device=device)
-        b = relative_bucket(rel, True, self.cfg.relative_attention_num_buckets,
-                            self.cfg.relative_attention_max_distance)
-        return attn.relative_attention_bias(b).t().float()  # [H, 2S - 1]
+        return self._bucket_bias(attn, torch.arange(-(S - 1), S, device=device), True).t()
 
     @torch.inference_mode()
     def encode(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,8 @@ beam), log-softmax over the full vocabulary, each beam's trie children scored as
 [beams, widest fan-out] grid (what is not a child is not a candidate) and the top ``W_t`` per
 request over that grid kept, best first, ties to the lower grid index (``kernels.trie_topk``:
 the same set as over beams x codebook with non-children masked, in far less memory), and the
-survivors' self
-K/V gathered, whole [heads x d] rows per position, into the next step's buffer (compaction). Scores are summed log-probabilities, as Hugging Face's beam search with
+survivors' self K/V gathered, whole [heads x d] rows per position, into the next step's buffer
+(compaction). Scores are summed log-probabilities, as Hugging Face's beam search with
 ``prefix_allowed_tokens_fn`` and no length penalty. No illegal SID can come out: only trie
 children are ever selectable.
 """

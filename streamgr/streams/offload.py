@@ -82,11 +82,10 @@ class OffloadPipeline:
                     self._pending.put((job, dev, host, done, t0))
                 else:  # no DMA to overlap: finish on this thread (see OnloadPipeline.submit)
                     self.stores.host.index_copy_(0, torch.tensor(job.chunk_ids), host)
-                    self._finish(OffloadDone(job, True, host.numel() * host.element_size(),
-                                             time.perf_counter() - t0))
+                    self._finish(job, t0, host)
             except Exception as err:  # noqa: BLE001 - the range stays unpersisted and is retried
                 log.exception("offload of user %r failed to start", job.key)
-                self._finish(OffloadDone(job, False, 0, time.perf_counter() - t0, repr(err)))
+                self._finish(job, t0, error=err)
 
     def close(self, timeout: float | None = 60.0) -> bool:
         """Stop the completion thread once the jobs in flight are done (it holds the stores),
@@ -112,14 +111,17 @@ class OffloadPipeline:
                 del dev  # the transient device buffer is free once the copy has landed
                 chunk_ids = torch.tensor(job.chunk_ids, dtype=torch.long)
                 self._workers.submit(self.stores.host.index_copy_, 0, chunk_ids, host).result()
-                self._finish(OffloadDone(job, True, host.numel() * host.element_size(),
-                                         time.perf_counter() - t0))
+                self._finish(job, t0, host)
             except Exception as err:  # noqa: BLE001
                 log.exception("offload of user %r failed", job.key)
-                self._finish(OffloadDone(job, False, 0, time.perf_counter() - t0, repr(err)))
+                self._finish(job, t0, error=err)
 
-    def _finish(self, done: OffloadDone) -> None:
-        self.completions.put(done)
+    def _finish(self, job, t0: float, host: torch.Tensor | None = None,
+                error: Exception | None = None) -> None:
+        """Report ``job``: persisted (``host`` holds its bytes) or failed (``error``)."""
+        nbytes = host.numel() * host.element_size() if error is None else 0
+        self.completions.put(OffloadDone(job, error is None, nbytes, time.perf_counter() - t0,
+                                         None if error is None else repr(error)))
         with self._lock:
             self._inflight -= 1
             self._idle.notify_all()

@@ -111,11 +111,7 @@ class LayerOnloadHandles:
     def wait(self, layer: int) -> None:
         """Make the compute stream wait for ``layer``'s K/V (blocks the host only until the
         copies are issued, never until they land)."""
-        if not self.issued[layer].wait(TRANSFER_TIMEOUT_S):
-            raise OnloadFault(self.users, TimeoutError(
-                f"layer {layer}'s onload not issued within {TRANSFER_TIMEOUT_S} s"))
-        if self.error is not None:
-            raise OnloadFault(self.users, self.error)
+        self._raise_if_failed(self.issued[layer].wait(TRANSFER_TIMEOUT_S), f"layer {layer}'s onload")
         self.streams.compute.wait_event(self.ready[layer])
 
     def settle(self, timeout: float | None = None) -> bool:
@@ -131,9 +127,12 @@ class LayerOnloadHandles:
 
     def done(self) -> None:
         """Wait (host) until every layer is issued; raise if the transfer failed or hung."""
-        if not self.settle():
+        self._raise_if_failed(self.settle(), "onload")
+
+    def _raise_if_failed(self, issued: bool, what: str) -> None:
+        if not issued:
             raise OnloadFault(self.users, TimeoutError(
-                f"onload not issued within {TRANSFER_TIMEOUT_S} s"))
+                f"{what} not issued within {TRANSFER_TIMEOUT_S} s"))
         if self.error is not None:
             raise OnloadFault(self.users, self.error)
 

@@ -23,12 +23,15 @@
 // starts from zero and walks its key tiles in order, k16 step by k16 step; a masked or
 // zero-filled key contributes an exact zero.
 //
-// Block: 4 warps x 2 m-tiles of 16 query rows (each K/V fragment feeds two MMAs); per 32-key
-// tile, S = Q K^T stays in registers, SiLU and the mask apply there, P is repacked in registers
-// as the A operand of O += P V (FlashAttention-2's register reuse). K/V tiles arrive by
-// cp.async, three stages deep; shared rows are padded by 16 bytes so ldmatrix's eight row
-// addresses fall in distinct bank groups. Q, K, V are read through row strides (views of one
-// fused projection need no copy).
+// Block: 4 warps x 2 m-tiles of 16 query rows (each K/V fragment feeds two MMAs; a warp whose
+// second m-tile has no rows computes one). K/V tiles of BN keys (64) arrive by cp.async,
+// STAGES deep (2), and are computed SUB keys (32) at a time: S = Q K^T stays in registers,
+// SiLU and the mask apply there, P is repacked in registers as the A operand of O += P V
+// (FlashAttention-2's register reuse). SiLU takes one MUFU op (tanh), not two (exp and a
+// reciprocal). Shared rows are padded by 16 bytes so ldmatrix's eight row addresses fall in
+// distinct bank groups. Q, K, V are read through row strides (views of one fused projection
+// need no copy). BN, STAGES and SUB are macros (HSTU_BN, HSTU_STAGES, HSTU_SUB) the wrapper
+// sets; hstu_attention_wgmma.cu is the same work on Hopper's warpgroup MMA.
 // No torch headers: compiled by NVRTC through CuPy's RawModule.
 
 #include <cuda_bf16.h>
@@ -38,10 +41,25 @@ namespace {
 constexpr int MT = 2;                // 16-row m-tiles per warp
 constexpr int WARPS = 4;
 constexpr int BM = 16 * MT * WARPS;  // query rows per block (a row tile)
-constexpr int BN = 32;               // keys per tile
+#ifndef HSTU_BN
+#define HSTU_BN 64
+#endif
+#ifndef HSTU_STAGES
+#define HSTU_STAGES 2
+#endif
+#ifndef HSTU_SUB
+#define HSTU_SUB 32
+#endif
+constexpr int BN = HSTU_BN;          // keys per tile (one cp.async stage)
+constexpr int SUB = HSTU_SUB;        // keys per compute step (S registers: MT x SUB / 8 x 4)
 constexpr int KC = 512;              // keys per chunk (the unit of the split and of the fold)
 constexpr int TPC = KC / BN;         // key tiles per chunk
-constexpr int STAGES = 3;            // K/V tiles in flight
+constexpr int STAGES = HSTU_STAGES;  // K/V tiles in flight
+
+template <int N>
+struct IntC {
+    static constexpr int value = N;
+};
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -69,7 +87,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* 
 // d = a (16x16 bf16, row) * b (16x8 bf16, col) + d, fp32.
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0,
                                          unsigned b1) {
-    asm volatile(
+    asm(  // not volatile: no side effects, so it may be scheduled among the SiLU's ops
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -81,9 +99,18 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return *reinterpret_cast<unsigned*>(&v);
 }
 
-// SiLU(x) / N with a fast reciprocal: x * sigmoid(x) * inv_n.
-__device__ __forceinline__ float silu_n(float x, float inv_n) {
-    return __fmul_rn(__fdividef(x, 1.0f + __expf(-x)), inv_n);
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// SiLU(alpha s) / N from half_alpha = alpha / 2: x sigmoid(x) = (x/2)(1 + tanh(x/2)), one
+// MUFU op per score (exp + reciprocal take two, and the MUFU pipe is 1/64 of the tensor rate).
+__device__ __forceinline__ float silu_n(float s, float half_alpha, float inv_n) {
+    const float u = __fmul_rn(s, half_alpha);
+    const float w = __fmul_rn(u, inv_n);
+    return __fmaf_rn(w, tanh_approx(u), w);
 }
 
 struct Batch {
@@ -95,6 +122,26 @@ struct Batch {
     int H;
     float alpha, inv_n;
 };
+
+// One row's chunk partial (columns 8 n + 2 t (+ 1) of `x`, halves hl of its fragments) into
+// its slot at `w`: stored, or (DIRECT) added to what the slot holds (0 for the first chunk).
+// Every old value is loaded before any store: the stores could alias later loads for all the
+// compiler knows, which would make each of the D / 8 loads a full global round trip in turn.
+template <int D, bool DIRECT>
+__device__ __forceinline__ void fold_row(float* w, const float (&x)[D / 8][4], int hl,
+                                         bool first) {
+    float2 o[D / 8];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+        o[n] = (DIRECT && !first) ? *reinterpret_cast<const float2*>(w + n * 8)
+                                  : make_float2(0.0f, 0.0f);
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+        float2 v = make_float2(x[n][2 * hl], x[n][2 * hl + 1]);
+        if (DIRECT) v = make_float2(__fadd_rn(o[n].x, v.x), __fadd_rn(o[n].y, v.y));
+        *reinterpret_cast<float2*>(w + n * 8) = v;
+    }
+}
 
 // Writes one query row (global row `g`, head h) from its attention total o (lane holds
 // d = lane + 32 i), adding a candidate's own key. Both the direct and the merge path end here,
@@ -112,7 +159,7 @@ __device__ __forceinline__ void store_row(const Batch& p, float (&o)[D / 32], lo
             dot = __fmaf_rn(__bfloat162float(qr[lane + 32 * i]), __bfloat162float(kr[lane + 32 * i]), dot);
 #pragma unroll
         for (int s = 16; s > 0; s >>= 1) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, s));
-        const float self = silu_n(__fmul_rn(dot, p.alpha), p.inv_n);
+        const float self = silu_n(dot, 0.5f * p.alpha, p.inv_n);
 #pragma unroll
         for (int i = 0; i < D / 32; ++i) o[i] = __fmaf_rn(self, __bfloat162float(vr[lane + 32 * i]), o[i]);
     }
@@ -151,6 +198,7 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
     const int nrows = min(BM, nn + nc - row0);
     if (nrows <= 0 || kt0 >= kt1) return;  // padding item, or a tile without keys
     const int start = hist - nn;  // absolute position of the user's first new token
+    const float half_alpha = 0.5f * alpha;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     const int wrow = warp * 16 * MT;  // the warp's first row in the tile
@@ -216,17 +264,80 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
             for (int hl = 0; hl < 2; ++hl) {
                 const int r = wrow + m * 16 + g + hl * 8;
                 if (r >= nrows) continue;
+                fold_row<D, DIRECT>(w + r * D + 2 * t, acc[m], hl, first);
+            }
+    };
+
+    // One key tile for the warp's first A m-tiles (A = 1 when its second m-tile has no rows).
+    auto tile_step = [&](auto act, const __nv_bfloat16* Kt, const __nv_bfloat16* Vt, int kt) {
+        constexpr int A = decltype(act)::value;
+        float S[MT][SUB / 8][4];
 #pragma unroll
-                for (int n = 0; n < D / 8; ++n) {
-                    float2* p2 = reinterpret_cast<float2*>(w + r * D + n * 8 + 2 * t);
-                    float2 x = make_float2(acc[m][n][2 * hl], acc[m][n][2 * hl + 1]);
-                    if (DIRECT) {
-                        const float2 o = first ? make_float2(0.0f, 0.0f) : *p2;
-                        x = make_float2(__fadd_rn(o.x, x.x), __fadd_rn(o.y, x.y));
-                    }
-                    *p2 = x;
+        for (int m = 0; m < A; ++m)
+#pragma unroll
+            for (int n = 0; n < SUB / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) S[m][n][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            unsigned a[MT][4];
+#pragma unroll
+            for (int m = 0; m < A; ++m)
+                ldmatrix_x4(a[m], Qs + (wrow + m * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SP
+                                      + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+            for (int np = 0; np < SUB / 16; ++np) {
+                unsigned bb[4];
+                ldmatrix_x4(bb, Kt + (np * 16 + (lane & 7) + (lane >> 4) * 8) * SP + kk * 16
+                                    + ((lane >> 3) & 1) * 8);
+#pragma unroll
+                for (int m = 0; m < A; ++m) {
+                    mma_bf16(S[m][2 * np], a[m], bb[0], bb[1]);
+                    mma_bf16(S[m][2 * np + 1], a[m], bb[2], bb[3]);
                 }
             }
+        }
+
+        const int kbase = kt * SUB;
+        const bool need_mask = kbase + SUB > min_lim;
+#pragma unroll
+        for (int m = 0; m < A; ++m)
+#pragma unroll
+            for (int n = 0; n < SUB / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float pv = silu_n(S[m][n][e], half_alpha, inv_n);
+                    if (need_mask) {
+                        const int j = kbase + n * 8 + 2 * t + (e & 1);
+                        const int lr = row0 + wrow + m * 16 + g + (e >> 1) * 8;
+                        const bool ok = (lr < nn) ? (j <= start + lr) : (j < hist);
+                        pv = ok ? pv : 0.0f;
+                    }
+                    S[m][n][e] = pv;
+                }
+
+#pragma unroll
+        for (int kc = 0; kc < SUB / 16; ++kc) {
+            unsigned pa[MT][4];
+#pragma unroll
+            for (int m = 0; m < A; ++m) {
+                pa[m][0] = pack_bf16(S[m][2 * kc][0], S[m][2 * kc][1]);
+                pa[m][1] = pack_bf16(S[m][2 * kc][2], S[m][2 * kc][3]);
+                pa[m][2] = pack_bf16(S[m][2 * kc + 1][0], S[m][2 * kc + 1][1]);
+                pa[m][3] = pack_bf16(S[m][2 * kc + 1][2], S[m][2 * kc + 1][3]);
+            }
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                unsigned vb[4];
+                ldmatrix_x4_trans(vb, Vt + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SP
+                                          + dp * 16 + (lane >> 4) * 8);
+#pragma unroll
+                for (int m = 0; m < A; ++m) {
+                    mma_bf16(acc[m][2 * dp], pa[m], vb[0], vb[1]);
+                    mma_bf16(acc[m][2 * dp + 1], pa[m], vb[2], vb[3]);
+                }
+            }
+        }
     };
 
 #pragma unroll
@@ -243,75 +354,12 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
         const __nv_bfloat16* Kt = Ks + (it % STAGES) * BN * SP;
         const __nv_bfloat16* Vt = Vs + (it % STAGES) * BN * SP;
 
-        if (wrow < nrows) {  // a warp past the tile's rows only helps load
-            float S[MT][BN / 8][4];
 #pragma unroll
-            for (int m = 0; m < MT; ++m)
-#pragma unroll
-                for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) S[m][n][e] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                unsigned a[MT][4];
-#pragma unroll
-                for (int m = 0; m < MT; ++m)
-                    ldmatrix_x4(a[m], Qs + (wrow + m * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SP
-                                          + kk * 16 + (lane >> 4) * 8);
-#pragma unroll
-                for (int np = 0; np < BN / 16; ++np) {
-                    unsigned bb[4];
-                    ldmatrix_x4(bb, Kt + (np * 16 + (lane & 7) + (lane >> 4) * 8) * SP + kk * 16
-                                        + ((lane >> 3) & 1) * 8);
-#pragma unroll
-                    for (int m = 0; m < MT; ++m) {
-                        mma_bf16(S[m][2 * np], a[m], bb[0], bb[1]);
-                        mma_bf16(S[m][2 * np + 1], a[m], bb[2], bb[3]);
-                    }
-                }
-            }
-
-            const int kbase = kt * BN;
-            const bool need_mask = kbase + BN > min_lim;
-#pragma unroll
-            for (int m = 0; m < MT; ++m)
-#pragma unroll
-                for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        float pv = silu_n(__fmul_rn(S[m][n][e], alpha), inv_n);
-                        if (need_mask) {
-                            const int j = kbase + n * 8 + 2 * t + (e & 1);
-                            const int lr = row0 + wrow + m * 16 + g + (e >> 1) * 8;
-                            const bool ok = (lr < nn) ? (j <= start + lr) : (j < hist);
-                            pv = ok ? pv : 0.0f;
-                        }
-                        S[m][n][e] = pv;
-                    }
-
-#pragma unroll
-            for (int kc = 0; kc < BN / 16; ++kc) {
-                unsigned pa[MT][4];
-#pragma unroll
-                for (int m = 0; m < MT; ++m) {
-                    pa[m][0] = pack_bf16(S[m][2 * kc][0], S[m][2 * kc][1]);
-                    pa[m][1] = pack_bf16(S[m][2 * kc][2], S[m][2 * kc][3]);
-                    pa[m][2] = pack_bf16(S[m][2 * kc + 1][0], S[m][2 * kc + 1][1]);
-                    pa[m][3] = pack_bf16(S[m][2 * kc + 1][2], S[m][2 * kc + 1][3]);
-                }
-#pragma unroll
-                for (int dp = 0; dp < D / 16; ++dp) {
-                    unsigned vb[4];
-                    ldmatrix_x4_trans(vb, Vt + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SP
-                                              + dp * 16 + (lane >> 4) * 8);
-#pragma unroll
-                    for (int m = 0; m < MT; ++m) {
-                        mma_bf16(acc[m][2 * dp], pa[m], vb[0], vb[1]);
-                        mma_bf16(acc[m][2 * dp + 1], pa[m], vb[2], vb[3]);
-                    }
-                }
-            }
-        }
+        for (int sub = 0; sub < BN / SUB; ++sub) {  // kt in SUB units: kt * (BN / SUB) + sub
+            const int ks = kt * (BN / SUB) + sub;
+            if (wrow + 16 < nrows) tile_step(IntC<MT>{}, Kt + sub * SUB * SP, Vt + sub * SUB * SP, ks);
+            else if (wrow < nrows) tile_step(IntC<1>{}, Kt + sub * SUB * SP, Vt + sub * SUB * SP, ks);
+        }  // warps past the tile's rows only help load
 
         if (DIRECT && ((kt + 1) % TPC == 0 || kt + 1 == kt1)) {
             flush(kt < TPC);

@@ -57,10 +57,10 @@ def flops(B, hist, cached):
     return 4.0 * D * H * keys * B
 
 
-def measure(B, hist, cached, with_ref=True):
+def measure(B, hist, cached, with_ref=True, wmma=True):
     q, k, v, desc = case(B, hist, cached, seed=B * 7919 + hist)
     alpha, n = 1.0 / np.sqrt(D), 2 * 20000 + 256
-    out = {p: torch.empty_like(q) for p in ("auto", "split", "direct", "wmma")}
+    out = {p: torch.empty_like(q) for p in ("auto", "split", "direct") + (("wmma",) if wmma else ())}
     for p in out:
         hstu_attention_jagged(q, k, v, desc, 0, alpha, n, out=out[p], plan=None if p == "auto" else p)
     ref = hstu_attention_jagged_reference(q.float(), k.float(), v.float(),
@@ -73,12 +73,14 @@ def measure(B, hist, cached, with_ref=True):
     bitwise = torch.equal(out["split"], out["direct"])
     row = {"batch": B, "hist": hist, "mode": "cached" if cached else "recompute",
            "plan": "split" if desc.cuda_plan(DEV, H).split else "direct",
-           "rel_err": max(err["auto"], err["split"], err["direct"]), "rel_err_wmma": err["wmma"],
+           "rel_err": max(err["auto"], err["split"], err["direct"]),
+           "rel_err_wmma": err.get("wmma", float("nan")),
            "split_eq_direct": bitwise}
     o = out["auto"]
     row["ms"] = graph_ms(lambda: hstu_attention_jagged(q, k, v, desc, 0, alpha, n, out=o))
     row["ms_wmma"] = graph_ms(lambda: hstu_attention_jagged(q, k, v, desc, 0, alpha, n, out=o,
-                                                         plan="wmma"), reps=5, rounds=3)
+                                                         plan="wmma"), reps=5, rounds=3) \
+        if wmma else float("nan")
     if with_ref:
         qf = q
         t0 = time.perf_counter()
@@ -98,8 +100,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the issue's shapes only")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--no-wmma", action="store_true", help="skip the previous (WMMA) kernel")
+    ap.add_argument("--ncu", action="store_true",
+                    help="no timing: each issue shape's kernel launched eagerly twice, for "
+                         "`ncu -k regex:hstu_attn` to profile")
     args = ap.parse_args()
     shapes = [(8, 6400, True), (1, 6400, True), (8, 6400, False), (1, 6400, False)]
+    if args.ncu:
+        for B, hist, cached in shapes[::2]:
+            q, k, v, desc = case(B, hist, cached)
+            o = torch.empty_like(q)
+            for _ in range(2):
+                hstu_attention_jagged(q, k, v, desc, 0, 1.0 / np.sqrt(D), 40256, out=o)
+            torch.cuda.synchronize()
+        return
     if not args.quick:
         shapes += [(b, h, c) for c in (True, False) for b in (1, 4, 16, 32)
                    for h in (256, 2000, 20000) if not (not c and b * h > 200000)]
@@ -108,7 +122,7 @@ def main() -> None:
            f"{'TFLOP/s':>8} {'hist GB/s':>9} {'%peak':>6} {'x wmma':>7} {'rel err':>8} bitwise")
     print(hdr)
     for B, hist, cached in shapes:
-        r = measure(B, hist, cached, with_ref=B * hist <= 60000)
+        r = measure(B, hist, cached, with_ref=B * hist <= 60000, wmma=not args.no_wmma)
         rows.append(r)
         print(f"{r['mode']:>9} {B:>3} {hist:>6} {r['plan']:>6} {r['ms']:>8.4f} {r['ms_wmma']:>8.4f} "
               f"{r.get('ms_torch', float('nan')):>9.3f} {r['tflops']:>8.1f} {r['hist_GBps']:>9.0f} "

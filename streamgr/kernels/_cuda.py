@@ -63,27 +63,61 @@ def _include_dirs() -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def module(name: str, name_expressions: tuple[str, ...]):
-    """Compile with NVRTC; where NVRTC lacks a header, with nvcc (the toolkit's own headers)."""
+def module(name: str, name_expressions: tuple[str, ...], defines: tuple[str, ...] = ()):
+    """Compile with NVRTC; where NVRTC lacks a header, with nvcc (the toolkit's own headers).
+    ``defines``: ``NAME=VALUE`` macros (a kernel's compile-time configuration)."""
     cupy = _cupy()
-    opts = ("-std=c++17",) + tuple(f"-I{d}" for d in _include_dirs())
+    flags = ("-std=c++17",) + tuple(f"-D{d}" for d in defines)
+    opts = flags + tuple(f"-I{d}" for d in _include_dirs())
     mod = cupy.RawModule(code=source(name), options=opts, name_expressions=list(name_expressions))
     try:
         mod.get_function(name_expressions[0])  # compiles now, so a failure shows here
         return mod
     except cupy.cuda.compiler.CompileException as err:
         log.warning("NVRTC could not compile %s (%s); using nvcc", name, str(err).splitlines()[0])
-    mod = cupy.RawModule(code=source(name), options=("-std=c++17",), backend="nvcc",
+    mod = cupy.RawModule(code=source(name), options=flags, backend="nvcc",
                          name_expressions=list(name_expressions))
     mod.get_function(name_expressions[0])
     return mod
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(name: str, name_expressions: tuple[str, ...], expr: str):
+def arch_module(name: str, name_expressions: tuple[str, ...], arch: str,
+                defines: tuple[str, ...] = ()):
+    """A module compiled for an architecture-specific target such as ``sm_90a`` (wgmma), which
+    CuPy's own compile cannot ask for (it appends ``-arch=sm_<cc>``): NVRTC to a cubin, loaded
+    by path. Returns the module and the lowered name of each expression."""
+    import tempfile
+    from cupy.cuda import compiler
+    cupy = _cupy()
+    flags = ("-std=c++17", f"-arch={arch}") + tuple(f"-D{d}" for d in defines) \
+        + tuple(f"-I{d}" for d in _include_dirs())
+    prog = compiler._NVRTCProgram(source(name), name, name_expressions=list(name_expressions),
+                                  method="cubin")
+    cubin, mapping = prog.compile(flags)
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        mod = cupy.RawModule(path=f.name)
+        mod.get_function(mapping[name_expressions[0]])  # loads now
+    finally:
+        os.unlink(f.name)
+    return mod, mapping
+
+
+@functools.lru_cache(maxsize=None)
+def arch_kernel(name: str, name_expressions: tuple[str, ...], expr: str, arch: str,
+                defines: tuple[str, ...] = ()):
+    """One kernel of :func:`arch_module`, the same object every call (see :func:`kernel`)."""
+    mod, mapping = arch_module(name, name_expressions, arch, defines)
+    return mod.get_function(mapping[expr])
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(name: str, name_expressions: tuple[str, ...], expr: str, defines: tuple[str, ...] = ()):
     """One kernel, the same object every call (``launch`` remembers its shared-memory opt-in by
     object; a fresh object per call could reuse a freed one's id and skip the opt-in)."""
-    return module(name, name_expressions).get_function(expr)
+    return module(name, name_expressions, defines).get_function(expr)
 
 
 def ptr(t: torch.Tensor | None) -> np.uint64:

@@ -13,11 +13,16 @@ long histories) each tile runs over all its keys, folding its chunks into one fp
 history keys) each (tile, chunk) is its own CUDA block with its own slot (*split*). A merge
 kernel then adds each tile's slots in order and writes bf16. Both add the same chunk partials
 in the same order, so the plan never changes a result's bits.
+
+Two forward kernels run a plan: the mma.sync one (``hstu_attention.cu``, the default) and a
+wgmma one for Hopper (``hstu_attention_wgmma.cu``, ``STREAMGR_HSTU_KERNEL=wgmma``), correct
+and tested but slower on the H200 so far (docs/benchmarks.md has both).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,10 +31,68 @@ import torch
 from ..errors import StreamgrError
 from . import _cuda
 
-BM, BN, KC, STAGES = 128, 32, 512, 3  # rows per tile, keys per tile and chunk, K/V stages (.cu)
+BM, KC = 128, 512  # rows per tile, keys per chunk (the .cu's BM and KC)
+
+
+def _tile_config() -> tuple[int, int, int]:
+    """Keys per K/V tile, cp.async stages and keys per compute step, compiled into the kernel
+    as HSTU_BN/HSTU_STAGES/HSTU_SUB. ``STREAMGR_HSTU_TILE=32x3x32`` picks another for A/B
+    benchmarks (the default: 64-key tiles, two stages, computed 32 keys at a time, which keeps
+    the D = 128 kernels within their registers)."""
+    raw = os.environ.get("STREAMGR_HSTU_TILE", "64x2x32")
+    try:
+        bn, stages, sub = (int(x) for x in raw.lower().split("x"))
+    except ValueError:
+        raise StreamgrError(f"STREAMGR_HSTU_TILE={raw!r}: expected KEYSxSTAGESxSTEP, e.g. 64x2x32")
+    if bn not in (32, 64) or stages not in (2, 3, 4) or sub not in (32, 64) or sub > bn:
+        raise StreamgrError(f"STREAMGR_HSTU_TILE={raw!r}: keys 32 or 64, stages 2-4, step <= keys")
+    return bn, stages, sub
+
+
+BN, STAGES, SUB = _tile_config()
+DEFINES = (f"HSTU_BN={BN}", f"HSTU_STAGES={STAGES}", f"HSTU_SUB={SUB}")
 SRC = "hstu_attention.cu"
 EXPRS = tuple(e for d in (32, 64, 128) for e in (
     f"hstu_attn_fwd<{d}, true>", f"hstu_attn_fwd<{d}, false>", f"hstu_attn_merge<{d}>"))
+# The wgmma forward (sm_90a): the same items and slots, finished by the same merge.
+WG_SRC = "hstu_attention_wgmma.cu"
+WG_EXPRS = tuple(f"hstu_attn_fwd_wg<{d}, {f}>" for d in (32, 64, 128) for f in ("true", "false"))
+WG_BN = 64
+
+
+def _wg_config() -> tuple[int, int, int]:
+    """cp.async stages, the S / P V overlap and Q in registers of the wgmma kernel
+    (HSTU_WG_STAGES, HSTU_WG_OVERLAP, HSTU_WG_QREG); ``STREAMGR_HSTU_WG=3x0x0`` picks another
+    for A/B benchmarks."""
+    raw = os.environ.get("STREAMGR_HSTU_WG", "3x1x1")
+    try:
+        stages, overlap, qreg = (int(x) for x in raw.lower().split("x"))
+    except ValueError:
+        raise StreamgrError(f"STREAMGR_HSTU_WG={raw!r}: expected STAGESxOVERLAPxQREG, e.g. 3x1x1")
+    if stages not in (2, 3, 4) or overlap not in (0, 1) or qreg not in (0, 1) \
+            or stages < 2 + overlap:
+        raise StreamgrError(f"STREAMGR_HSTU_WG={raw!r}: stages 2-4 (3+ with overlap 1)")
+    return stages, overlap, qreg
+
+
+WG_STAGES, WG_OVERLAP, WG_QREG = _wg_config()
+WG_DEFINES = (f"HSTU_WG_STAGES={WG_STAGES}", f"HSTU_WG_OVERLAP={WG_OVERLAP}",
+              f"HSTU_WG_QREG={WG_QREG}")
+
+
+@functools.lru_cache(maxsize=8)
+def _use_wgmma(index: int) -> bool:
+    """The wgmma kernel when ``STREAMGR_HSTU_KERNEL=wgmma`` (Hopper, compute capability 9.0,
+    64-key tiles); the mma.sync kernel otherwise (``mma``, the default: faster so far)."""
+    choice = os.environ.get("STREAMGR_HSTU_KERNEL", "mma").lower()
+    if choice not in ("wgmma", "mma"):
+        raise StreamgrError(f"STREAMGR_HSTU_KERNEL={choice!r}: wgmma or mma")
+    if choice == "mma":
+        return False
+    if BN != WG_BN or torch.cuda.get_device_capability(index) != (9, 0):
+        raise StreamgrError("STREAMGR_HSTU_KERNEL=wgmma needs an sm_90 GPU and 64-key tiles")
+    _cuda.arch_module(WG_SRC, WG_EXPRS, "sm_90a", WG_DEFINES)  # compiles, or raises why not
+    return True
 
 
 @dataclass
@@ -198,17 +261,23 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, desc, layer: int, alp
     if ws is None:  # one per plan: every layer of the batch reuses it
         ws = p.workspace[key] = torch.empty(max(1, p.n_slots) * H * BM * D,
                                             dtype=torch.float32, device=q.device)
-    fn = _cuda.kernel(SRC, EXPRS, f"hstu_attn_fwd<{D}, {'false' if p.split else 'true'}>")
-    smem = (BM + 2 * STAGES * BN) * (D + 8) * 2
+    flag = 'false' if p.split else 'true'  # the kernels' DIRECT
+    if _use_wgmma(q.device.index or 0):
+        fn = _cuda.arch_kernel(WG_SRC, WG_EXPRS, f"hstu_attn_fwd_wg<{D}, {flag}>", "sm_90a",
+                               WG_DEFINES)
+        threads, smem = 256, (BM + 2 * WG_STAGES * WG_BN) * D * 2
+    else:
+        fn = _cuda.kernel(SRC, EXPRS, f"hstu_attn_fwd<{D}, {flag}>", DEFINES)
+        threads, smem = 128, (BM + 2 * STAGES * BN) * (D + 8) * 2
     scal = (*strides, np.float32(alpha), np.float32(1.0 / max_len))
     if p.n_items:
-        _cuda.launch(fn, (p.n_items, H), (128,), (
+        _cuda.launch(fn, (p.n_items, H), (threads,), (
             _cuda.ptr(q), _cuda.ptr(k), _cuda.ptr(v), _cuda.ptr(store), _cuda.ptr(ws),
             *(_cuda.ptr(t) for t in p.args), np.int32(H), np.int32(desc.page_tokens), *scal),
             shared_mem=smem)
     if p.n_fin:
         a = p.args
-        merge = _cuda.kernel(SRC, EXPRS, f"hstu_attn_merge<{D}>")
+        merge = _cuda.kernel(SRC, EXPRS, f"hstu_attn_merge<{D}>", DEFINES)
         _cuda.launch(merge, (p.n_fin * (BM // 4), H), (128,), (
             _cuda.ptr(q), _cuda.ptr(k), _cuda.ptr(v), _cuda.ptr(out), _cuda.ptr(ws),
             *(_cuda.ptr(t) for t in p.fin_args), _cuda.ptr(a[5]), _cuda.ptr(a[7]),

@@ -129,10 +129,22 @@ def check_attention(q, k, v, desc, D, plan, rtol=2e-2):
     return out
 
 
+@pytest.fixture(params=["wgmma", "mma"])
+def hstu_kernel(request, monkeypatch):
+    """Both forward kernels: the wgmma one (sm_90a, Hopper) and the mma.sync one."""
+    from streamgr.kernels import _cuda, hstu_attention_cuda as hc
+    if request.param == "wgmma":
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the wgmma kernel needs compute capability 9.0")
+        _cuda.arch_module(hc.WG_SRC, hc.WG_EXPRS, "sm_90a", hc.WG_DEFINES)  # builds
+    monkeypatch.setattr(hc, "_use_wgmma", lambda index: request.param == "wgmma")
+    return request.param
+
+
 @pytest.mark.parametrize("D", [32, 64, 128])
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("plan", [None, "split", "direct", "wmma"])
-def test_hstu_attention_kernel(D, case, plan):
+def test_hstu_attention_kernel(D, case, plan, hstu_kernel):
     q, k, v, desc = attention_case(CASES[case], H=2, D=D, seed=case * 7 + D)
     check_attention(q, k, v, desc, D, plan)
 
@@ -146,7 +158,7 @@ def strided(q, k, v):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_hstu_attention_random_jagged(seed):
+def test_hstu_attention_random_jagged(seed, hstu_kernel):
     """Random batches (1-16 users, histories up to 20,000, pages partly filled, zero new tokens,
     one candidate): split and direct plans within tolerance of the reference and equal to each
     other bit for bit (a cached batch must equal its recompute), strided inputs read in place."""

@@ -1,0 +1,484 @@
+// arch: sm_90a (wgmma). HSTU attention forward on Hopper's warpgroup MMA: the same work items,
+// workspace slots and merge as hstu_attention.cu (whose hstu_attn_merge finishes these rows),
+// so a plan runs on either kernel; only the forward pass differs:
+//   - a block is two warpgroups, each owning 64 of the tile's 128 query rows;
+//   - S = Q K^T by wgmma with Q and K read by the tensor cores straight from shared memory
+//     (no ldmatrix round trip through registers, the limit of the mma.sync kernel);
+//   - SiLU and the mask on S in registers, P repacked in registers as the A operand of
+//     O += P V, with V read from shared memory as an MN-major B operand (trans-b);
+//   - K/V tiles of 64 keys by cp.async, STAGES deep, in the no-swizzle "core matrix" layout
+//     wgmma reads (8 rows x 16 bytes contiguous per core matrix).
+// Arithmetic per row and chunk is the same in the split and direct plans (one code path), so a
+// cached batch still equals its recompute bit for bit. Compiled for sm_90a only (wgmma); for
+// other targets the kernel body is empty and the wrapper never launches it.
+// No torch headers: compiled by NVRTC (-arch=sm_90a) through CuPy.
+
+#include <cuda_bf16.h>
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define HSTU_WGMMA 1
+#endif
+
+namespace {
+
+constexpr int BM = 128;     // query rows per block: two warpgroups of 64
+constexpr int BN = 64;      // keys per tile
+constexpr int KC = 512;     // keys per chunk, as in hstu_attention.cu
+constexpr int TPC = KC / BN;
+#ifndef HSTU_WG_STAGES
+#define HSTU_WG_STAGES 3
+#endif
+#ifndef HSTU_WG_OVERLAP
+#define HSTU_WG_OVERLAP 1
+#endif
+#ifndef HSTU_WG_QREG
+#define HSTU_WG_QREG 1
+#endif
+constexpr int STAGES = HSTU_WG_STAGES;
+constexpr int THREADS = 256;
+static_assert(BM == 2 * 64 && TPC * BN == KC, "two warpgroups of 64 rows, whole tiles per chunk");
+static_assert(STAGES >= 2 + HSTU_WG_OVERLAP, "the overlapped loop keeps two tiles resident");
+
+#ifdef HSTU_WGMMA
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_u32(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+}
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+// SiLU(alpha s) / N as in hstu_attention.cu (the merge adds the candidates' own keys there).
+__device__ __forceinline__ float silu_n(float s, float half_alpha, float inv_n) {
+    const float u = __fmul_rn(s, half_alpha);
+    const float w = __fmul_rn(u, inv_n);
+    return __fmaf_rn(w, tanh_approx(u), w);
+}
+
+// A shared-memory matrix descriptor, no swizzle: start address, leading and stride byte
+// offsets (all >> 4). K-major operands (Q, K): leading = next 8 columns of K, stride = next
+// 8 rows. MN-major (V): leading = next 8 rows of K (keys), stride = next 8 columns of N.
+__device__ __forceinline__ unsigned long long desc(const void* p, unsigned lbo, unsigned sbo) {
+    return (unsigned long long)((smem_u32(p) & 0x3FFFF) >> 4)
+           | ((unsigned long long)((lbo & 0x3FFFF) >> 4) << 16)
+           | ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+}
+__device__ __forceinline__ void fence_async_smem() {  // cp.async writes -> wgmma's async proxy
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+#if !HSTU_WG_QREG
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], unsigned long long da,
+                                                 unsigned long long db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+#endif
+
+__device__ __forceinline__ void wgmma_rs_n32(float (&d)[16], const unsigned (&a)[4],
+                                                 unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const unsigned (&a)[4],
+                                                 unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const unsigned (&a)[4],
+                                                 unsigned long long db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+
+
+// Keeps the compiler from moving reads or writes of wgmma operands across the asynchronous
+// MMA's issue and wait (an empty volatile asm that "changes" each register).
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(unsigned (&r)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j]) :: "memory");
+}
+
+__device__ __forceinline__ void wgmma_rs_kmaj_n64(float (&d)[32], const unsigned (&a)[4],
+                                                      unsigned long long db, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
+template <int D>
+__device__ __forceinline__ void wgmma_pv(float (&d)[D / 2], const unsigned (&a)[4],
+                                         unsigned long long db);
+template <>
+__device__ __forceinline__ void wgmma_pv<32>(float (&d)[16], const unsigned (&a)[4],
+                                             unsigned long long db) { wgmma_rs_n32(d, a, db); }
+template <>
+__device__ __forceinline__ void wgmma_pv<64>(float (&d)[32], const unsigned (&a)[4],
+                                             unsigned long long db) { wgmma_rs_n64(d, a, db); }
+template <>
+__device__ __forceinline__ void wgmma_pv<128>(float (&d)[64], const unsigned (&a)[4],
+                                              unsigned long long db) { wgmma_rs_n128(d, a, db); }
+// Element offset of (row r, column c, a multiple of 8) in a [rows x D] tile stored as core
+// matrices: 8 rows x 8 columns (128 contiguous bytes) each, row groups of D / 8 of them.
+template <int D>
+__device__ __forceinline__ int cm_off(int r, int c) {
+    return ((r >> 3) * (D / 8) + (c >> 3)) * 64 + (r & 7) * 8;
+}
+#endif  // HSTU_WGMMA
+
+}  // namespace
+
+// grid (items, H), 256 threads; arguments as hstu_attn_fwd in hstu_attention.cu.
+template <int D, bool DIRECT>
+__global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
+    const __nv_bfloat16* __restrict__ v, const __nv_bfloat16* __restrict__ store,
+    float* __restrict__ ws,
+    const int* __restrict__ item_user, const int* __restrict__ item_row0,
+    const int* __restrict__ item_kt0, const int* __restrict__ item_kt1,
+    const int* __restrict__ item_slot,
+    const int* __restrict__ q_start, const int* __restrict__ hist_len,
+    const int* __restrict__ n_new, const int* __restrict__ n_cand,
+    const int* __restrict__ paged, const int* __restrict__ kv_row,
+    const int* __restrict__ page_ptr, const int* __restrict__ pages,
+    int H, int page_size, long long sq, long long sk, long long sv, float alpha, float inv_n) {
+#ifdef HSTU_WGMMA
+    extern __shared__ __align__(128) unsigned char smem[];
+    __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem);  // [BM x D] core matrices
+    __nv_bfloat16* Ks = Qs + BM * D;                              // [STAGES][BN x D]
+    __nv_bfloat16* Vs = Ks + STAGES * BN * D;                     // [STAGES][BN x D]
+
+    // The plan's key tiles are 64 keys too (the wrapper checks), 8 to a chunk.
+    const int item = blockIdx.x, h = blockIdx.y;
+    const int b = item_user[item], row0 = item_row0[item];
+    const int kt0 = item_kt0[item], kt1 = item_kt1[item];
+    const int qs = q_start[b], hist = hist_len[b], nn = n_new[b], nc = n_cand[b];
+    const int nrows = min(BM, nn + nc - row0);
+    if (nrows <= 0 || kt0 >= kt1) return;  // padding item, or a tile without keys
+    const int start = hist - nn;
+    const float half_alpha = 0.5f * alpha;
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int wg = tid >> 7, wq = (tid >> 5) & 3;  // warpgroup, warp in the warpgroup
+    const int g = lane >> 2, t = lane & 3;
+    const int wrow = wg * 64 + wq * 16;  // the warp's first row in the tile
+    const bool active = wg * 64 < nrows;  // warpgroup-uniform
+    const long long HD = (long long)H * D;
+    constexpr int CH = D / 8;  // 16-byte chunks per row
+
+    // 8 consecutive threads fill one core matrix (8 rows x 16 bytes): conflict-free stores.
+    for (int i = tid; i < BM * CH; i += THREADS) {
+        const int r = ((i >> 3) / CH) * 8 + (i & 7), c = ((i >> 3) % CH) * 8;
+        const bool ok = r < nrows;
+        cp_async16(Qs + cm_off<D>(r, c), ok ? q + (qs + row0 + r) * sq + h * D + c : q, ok ? 16 : 0);
+    }
+    cp_async_commit();
+
+    const int key_lim = (row0 + nrows > nn) ? hist : start + row0 + nrows;
+    const int min_lim = (row0 < nn) ? start + row0 + 1 : hist;
+    const bool is_paged = paged[b] != 0;
+    const int* upages = pages + (is_paged ? page_ptr[b] : 0);
+    const long long krow = kv_row[b];
+
+    auto load_kv = [&](int stage, int kt) {
+        __nv_bfloat16* kd = Ks + stage * BN * D;
+        __nv_bfloat16* vd = Vs + stage * BN * D;
+#pragma unroll
+        for (int i = tid; i < BN * CH; i += THREADS) {
+            const int r = ((i >> 3) / CH) * 8 + (i & 7), c = ((i >> 3) % CH) * 8;
+            const int j = kt * BN + r;
+            const __nv_bfloat16 *kp = q, *vp = q;
+            const bool ok = j < key_lim;
+            if (ok) {
+                if (is_paged) {
+                    const long long pg = upages[j / page_size];
+                    const long long off = ((pg * 2) * page_size + j % page_size) * HD + h * D + c;
+                    kp = store + off;
+                    vp = store + off + (long long)page_size * HD;
+                } else {
+                    kp = k + (krow + j) * sk + h * D + c;
+                    vp = v + (krow + j) * sv + h * D + c;
+                }
+            }
+            cp_async16(kd + cm_off<D>(r, c), kp, ok ? 16 : 0);
+            cp_async16(vd + cm_off<D>(r, c), vp, ok ? 16 : 0);
+        }
+    };
+
+    float acc[D / 2];  // O: this thread's rows wrow + g (+ 8), columns 8 i + 2 t (+ 1)
+    auto zero_acc = [&]() {
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
+    };
+    zero_acc();
+
+    float* w = ws + ((long long)item_slot[item] * H + h) * BM * D;
+    auto flush = [&](bool first) {  // as fold_row in hstu_attention.cu: all loads, then stores
+#pragma unroll
+        for (int hl = 0; hl < 2; ++hl) {
+            const int r = wrow + g + hl * 8;
+            if (r >= nrows) continue;
+            float* row = w + r * D + 2 * t;
+            float2 o[D / 8];
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n)
+                o[n] = (DIRECT && !first) ? *reinterpret_cast<const float2*>(row + n * 8)
+                                          : make_float2(0.0f, 0.0f);
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                float2 x = make_float2(acc[4 * n + 2 * hl], acc[4 * n + 2 * hl + 1]);
+                if (DIRECT) x = make_float2(__fadd_rn(o[n].x, x.x), __fadd_rn(o[n].y, x.y));
+                *reinterpret_cast<float2*>(row + n * 8) = x;
+            }
+        }
+    };
+
+    constexpr unsigned KMAJ_LBO = 128, KMAJ_SBO = D * 16;  // Q and K: next k-chunk, next 8 rows
+    constexpr unsigned V_LBO = D * 16, V_SBO = 128;  // V (MN-major): next 8 keys, next 8 dims
+#if !HSTU_WG_QREG
+    const __nv_bfloat16* Qw = Qs + (wg * 64 / 8) * CH * 64;  // the warpgroup's 64 rows
+#endif
+
+#if HSTU_WG_QREG
+    // Q as register A fragments (S reads only K from shared memory: with Q there too, each
+    // m64n64k16 reads 4 KB in 32 tensor cycles, the shared memory's whole bandwidth).
+    unsigned qa[D / 16][4];
+    auto load_q = [&]() {  // from the core-matrix layout, after Q landed
+        auto at = [&](int r, int c) {
+            return *reinterpret_cast<const unsigned*>(Qs + cm_off<D>(r, c & ~7) + (c & 7));
+        };
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            qa[kk][0] = at(wrow + g, kk * 16 + 2 * t);
+            qa[kk][1] = at(wrow + g + 8, kk * 16 + 2 * t);
+            qa[kk][2] = at(wrow + g, kk * 16 + 8 + 2 * t);
+            qa[kk][3] = at(wrow + g + 8, kk * 16 + 8 + 2 * t);
+        }
+        fence_regs(qa);
+    };
+#endif
+    float s[BN / 2];             // S of one key tile: rows as acc, keys 8 n + 2 t (+ 1)
+    unsigned pa[BN / 16][4];     // P of the tile whose P V is being issued (A fragments)
+    auto issue_s = [&](int stage) {  // S = Q K^T of the tile in `stage`, one commit group
+        const __nv_bfloat16* Kt = Ks + stage * BN * D;
+        fence_regs(s);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+#if HSTU_WG_QREG
+            wgmma_rs_kmaj_n64(s, qa[kk], desc(Kt + kk * 2 * 64, KMAJ_LBO, KMAJ_SBO), kk > 0);
+#else
+            wgmma_ss_n64(s, desc(Qw + kk * 2 * 64, KMAJ_LBO, KMAJ_SBO),
+                         desc(Kt + kk * 2 * 64, KMAJ_LBO, KMAJ_SBO), kk > 0);
+#endif
+        wg_commit();
+    };
+    auto silu_p = [&](int kt, unsigned (&out)[BN / 16][4]) {  // S (landed) -> P, masked
+        fence_regs(s);
+        const int kbase = kt * BN;
+        const bool need_mask = kbase + BN > min_lim;
+#pragma unroll
+        for (int kc = 0; kc < BN / 16; ++kc) {
+            float x[8];
+#pragma unroll
+            for (int e8 = 0; e8 < 8; ++e8) {
+                const int n = 2 * kc + (e8 >> 2), e = e8 & 3;
+                float pv = silu_n(s[4 * n + e], half_alpha, inv_n);
+                if (need_mask) {
+                    const int j = kbase + n * 8 + 2 * t + (e & 1);
+                    const int lr = row0 + wrow + g + (e >> 1) * 8;
+                    const bool ok = (lr < nn) ? (j <= start + lr) : (j < hist);
+                    pv = ok ? pv : 0.0f;
+                }
+                x[e8] = pv;
+            }
+            out[kc][0] = pack_bf16(x[0], x[1]);
+            out[kc][1] = pack_bf16(x[2], x[3]);
+            out[kc][2] = pack_bf16(x[4], x[5]);
+            out[kc][3] = pack_bf16(x[6], x[7]);
+        }
+    };
+    auto issue_pv = [&](unsigned (&p)[BN / 16][4], int stage) {  // O += P V, one commit group
+        const __nv_bfloat16* Vt = Vs + stage * BN * D;
+        fence_regs(p);
+        fence_regs(acc);
+        wg_fence();
+#pragma unroll
+        for (int kc = 0; kc < BN / 16; ++kc)
+            wgmma_pv<D>(acc, p[kc], desc(Vt + kc * 2 * CH * 64, V_LBO, V_SBO));
+        wg_commit();
+    };
+    auto chunk_end = [&](int kt) {
+        if (DIRECT && ((kt + 1) % TPC == 0 || kt + 1 == kt1)) {
+            if (active) flush(kt < TPC);
+            zero_acc();
+        }
+    };
+
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (kt0 + i < kt1) load_kv(i, kt0 + i);
+        cp_async_commit();
+    }
+#if HSTU_WG_OVERLAP
+    // S of tile kt + 1 and P V of tile kt are in flight together; the SiLU of tile kt + 1 runs
+    // while P V of tile kt does (FlashAttention-3's intra-warpgroup overlap).
+    cp_async_wait<STAGES - 2>();
+    fence_async_smem();
+    __syncthreads();  // Q and the first tile landed
+    if (active) {
+#if HSTU_WG_QREG
+        load_q();
+#endif
+        issue_s(0);
+        wg_wait<0>();
+        silu_p(kt0, pa);
+    }
+    // Two P buffers, swapped by unrolling two tiles per trip (a register copy between them
+    // would let the allocator merge them, and the next SiLU would overwrite the A operand of
+    // the P V still in flight), and the last tile peeled off: ptxas serializes every wgmma when
+    // it cannot prove that (or when the S issue and its wait sit under a data-dependent branch).
+    unsigned pb[BN / 16][4];
+    auto sync_load = [&](int kt) {
+        const int it = kt - kt0;
+        cp_async_wait<STAGES - 3>();
+        fence_async_smem();
+        __syncthreads();  // tile kt + 1 landed; tile kt - 1's stage is free (its P V waited)
+        if (kt + STAGES - 1 < kt1) load_kv((it + STAGES - 1) % STAGES, kt + STAGES - 1);
+        cp_async_commit();
+    };
+    auto step = [&](int kt, unsigned (&cur)[BN / 16][4], unsigned (&nxt)[BN / 16][4]) {
+        sync_load(kt);  // a tile kt + 1 exists
+        if (active) {
+            issue_s((kt + 1 - kt0) % STAGES);
+            issue_pv(cur, (kt - kt0) % STAGES);
+            wg_wait<1>();  // S of tile kt + 1 (P V of tile kt may still run)
+            silu_p(kt + 1, nxt);
+            wg_wait<0>();
+            fence_regs(acc);
+            fence_regs(cur);
+        }
+        chunk_end(kt);
+    };
+    auto last = [&](int kt, unsigned (&cur)[BN / 16][4]) {
+        sync_load(kt);
+        if (active) {
+            issue_pv(cur, (kt - kt0) % STAGES);
+            wg_wait<0>();
+            fence_regs(acc);
+            fence_regs(cur);
+        }
+        chunk_end(kt);
+    };
+    int kt = kt0;
+    for (; kt + 2 < kt1; kt += 2) {
+        step(kt, pa, pb);
+        step(kt + 1, pb, pa);
+    }
+    if (kt + 1 < kt1) {
+        step(kt, pa, pb);
+        last(kt + 1, pb);
+    } else {
+        last(kt, pa);
+    }
+#else
+#if HSTU_WG_QREG
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // Q landed
+    if (active) load_q();
+#endif
+    for (int kt = kt0; kt < kt1; ++kt) {
+        const int it = kt - kt0;
+        cp_async_wait<STAGES - 2>();
+        fence_async_smem();
+        __syncthreads();  // tile `it` landed for all; every wgmma on the refilled stage is done
+        if (kt + STAGES - 1 < kt1) load_kv((it + STAGES - 1) % STAGES, kt + STAGES - 1);
+        cp_async_commit();
+        if (active) {
+            issue_s(it % STAGES);
+            wg_wait<0>();
+            silu_p(kt, pa);
+            issue_pv(pa, it % STAGES);
+            wg_wait<0>();
+            fence_regs(acc);
+            fence_regs(pa);
+        }
+        chunk_end(kt);
+    }
+#endif
+    cp_async_wait<0>();
+    if (!DIRECT && active) flush(true);
+#endif  // HSTU_WGMMA
+}
+
+#define HSTU_WG_INSTANCES(D)                                                                    \
+    template __global__ void hstu_attn_fwd_wg<D, true>(                                         \
+        const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, \
+        float*, const int*, const int*, const int*, const int*, const int*, const int*,         \
+        const int*, const int*, const int*, const int*, const int*, const int*, const int*,     \
+        int, int, long long, long long, long long, float, float);                               \
+    template __global__ void hstu_attn_fwd_wg<D, false>(                                        \
+        const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, \
+        float*, const int*, const int*, const int*, const int*, const int*, const int*,         \
+        const int*, const int*, const int*, const int*, const int*, const int*, const int*,     \
+        int, int, long long, long long, long long, float, float);
+
+HSTU_WG_INSTANCES(32)
+HSTU_WG_INSTANCES(64)
+HSTU_WG_INSTANCES(128)

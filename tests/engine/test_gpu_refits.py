@@ -1,0 +1,42 @@
+"""Weights refits in place on CUDA with decode plans (CUDA graphs that bake in the weights'
+addresses): after refits written into a retired version's tensors, the replayed plans answer
+exactly as a fresh engine of those weights, and no plan was captured for the refit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from streamgr import Engine
+from tests.engine.test_updates import answers, requests
+
+pytestmark = pytest.mark.gpu
+
+CUDA = {"engine.device": "cuda", "model.dtype": "float32"}
+
+
+def _items(results):
+    return [(r.items, np.round(r.scores, 4).tolist()) for r in results]
+
+
+async def test_refits_in_place_replay_plans_that_answer_as_fresh_weights():
+    eng = Engine.from_spec("gen-small", CUDA)
+    reqs = requests(eng, 8)
+    runner = eng.gen_runner
+    async with eng:
+        await answers(eng, reqs)  # the spec's version captures its plans
+        await eng.update(weights=41, keep_previous=False)  # a new version beside it
+        await answers(eng, reqs)
+        for seed in (42, 43):
+            slot = runner.spare
+            assert slot is not None and slot.search.plans is not None
+            captured = slot.search.plans.captures
+            vs = await eng.update(weights=seed, keep_previous=False)
+            got = await answers(eng, reqs)
+            assert {r.stats.version for r in got} == {vs["generate"]["active"]["version"]}
+            async with Engine.from_spec("gen-small", {**CUDA, "model.init_seed": seed}) as fresh:
+                want = _items(await answers(fresh, reqs))
+            assert _items(got) == want, seed
+            assert runner.active is slot  # the refit reused the retired version's storage
+            assert slot.search.plans.captures == captured  # and captured nothing
+        assert runner.refits_in_place == 2

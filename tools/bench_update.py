@@ -53,8 +53,10 @@ async def open_loop(eng, reqs, rate: float, seconds: float, rng) -> list[dict]:
     return out
 
 
-async def updates(eng, every: float, seconds: float, rng, log: list, removed: dict):
-    """A weights refit every ``every`` s; every third one also takes items down or back."""
+async def updates(eng, every: float, seconds: float, rng, log: list, removed: dict,
+                  catalog_every: int = 3):
+    """A weights refit every ``every`` s; every ``catalog_every``-th one (0: none) also takes
+    items down."""
     t_end = time.perf_counter() + seconds
     ids = eng.gen_runner.catalog_items
     pool = ids[len(ids) // 2:]  # the requests' histories use the other half
@@ -63,7 +65,7 @@ async def updates(eng, every: float, seconds: float, rng, log: list, removed: di
     while time.perf_counter() + every < t_end:
         await asyncio.sleep(every)
         kw = {"weights": int(rng.integers(1, 1 << 30))}
-        if n % 3 == 2:
+        if catalog_every and n % catalog_every == catalog_every - 1:
             take = [int(x) for x in rng.choice(pool, 20, replace=False) if int(x) not in gone]
             kw["catalog"] = CatalogDelta(remove=take)
             gone |= set(take)
@@ -88,6 +90,8 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=200.0, help="requests/s, open loop")
     ap.add_argument("--seconds", type=float, default=10.0, help="per phase")
     ap.add_argument("--every", type=float, default=0.6, help="seconds between refits")
+    ap.add_argument("--catalog-every", type=int, default=3,
+                    help="every N-th update also removes items (0: weights refits only)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     ov = parse_set_pairs(args.overrides)
@@ -111,7 +115,7 @@ def main() -> int:
             calm = await open_loop(eng, reqs, args.rate, args.seconds, rng)
             busy, _ = await asyncio.gather(
                 open_loop(eng, reqs, args.rate, args.seconds, rng),
-                updates(eng, args.every, args.seconds, rng, log, removed))
+                updates(eng, args.every, args.seconds, rng, log, removed, args.catalog_every))
             return first, calm, busy
     first, calm, busy = asyncio.run(run())
     known = set(removed)

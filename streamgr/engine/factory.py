@@ -11,7 +11,7 @@ from ..cache.store import KVStores
 from ..errors import StreamgrError
 from ..models import build_ranker
 from .cached_rank import CachedRankRunner
-from .generate import GenerateRunner, GenerateVersion
+from .generate import GenerateRunner, GenerateVersion, WeightsOnly
 from .preflight import check_cache_memory
 from .rank import RankRunner
 
@@ -70,6 +70,17 @@ class Builder:
             runner.plans = RankPlans(runner.model, self.spec.engine.max_batch, n, store,
                                      page_tokens, self.device)
         return runner
+
+    def generate_weights(self, spec, like: GenerateVersion) -> WeightsOnly:
+        """New weights for a refit in place: the model of ``spec`` checked against ``like``'s
+        catalog and trie (reused), and a new version name, without building a whole version
+        (its item index over the catalog is ``like``'s)."""
+        from ..runtime.deployment import build_generator
+        model, source, _, contract, _ = build_generator(
+            spec, self.device, self.dtype, catalog=like.catalog, trie=like.trie)
+        self.loads += 1
+        self.versions += 1
+        return WeightsOnly(f"g{self.versions}", model, f"{self.loads}:{source}", contract)
 
     def generate_runner(self) -> GenerateRunner:
         return GenerateRunner(self.generate_version(self.spec))

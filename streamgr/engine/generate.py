@@ -155,6 +155,17 @@ class GenerateVersion:
             self.search.run([BeamRequest(ctx, 1, list(self.policy.beam_widths))] * rows)
 
 
+@dataclass
+class WeightsOnly:
+    """What a weights refit in place brings (``GenerateRunner.refit``): the version name, the
+    new model (its tensors are copied into a retired version's), its source and contract."""
+
+    name: str
+    model: object
+    weights: str
+    contract: dict
+
+
 class GenerateRunner:
     has_background_work = False
 
@@ -163,7 +174,7 @@ class GenerateRunner:
         self.previous: GenerateVersion | None = None
         # A retired version kept only as storage for the next weights refit (never served):
         # what ``activate(keep_previous=False)`` drops, so a refit can reuse its tensors and
-        # decode plans instead of capturing new ones (see ``refit_target``).
+        # decode plans instead of capturing new ones (see ``refit_slot``).
         self.spare: GenerateVersion | None = None
         self.refits_in_place = 0
         self._refit_source = None  # the last refit's source weights (see ``refit``)
@@ -193,20 +204,22 @@ class GenerateRunner:
         if self.spare is version or self.spare is self.previous:
             self.spare = None
 
-    def refit_target(self, new: GenerateVersion) -> GenerateVersion | None:
-        """A retired version whose storage can take ``new``'s weights: the one this update
-        would drop anyway (the spare, or the previous when it is about to be replaced), with
-        the same trie and policy objects and an equal model architecture. Its decode plans
-        read its own tensors, so writing new weights into them keeps the plans valid: a
-        weights refit then captures nothing (captures beside live traffic cost p99)."""
+    def refit_slot(self) -> GenerateVersion | None:
+        """A retired version whose storage can take new weights of the active version's
+        catalog and policy: the one a ``keep_previous=False`` update drops anyway (the spare,
+        or the previous it replaces), sharing the active version's trie and policy. Its decode
+        plans read its own tensors, so writing new weights into them keeps the plans valid: a
+        weights refit then builds no version and captures nothing (captures and version builds
+        beside live traffic cost p99)."""
+        a = self.active
         for v in (self.spare, self.previous):
-            if v is not None and v is not self.active and v.trie is new.trie \
-                    and v.policy == new.policy and v.policy_name == new.policy_name \
-                    and v.catalog_name == new.catalog_name and v.model.cfg == new.model.cfg:
+            if v is not None and v is not a and v.trie is a.trie and v.policy == a.policy \
+                    and v.policy_name == a.policy_name and v.catalog_name == a.catalog_name:
                 return v
         return None
 
-    def refit(self, slot: GenerateVersion, new: GenerateVersion, keep_previous: bool) -> None:
+    def refit(self, slot: GenerateVersion, new: WeightsOnly | GenerateVersion,
+              keep_previous: bool) -> None:
         """Executor thread, between batches: ``new``'s weights into ``slot``'s tensors, then
         ``slot`` (renamed ``new``'s) becomes active. The copies are queued on the stream every
         batch is, after all of them, so a batch still running on ``slot`` reads its old weights

@@ -119,14 +119,14 @@ class Updates:
                     raise UnsupportedRequest("rank takes new weights only")
                 await self._update_rank(weights, keep_previous)
             else:
-                new = await loop.run_in_executor(None, self._build_generate, weights, catalog,
-                                                 policy)
                 runner = self.gen_runner
                 keys = runner.active.plan_keys()
-                slot = runner.refit_target(new) if catalog is None and policy is None else None
+                slot = runner.refit_slot() if catalog is None and policy is None else None
                 if slot is not None:
-                    # A weights refit: into a retired version's tensors, whose decode plans
-                    # stay valid; only shapes it never captured are captured (worker thread).
+                    # A weights refit: the new weights only (no version build), written into
+                    # a retired version's tensors, whose decode plans stay valid; only shapes
+                    # it never captured are captured (worker thread).
+                    new = await loop.run_in_executor(None, self._build_weights, weights, slot)
                     have = set(slot.plan_keys())
                     missing = [k for k in keys if k not in have]
                     if missing:
@@ -134,6 +134,8 @@ class Updates:
                     await self._on_executor(runner.refit, slot, new, keep_previous)
                     self.metrics.count("generate_refits_in_place")
                 else:
+                    new = await loop.run_in_executor(None, self._build_generate, weights,
+                                                     catalog, policy)
                     # Its plans before it serves: the shapes the traffic uses (or the
                     # defaults), captured on a worker thread while the executor keeps serving.
                     # A capture is thread-local (plans.py) into the new version's own memory
@@ -144,6 +146,20 @@ class Updates:
                     await self._on_executor(runner.activate, new, keep_previous)
             self.metrics.count(f"{which}_updates")
         return self.versions()
+
+    def _build_weights(self, weights, slot):
+        """New weights of the active version's catalog and policy, for a refit into ``slot``:
+        contract-checked, with the slot's architecture (else the update is refused)."""
+        act, spec = self.gen_runner.active, self.spec
+        ms = _weights_spec(spec.generate_model, weights)
+        spec = msgspec.structs.replace(spec, **{"model" if spec.model.family == "t5"
+                                                else "generator": ms}, policy=act.policy)
+        new = self._build.generate_weights(spec, act)
+        same_contract(act.contract, new.contract)
+        if new.model.cfg != slot.model.cfg:  # the contract binds shapes; this binds the rest
+            raise ContractError(f"model: new weights have architecture {new.model.cfg}, the "
+                                f"engine serves {slot.model.cfg}")
+        return new
 
     def _build_generate(self, weights, catalog, policy):
         act, spec = self.gen_runner.active, self.spec

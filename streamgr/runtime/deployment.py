@@ -63,7 +63,7 @@ def build_generator(spec, device: torch.device, dtype: torch.dtype, model=None, 
             tensors = {k: f.get_tensor(k) for k in f.keys()}
         tensors = hf_state_dict(tensors, cfg)
         check(contract, {k: t.shape for k, t in tensors.items()}, trie)
-        model = T5(cfg)
+        model = T5.uninitialized(cfg)  # every parameter comes from the strict load below
         extra = sorted(set(tensors) - set(model.state_dict()))
         if extra:
             raise ContractError(f"weights.{extra[0]}: not bound by the contract")
@@ -72,7 +72,7 @@ def build_generator(spec, device: torch.device, dtype: torch.dtype, model=None, 
     else:
         cfg = t5_config_from_spec(spec)
         contract = build_contract(cfg, spec, dname)
-        model = T5(cfg).init_random(int(m.init_seed))
+        model = T5.uninitialized(cfg).init_random(int(m.init_seed))
         check(contract, {k: t.shape for k, t in model.state_dict().items()}, trie)
         source = f"seed:{m.init_seed}"
     model = model.to(device=device, dtype=dtype).eval()

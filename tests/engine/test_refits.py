@@ -71,3 +71,28 @@ async def test_a_batch_in_flight_on_the_reused_version_keeps_its_name():
         assert runner.refits_in_place == 1 and runner.version != v1
         out = runner.finish(handle)
         assert {per["version"] for _, per in out.results} == {v1}
+
+
+async def test_a_refit_builds_the_weights_only(monkeypatch):
+    """A weights refit in place builds no generate version (no item index over the catalog,
+    no search): only the model, checked against the active version's contract."""
+    import streamgr.engine.factory as factory
+    built = []
+    real = factory.GenerateVersion
+
+    def counting(*a, **kw):
+        built.append(a[0])
+        return real(*a, **kw)
+    eng = Engine.from_spec("gen-small", GEN)
+    reqs = requests(eng, 3)
+    async with eng:
+        await eng.update(weights=51, keep_previous=False)  # a version (nothing retired yet)
+        monkeypatch.setattr(factory, "GenerateVersion", counting)
+        vs = await eng.update(weights=52, keep_previous=False)
+        assert eng.gen_runner.refits_in_place == 1 and built == []
+        got = await answers(eng, reqs)
+        assert {r.stats.version for r in got} == {vs["generate"]["active"]["version"]}
+        assert _items(got) == await _fresh(52, reqs)
+        built.clear()  # the fresh engine's own
+        await eng.update(policy={"max_per_prefix": 2})  # not weights only: a version is built
+        assert len(built) == 1

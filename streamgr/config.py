@@ -87,6 +87,12 @@ class EngineSpec(_Section, kw_only=True):
     # the collector runs dozens of times per batch, each time walking the answers still being
     # built (docs/benchmarks.md, session 3). 0 keeps the interpreter's threshold.
     gc_gen0: int = 50_000
+    # Generate: at start, build a spare version (a copy of the weights with its own decode
+    # plans) for weights refits to write into, so the first refit is in place too; without it
+    # the first refit builds a whole version and captures its plans beside live traffic (the
+    # p99 of a refit phase on the H200: docs/benchmarks.md). Costs a second copy of the
+    # weights and of the plans' memory.
+    refit_spare: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:

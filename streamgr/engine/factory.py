@@ -83,7 +83,21 @@ class Builder:
         return WeightsOnly(f"g{self.versions}", model, f"{self.loads}:{source}", contract)
 
     def generate_runner(self) -> GenerateRunner:
-        return GenerateRunner(self.generate_version(self.spec))
+        runner = GenerateRunner(self.generate_version(self.spec))
+        if self.spec.engine.refit_spare:
+            runner.spare = self.spare_of(runner.active)
+        return runner
+
+    def spare_of(self, act: GenerateVersion) -> GenerateVersion:
+        """A version sharing ``act``'s catalog, trie and policy with its own copy of the
+        spec's weights (built again, not deep-copied: a copy would clone the head's weight out
+        of its aligned buffer, and a refit written into it would miss the head): storage for
+        weights refits in place (``GenerateRunner.refit_slot``), never served."""
+        spare = self.generate_version(self.spec, catalog=act.catalog,
+                                      catalog_name=act.catalog_name, trie=act.trie,
+                                      policy_name=act.policy_name)
+        spare.name = f"{act.name}-spare"
+        return spare
 
     def generate_version(self, spec, model=None, weights: str | None = None, catalog=None,
                          catalog_name: str | None = None, trie=None,

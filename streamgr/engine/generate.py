@@ -287,6 +287,8 @@ class GenerateRunner:
 
     def warm_up(self) -> None:
         self.active.warm_up()
+        if self.spare is not None:  # refit_spare: its plans too, before serving
+            self.spare.warm_up(self.active.plan_keys() or None)
 
     def background(self) -> None:
         pass

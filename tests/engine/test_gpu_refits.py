@@ -40,3 +40,22 @@ async def test_refits_in_place_replay_plans_that_answer_as_fresh_weights():
             assert runner.active is slot  # the refit reused the retired version's storage
             assert slot.search.plans.captures == captured  # and captured nothing
         assert runner.refits_in_place == 2
+
+
+async def test_a_spare_from_the_start_has_its_plans_before_serving():
+    """engine.refit_spare on CUDA: the spare's decode plans are captured at start, so the first
+    refit captures nothing and its answers equal a fresh engine of the new weights."""
+    eng = Engine.from_spec("gen-small", {**CUDA, "engine.refit_spare": True})
+    reqs = requests(eng, 8)
+    runner = eng.gen_runner
+    async with eng:
+        spare = runner.spare
+        assert spare is not None and spare.search.plans is not None
+        captured = spare.search.plans.captures
+        assert captured > 0 and set(spare.plan_keys()) >= set(runner.active.plan_keys())
+        vs = await eng.update(weights=44, keep_previous=False)
+        assert runner.active is spare and spare.search.plans.captures == captured
+        got = await answers(eng, reqs)
+        assert {r.stats.version for r in got} == {vs["generate"]["active"]["version"]}
+        async with Engine.from_spec("gen-small", {**CUDA, "model.init_seed": 44}) as fresh:
+            assert _items(got) == _items(await answers(fresh, reqs))

@@ -96,3 +96,20 @@ async def test_a_refit_builds_the_weights_only(monkeypatch):
         built.clear()  # the fresh engine's own
         await eng.update(policy={"max_per_prefix": 2})  # not weights only: a version is built
         assert len(built) == 1
+
+
+async def test_a_spare_from_the_start_takes_the_first_refit():
+    """engine.refit_spare: the first weights refit is already in place, into the spare built
+    at start (its own weights: refits into it answer as fresh engines of those weights)."""
+    eng = Engine.from_spec("gen-small", {**GEN, "engine.refit_spare": True})
+    runner = eng.gen_runner
+    reqs = requests(eng, 4)
+    assert runner.spare is not None and runner.spare.model is not runner.model
+    assert runner.spare.trie is runner.active.trie
+    async with eng:
+        before = _items(await answers(eng, reqs))
+        vs = await eng.update(weights=61, keep_previous=False)
+        assert runner.refits_in_place == 1
+        got = await answers(eng, reqs)
+        assert {r.stats.version for r in got} == {vs["generate"]["active"]["version"]}
+        assert _items(got) == await _fresh(61, reqs) != before

@@ -74,12 +74,10 @@ class Builder:
     def generate_weights(self, spec, like: GenerateVersion) -> WeightsOnly:
         """New weights for a refit in place: the model of ``spec`` checked against ``like``'s
         catalog and trie (reused), and a new version name, without building a whole version
-        (its item index over the catalog is ``like``'s). The model stays on the host (pinned
-        on CUDA): the refit copies it into the device tensors asynchronously, on the stream
-        batches run on, with no second device copy allocated and moved first."""
+        (its item index over the catalog is ``like``'s)."""
         from ..runtime.deployment import build_generator
         model, source, _, contract, _ = build_generator(
-            spec, self.device, self.dtype, catalog=like.catalog, trie=like.trie, staged=True)
+            spec, self.device, self.dtype, catalog=like.catalog, trie=like.trie)
         self.loads += 1
         self.versions += 1
         return WeightsOnly(f"g{self.versions}", model, f"{self.loads}:{source}", contract)

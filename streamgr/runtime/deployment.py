@@ -33,12 +33,10 @@ def build_catalog(spec):
 
 
 def build_generator(spec, device: torch.device, dtype: torch.dtype, model=None, catalog=None,
-                    trie=None, staged: bool = False):
+                    trie=None):
     """(model, source, trie, contract, catalog) of the spec's generate model, contract-checked.
     A loaded ``model`` (same architecture), a ``catalog`` and its ``trie`` are reused if given
-    (a live update that changes the catalog or the policy only reloads nothing else).
-    ``staged``: the model stays on the host in ``dtype`` (pinned when ``device`` is CUDA), as
-    the source of a weights refit copied into tensors already on the device."""
+    (a live update that changes the catalog or the policy only reloads nothing else)."""
     m = spec.generate_model
     if catalog is None:
         catalog = build_catalog(spec)
@@ -77,13 +75,6 @@ def build_generator(spec, device: torch.device, dtype: torch.dtype, model=None, 
         model = T5.uninitialized(cfg).init_random(int(m.init_seed))
         check(contract, {k: t.shape for k, t in model.state_dict().items()}, trie)
         source = f"seed:{m.init_seed}"
-    if staged:
-        model = model.to(dtype=dtype).eval().requires_grad_(False)
-        if device.type == "cuda":
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.data = p.data.pin_memory()
-        return model, source, trie, contract, catalog
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
     if device.type == "cuda":

@@ -40,34 +40,7 @@ static_assert(BM == 2 * 64 && TPC * BN == KC, "two warpgroups of 64 rows, whole 
 static_assert(STAGES >= 2 + HSTU_WG_OVERLAP, "the overlapped loop keeps two tiles resident");
 
 #ifdef HSTU_WGMMA
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(smem_u32(dst)), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
-}
-
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&v);
-}
-__device__ __forceinline__ float tanh_approx(float x) {
-    float y;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-// SiLU(alpha s) / N as in hstu_attention.cu (the merge adds the candidates' own keys there).
-__device__ __forceinline__ float silu_n(float s, float half_alpha, float inv_n) {
-    const float u = __fmul_rn(s, half_alpha);
-    const float w = __fmul_rn(u, inv_n);
-    return __fmaf_rn(w, tanh_approx(u), w);
-}
+#include "hstu_common.cuh"
 
 // A shared-memory matrix descriptor, no swizzle: start address, leading and stride byte
 // offsets (all >> 4). K-major operands (Q, K): leading = next 8 columns of K, stride = next

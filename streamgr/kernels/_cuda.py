@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -24,10 +25,18 @@ FORCE_TORCH = os.environ.get("STREAMGR_KERNELS", "").lower() == "torch"
 
 
 def source(name: str) -> str:
+    """A kernel source with its local ``#include "x.cuh"`` lines replaced by those files' text:
+    NVRTC needs no include path for them, and CuPy's compile cache (keyed by the source text)
+    sees a change to a shared header."""
     here = Path(__file__).resolve().parent.parent.parent / "cuda_kernels" / name
     if here.is_file():
-        return here.read_text()
-    return resources.files("streamgr._cuda_kernels").joinpath(name).read_text()
+        text = here.read_text()
+    else:
+        text = resources.files("streamgr._cuda_kernels").joinpath(name).read_text()
+    return _LOCAL_INCLUDE.sub(lambda m: source(m.group(1)), text)
+
+
+_LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.MULTILINE)
 
 
 @functools.lru_cache(maxsize=None)

@@ -57,3 +57,12 @@ def test_the_sm90a_attention_build_uses_wgmma(tmp_path):
         assert p.returncode == 0, p.stderr
         ptx[arch] = out.read_text()
     assert ptx["sm_90a"].count("wgmma.mma_async") >= 6 and "wgmma" not in ptx["sm_90"]
+
+
+def test_local_headers_are_inlined_for_nvrtc():
+    """The loader hands NVRTC one text: a kernel's local `#include "x.cuh"` replaced by the
+    header (CuPy's cache is keyed by that text, so a header change recompiles)."""
+    from streamgr.kernels import _cuda
+    for name in ("hstu_attention.cu", "hstu_attention_wgmma.cu"):
+        text = _cuda.source(name)
+        assert '#include "' not in text and text.count("float silu_n(") == 1, name

@@ -1,0 +1,37 @@
+// Device helpers shared by the HSTU attention kernels (hstu_attention.cu, hstu_attention_wgmma.cu):
+// cp.async copies, bf16 packing and the one-MUFU SiLU both use. Included inside their anonymous
+// namespace; the loader (streamgr/kernels/_cuda.py) inlines it for NVRTC, so CuPy's compile
+// cache key covers its text.
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_u32(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+}
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// SiLU(alpha s) / N from half_alpha = alpha / 2: x sigmoid(x) = (x/2)(1 + tanh(x/2)), one
+// MUFU op per score (exp + reciprocal take two, and the MUFU pipe is 1/64 of the tensor rate).
+__device__ __forceinline__ float silu_n(float s, float half_alpha, float inv_n) {
+    const float u = __fmul_rn(s, half_alpha);
+    const float w = __fmul_rn(u, inv_n);
+    return __fmaf_rn(w, tanh_approx(u), w);
+}

@@ -64,6 +64,15 @@ class T5Config(msgspec.Struct, kw_only=True):
         return self.feed_forward_proj.startswith("gated")
 
 
+# Encoder lengths are padded (masked keys) to a multiple of this: the fused attention kernel
+# wants its bias rows aligned so, and would otherwise pad a copy of the bias at every call.
+LENGTH_ALIGN = 16
+
+
+def aligned_length(n: int) -> int:
+    return -(-n // LENGTH_ALIGN) * LENGTH_ALIGN
+
+
 def relative_bucket(rel: torch.Tensor, bidirectional: bool, num_buckets: int,
                     max_distance: int) -> torch.Tensor:
     """T5's bucketing of ``key position - query position``."""

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..kernels.trie_topk import trie_topk
-from ..models.t5 import T5
+from ..models.t5 import T5, aligned_length
 from ..selection.vocabulary import SidTrie
 from .variants import keep_mask
 
@@ -99,9 +99,7 @@ class BeamSearch:
         plan's pinned staging buffers), else new ones."""
         cfg = self.model.cfg
         rows = rows or len(reqs)
-        # Padded to a multiple of 16 (masked keys): the fused attention kernel wants its bias
-        # rows aligned so, and would otherwise pad a copy of the bias at every call.
-        length = length or -(-max(len(r.context) for r in reqs) // 16) * 16
+        length = length or aligned_length(max(len(r.context) for r in reqs))
         if out is None:
             out = (torch.empty(rows, length, dtype=torch.long),
                    torch.empty(rows, length, dtype=torch.bool),

@@ -30,6 +30,8 @@ from collections import OrderedDict
 
 import torch
 
+from ..models.t5 import aligned_length
+
 
 def bucket_rows(n: int, max_rows: int) -> int:
     b = 1
@@ -84,10 +86,10 @@ class PlanCache:
                  max_length: int | None = None) -> None:
         self.max_rows, self.max_plans, self.length_step = max_rows, max_plans, length_step
         # The longest context a request can have (the policy's): the last length bucket ends
-        # there (rounded to 16 for the attention kernels) instead of at the next multiple of
+        # there (aligned for the attention kernels) instead of at the next multiple of
         # length_step. Full histories are the common case: gen-ref's 769 tokens run at 784
         # instead of 832 (attention ~S^2: ~11% less encoder attention), with no extra bucket.
-        self.cap = None if max_length is None else -(-max_length // 16) * 16
+        self.cap = None if max_length is None else aligned_length(max_length)
         self.plans: OrderedDict[tuple, DecodePlan] = OrderedDict()
         self.enabled = True
         self.captures = 0

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call: GPU tests, then the benchmarks, then a short table.
 # Run on the lent H200 from the repository root (docs/benchmarks.md records the figures):
-#   bash tools/gpu_check.sh [tests|quick|full|rank|gen]
+#   bash tools/gpu_check.sh [tests|quick|full|rank|gen|attn|topk|inflight|genprof|update|verify|
+#                            rankprof|attnprof]
 #     tests: the gpu-marked tests only; quick: + transfer bench + a short rank-ref bench;
 #     full: + the rank-ref bench at batch 1, 4, 8 (several minutes) + the gen-ref bench;
 #     rank: the rank-ref bench alone; gen: the generate GPU tests + the gen-ref bench;
@@ -12,6 +13,9 @@
 #       (no tests)
 #     update: the GPU tests, then tools/bench_update.py on gen-ref (live updates under traffic)
 #     verify: the GPU tests, bench_update on gen-ref, then the gen-ref bench (GEN_RATES)
+#     rankprof: tools/profile_rank.py on rank-ref (kernel table of cached batches of 8; no tests)
+#     attnprof: ncu on the attention forward kernels (mma.sync and wgmma) with stall reasons and
+#       the source lines they stall on (STREAMGR_NVRTC_LINEINFO=1; no tests)
 #   env: WARMUP/WINDOW (rank bench requests), GEN_REQUESTS (per gen-ref run), GEN_RATES
 #   (open-loop requests/s), HF_REQUESTS (through Hugging Face), GEN_ARGS (more bench flags,
 #   e.g. "--profile 2 --fp32-agreement 16")
@@ -33,7 +37,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, numpy, cupy; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'numpy', numpy.__version__, 'cupy', cupy.__version__)"
 
 summary=()
-if [ "$mode" != rank ] && [ "$mode" != inflight ] && [ "$mode" != genprof ]; then
+if [ "$mode" != rank ] && [ "$mode" != inflight ] && [ "$mode" != genprof ] \
+    && [ "$mode" != rankprof ] && [ "$mode" != attnprof ]; then
   tests=tests/
   [ "$mode" = gen ] && tests=tests/runtime/test_gpu_generate.py
   [ "$mode" = attn ] && tests="tests/kernels/test_gpu_kernels.py tests/engine/test_gpu_rank.py tests/cache/test_gpu_cache.py"
@@ -92,6 +97,23 @@ if [ "$mode" = update ] || [ "$mode" = verify ]; then
     --seconds ${UPDATE_SECONDS:-8} 2>"$out/bench_update.err" | tee "$out/bench_update.txt"
   tail -n 5 "$out/bench_update.err"
   summary+=("$(tail -n 1 "$out/bench_update.txt")")
+fi
+if [ "$mode" = rankprof ]; then
+  python3 tools/profile_rank.py --spec rank-ref --users ${PROF_USERS:-96} --batch 8 \
+    --batches ${PROF_BATCHES:-60} --profile 5 --rows 30 2>"$out/profile_rank.err" \
+    | tee "$out/profile_rank.txt"
+  summary+=("$(tail -n 1 "$out/profile_rank.txt")")
+fi
+if [ "$mode" = attnprof ]; then
+  for kern in mma wgmma; do
+    # The third forward launch of --ncu is recompute at batch 8; the first, cached at batch 8.
+    STREAMGR_HSTU_KERNEL=$kern STREAMGR_NVRTC_LINEINFO=1 ncu -k regex:hstu_attn_fwd \
+      --launch-skip ${NCU_SKIP:-2} --launch-count 1 --section SourceCounters \
+      --section WarpStateStats --section ComputeWorkloadAnalysis --print-details all \
+      python3 tools/bench_attention.py --ncu > "$out/ncu_$kern.txt" 2>&1
+    grep -iE "stall|Duration|pipe|Executed Ipc" "$out/ncu_$kern.txt" | head -n 40
+    summary+=("attnprof $kern: $(grep -m1 'Duration' "$out/ncu_$kern.txt")")
+  done
 fi
 if [ "$mode" = genprof ]; then
   python3 tools/bench_generate.py --spec gen-ref --device cuda --requests ${GEN_REQUESTS:-4000} \

@@ -22,6 +22,9 @@ log = logging.getLogger("streamgr.kernels")
 
 # STREAMGR_KERNELS=torch forces the torch references everywhere (for A/B checks and fallbacks).
 FORCE_TORCH = os.environ.get("STREAMGR_KERNELS", "").lower() == "torch"
+# STREAMGR_NVRTC_LINEINFO=1 compiles with -lineinfo, so ncu's source view can attribute stalls
+# to lines of cuda_kernels/ (profiling only).
+_LINEINFO = ("-lineinfo",) if os.environ.get("STREAMGR_NVRTC_LINEINFO") == "1" else ()
 
 
 def source(name: str) -> str:
@@ -76,7 +79,7 @@ def module(name: str, name_expressions: tuple[str, ...], defines: tuple[str, ...
     """Compile with NVRTC; where NVRTC lacks a header, with nvcc (the toolkit's own headers).
     ``defines``: ``NAME=VALUE`` macros (a kernel's compile-time configuration)."""
     cupy = _cupy()
-    flags = ("-std=c++17",) + tuple(f"-D{d}" for d in defines)
+    flags = ("-std=c++17",) + _LINEINFO + tuple(f"-D{d}" for d in defines)
     opts = flags + tuple(f"-I{d}" for d in _include_dirs())
     mod = cupy.RawModule(code=source(name), options=opts, name_expressions=list(name_expressions))
     try:
@@ -99,7 +102,7 @@ def arch_module(name: str, name_expressions: tuple[str, ...], arch: str,
     import tempfile
     from cupy.cuda import compiler
     cupy = _cupy()
-    flags = ("-std=c++17", f"-arch={arch}") + tuple(f"-D{d}" for d in defines) \
+    flags = ("-std=c++17", f"-arch={arch}") + _LINEINFO + tuple(f"-D{d}" for d in defines) \
         + tuple(f"-I{d}" for d in _include_dirs())
     prog = compiler._NVRTCProgram(source(name), name, name_expressions=list(name_expressions),
                                   method="cubin")

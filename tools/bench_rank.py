@@ -37,18 +37,19 @@ STAGES = ("strip", "metadata", "onload_submit", "layout", "onload_wait", "model"
           "postprocess")
 
 
-def run_mode(spec, mode, batches, measured, timed_re, prefill):
+def run_mode(spec, mode, batches, measured, timed_re, prefill, delta=False):
     eng = Engine(load_spec(spec, {"cache.mode": mode}))
     if mode != "recompute" and prefill:
         # Each user's history as of the warm-up start, loaded once (untimed): the cache then
         # holds what a server running since the trace's beginning would hold.
-        replay_batches(eng, prefill, measure=[], label=f"{mode} prefill")
+        replay_batches(eng, prefill, measure=[], label=f"{mode} prefill", delta=delta)
     measure = timed_re if mode == "recompute" else measured
     # Recompute keeps no state: only its timed batches need to run.
     todo = [batches[i] for i in timed_re] if mode == "recompute" else batches
     idx = list(range(len(timed_re))) if mode == "recompute" else measure
     res = replay_batches(eng, todo, measure=idx, keep_scores=True,
-                         label=f"{mode} bs={len(batches[0])}", sync_stages=True)
+                         label=f"{mode} bs={len(batches[0])}", sync_stages=True,
+                         delta=delta and mode != "recompute")
     if mode == "recompute":  # batch numbers back to the shared numbering
         for r in res.records:
             r.batch = timed_re[r.batch]
@@ -115,6 +116,9 @@ def main() -> int:
     ap.add_argument("--prefill", action="store_true",
                     help="load each user's history as of the warm-up start before replaying")
     ap.add_argument("--recompute-every", type=int, default=1)
+    ap.add_argument("--delta", action="store_true",
+                    help="returning users send only their new events (base_len), as a client "
+                         "that keeps the engine's history does")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     ov = parse_set_pairs(args.overrides)
@@ -155,7 +159,8 @@ def main() -> int:
             pb = max(bs, 8)  # the untimed prefill goes in batches of 8 at least
             prefill = [[(first[u], tl.items[u][:state[u]], tl.actions[u][:state[u]])
                         for u in users[i:i + pb]] for i in range(0, len(users), pb)]
-        runs = {m: run_mode(spec, m, batches, measured, timed_re, prefill) for m in MODES}
+        runs = {m: run_mode(spec, m, batches, measured, timed_re, prefill, args.delta)
+                for m in MODES}
         # The cached modes' scores on the recompute-timed batches, against recompute's.
         re_set = set(timed_re)
         errs = {}

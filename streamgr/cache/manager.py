@@ -51,6 +51,8 @@ class UserEntry:
     device_len: int = 0
     chunks: list[int] = field(default_factory=list)
     fps: list[int] = field(default_factory=list)
+    # The history stamp (cache/history.py) of the tokens last committed; None when unknown.
+    hist_stamp: int | None = None
 
     def persisted_len(self, chunk: int) -> int:
         return len(self.chunks) * chunk
@@ -168,9 +170,13 @@ class KVCacheManager(OffloadPlanning):
         return cached
 
     def plan_batch(self, requests: list[tuple[Hashable, np.ndarray]], version: str,
-                   transient: set | frozenset = frozenset()) -> list[UserPlan]:
+                   transient: set | frozenset = frozenset(),
+                   known: dict[Hashable, tuple[int, int]] | None = None) -> list[UserPlan]:
         """Lookup, validate, allocate for a batch of distinct users (history token arrays).
-        Users in ``transient`` are computed without the cache (e.g. after an onload fault)."""
+        Users in ``transient`` are computed without the cache (e.g. after an onload fault).
+        ``known[user] = (stamp, n)``: the first ``n`` tokens are those of the history with that
+        stamp; when the cache committed that history last, its cached tokens (at most ``n``)
+        are valid without comparing fingerprints."""
         keys = [k for k, _ in requests]
         if len(set(keys)) != len(keys):
             raise ValueError("a batch must not hold the same user twice")
@@ -185,13 +191,15 @@ class KVCacheManager(OffloadPlanning):
                     self.counters["transient_users"] += 1
                     plans.append(UserPlan(key, len(tokens), transient=True))
                 else:
-                    plans.append(self._plan_user(key, tokens, version))
+                    plans.append(self._plan_user(key, tokens, version,
+                                                 known.get(key) if known else None))
         except BaseException:
             self._leases.remove(frozenset(keys))
             raise
         return plans
 
-    def _plan_user(self, key: Hashable, tokens: np.ndarray, version: str) -> UserPlan:
+    def _plan_user(self, key: Hashable, tokens: np.ndarray, version: str,
+                   known: tuple[int, int] | None = None) -> UserPlan:
         L = len(tokens)
         plan = UserPlan(key, L)
         e = self.users.get(key)
@@ -202,7 +210,14 @@ class KVCacheManager(OffloadPlanning):
             return plan
         if e is not None:
             before = e.cached_len(self.C)
-            valid = self._valid_prefix(e, tokens) if e.version == version else 0
+            if e.version != version:
+                valid = 0
+            elif known is not None and e.hist_stamp is not None and known[0] == e.hist_stamp \
+                    and before <= min(known[1], L):
+                valid = before  # a prefix of the history it committed: no hashing
+                self.counters["prefix_known_users"] += 1
+            else:
+                valid = self._valid_prefix(e, tokens)
             if valid < before:
                 if key in self.locked:  # its pages are being read: leave it, compute from scratch
                     plan.transient, plan.lost = True, before
@@ -235,8 +250,10 @@ class KVCacheManager(OffloadPlanning):
         e.pages = plan.pages
         return plan
 
-    def commit_batch(self, plans: list[UserPlan], tokens: dict[Hashable, np.ndarray]) -> None:
-        """After the model wrote every planned user's K/V: the cache now holds their histories."""
+    def commit_batch(self, plans: list[UserPlan], tokens: dict[Hashable, np.ndarray],
+                     stamps: dict[Hashable, int] | None = None) -> None:
+        """After the model wrote every planned user's K/V: the cache now holds their histories
+        (``stamps``: each one's history stamp, see ``plan_batch``)."""
         for p in plans:
             if p.transient:
                 continue
@@ -245,6 +262,7 @@ class KVCacheManager(OffloadPlanning):
                 continue
             old = e.cached_len(self.C)
             e.device_len = p.length
+            e.hist_stamp = stamps.get(p.key) if stamps else None
             toks = tokens[p.key]
             first = old // self.C
             del e.fps[first:]

@@ -39,6 +39,8 @@ def _tier(plan) -> str:
 
 
 class CachedRankRunner(RankRunner):
+    matches_history = True  # full requests that extend the held history skip the hashing
+
     def __init__(self, model: HSTU, version: str, device: torch.device, history: HistoryStore,
                  manager: KVCacheManager, stores: KVStores) -> None:
         super().__init__(model, version, device, history)
@@ -92,11 +94,16 @@ class CachedRankRunner(RankRunner):
         resolved, live = self._resolve(batch)
         if not live:
             return InFlight(batch, resolved, live, stages, version=self.version)
-        tokens = {batch[i].user: interleave(*resolved[i]) for i in live}
+        tokens = {batch[i].user: interleave(resolved[i].items, resolved[i].actions) for i in live}
         t = self._mark(stages, "strip", t)
+        # A history that extends the one the cache last committed for that user: its cached
+        # tokens are a prefix of these, known without hashing them (history.py's stamps).
+        known = {batch[i].user: (resolved[i].base[0], 2 * resolved[i].base[1]) for i in live
+                 if resolved[i].base is not None}
         with self._meta:
             plans = self.manager.plan_batch(
-                [(batch[i].user, tokens[batch[i].user]) for i in live], self.version, transient)
+                [(batch[i].user, tokens[batch[i].user]) for i in live], self.version, transient,
+                known)
         t = self._mark(stages, "metadata", t)
         s = self.streams
         handles = None
@@ -145,7 +152,8 @@ class CachedRankRunner(RankRunner):
             raise
         t = self._mark(stages, "readback", t)
         with self._meta:
-            self.manager.commit_batch(f.plans, f.tokens)
+            self.manager.commit_batch(f.plans, f.tokens,
+                                      {f.batch[i].user: f.resolved[i].stamp for i in f.live})
         self._remember(f.batch, f.resolved)
         t = self._mark(stages, "commit", t)
         results: list = list(f.resolved)

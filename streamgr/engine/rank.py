@@ -243,11 +243,12 @@ class RankRunner:
         max_hist = self.model.cfg.max_history
         for r in batch:
             try:
-                items, actions = self.history.resolve(r.user, r.base_len, r.items, r.actions)
-                if len(items) > max_hist:
-                    raise HistoryTooLong(f"history of {len(items)} events, the model takes at "
+                res = self.history.resolve(r.user, r.base_len, r.items, r.actions,
+                                           match_full=self.matches_history)
+                if len(res.items) > max_hist:
+                    raise HistoryTooLong(f"history of {len(res.items)} events, the model takes at "
                                          f"most {max_hist}")
-                out.append((items, actions))
+                out.append(res)
             except InvalidRequest as err:
                 out.append(err)
         return out, [i for i, h in enumerate(out) if not isinstance(h, Exception)]
@@ -256,7 +257,7 @@ class RankRunner:
         with self._meta:
             for r, h in zip(batch, resolved):
                 if not isinstance(h, Exception):
-                    self.history.remember(r.user, *h)
+                    self.history.remember(r.user, h.items, h.actions, h.stamp)
 
     def run(self, batch: list[PreparedRank]) -> BatchOutcome:
         """One batch start to finish (offline replays, tests)."""
@@ -270,7 +271,8 @@ class RankRunner:
         resolved, live = self._resolve(batch)
         if not live:
             return InFlight(batch, resolved, live, stages, version=self.version)
-        users = [UserSlice(interleave(*resolved[i]), 0, batch[i].candidates) for i in live]
+        users = [UserSlice(interleave(resolved[i].items, resolved[i].actions), 0,
+                           batch[i].candidates) for i in live]
         pb = pack_jagged(users)
         t = self._mark(stages, "layout", t)
         scores = self._forward_planned(pb, JaggedKV.recompute(pb.q_offsets, pb.num_candidates))
@@ -300,6 +302,9 @@ class RankRunner:
         return BatchOutcome(results, f.stages, f.version)
 
     has_background_work = False  # recompute has nothing to do after a batch
+    # Full requests compared with the held history (``HistoryStore.resolve``): only a cache
+    # has a use for knowing that a history extends the last one.
+    matches_history = False
 
     def close(self) -> None:
         """Release threads and buffers (the cached runner waits for its offloads)."""

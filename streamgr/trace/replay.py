@@ -65,17 +65,30 @@ def batches_of_distinct_users(requests: Iterable, batch_size: int) -> Iterator[l
 
 def replay_batches(engine, batches: list[list], measure: Iterable[int] | None = None,
                    keep_scores: bool = False, label: str = "replay",
-                   progress: bool = True, sync_stages: bool = False) -> ReplayResult:
+                   progress: bool = True, sync_stages: bool = False,
+                   delta: bool = False) -> ReplayResult:
     """Run ``batches`` through ``engine.run_batch`` (offline, in order); only batches in
     ``measure`` (default all) are recorded, the others just advance the cache state (warm-up).
-    ``sync_stages`` times each stage on the device."""
+    ``sync_stages`` times each stage on the device. ``delta``: a user's request after its first
+    sends only the events since its previous one (``base_len``), as a client that keeps the
+    engine's history does; the engine's history store must hold them (else HistoryRequired)."""
     measured = set(range(len(batches))) if measure is None else set(measure)
     out = ReplayResult()
+    sent: dict = {}  # user -> events its last request carried in all (delta)
     t0 = time.perf_counter()
     with Progress(len(batches), label, enabled=progress) as bar:
         for bi, batch in enumerate(batches):
-            reqs = [RankRequest(user_id=r.user, items=items, actions=actions,
-                                candidates=r.candidates) for r, items, actions in batch]
+            reqs = []
+            for r, items, actions in batch:
+                base = sent.get(r.user) if delta else None
+                if base is not None and base <= len(items):
+                    reqs.append(RankRequest(user_id=r.user, items=items[base:],
+                                            actions=actions[base:], candidates=r.candidates,
+                                            base_len=base))
+                else:
+                    reqs.append(RankRequest(user_id=r.user, items=items, actions=actions,
+                                            candidates=r.candidates))
+                sent[r.user] = len(items)
             t = time.perf_counter()
             outcome = engine.run_batch(reqs, sync_stages)
             lat = (time.perf_counter() - t) * 1e3

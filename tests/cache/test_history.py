@@ -17,7 +17,7 @@ def arr(*x):
 def test_delta_extends_exactly_the_prefix_held():
     h = HistoryStore(1000)
     h.remember("u", arr(1, 2, 3), arr(0, 1, 0))
-    items, actions = h.resolve("u", 3, arr(4), arr(1))
+    items, actions, _, _ = h.resolve("u", 3, arr(4), arr(1))
     assert items.tolist() == [1, 2, 3, 4] and actions.tolist() == [0, 1, 0, 1]
     with pytest.raises(HistoryRequired):
         h.resolve("u", 2, arr(9), arr(0))
@@ -41,3 +41,20 @@ def test_budget_counts_events_and_users():
     assert len(h) == 2 and h.known(4) == 10 and h.known(2) is None
     h.remember("big", np.arange(10_000), np.zeros(10_000, dtype=np.int64))  # over the budget
     assert h.known("big") is None and len(h) == 2
+
+
+def test_resolved_histories_name_the_held_history_they_extend():
+    h = HistoryStore(1000)
+    first = h.resolve("u", None, arr(1, 2), arr(0, 1), match_full=True)
+    assert first.base is None  # nothing held yet
+    h.remember("u", first.items, first.actions, first.stamp)
+    full = h.resolve("u", None, arr(1, 2, 3), arr(0, 1, 1), match_full=True)
+    assert full.base == (first.stamp, 2) and full.stamp != first.stamp
+    assert h.resolve("u", None, arr(1, 2, 3), arr(0, 1, 1)).base is None  # not asked to match
+    assert h.resolve("u", None, arr(1, 9, 3), arr(0, 1, 1), match_full=True).base is None
+    assert h.resolve("u", None, arr(1, 2), arr(0, 0), match_full=True).base is None  # an action
+    assert h.resolve("u", None, arr(1), arr(0), match_full=True).base is None  # shorter
+    delta = h.resolve("u", 2, arr(3), arr(1))
+    assert delta.base == (first.stamp, 2) and list(delta.items) == [1, 2, 3]
+    stamps = {first.stamp, full.stamp, delta.stamp}
+    assert len(stamps) == 3

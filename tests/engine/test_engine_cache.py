@@ -100,3 +100,45 @@ async def test_weight_update_never_serves_stale_kv():
     ref = await recompute_scores([r], **{"model.init_seed": 99})
     np.testing.assert_allclose(after.scores, ref[0], rtol=1e-4, atol=1e-5)
     assert not np.allclose(after.scores, before.scores)
+
+
+@pytest.mark.parametrize("mode", ["gpu-only", "hierarchical"])
+async def test_a_history_that_extends_the_committed_one_skips_the_hashing(mode, monkeypatch):
+    """A returning visit whose history extends the one the cache committed (a delta request, or
+    a full request whose first events equal the held ones) reuses the cached tokens without
+    fingerprinting them; a rewritten earlier event is still caught by the fingerprints. Scores
+    equal recompute's either way."""
+    from streamgr.cache.manager import KVCacheManager
+    checked = []
+    real = KVCacheManager._valid_prefix
+
+    def counting(self, e, tokens):
+        checked.append(e.key)
+        return real(self, e, tokens)
+    monkeypatch.setattr(KVCacheManager, "_valid_prefix", counting)
+    rng = np.random.default_rng(3)
+    items, actions = history(rng, 20)
+    more_i, more_a = history(rng, 4)
+    reqs = [RankRequest(user_id=5, items=items, actions=actions, candidates=[1, 2]),
+            # the same history and more: full, then delta
+            RankRequest(user_id=5, items=items + more_i, actions=actions + more_a,
+                        candidates=[3, 4]),
+            RankRequest(user_id=5, items=[7], actions=[1], candidates=[5], base_len=24)]
+    rewritten = [9] + items[1:] + more_i + [7]  # the first event differs
+    reqs.append(RankRequest(user_id=5, items=rewritten, actions=actions + more_a + [1],
+                            candidates=[6]))
+    async with Engine.from_spec("rank-small", small_overrides(**{"cache.mode": mode, **CACHE})) as e:
+        got = []
+        for k, r in enumerate(reqs):
+            got.append(await e.rank(r))
+            if k in (1, 2):  # extensions: cached tokens reused, no fingerprint compared
+                assert checked == [] and got[-1].stats.tokens_recomputed < 2 * (20 + k * 4), k
+        assert checked == [5]  # the rewritten history went through the fingerprints
+        assert got[-1].stats.tokens_recomputed == 2 * 25  # and nothing cached was reused
+        known_users = e.stats()["cache"]["prefix_known_users"]
+    full = [reqs[0], reqs[1], RankRequest(user_id=5, items=items + more_i + [7],
+                                          actions=actions + more_a + [1], candidates=[5]), reqs[3]]
+    ref = await recompute_scores(full, **CACHE)
+    for g, want in zip(got, ref):
+        np.testing.assert_allclose(g.scores, want, rtol=1e-4, atol=1e-5)
+    assert known_users == 2

@@ -134,3 +134,33 @@ def test_replay_generate_trace(tmp_path):
     with pytest.raises(ReplayError, match="serves no generate"):
         replay_trace(tmp_path / "g.trace", tmp_path / "x.jsonl", spec="rank-small",
                      overrides=small_overrides(), limit=4, progress=False)
+
+
+def test_delta_replay_answers_as_full_histories():
+    """replay_batches(delta=True): returning users send only their new events; the cached
+    engine answers exactly as when every request carries the whole history."""
+    from streamgr import Engine
+    from streamgr.trace.replay import batches_of_distinct_users, replay_batches
+    from streamgr.trace.synth import Timeline
+    tl = Timeline(synth_trace("small", seed=1, users=12))
+    batches = list(batches_of_distinct_users((tl.request(n) for n in range(len(tl.trace))), 4))
+    ov = small_overrides(**{"cache.mode": "hierarchical", "model.max_history": 4096,
+                            "model.num_items": 1000, "model.max_candidates": 64})
+    out, known, deltas = {}, {}, {}
+    for delta in (False, True):
+        eng = Engine.from_spec("rank-small", ov)
+        run, deltas[delta] = eng.run_batch, []
+
+        def counting(reqs, *a, _run=run, _seen=deltas[delta]):
+            _seen.extend(r for r in reqs if r.base_len is not None)
+            return _run(reqs, *a)
+        eng.run_batch = counting
+        res = replay_batches(eng, batches, keep_scores=True, progress=False, delta=delta)
+        out[delta] = res.scores
+        known[delta] = eng.stats()["cache"]["prefix_known_users"]
+    assert len(out[True]) == len(tl.trace) and len(batches) > 6
+    assert not deltas[False] and len(deltas[True]) > len(batches)
+    # Returning users' cached prefixes were known without hashing, full requests or deltas.
+    assert known[True] == known[False] > 0
+    for a, b in zip(out[False], out[True]):
+        np.testing.assert_array_equal(a, b)

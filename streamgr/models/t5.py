@@ -64,15 +64,6 @@ class T5Config(msgspec.Struct, kw_only=True):
         return self.feed_forward_proj.startswith("gated")
 
 
-# Encoder lengths are padded (masked keys) to a multiple of this: the fused attention kernel
-# wants its bias rows aligned so, and would otherwise pad a copy of the bias at every call.
-LENGTH_ALIGN = 16
-
-
-def aligned_length(n: int) -> int:
-    return -(-n // LENGTH_ALIGN) * LENGTH_ALIGN
-
-
 def relative_bucket(rel: torch.Tensor, bidirectional: bool, num_buckets: int,
                     max_distance: int) -> torch.Tensor:
     """T5's bucketing of ``key position - query position``."""
@@ -253,9 +244,8 @@ class T5(nn.Module):
 
     @classmethod
     def uninitialized(cls, cfg: T5Config) -> "T5":
-        """A T5 on the CPU whose parameters hold garbage, for a caller that sets every one of
-        them (``init_random``, a strict ``load_state_dict``): the default initialization of
-        each layer is skipped (a quarter of a gen-ref refit's CPU time)."""
+        """A T5 on the CPU with uninitialized parameters, for a caller that sets all of them
+        (``init_random``, a strict load): no default init (a quarter of a refit's CPU time)."""
         with torch.device("meta"):
             model = cls(cfg)
         return model.to_empty(device="cpu")

@@ -22,8 +22,9 @@ import numpy as np
 import torch
 
 from ..kernels.trie_topk import trie_topk
-from ..models.t5 import T5, aligned_length
+from ..models.t5 import T5
 from ..selection.vocabulary import SidTrie
+from .plans import aligned_length
 from .variants import keep_mask
 
 if TYPE_CHECKING:

@@ -30,7 +30,13 @@ from collections import OrderedDict
 
 import torch
 
-from ..models.t5 import aligned_length
+# Encoder lengths are padded (masked keys) to a multiple of this: the fused attention kernel
+# wants its bias rows aligned so, and would otherwise pad a copy of the bias at every call.
+LENGTH_ALIGN = 16
+
+
+def aligned_length(n: int) -> int:
+    return -(-n // LENGTH_ALIGN) * LENGTH_ALIGN
 
 
 def bucket_rows(n: int, max_rows: int) -> int:

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import StreamgrError
+
 log = logging.getLogger("streamgr.kernels")
 
 # STREAMGR_KERNELS=torch forces the torch references everywhere (for A/B checks and fallbacks).
@@ -104,8 +106,11 @@ def arch_module(name: str, name_expressions: tuple[str, ...], arch: str,
     cupy = _cupy()
     flags = ("-std=c++17", f"-arch={arch}") + _LINEINFO + tuple(f"-D{d}" for d in defines) \
         + tuple(f"-I{d}" for d in _include_dirs())
-    prog = compiler._NVRTCProgram(source(name), name, name_expressions=list(name_expressions),
-                                  method="cubin")
+    program = getattr(compiler, "_NVRTCProgram", None)  # CuPy 13-14's NVRTC wrapper
+    if program is None:
+        raise StreamgrError(f"{name}: this CuPy ({cupy.__version__}) has no NVRTC program "
+                            f"hook to compile for {arch}; use the default kernels")
+    prog = program(source(name), name, name_expressions=list(name_expressions), method="cubin")
     cubin, mapping = prog.compile(flags)
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)

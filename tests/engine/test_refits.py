@@ -113,3 +113,23 @@ async def test_a_spare_from_the_start_takes_the_first_refit():
         got = await answers(eng, reqs)
         assert {r.stats.version for r in got} == {vs["generate"]["active"]["version"]}
         assert _items(got) == await _fresh(61, reqs) != before
+
+
+async def test_a_spare_with_rollback_kept():
+    """engine.refit_spare with keep_previous (the default): the refit goes into the spare, the
+    old weights stay the rollback target, and the next refit reuses what that update drops."""
+    eng = Engine.from_spec("gen-small", {**GEN, "engine.refit_spare": True})
+    reqs = requests(eng, 3)
+    runner = eng.gen_runner
+    async with eng:
+        base = _items(await answers(eng, reqs))
+        await eng.update(weights=71)
+        assert runner.refits_in_place == 1 and runner.previous is not None
+        assert _items(await answers(eng, reqs)) == await _fresh(71, reqs)
+        await eng.rollback()
+        assert _items(await answers(eng, reqs)) == base
+        await eng.update(weights=72)  # into 71's storage (the previous this update replaces)
+        assert runner.refits_in_place == 2
+        assert _items(await answers(eng, reqs)) == await _fresh(72, reqs)
+        await eng.rollback()
+        assert _items(await answers(eng, reqs)) == base

@@ -218,8 +218,7 @@ class GenerateRunner:
                 return v
         return None
 
-    def refit(self, slot: GenerateVersion, new: WeightsOnly | GenerateVersion,
-              keep_previous: bool) -> None:
+    def refit(self, slot: GenerateVersion, new: WeightsOnly, keep_previous: bool) -> None:
         """Executor thread, between batches: ``new``'s weights into ``slot``'s tensors, then
         ``slot`` (renamed ``new``'s) becomes active. The copies are queued on the stream every
         batch is, after all of them, so a batch still running on ``slot`` reads its old weights

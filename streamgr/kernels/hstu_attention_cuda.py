@@ -34,18 +34,26 @@ from . import _cuda
 BM, KC = 128, 512  # rows per tile, keys per chunk (the .cu's BM and KC)
 
 
+def _env_ints(name: str, default: str, form: str) -> list[int]:
+    """An A/B knob of integers joined by ``x`` (``64x2x32``), as many as ``form`` names."""
+    raw = os.environ.get(name, default)
+    try:
+        vals = [int(x) for x in raw.lower().split("x")]
+    except ValueError:
+        vals = []
+    if len(vals) != form.count("x") + 1:
+        raise StreamgrError(f"{name}={raw!r}: expected {form}, e.g. {default}")
+    return vals
+
+
 def _tile_config() -> tuple[int, int, int]:
     """Keys per K/V tile, cp.async stages and keys per compute step, compiled into the kernel
     as HSTU_BN/HSTU_STAGES/HSTU_SUB. ``STREAMGR_HSTU_TILE=32x3x32`` picks another for A/B
     benchmarks (the default: 64-key tiles, two stages, computed 32 keys at a time, which keeps
     the D = 128 kernels within their registers)."""
-    raw = os.environ.get("STREAMGR_HSTU_TILE", "64x2x32")
-    try:
-        bn, stages, sub = (int(x) for x in raw.lower().split("x"))
-    except ValueError:
-        raise StreamgrError(f"STREAMGR_HSTU_TILE={raw!r}: expected KEYSxSTAGESxSTEP, e.g. 64x2x32")
+    bn, stages, sub = _env_ints("STREAMGR_HSTU_TILE", "64x2x32", "KEYSxSTAGESxSTEP")
     if bn not in (32, 64) or stages not in (2, 3, 4) or sub not in (32, 64) or sub > bn:
-        raise StreamgrError(f"STREAMGR_HSTU_TILE={raw!r}: keys 32 or 64, stages 2-4, step <= keys")
+        raise StreamgrError("STREAMGR_HSTU_TILE: keys 32 or 64, stages 2-4, step <= keys")
     return bn, stages, sub
 
 
@@ -64,14 +72,10 @@ def _wg_config() -> tuple[int, int, int]:
     """cp.async stages, the S / P V overlap and Q in registers of the wgmma kernel
     (HSTU_WG_STAGES, HSTU_WG_OVERLAP, HSTU_WG_QREG); ``STREAMGR_HSTU_WG=3x0x0`` picks another
     for A/B benchmarks."""
-    raw = os.environ.get("STREAMGR_HSTU_WG", "3x1x1")
-    try:
-        stages, overlap, qreg = (int(x) for x in raw.lower().split("x"))
-    except ValueError:
-        raise StreamgrError(f"STREAMGR_HSTU_WG={raw!r}: expected STAGESxOVERLAPxQREG, e.g. 3x1x1")
+    stages, overlap, qreg = _env_ints("STREAMGR_HSTU_WG", "3x1x1", "STAGESxOVERLAPxQREG")
     if stages not in (2, 3, 4) or overlap not in (0, 1) or qreg not in (0, 1) \
             or stages < 2 + overlap:
-        raise StreamgrError(f"STREAMGR_HSTU_WG={raw!r}: stages 2-4 (3+ with overlap 1)")
+        raise StreamgrError("STREAMGR_HSTU_WG: stages 2-4 (3+ with overlap 1), flags 0 or 1")
     return stages, overlap, qreg
 
 

@@ -10,7 +10,7 @@
 // candidate. A = SiLU(alpha q k^T) * inv_n, with inv_n = 1/N for the fixed N of the model.
 //
 // HSTU has no softmax, so partial sums of P V over key ranges simply add. Keys are cut into
-// chunks of KC = 512 absolute positions; rows into tiles of BM = 128. A work item is (user,
+// chunks of KC (HSTU_KC, 512) positions; rows into tiles of BM = 128. A work item is (user,
 // row tile, a range of key tiles, a workspace slot); the host's plan picks, per batch, either
 //   - direct (hstu_attn_fwd<D, true>): one item per row tile over all its keys, folding each
 //     chunk's partial into the tile's fp32 slot (slot = slot + chunk; the first: 0 + chunk);
@@ -52,9 +52,15 @@ constexpr int BM = 16 * MT * WARPS;  // query rows per block (a row tile)
 #endif
 constexpr int BN = HSTU_BN;          // keys per tile (one cp.async stage)
 constexpr int SUB = HSTU_SUB;        // keys per compute step (S registers: MT x SUB / 8 x 4)
-constexpr int KC = 512;              // keys per chunk (the unit of the split and of the fold)
+#ifndef HSTU_KC
+#define HSTU_KC 512
+#endif
+constexpr int KC = HSTU_KC;          // keys per chunk (the unit of the split and of the fold)
 constexpr int TPC = KC / BN;         // key tiles per chunk
 constexpr int STAGES = HSTU_STAGES;  // K/V tiles in flight
+// Thin tiles (<= 16 rows) on all four warps: 16 keys of a 64-key tile per warp, D / 4 columns.
+template <int D>
+constexpr bool kThin = BN == 64 && WARPS == 4 && D >= 64;
 
 template <int N>
 struct IntC {
@@ -92,20 +98,20 @@ struct Batch {
     float alpha, inv_n;
 };
 
-// One row's chunk partial (columns 8 n + 2 t (+ 1) of `x`, halves hl of its fragments) into
+// One row's chunk partial (columns 8 n + 2 t (+ 1) of `x`'s NT n-tiles, halves hl of its fragments) into
 // its slot at `w`: stored, or (DIRECT) added to what the slot holds (0 for the first chunk).
 // Every old value is loaded before any store: the stores could alias later loads for all the
 // compiler knows, which would make each of the D / 8 loads a full global round trip in turn.
-template <int D, bool DIRECT>
-__device__ __forceinline__ void fold_row(float* w, const float (&x)[D / 8][4], int hl,
+template <int NT, bool DIRECT>
+__device__ __forceinline__ void fold_row(float* w, const float (&x)[NT][4], int hl,
                                          bool first) {
-    float2 o[D / 8];
+    float2 o[NT];
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n)
+    for (int n = 0; n < NT; ++n)
         o[n] = (DIRECT && !first) ? *reinterpret_cast<const float2*>(w + n * 8)
                                   : make_float2(0.0f, 0.0f);
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
+    for (int n = 0; n < NT; ++n) {
         float2 v = make_float2(x[n][2 * hl], x[n][2 * hl + 1]);
         if (DIRECT) v = make_float2(__fadd_rn(o[n].x, v.x), __fadd_rn(o[n].y, v.y));
         *reinterpret_cast<float2*>(w + n * 8) = v;
@@ -188,6 +194,9 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
     const bool is_paged = paged[b] != 0;
     const int* upages = pages + (is_paged ? page_ptr[b] : 0);
     const long long krow = kv_row[b];
+    // Pages of a power-of-two size (the default 32) split a key index by shift and mask: a
+    // runtime division costs ~20 instructions per 16-byte copy, issued by the warps doing MMAs.
+    const int page_shift = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
 
     auto load_kv = [&](int stage, int kt) {
         __nv_bfloat16* kd = Ks + stage * BN * SP;
@@ -200,8 +209,10 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
             const bool ok = j < key_lim;
             if (ok) {
                 if (is_paged) {
-                    const long long pg = upages[j / page_size];
-                    const long long off = ((pg * 2) * page_size + j % page_size) * HD + h * D + c;
+                    const int pi = page_shift >= 0 ? j >> page_shift : j / page_size;
+                    const long long pg = upages[pi];
+                    const long long off = ((pg * 2) * page_size + (j - pi * page_size)) * HD
+                                          + h * D + c;
                     kp = store + off;
                     vp = store + off + (long long)page_size * HD;
                 } else {
@@ -233,7 +244,7 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
             for (int hl = 0; hl < 2; ++hl) {
                 const int r = wrow + m * 16 + g + hl * 8;
                 if (r >= nrows) continue;
-                fold_row<D, DIRECT>(w + r * D + 2 * t, acc[m], hl, first);
+                fold_row<D / 8, DIRECT>(w + r * D + 2 * t, acc[m], hl, first);
             }
     };
 
@@ -309,34 +320,112 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
         }
     };
 
+    // The item's key tiles through the cp.async pipeline: `step` computes one tile, `fold`
+    // writes a chunk's partial to the slot (DIRECT: at each chunk's end; else once).
+    auto pipeline = [&](auto step, auto fold) {
 #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-        if (kt0 + i < kt1) load_kv(i, kt0 + i);
-        cp_async_commit();
-    }
-    for (int kt = kt0; kt < kt1; ++kt) {
-        const int it = kt - kt0;
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();  // tile `it` landed for all; the stage refilled below was read by all
-        if (kt + STAGES - 1 < kt1) load_kv((it + STAGES - 1) % STAGES, kt + STAGES - 1);
-        cp_async_commit();
-        const __nv_bfloat16* Kt = Ks + (it % STAGES) * BN * SP;
-        const __nv_bfloat16* Vt = Vs + (it % STAGES) * BN * SP;
-
-#pragma unroll
-        for (int sub = 0; sub < BN / SUB; ++sub) {  // kt in SUB units: kt * (BN / SUB) + sub
-            const int ks = kt * (BN / SUB) + sub;
-            if (wrow + 16 < nrows) tile_step(IntC<MT>{}, Kt + sub * SUB * SP, Vt + sub * SUB * SP, ks);
-            else if (wrow < nrows) tile_step(IntC<1>{}, Kt + sub * SUB * SP, Vt + sub * SUB * SP, ks);
-        }  // warps past the tile's rows only help load
-
-        if (DIRECT && ((kt + 1) % TPC == 0 || kt + 1 == kt1)) {
-            flush(kt < TPC);
-            zero_acc();
+        for (int i = 0; i < STAGES - 1; ++i) {
+            if (kt0 + i < kt1) load_kv(i, kt0 + i);
+            cp_async_commit();
         }
+        for (int kt = kt0; kt < kt1; ++kt) {
+            const int it = kt - kt0;
+            cp_async_wait<STAGES - 2>();
+            __syncthreads();  // tile `it` landed for all; the stage refilled below was read by all
+            if (kt + STAGES - 1 < kt1) load_kv((it + STAGES - 1) % STAGES, kt + STAGES - 1);
+            cp_async_commit();
+            step(Ks + (it % STAGES) * BN * SP, Vs + (it % STAGES) * BN * SP, kt);
+            if (DIRECT && ((kt + 1) % TPC == 0 || kt + 1 == kt1)) fold(kt < TPC);
+        }
+        cp_async_wait<0>();
+        if (!DIRECT) fold(true);
+    };
+
+    if (!(kThin<D> && nrows <= 16)) {
+        pipeline([&](const __nv_bfloat16* Kt, const __nv_bfloat16* Vt, int kt) {
+#pragma unroll
+            for (int sub = 0; sub < BN / SUB; ++sub) {  // kt in SUB units: kt * (BN / SUB) + sub
+                const int ks = kt * (BN / SUB) + sub;
+                const __nv_bfloat16 *Ksub = Kt + sub * SUB * SP, *Vsub = Vt + sub * SUB * SP;
+                if (wrow + 16 < nrows) tile_step(IntC<MT>{}, Ksub, Vsub, ks);
+                else if (wrow < nrows) tile_step(IntC<1>{}, Ksub, Vsub, ks);
+            }  // warps past the tile's rows only help load
+        }, [&](bool first) {
+            flush(first);
+            zero_acc();
+        });
+        return;
     }
-    cp_async_wait<0>();
-    if (!DIRECT) flush(true);
+
+    // A thin tile (<= 16 rows: the few rows past a user's last full tile) on all four warps
+    // instead of one: warp w computes S for keys 16 w .. 16 w + 15 of each K/V tile and shares
+    // P through shared memory, then P V for its D / 4 output columns. Every S and P V fragment
+    // is the same MMA on the same operands, accumulated in the same key order, as in the path
+    // above, so the bits do not depend on which path ran.
+    constexpr int DPW = D >= 64 ? D / 64 : 1;  // 16-column V fragments per warp (D >= 64)
+    constexpr int PSP = BN + 8;  // padded P row (bf16)
+    __nv_bfloat16* Ps = Qs + 16 * SP;  // Q rows 16.. are zero-filled and unused here
+    float tacc[2 * DPW][4];
+    auto tzero = [&]() {
+#pragma unroll
+        for (int n = 0; n < 2 * DPW; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) tacc[n][e] = 0.0f;
+    };
+    tzero();
+    pipeline([&](const __nv_bfloat16* Kt, const __nv_bfloat16* Vt, int kt) {
+        float S2[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) S2[n][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            unsigned a[4], bb[4];
+            ldmatrix_x4(a, Qs + ((lane & 7) + ((lane >> 3) & 1) * 8) * SP + kk * 16
+                               + (lane >> 4) * 8);
+            ldmatrix_x4(bb, Kt + (warp * 16 + (lane & 7) + (lane >> 4) * 8) * SP + kk * 16
+                                + ((lane >> 3) & 1) * 8);
+            mma_bf16(S2[0], a, bb[0], bb[1]);
+            mma_bf16(S2[1], a, bb[2], bb[3]);
+        }
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = kt * BN + warp * 16 + n * 8 + 2 * t + (e & 1);
+                const int lr = row0 + g + (e >> 1) * 8;
+                const bool ok = (lr < nn) ? (j <= start + lr) : (j < hist);
+                S2[n][e] = ok ? silu_n(S2[n][e], half_alpha, inv_n) : 0.0f;
+            }
+            const int col = warp * 16 + n * 8 + 2 * t;
+            *reinterpret_cast<unsigned*>(Ps + g * PSP + col) = pack_bf16(S2[n][0], S2[n][1]);
+            *reinterpret_cast<unsigned*>(Ps + (g + 8) * PSP + col) = pack_bf16(S2[n][2], S2[n][3]);
+        }
+        __syncthreads();  // P complete (the next tile's writes wait for the loop's barrier)
+#pragma unroll
+        for (int kc = 0; kc < BN / 16; ++kc) {
+            unsigned pa[4];
+            ldmatrix_x4(pa, Ps + ((lane & 7) + ((lane >> 3) & 1) * 8) * PSP + kc * 16
+                                + (lane >> 4) * 8);
+#pragma unroll
+            for (int i = 0; i < DPW; ++i) {
+                unsigned vb[4];
+                ldmatrix_x4_trans(vb, Vt + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SP
+                                          + (warp * DPW + i) * 16 + (lane >> 4) * 8);
+                mma_bf16(tacc[2 * i], pa, vb[0], vb[1]);
+                mma_bf16(tacc[2 * i + 1], pa, vb[2], vb[3]);
+            }
+        }
+    }, [&](bool first) {
+#pragma unroll
+        for (int hl = 0; hl < 2; ++hl) {
+            const int r = g + hl * 8;
+            if (r < nrows)
+                fold_row<2 * DPW, DIRECT>(w + r * D + warp * DPW * 16 + 2 * t, tacc, hl, first);
+        }
+        tzero();
+    });
 }
 
 // grid (row tiles x BM / 4, H), 128 threads, one warp per row:

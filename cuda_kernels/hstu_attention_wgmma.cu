@@ -23,7 +23,10 @@ namespace {
 
 constexpr int BM = 128;     // query rows per block: two warpgroups of 64
 constexpr int BN = 64;      // keys per tile
-constexpr int KC = 512;     // keys per chunk, as in hstu_attention.cu
+#ifndef HSTU_KC
+#define HSTU_KC 512
+#endif
+constexpr int KC = HSTU_KC; // keys per chunk, as in hstu_attention.cu
 constexpr int TPC = KC / BN;
 #ifndef HSTU_WG_STAGES
 #define HSTU_WG_STAGES 3

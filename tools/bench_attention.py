@@ -32,14 +32,20 @@ H, D, P, CANDS, NEW = 4, 128, 32, 256, 5
 PEAK_TFLOPS, PEAK_BW = 744.0, 4.8e12  # WORKLOADS.md bf16 GEMM; HBM3e datasheet
 
 
-def case(B: int, hist: int, cached: bool, seed: int = 0):
+def case(B: int, hist: int, cached: bool, seed: int = 0, contiguous: bool = False):
+    """A batch of the shape; ``contiguous``: a cached batch whose history K/V are rows of k/v
+    (after the batch's own rows) instead of pages (A/B of the paged loads)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     rnd = lambda *s: (torch.randn(*s, device=DEV, generator=g) * 0.5).to(torch.bfloat16)  # noqa: E731
     new = NEW if cached else hist
     rows = new + CANDS
-    q, k, v = rnd(B * rows, H, D), rnd(B * rows, H, D), rnd(B * rows, H, D)
+    extra = B * hist if cached and contiguous else 0
+    q, k, v = rnd(B * rows, H, D), rnd(B * rows + extra, H, D), rnd(B * rows + extra, H, D)
     q_off = [i * rows for i in range(B + 1)]
-    if cached:
+    if cached and contiguous:
+        desc = JaggedKV(q_off, [CANDS] * B, [hist] * B, [False] * B,
+                        [B * rows + i * hist for i in range(B)], [[]] * B, P, None)
+    elif cached:
         per = -(-hist // P)
         store = rnd(1, B * per + 1, 2, P, H, D)
         perm = torch.randperm(B * per, generator=torch.Generator().manual_seed(seed)).tolist()
@@ -51,14 +57,14 @@ def case(B: int, hist: int, cached: bool, seed: int = 0):
 
 
 def flops(B, hist, cached):
-    new = NEW if cached else hist
+    new = NEW if cached else hist  # (NEW: --new)
     start = hist - new
     keys = sum(start + i + 1 for i in range(new)) + CANDS * (hist + 1)
     return 4.0 * D * H * keys * B
 
 
-def measure(B, hist, cached, with_ref=True, wmma=True):
-    q, k, v, desc = case(B, hist, cached, seed=B * 7919 + hist)
+def measure(B, hist, cached, with_ref=True, wmma=True, contiguous=False):
+    q, k, v, desc = case(B, hist, cached, seed=B * 7919 + hist, contiguous=contiguous)
     alpha, n = 1.0 / np.sqrt(D), 2 * 20000 + 256
     out = {p: torch.empty_like(q) for p in ("auto", "split", "direct") + (("wmma",) if wmma else ())}
     for p in out:
@@ -104,7 +110,12 @@ def main() -> None:
     ap.add_argument("--ncu", action="store_true",
                     help="no timing: each issue shape's kernel launched eagerly twice, for "
                          "`ncu -k regex:hstu_attn` to profile")
+    ap.add_argument("--new", type=int, default=NEW,
+                    help="new history tokens per user in the cached shapes (5: the issue's)")
+    ap.add_argument("--contiguous", action="store_true",
+                    help="cached shapes with contiguous history K/V instead of pages")
     args = ap.parse_args()
+    globals()["NEW"] = args.new
     shapes = [(8, 6400, True), (1, 6400, True), (8, 6400, False), (1, 6400, False)]
     if args.ncu:
         for B, hist, cached in shapes[::2]:
@@ -122,7 +133,8 @@ def main() -> None:
            f"{'TFLOP/s':>8} {'hist GB/s':>9} {'%peak':>6} {'x wmma':>7} {'rel err':>8} bitwise")
     print(hdr)
     for B, hist, cached in shapes:
-        r = measure(B, hist, cached, with_ref=B * hist <= 60000, wmma=not args.no_wmma)
+        r = measure(B, hist, cached, with_ref=B * hist <= 60000, wmma=not args.no_wmma,
+                    contiguous=args.contiguous)
         rows.append(r)
         print(f"{r['mode']:>9} {B:>3} {hist:>6} {r['plan']:>6} {r['ms']:>8.4f} {r['ms_wmma']:>8.4f} "
               f"{r.get('ms_torch', float('nan')):>9.3f} {r['tflops']:>8.1f} {r['hist_GBps']:>9.0f} "

@@ -150,15 +150,8 @@ def main() -> int:
         measured = list(range(warm, len(batches)))
         timed_re = measured[::args.recompute_every]
         prefill = None
-        if args.prefill:
-            state = tl.state_before(s0)
-            users = sorted({tl.trace[n].user for n in order} & set(state))
-            first = {}
-            for n in order:
-                first.setdefault(tl.trace[n].user, tl.trace[n])
-            pb = max(bs, 8)  # the untimed prefill goes in batches of 8 at least
-            prefill = [[(first[u], tl.items[u][:state[u]], tl.actions[u][:state[u]])
-                        for u in users[i:i + pb]] for i in range(0, len(users), pb)]
+        if args.prefill:  # untimed, in batches of 8 at least
+            prefill = tl.prefill(s0, order, max(bs, 8))
         runs = {m: run_mode(spec, m, batches, measured, timed_re, prefill, args.delta)
                 for m in MODES}
         # The cached modes' scores on the recompute-timed batches, against recompute's.

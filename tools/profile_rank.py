@@ -32,6 +32,9 @@ def main() -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--profile-name", default="kuairand-1k", help="synthetic trace profile")
     ap.add_argument("--users", type=int, default=64)
+    ap.add_argument("--start-frac", type=float, default=0.0,
+                    help="start there in the trace, each user's earlier history loaded first "
+                         "(untimed), as bench_rank's --start-frac --prefill")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--batches", type=int, default=40, help="batches replayed to fill the cache")
     ap.add_argument("--profile", type=int, default=5, help="batches replayed under the profiler")
@@ -42,11 +45,16 @@ def main() -> int:
         ov["engine.device"] = args.device
     spec = load_spec(args.spec, ov)
     tl = Timeline(synth_trace(args.profile_name, 0, args.users))
-    batches = list(batches_of_distinct_users((tl.request(n) for n in range(len(tl.trace))),
+    s0 = int(args.start_frac * len(tl.trace))
+    order = range(s0, len(tl.trace))
+    batches = list(batches_of_distinct_users((tl.request(n) for n in order),
                                              args.batch))[:args.batches]
     if len(batches) < args.profile:
         raise SystemExit(f"only {len(batches)} batches of {args.batch} in the trace")
     eng = Engine(spec)
+    if s0:
+        replay_batches(eng, tl.prefill(s0, list(order), max(8, args.batch)), measure=[],
+                       progress=False)
     replay_batches(eng, batches, measure=[], progress=False)
     again = batches[-args.profile:]
     replay_batches(eng, again, measure=[], progress=False)  # shapes' plans outside the profile

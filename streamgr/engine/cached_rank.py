@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import numpy as np
 import torch
@@ -55,6 +56,7 @@ class CachedRankRunner(RankRunner):
         self.bytes_offloaded = 0
         self.onload_faults = 0
         self.trace_events: dict | None = None  # tests: {name: timing event} of the last batch
+        self._to_commit: deque = deque()  # finished batches whose commit runs in ``background``
 
     @property
     def bytes_onloaded(self) -> int:
@@ -80,6 +82,7 @@ class CachedRankRunner(RankRunner):
         """Plan the batch, queue its onloads and its forward on the device, and queue the
         scores' copy to the host; nothing here waits for the device (``finish`` does)."""
         with self._meta:
+            self._commit()  # offline callers may not have run ``background`` since the last
             self._apply_completions()
         try:
             return self._submit(batch, frozenset())
@@ -151,11 +154,10 @@ class CachedRankRunner(RankRunner):
                 self.manager.abort_batch(f.plans)
             raise
         t = self._mark(stages, "readback", t)
+        # The commit runs after the replies (``background``): the scores do not depend on it,
+        # and the batch loop keeps these users out of later batches until it is done.
         with self._meta:
-            self.manager.commit_batch(f.plans, f.tokens,
-                                      {f.batch[i].user: f.resolved[i].stamp for i in f.live})
-        self._remember(f.batch, f.resolved)
-        t = self._mark(stages, "commit", t)
+            self._to_commit.append(f)
         results: list = list(f.resolved)
         o = 0
         for i, p in zip(f.live, f.plans):
@@ -202,14 +204,33 @@ class CachedRankRunner(RankRunner):
         stages["onload_wait"] = wait[0] * 1e3
         return scores
 
+    def _commit(self) -> None:
+        """Finished batches' K/V into the cache metadata, in the order they finished (under
+        ``_meta``). A commit that fails gives its batch's pages back: those users miss next time
+        (their answers were already right)."""
+        while self._to_commit:
+            f = self._to_commit.popleft()
+            t = time.perf_counter()
+            try:
+                self.manager.commit_batch(f.plans, f.tokens,
+                                          {f.batch[i].user: f.resolved[i].stamp for i in f.live})
+            except Exception:
+                self.manager.abort_batch(f.plans)
+                raise
+            self._remember(f.batch, f.resolved)
+            f.stages["commit"] = (time.perf_counter() - t) * 1e3
+
     @property
     def has_background_work(self) -> bool:
-        return bool(self.manager.res.wanted) or not self.offload.completions.empty()
+        return (bool(self._to_commit) or bool(self.manager.res.wanted)
+                or not self.offload.completions.empty())
 
     def background(self) -> None:
-        """Start offloading users' filled chunks (within the quota); returns at once. Finished
-        offloads are applied to the metadata here and at the next batch."""
+        """After the replies: commit finished batches, then start offloading users' filled
+        chunks (within the quota); returns at once. Finished offloads are applied to the
+        metadata here and at the next batch."""
         with self._meta:
+            self._commit()
             self._apply_completions()
             jobs = self.manager.plan_offloads()
         if jobs:
@@ -229,6 +250,8 @@ class CachedRankRunner(RankRunner):
 
     def flush(self, timeout: float | None = 60.0) -> None:
         """Wait for offloads in flight and apply them (tests, benchmarks, shutdown)."""
+        with self._meta:
+            self._commit()
         self.offload.wait_idle(timeout)
         with self._meta:
             self._apply_completions()
@@ -236,6 +259,8 @@ class CachedRankRunner(RankRunner):
     def close(self, timeout: float | None = 60.0) -> None:
         """Offloads in flight get ``timeout`` s to finish (unfinished ones are left unpersisted,
         never marked done), then the pipelines and stores are released."""
+        with self._meta:
+            self._commit()
         self._apply_completions()
         self.offload.close(timeout)
         self._apply_completions()

@@ -172,10 +172,10 @@ class Engine(Updates):
 
     # -- offline (not started): replays and benchmarks run batches synchronously -----------
 
-    def run_batch(self, requests: list[RankRequest], sync_stages: bool = False) -> BatchOutcome:
-        """One rank batch start to finish on this thread, outside any event loop (offline
-        replays, ``tools/``); ``sync_stages`` times each stage on the device. Not while
-        started: the batch loop owns the runner then."""
+    def run_batch(self, requests: list[RankRequest], sync_stages: bool = False,
+                  background: bool = True) -> BatchOutcome:
+        """One rank batch on this thread, not while started (replays); ``background=False``
+        leaves the after-reply work (commit, offload) to :meth:`run_background`."""
         if self._res is not None:
             raise StreamgrError("run_batch is for an engine that is not started")
         if self.runner is None:
@@ -183,8 +183,13 @@ class Engine(Updates):
         prepared = [prepare_rank(r, self.runner.model.cfg) for r in requests]
         self.runner.sync_stages = sync_stages
         out = self.runner.run(prepared)
-        self.runner.background()
+        if background:
+            self.runner.background()
         return out
+
+    def run_background(self) -> None:
+        if self.runner is not None:
+            self.runner.background()
 
     def close_offline(self) -> None:
         """After ``run_batch``: pending offloads flushed, the runner's threads stopped."""

@@ -51,8 +51,12 @@ class StreamSet:
         self.device = device
         self.cuda = device.type == "cuda"
         if self.cuda:
-            self.compute, self.onload, self.scatter, self.offload = (
-                torch.cuda.Stream(device) for _ in range(4))
+            # The batch's own work (compute, and the onload it waits for) at high priority;
+            # offload runs after the replies, beside the next batch, at the default one: the
+            # block scheduler then serves the batch on the critical path first.
+            self.compute, self.onload, self.scatter = (
+                torch.cuda.Stream(device, priority=-1) for _ in range(3))
+            self.offload = torch.cuda.Stream(device)
         else:
             self.compute = self.onload = self.scatter = self.offload = NullStream()
 

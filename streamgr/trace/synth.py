@@ -134,6 +134,18 @@ class Timeline:
             out[r.user] = int(self.ends[i])
         return out
 
+    def prefill(self, s0: int, order: list[int], batch: int = 8) -> list[list]:
+        """Batches (of ``batch``) that load each user of ``order`` with its history as of
+        request ``s0``: replayed untimed, they leave a cache holding what a server running since
+        the trace's beginning would hold."""
+        state = self.state_before(s0)
+        users = sorted({self.trace[n].user for n in order} & set(state))
+        first: dict[int, SynthRequest] = {}
+        for n in order:
+            first.setdefault(self.trace[n].user, self.trace[n])
+        return [[(first[u], self.items[u][:state[u]], self.actions[u][:state[u]])
+                 for u in users[i:i + batch]] for i in range(0, len(users), batch)]
+
 
 def write_synth(profile: str, out, users: int | None = None, seed: int = 0, top_k: int = 10,
                 progress: bool = False) -> "Header":

@@ -61,10 +61,12 @@ async def serve(overrides, reqs, concurrency=12):
                 async with sem:
                     out[i] = (await eng.rank(reqs[i])).scores
         await asyncio.gather(*(user(idx) for idx in by_user.values()))
-        if hasattr(eng.runner, "manager"):
-            eng.runner.manager.check_invariants()
-            assert not eng.runner.manager.in_batch  # every lease released
-        return np.array(out), eng.stats(), live["max"]
+        stats = eng.stats()
+    # After close (the batches' commits run after their replies, and close drains them):
+    if hasattr(eng.runner, "manager"):
+        eng.runner.manager.check_invariants()
+        assert not eng.runner.manager.in_batch  # every lease released
+    return np.array(out), stats, live["max"]
 
 
 @pytest.mark.parametrize("mode", ["gpu-only", "hierarchical"])

@@ -151,9 +151,9 @@ def test_delta_replay_answers_as_full_histories():
         eng = Engine.from_spec("rank-small", ov)
         run, deltas[delta] = eng.run_batch, []
 
-        def counting(reqs, *a, _run=run, _seen=deltas[delta]):
+        def counting(reqs, *a, _run=run, _seen=deltas[delta], **kw):
             _seen.extend(r for r in reqs if r.base_len is not None)
-            return _run(reqs, *a)
+            return _run(reqs, *a, **kw)
         eng.run_batch = counting
         res = replay_batches(eng, batches, keep_scores=True, progress=False, delta=delta)
         out[delta] = res.scores

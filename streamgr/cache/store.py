@@ -43,6 +43,11 @@ class KVStores:
             self._registered = False
 
     @property
+    def host_registered(self) -> bool:
+        """The host store is page-locked in place: copies may DMA straight into its chunks."""
+        return self._registered
+
+    @property
     def chunk_bytes(self) -> int:
         return self.host[0].numel() * self.host.element_size() if self.host is not None else 0
 

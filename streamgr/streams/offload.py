@@ -74,15 +74,23 @@ class OffloadPipeline:
                     ids = torch.tensor(job.page_ids, dtype=torch.long).to(self.stores.device,
                                                                           non_blocking=True)
                     dev = paged_kv.offload_gather(self.stores.pages, ids, self.stores.chunk_pages)
-                    host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=s.cuda)
-                    host.copy_(dev, non_blocking=True)
+                    nbytes = dev.numel() * dev.element_size()
+                    if self.stores.host_registered:  # page-locked store: DMA into its chunks
+                        host = None  # (no staging buffer, no host-side copy of 16 MiB chunks)
+                        for i, c in enumerate(job.chunk_ids):
+                            self.stores.host[c].copy_(dev[i], non_blocking=True)
+                    else:
+                        host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=s.cuda)
+                        host.copy_(dev, non_blocking=True)
                     done = s.event()
                     done.record(s.offload)
                 if self.threaded:
-                    self._pending.put((job, dev, host, done, t0))
+                    self._pending.put((job, dev, host, done, t0, nbytes))
                 else:  # no DMA to overlap: finish on this thread (see OnloadPipeline.submit)
-                    self.stores.host.index_copy_(0, torch.tensor(job.chunk_ids), host)
-                    self._finish(job, t0, host)
+                    done.synchronize()
+                    if host is not None:
+                        self.stores.host.index_copy_(0, torch.tensor(job.chunk_ids), host)
+                    self._finish(job, t0, nbytes)
             except Exception as err:  # noqa: BLE001 - the range stays unpersisted and is retried
                 log.exception("offload of user %r failed to start", job.key)
                 self._finish(job, t0, error=err)
@@ -105,21 +113,23 @@ class OffloadPipeline:
             item = self._pending.get()
             if item is None:
                 return
-            job, dev, host, done, t0 = item
+            job, dev, host, done, t0, nbytes = item
             try:
                 done.synchronize()
                 del dev  # the transient device buffer is free once the copy has landed
-                chunk_ids = torch.tensor(job.chunk_ids, dtype=torch.long)
-                self._workers.submit(self.stores.host.index_copy_, 0, chunk_ids, host).result()
-                self._finish(job, t0, host)
+                if host is not None:  # staged: into the (pageable) store on a worker
+                    chunk_ids = torch.tensor(job.chunk_ids, dtype=torch.long)
+                    self._workers.submit(self.stores.host.index_copy_, 0, chunk_ids,
+                                         host).result()
+                self._finish(job, t0, nbytes)
             except Exception as err:  # noqa: BLE001
                 log.exception("offload of user %r failed", job.key)
                 self._finish(job, t0, error=err)
 
-    def _finish(self, job, t0: float, host: torch.Tensor | None = None,
+    def _finish(self, job, t0: float, nbytes: int = 0,
                 error: Exception | None = None) -> None:
-        """Report ``job``: persisted (``host`` holds its bytes) or failed (``error``)."""
-        nbytes = host.numel() * host.element_size() if error is None else 0
+        """Report ``job``: persisted (``nbytes`` of it) or failed (``error``)."""
+        nbytes = nbytes if error is None else 0
         self.completions.put(OffloadDone(job, error is None, nbytes, time.perf_counter() - t0,
                                          None if error is None else repr(error)))
         with self._lock:

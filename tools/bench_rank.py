@@ -71,6 +71,7 @@ def summarize(res, timed_re_set, n_batches):
     gpu, total = res.hit_ratios()
     b = max(res.batches, 1)
     return {"mean_ms": float(np.mean(list(per_batch.values()))),
+            "median_ms": float(np.median(list(per_batch.values()))),
             "p99_ms": float(np.percentile(list(per_batch.values()), 99)),
             "mean_ms_on_re_batches": float(np.mean([per_batch[i] for i in per_batch if i in timed_re_set])),
             "gpu_hit": gpu, "total_hit": total, "batches": res.batches,
@@ -177,6 +178,9 @@ def main() -> int:
     re_ms = lambda bs: get(bs, "recompute")["mean_ms"]
     rows = [
         ["Latency mean (ms)"] + [f'{get(bs, m)["mean_ms"]:.2f}' for bs in args.batch for m in MODES],
+        # The median too: a mean carries the batches that captured a rank plan (first visits
+        # bring new shapes in every mode), which can outweigh the differences measured.
+        ["Latency median (ms)"] + [f'{get(bs, m)["median_ms"]:.2f}' for bs in args.batch for m in MODES],
         ["Latency p99 (ms)"] + [f'{get(bs, m)["p99_ms"]:.2f}' for bs in args.batch for m in MODES],
         ["Speedup vs RE"] + [f'{re_ms(bs) / get(bs, m)["mean_ms_on_re_batches"]:.2f}x'
                              for bs in args.batch for m in MODES],

@@ -14,6 +14,8 @@
 #     update: the GPU tests, then tools/bench_update.py on gen-ref (live updates under traffic)
 #     verify: the GPU tests, bench_update on gen-ref, then the gen-ref bench (GEN_RATES)
 #     rankprof: tools/profile_rank.py on rank-ref (kernel table of cached batches of 8; no tests)
+#     first: rank-ref first visits one batch at a time (the first 2,400 requests of a fresh
+#       trace), FIRST_RUNS times alternating the batch order (single runs disagree; no tests)
 #     attnprof: ncu on the attention forward kernels (mma.sync and wgmma) with stall reasons and
 #       the source lines they stall on (STREAMGR_NVRTC_LINEINFO=1; no tests)
 #   env: WARMUP/WINDOW (rank bench requests), GEN_REQUESTS (per gen-ref run), GEN_RATES
@@ -38,7 +40,7 @@ python3 -c "import torch, numpy, cupy; print('torch', torch.__version__, 'cuda',
 
 summary=()
 if [ "$mode" != rank ] && [ "$mode" != inflight ] && [ "$mode" != genprof ] \
-    && [ "$mode" != rankprof ] && [ "$mode" != attnprof ]; then
+    && [ "$mode" != rankprof ] && [ "$mode" != attnprof ] && [ "$mode" != first ]; then
   tests=tests/
   [ "$mode" = gen ] && tests=tests/runtime/test_gpu_generate.py
   [ "$mode" = attn ] && tests="tests/kernels/test_gpu_kernels.py tests/engine/test_gpu_rank.py tests/cache/test_gpu_cache.py"
@@ -97,6 +99,15 @@ if [ "$mode" = update ] || [ "$mode" = verify ]; then
     --seconds ${UPDATE_SECONDS:-8} 2>"$out/bench_update.err" | tee "$out/bench_update.txt"
   tail -n 5 "$out/bench_update.err"
   summary+=("$(tail -n 1 "$out/bench_update.txt")")
+fi
+if [ "$mode" = first ]; then
+  for i in $(seq 1 ${FIRST_RUNS:-3}); do
+    order="8 1"; [ $((i % 2)) -eq 0 ] && order="1 8"
+    python3 tools/bench_rank.py --spec rank-ref --profile kuairand-1k --users 1000 --limit 2400 \
+      --warmup-frac 0 --batch $order --set cache.host_chunks=3600 --json "$out/bench_first$i.json" \
+      2>"$out/bench_first$i.err" | tee "$out/bench_first$i.txt" | grep "^BS=\|median"
+    summary+=("first visits run $i: $(grep '^Latency median' "$out/bench_first$i.txt")")
+  done
 fi
 if [ "$mode" = rankprof ]; then
   python3 tools/profile_rank.py --spec rank-ref --users ${PROF_USERS:-96} --batch 8 \

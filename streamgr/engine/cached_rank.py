@@ -57,6 +57,7 @@ class CachedRankRunner(RankRunner):
         self.onload_faults = 0
         self.trace_events: dict | None = None  # tests: {name: timing event} of the last batch
         self._to_commit: deque = deque()  # finished batches whose commit runs in ``background``
+        self.commit_failures = 0
 
     @property
     def bytes_onloaded(self) -> int:
@@ -206,17 +207,20 @@ class CachedRankRunner(RankRunner):
 
     def _commit(self) -> None:
         """Finished batches' K/V into the cache metadata, in the order they finished (under
-        ``_meta``). A commit that fails gives its batch's pages back: those users miss next time
-        (their answers were already right)."""
+        ``_meta``). A commit that fails gives its batch's pages back and is logged and counted,
+        never raised: its answers were already right, those users miss next time, and the batch
+        being submitted (which may run this) is not failed for it."""
         while self._to_commit:
             f = self._to_commit.popleft()
             t = time.perf_counter()
             try:
                 self.manager.commit_batch(f.plans, f.tokens,
                                           {f.batch[i].user: f.resolved[i].stamp for i in f.live})
-            except Exception:
+            except Exception:  # noqa: BLE001
+                log.exception("commit of a finished rank batch failed; its pages go back")
+                self.commit_failures += 1
                 self.manager.abort_batch(f.plans)
-                raise
+                continue
             self._remember(f.batch, f.resolved)
             f.stages["commit"] = (time.perf_counter() - t) * 1e3
 
@@ -272,5 +276,6 @@ class CachedRankRunner(RankRunner):
     def snapshot(self) -> dict:
         out = self.manager.snapshot()
         out.update(bytes_onloaded=self.bytes_onloaded, bytes_offloaded=self.bytes_offloaded,
-                   onload_faults=self.onload_faults, offloads_in_flight=self.offload.inflight)
+                   onload_faults=self.onload_faults, offloads_in_flight=self.offload.inflight,
+                   commit_failures=self.commit_failures)
         return out

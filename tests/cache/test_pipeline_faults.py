@@ -53,6 +53,33 @@ def test_offload_fault_is_retried_never_marked_persisted():
     runner.manager.check_invariants()
 
 
+def test_a_failed_commit_after_the_replies_fails_nothing_and_serves_on():
+    """Commits run after a batch's replies: one that fails gives the batch's pages back, is
+    counted, and fails neither that batch (already answered) nor the next one (whose submit may
+    run it); later answers still equal recompute's."""
+    rng = np.random.default_rng(2)
+    engines = runners(page_tokens=4, chunk_tokens=8, device_pages=30, host_chunks=64)
+    runner = engines["hierarchical"].runner
+    real, calls = runner.manager.commit_batch, {"n": 0}
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected commit fault")
+        return real(*a, **k)
+    runner.manager.commit_batch = flaky
+    for batch in workload(rng, engines, steps=12):
+        ref = run_batch(engines["recompute"], batch)
+        got = run_batch(engines["hierarchical"], batch)
+        for g, r in zip(got, ref):
+            np.testing.assert_allclose(g[0], r[0], rtol=2e-4, atol=2e-5)
+    runner.flush()
+    assert calls["n"] == 12 and runner.commit_failures == 1
+    assert runner.snapshot()["commit_failures"] == 1
+    runner.manager.check_invariants()
+    assert not runner.manager.in_batch
+
+
 def test_close_during_a_hung_transfer_returns_within_its_timeout():
     import time
     engines = runners(page_tokens=4, chunk_tokens=8, device_pages=30, host_chunks=64)

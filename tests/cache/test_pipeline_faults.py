@@ -21,6 +21,13 @@ def workload(rng, engines, steps=30):
         yield batch
 
 
+def same_as_recompute(engines, batch) -> None:
+    ref = run_batch(engines["recompute"], batch)
+    got = run_batch(engines["hierarchical"], batch)
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g[0], r[0], rtol=2e-4, atol=2e-5)
+
+
 def test_onload_fault_falls_back_to_recompute():
     rng = np.random.default_rng(0)
     engines = runners(page_tokens=4, chunk_tokens=8, device_pages=30, host_chunks=64)
@@ -29,11 +36,8 @@ def test_onload_fault_falls_back_to_recompute():
     for batch in workload(rng, engines):
         if runner.manager.counters["offloaded_chunks"] and faults < 3:
             runner.onload.fail_next = True  # the next transfer that happens fails
-        ref = run_batch(engines["recompute"], batch)
-        got = run_batch(engines["hierarchical"], batch)
+        same_as_recompute(engines, batch)
         faults = runner.onload_faults
-        for g, r in zip(got, ref):
-            np.testing.assert_allclose(g[0], r[0], rtol=2e-4, atol=2e-5)
     assert runner.onload_faults >= 1 and runner.bytes_onloaded > 0
     runner.manager.check_invariants()
 
@@ -44,10 +48,7 @@ def test_offload_fault_is_retried_never_marked_persisted():
     runner = engines["hierarchical"].runner
     runner.offload.fail_next = True
     for batch in workload(rng, engines, steps=20):
-        ref = run_batch(engines["recompute"], batch)
-        got = run_batch(engines["hierarchical"], batch)
-        for g, r in zip(got, ref):
-            np.testing.assert_allclose(g[0], r[0], rtol=2e-4, atol=2e-5)
+        same_as_recompute(engines, batch)
     c = runner.manager.counters
     assert c["offload_failures"] == 1 and c["offloaded_chunks"] > 0
     runner.manager.check_invariants()
@@ -69,10 +70,7 @@ def test_a_failed_commit_after_the_replies_fails_nothing_and_serves_on():
         return real(*a, **k)
     runner.manager.commit_batch = flaky
     for batch in workload(rng, engines, steps=12):
-        ref = run_batch(engines["recompute"], batch)
-        got = run_batch(engines["hierarchical"], batch)
-        for g, r in zip(got, ref):
-            np.testing.assert_allclose(g[0], r[0], rtol=2e-4, atol=2e-5)
+        same_as_recompute(engines, batch)
     runner.flush()
     assert calls["n"] == 12 and runner.commit_failures == 1
     assert runner.snapshot()["commit_failures"] == 1
@@ -106,10 +104,7 @@ def test_a_failed_onload_fences_its_transfers_before_its_pages_are_freed(monkeyp
     for batch in workload(rng, engines):
         if runner.manager.counters["offloaded_chunks"] and runner.onload_faults < 2:
             runner.onload.fail_next = True
-        ref = run_batch(engines["recompute"], batch)
-        got = run_batch(engines["hierarchical"], batch)
-        for g, r in zip(got, ref):
-            np.testing.assert_allclose(g[0], r[0], rtol=2e-4, atol=2e-5)
+        same_as_recompute(engines, batch)
     assert runner.onload_faults >= 1 and calls.count("abort") == runner.onload_faults
     assert all(calls[i - 1] == "fence" for i, c in enumerate(calls) if c == "abort"), calls
     runner.manager.check_invariants()

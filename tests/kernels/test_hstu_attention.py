@@ -121,3 +121,21 @@ def test_padded_plan_adds_only_work_that_writes_nothing(force):
         assert (v[5 + i][:3] == hp.users[i]).all() and (v[5 + i][3:] == 0).all()
     assert (v[11][:4] == hp.page_ptr).all() and (v[11][4:] == hp.page_ptr[-1]).all()
     assert (v[13][f:] == cap.users).all() and (v[16][f:] == 0).all()  # merge rows, no slots
+
+
+@pytest.mark.parametrize("name,fn,good,bad", [
+    ("STREAMGR_HSTU_TILE", "_tile_config", "32x3x32", ["64x2", "64x2x128", "16x2x16", "ax2x32"]),
+    ("STREAMGR_HSTU_KC", "_chunk_keys", "1024", ["768", "0", "512x2", ""]),
+    ("STREAMGR_HSTU_WG", "_wg_config", "4x1x1", ["2x1x1", "3x2x0", "3x1"]),
+])
+def test_attention_ab_knobs_parse_or_say_what_they_expect(monkeypatch, name, fn, good, bad):
+    """The A/B knobs of the attention kernels: a good value parses, a bad one is a clear error
+    naming the variable (never a silent default)."""
+    from streamgr.kernels import hstu_attention_cuda as hc
+    monkeypatch.setenv(name, good)
+    assert getattr(hc, fn)() == (tuple(int(x) for x in good.split("x")) if "x" in good
+                                 else int(good))
+    for value in bad:
+        monkeypatch.setenv(name, value)
+        with pytest.raises(StreamgrError, match=name):
+            getattr(hc, fn)()

@@ -30,8 +30,11 @@
 // (FlashAttention-2's register reuse). SiLU takes one MUFU op (tanh), not two (exp and a
 // reciprocal). Shared rows are padded by 16 bytes so ldmatrix's eight row addresses fall in
 // distinct bank groups. Q, K, V are read through row strides (views of one fused projection
-// need no copy). BN, STAGES and SUB are macros (HSTU_BN, HSTU_STAGES, HSTU_SUB) the wrapper
-// sets; hstu_attention_wgmma.cu is the same work on Hopper's warpgroup MMA.
+// need no copy). A thin tile (<= 16 rows: a cached user's few rows past its full tiles) runs
+// on all four warps, split over keys for S and over columns for P V, with the same MMAs as the
+// main path. BN, STAGES, SUB and KC are macros (HSTU_BN, HSTU_STAGES, HSTU_SUB, HSTU_KC) the
+// wrapper sets; hstu_attention_wgmma.cu is the same work on Hopper's warpgroup MMA (without
+// the thin-tile path).
 // No torch headers: compiled by NVRTC through CuPy's RawModule.
 
 #include <cuda_bf16.h>

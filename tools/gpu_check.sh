@@ -18,7 +18,8 @@
 #       trace), FIRST_RUNS times alternating the batch order (single runs disagree; no tests)
 #     attnprof: ncu on the attention forward kernels (mma.sync and wgmma) with stall reasons and
 #       the source lines they stall on (STREAMGR_NVRTC_LINEINFO=1; no tests)
-#   env: WARMUP/WINDOW (rank bench requests), GEN_REQUESTS (per gen-ref run), GEN_RATES
+#   env: WARMUP/WINDOW (rank bench requests), RANK_ARGS (more rank bench flags, e.g.
+#   "--stage-every 5": latency over batches without stage syncs), GEN_REQUESTS (per gen-ref run), GEN_RATES
 #   (open-loop requests/s), HF_REQUESTS (through Hugging Face), GEN_ARGS (more bench flags,
 #   e.g. "--profile 2 --fp32-agreement 16")
 # Needs the fixing wheels of ../shared/device/prep.sh carried in .device/ on that machine.
@@ -71,14 +72,14 @@ rank_ref=(--spec rank-ref --profile kuairand-1k --users 400 --start-frac 0.5 --p
           --set cache.host_chunks=3600)
 if [ "$mode" = quick ]; then
   python3 tools/bench_rank.py "${rank_ref[@]}" --batch 8 --warmup 400 --window 400 \
-    --recompute-every 4 --json "$out/bench_rank_quick.json" 2>"$out/bench_rank_quick.err" \
+    --recompute-every 4 ${RANK_ARGS:-} --json "$out/bench_rank_quick.json" 2>"$out/bench_rank_quick.err" \
     | tee "$out/bench_rank_quick.txt"
   grep -v "^\(recompute\|gpu-only\|hierarchical\)" "$out/bench_rank_quick.err" | tail -n 15
   summary+=("$(tail -n 1 "$out/bench_rank_quick.txt")")
 fi
 if [ "$mode" = full ] || [ "$mode" = rank ]; then
   python3 tools/bench_rank.py "${rank_ref[@]}" --batch 1 4 8 --warmup ${WARMUP:-1500} --window ${WINDOW:-1500} \
-    --recompute-every 4 --json "$out/bench_rank.json" 2>"$out/bench_rank.err" \
+    --recompute-every 4 ${RANK_ARGS:-} --json "$out/bench_rank.json" 2>"$out/bench_rank.err" \
     | tee "$out/bench_rank.txt"
   grep -v "^\(recompute\|gpu-only\|hierarchical\)" "$out/bench_rank.err" | tail -n 15
   summary+=("$(tail -n 1 "$out/bench_rank.txt")")

@@ -28,13 +28,15 @@ class RequestRecord:
     from_gpu: int
     from_host: int
     recomputed: int
+    synced: bool = False  # its batch ran with a device sync after every stage (timing stages)
 
 
 @dataclass
 class ReplayResult:
     records: list[RequestRecord] = field(default_factory=list)
-    stages: dict[str, float] = field(default_factory=dict)  # ms summed over measured batches
+    stages: dict[str, float] = field(default_factory=dict)  # ms summed over stage batches
     batches: int = 0
+    stage_batches: int = 0  # measured batches ``stages`` sums (with stage_every: the synced)
     scores: list[np.ndarray] = field(default_factory=list)
     wall_s: float = 0.0
 
@@ -66,10 +68,12 @@ def batches_of_distinct_users(requests: Iterable, batch_size: int) -> Iterator[l
 def replay_batches(engine, batches: list[list], measure: Iterable[int] | None = None,
                    keep_scores: bool = False, label: str = "replay",
                    progress: bool = True, sync_stages: bool = False,
-                   delta: bool = False) -> ReplayResult:
+                   delta: bool = False, stage_every: int = 0) -> ReplayResult:
     """Run ``batches`` through ``engine.run_batch`` (offline, in order); only batches in
     ``measure`` (default all) are recorded, the others just advance the cache state (warm-up).
-    ``sync_stages`` times each stage on the device. ``delta``: a user's request after its first
+    ``sync_stages`` times each stage on the device (a device sync after every stage, which
+    also lengthens the batch); ``stage_every=N`` does so only for every N-th batch, so the
+    others time batches as served. ``delta``: a user's request after its first
     sends only the events since its previous one (``base_len``), as a client that keeps the
     engine's history does; the engine's history store must hold them (else HistoryRequired)."""
     measured = set(range(len(batches))) if measure is None else set(measure)
@@ -89,16 +93,19 @@ def replay_batches(engine, batches: list[list], measure: Iterable[int] | None = 
                     reqs.append(RankRequest(user_id=r.user, items=items, actions=actions,
                                             candidates=r.candidates))
                 sent[r.user] = len(items)
+            synced = bi % stage_every == 0 if stage_every > 0 else sync_stages
             t = time.perf_counter()
-            outcome = engine.run_batch(reqs, sync_stages, background=False)
+            outcome = engine.run_batch(reqs, synced, background=False)
             lat = (time.perf_counter() - t) * 1e3  # answered: what follows runs after replies
             engine.run_background()
             bar.update()
             if bi not in measured:
                 continue
             out.batches += 1
-            for k, v in outcome.stages.items():
-                out.stages[k] = out.stages.get(k, 0.0) + v
+            if synced or stage_every <= 0:  # (without stage_every: every batch, as timed)
+                out.stage_batches += 1
+                for k, v in outcome.stages.items():
+                    out.stages[k] = out.stages.get(k, 0.0) + v
             for (r, _, _), res in zip(batch, outcome.results):
                 if isinstance(res, Exception):
                     raise res
@@ -108,6 +115,6 @@ def replay_batches(engine, batches: list[list], measure: Iterable[int] | None = 
                 out.records.append(RequestRecord(
                     len(out.records), r.user, bi, lat, s["tier"], s["history_tokens"],
                     s.get("tokens_from_gpu", 0), s.get("tokens_from_host", 0),
-                    s["tokens_recomputed"]))
+                    s["tokens_recomputed"], synced))
     out.wall_s = time.perf_counter() - t0
     return out

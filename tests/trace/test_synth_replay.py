@@ -164,3 +164,30 @@ def test_delta_replay_answers_as_full_histories():
     assert known[True] == known[False] > 0
     for a, b in zip(out[False], out[True]):
         np.testing.assert_array_equal(a, b)
+
+
+def test_replay_times_stages_on_every_nth_batch_only():
+    """replay_batches(stage_every=N): only every N-th batch runs with stage syncs; its records
+    say so, and the stage breakdown sums exactly those batches (the rest time batches as
+    served). Without it every measured batch counts, as before."""
+    from streamgr import Engine
+    from streamgr.trace.replay import batches_of_distinct_users, replay_batches
+    from streamgr.trace.synth import Timeline
+    tl = Timeline(synth_trace("small", seed=2, users=8))
+    batches = list(batches_of_distinct_users((tl.request(n) for n in range(len(tl.trace))), 4))[:7]
+    ov = small_overrides(**{"model.max_history": 4096, "model.num_items": 1000,
+                            "model.max_candidates": 64})
+    eng = Engine.from_spec("rank-small", ov)
+    synced_batches, run = [], eng.run_batch
+
+    def spy(reqs, sync, **kw):
+        synced_batches.append(sync)
+        return run(reqs, sync, **kw)
+    eng.run_batch = spy
+    res = replay_batches(eng, batches, measure=range(1, 7), progress=False, stage_every=3)
+    assert synced_batches == [True, False, False, True, False, False, True]
+    assert res.batches == 6 and res.stage_batches == 2  # batches 3 and 6 (0 is not measured)
+    assert {r.batch for r in res.records if r.synced} == {3, 6}
+    assert res.stages["model"] > 0
+    plain = replay_batches(eng, batches[:3], progress=False)
+    assert plain.stage_batches == plain.batches == 3 and not any(r.synced for r in plain.records)

@@ -64,6 +64,12 @@ constexpr int STAGES = HSTU_STAGES;  // K/V tiles in flight
 // Thin tiles (<= 16 rows) on all four warps: 16 keys of a 64-key tile per warp, D / 4 columns.
 template <int D>
 constexpr bool kThin = BN == 64 && WARPS == 4 && D >= 64;
+// With TAILS (a template flag; the plan's choice, `max_rows`), a tile may carry a tail of up
+// to TAIL rows past its BM, run like a thin tile on the same K/V tiles: a user's few rows past
+// its full tiles then cost no block of their own. A slot then holds SR rows (the merge's
+// `slot_rows`); without TAILS, BM, and the code is that of a kernel without the option.
+constexpr int TAIL = 16;
+constexpr int SR = BM + TAIL;
 
 template <int N>
 struct IntC {
@@ -150,7 +156,7 @@ __device__ __forceinline__ void store_row(const Batch& p, float (&o)[D / 32], lo
 
 // grid (items, H), 128 threads. DIRECT: items fold their chunks into their slot; else each
 // item (one chunk) writes its own slot.
-template <int D, bool DIRECT>
+template <int D, bool DIRECT, bool TAILS>
 __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
     const __nv_bfloat16* __restrict__ v, const __nv_bfloat16* __restrict__ store,
@@ -162,18 +168,25 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
     const int* __restrict__ n_new, const int* __restrict__ n_cand,
     const int* __restrict__ paged, const int* __restrict__ kv_row,
     const int* __restrict__ page_ptr, const int* __restrict__ pages,
-    int H, int page_size, long long sq, long long sk, long long sv, float alpha, float inv_n) {
+    int H, int page_size, long long sq, long long sk, long long sv, float alpha, float inv_n,
+    int max_rows) {
     constexpr int SP = D + 8;  // padded shared row (bf16)
+    constexpr int PSP = BN + 8;  // padded P row (bf16) of the cooperative m-tile
+    constexpr int QR = TAILS ? SR : BM;  // query rows in shared memory, rows per slot
     extern __shared__ __align__(16) unsigned char smem[];
-    __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem);  // [BM][SP]
-    __nv_bfloat16* Ks = Qs + BM * SP;                             // [STAGES][BN][SP]
+    __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem);  // [QR][SP]
+    __nv_bfloat16* Ks = Qs + QR * SP;                             // [STAGES][BN][SP]
     __nv_bfloat16* Vs = Ks + STAGES * BN * SP;                    // [STAGES][BN][SP]
+    // P of the cooperative m-tile [16][PSP]: past V with tails; else Q's rows 16.., which a
+    // thin tile leaves zero-filled and unused.
+    __nv_bfloat16* Ps = TAILS ? Vs + STAGES * BN * SP : Qs + 16 * SP;
 
     const int item = blockIdx.x, h = blockIdx.y;
     const int b = item_user[item], row0 = item_row0[item];
     const int kt0 = item_kt0[item], kt1 = item_kt1[item];
     const int qs = q_start[b], hist = hist_len[b], nn = n_new[b], nc = n_cand[b];
-    const int nrows = min(BM, nn + nc - row0);
+    const int left = nn + nc - row0;  // a tile takes the rest when they fit in max_rows
+    const int nrows = left <= max_rows ? left : BM;
     if (nrows <= 0 || kt0 >= kt1) return;  // padding item, or a tile without keys
     const int start = hist - nn;  // absolute position of the user's first new token
     const float half_alpha = 0.5f * alpha;
@@ -183,7 +196,7 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
     const long long HD = (long long)H * D;
     constexpr int VEC = 8;  // bf16 per 16-byte copy
 
-    for (int i = tid; i < BM * D / VEC; i += 128) {
+    for (int i = tid; i < QR * D / VEC; i += 128) {
         const int r = i / (D / VEC), c = (i % (D / VEC)) * VEC;
         const bool ok = r < nrows;
         cp_async16(Qs + r * SP + c, ok ? q + (qs + row0 + r) * sq + h * D + c : q, ok ? 16 : 0);
@@ -239,7 +252,7 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
     };
     zero_acc();
 
-    float* w = ws + ((long long)item_slot[item] * H + h) * BM * D;
+    float* w = ws + ((long long)item_slot[item] * H + h) * QR * D;
     auto flush = [&](bool first) {  // the chunk's partial into the slot (DIRECT: folded)
 #pragma unroll
         for (int m = 0; m < MT; ++m)
@@ -344,30 +357,12 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
         if (!DIRECT) fold(true);
     };
 
-    if (!(kThin<D> && nrows <= 16)) {
-        pipeline([&](const __nv_bfloat16* Kt, const __nv_bfloat16* Vt, int kt) {
-#pragma unroll
-            for (int sub = 0; sub < BN / SUB; ++sub) {  // kt in SUB units: kt * (BN / SUB) + sub
-                const int ks = kt * (BN / SUB) + sub;
-                const __nv_bfloat16 *Ksub = Kt + sub * SUB * SP, *Vsub = Vt + sub * SUB * SP;
-                if (wrow + 16 < nrows) tile_step(IntC<MT>{}, Ksub, Vsub, ks);
-                else if (wrow < nrows) tile_step(IntC<1>{}, Ksub, Vsub, ks);
-            }  // warps past the tile's rows only help load
-        }, [&](bool first) {
-            flush(first);
-            zero_acc();
-        });
-        return;
-    }
-
-    // A thin tile (<= 16 rows: the few rows past a user's last full tile) on all four warps
-    // instead of one: warp w computes S for keys 16 w .. 16 w + 15 of each K/V tile and shares
+    // The cooperative m-tile (rows rbase .. rbase + 15: a thin tile's, or a tile's tail) on
+    // all four warps: warp w computes S for keys 16 w .. 16 w + 15 of each K/V tile and shares
     // P through shared memory, then P V for its D / 4 output columns. Every S and P V fragment
-    // is the same MMA on the same operands, accumulated in the same key order, as in the path
-    // above, so the bits do not depend on which path ran.
+    // is the same MMA on the same operands, accumulated in the same key order, as in the
+    // per-warp path above, so the bits do not depend on which path ran a row.
     constexpr int DPW = D >= 64 ? D / 64 : 1;  // 16-column V fragments per warp (D >= 64)
-    constexpr int PSP = BN + 8;  // padded P row (bf16)
-    __nv_bfloat16* Ps = Qs + 16 * SP;  // Q rows 16.. are zero-filled and unused here
     float tacc[2 * DPW][4];
     auto tzero = [&]() {
 #pragma unroll
@@ -375,8 +370,7 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
 #pragma unroll
             for (int e = 0; e < 4; ++e) tacc[n][e] = 0.0f;
     };
-    tzero();
-    pipeline([&](const __nv_bfloat16* Kt, const __nv_bfloat16* Vt, int kt) {
+    auto coop_step = [&](int rbase, const __nv_bfloat16* Kt, const __nv_bfloat16* Vt, int kt) {
         float S2[2][4];
 #pragma unroll
         for (int n = 0; n < 2; ++n)
@@ -385,7 +379,7 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             unsigned a[4], bb[4];
-            ldmatrix_x4(a, Qs + ((lane & 7) + ((lane >> 3) & 1) * 8) * SP + kk * 16
+            ldmatrix_x4(a, Qs + (rbase + (lane & 7) + ((lane >> 3) & 1) * 8) * SP + kk * 16
                                + (lane >> 4) * 8);
             ldmatrix_x4(bb, Kt + (warp * 16 + (lane & 7) + (lane >> 4) * 8) * SP + kk * 16
                                 + ((lane >> 3) & 1) * 8);
@@ -397,7 +391,7 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int j = kt * BN + warp * 16 + n * 8 + 2 * t + (e & 1);
-                const int lr = row0 + g + (e >> 1) * 8;
+                const int lr = row0 + rbase + g + (e >> 1) * 8;
                 const bool ok = (lr < nn) ? (j <= start + lr) : (j < hist);
                 S2[n][e] = ok ? silu_n(S2[n][e], half_alpha, inv_n) : 0.0f;
             }
@@ -420,18 +414,42 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
                 mma_bf16(tacc[2 * i + 1], pa, vb[2], vb[3]);
             }
         }
-    }, [&](bool first) {
+    };
+    auto coop_fold = [&](int rbase, bool first) {
 #pragma unroll
         for (int hl = 0; hl < 2; ++hl) {
-            const int r = g + hl * 8;
+            const int r = rbase + g + hl * 8;
             if (r < nrows)
                 fold_row<2 * DPW, DIRECT>(w + r * D + warp * DPW * 16 + 2 * t, tacc, hl, first);
         }
         tzero();
+    };
+    tzero();
+
+    if (kThin<D> && nrows <= 16) {  // a thin tile: its one m-tile on all four warps
+        pipeline([&](const __nv_bfloat16* Kt, const __nv_bfloat16* Vt, int kt) {
+            coop_step(0, Kt, Vt, kt);
+        }, [&](bool first) { coop_fold(0, first); });
+        return;
+    }
+    const bool tail = TAILS && kThin<D> && nrows > BM;  // (the plan: tails only where kThin<D>)
+    pipeline([&](const __nv_bfloat16* Kt, const __nv_bfloat16* Vt, int kt) {
+#pragma unroll
+        for (int sub = 0; sub < BN / SUB; ++sub) {  // kt in SUB units: kt * (BN / SUB) + sub
+            const int ks = kt * (BN / SUB) + sub;
+            const __nv_bfloat16 *Ksub = Kt + sub * SUB * SP, *Vsub = Vt + sub * SUB * SP;
+            if (wrow + 16 < nrows) tile_step(IntC<MT>{}, Ksub, Vsub, ks);
+            else if (wrow < nrows) tile_step(IntC<1>{}, Ksub, Vsub, ks);
+        }  // warps past the tile's rows only help load
+        if (tail) coop_step(BM, Kt, Vt, kt);
+    }, [&](bool first) {
+        flush(first);
+        zero_acc();
+        if (tail) coop_fold(BM, first);
     });
 }
 
-// grid (row tiles x BM / 4, H), 128 threads, one warp per row:
+// grid (row tiles x slot_rows / 4, H), 128 threads, one warp per row:
 // out = bf16(0 + slot0 + slot1 + ... (+ own key)). Slot loads are issued four at a time ahead of
 // their adds (the adds stay in slot order).
 template <int D>
@@ -442,17 +460,19 @@ __global__ void __launch_bounds__(128) hstu_attn_merge(
     const int* __restrict__ fin_row0, const int* __restrict__ fin_slot0,
     const int* __restrict__ fin_nslots, const int* __restrict__ q_start,
     const int* __restrict__ n_new, const int* __restrict__ n_cand,
-    int H, long long sq, long long sk, long long sv, float alpha, float inv_n) {
-    constexpr int PER = BM / 4;  // blocks per row tile
+    int H, long long sq, long long sk, long long sv, float alpha, float inv_n, int max_rows,
+    int slot_rows) {
+    const int PER = slot_rows / 4;  // blocks per row tile
     const int f = blockIdx.x / PER, h = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int r = (blockIdx.x % PER) * 4 + warp;
     const int b = fin_user[f], row0 = fin_row0[f], slot0 = fin_slot0[f], ns = fin_nslots[f];
     const int qs = q_start[b], nn = n_new[b];
-    if (r >= min(BM, nn + n_cand[b] - row0)) return;
+    const int left = nn + n_cand[b] - row0;
+    if (r >= (left <= max_rows ? left : BM)) return;
     const Batch p{q, k, v, out, sq, sk, sv, H, alpha, inv_n};
-    const long long slot_stride = (long long)H * BM * D;
-    const float* w = ws + ((long long)slot0 * H + h) * BM * D + r * D + lane;
+    const long long slot_stride = (long long)H * slot_rows * D;
+    const float* w = ws + ((long long)slot0 * H + h) * slot_rows * D + r * D + lane;
     float o[D / 32];
 #pragma unroll
     for (int i = 0; i < D / 32; ++i) o[i] = 0.0f;
@@ -475,21 +495,21 @@ __global__ void __launch_bounds__(128) hstu_attn_merge(
     store_row<D>(p, o, qs + lr, h, lr >= nn, lane);
 }
 
+#define HSTU_FWD_INSTANCE(D, DIRECT, TAILS)                                                     \
+    template __global__ void hstu_attn_fwd<D, DIRECT, TAILS>(                                    \
+        const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, \
+        float*, const int*, const int*, const int*, const int*, const int*, const int*,         \
+        const int*, const int*, const int*, const int*, const int*, const int*, const int*,     \
+        int, int, long long, long long, long long, float, float, int);
 #define HSTU_ATTN_INSTANCES(D)                                                                  \
-    template __global__ void hstu_attn_fwd<D, true>(                                            \
-        const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, \
-        float*, const int*, const int*, const int*, const int*, const int*, const int*,         \
-        const int*, const int*, const int*, const int*, const int*, const int*, const int*,     \
-        int, int, long long, long long, long long, float, float);                               \
-    template __global__ void hstu_attn_fwd<D, false>(                                           \
-        const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, \
-        float*, const int*, const int*, const int*, const int*, const int*, const int*,         \
-        const int*, const int*, const int*, const int*, const int*, const int*, const int*,     \
-        int, int, long long, long long, long long, float, float);                               \
+    HSTU_FWD_INSTANCE(D, true, false)                                                           \
+    HSTU_FWD_INSTANCE(D, false, false)                                                          \
+    HSTU_FWD_INSTANCE(D, true, true)                                                            \
+    HSTU_FWD_INSTANCE(D, false, true)                                                           \
     template __global__ void hstu_attn_merge<D>(                                                \
         const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*,      \
         const float*, const int*, const int*, const int*, const int*, const int*, const int*,   \
-        const int*, int, long long, long long, long long, float, float);
+        const int*, int, long long, long long, long long, float, float, int, int);
 
 HSTU_ATTN_INSTANCES(32)
 HSTU_ATTN_INSTANCES(64)

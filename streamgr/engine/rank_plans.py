@@ -56,7 +56,7 @@ class HostBatch:
 
 
 class _Entry:
-    def __init__(self, key, rows, cands, apps, cap, split, device):
+    def __init__(self, key, rows, cands, apps, cap, split, device, max_rows):
         self.key, self.rows, self.cands, self.apps, self.cap, self.split = (
             key, rows, cands, apps, cap, split)
         self.n64 = 3 * rows + cands + 3 * apps
@@ -72,7 +72,7 @@ class _Entry:
         o += cands
         self.app_rows, self.app_p, self.app_o = (d[o:o + apps], d[o + apps:o + 2 * apps],
                                                  d[o + 2 * apps:o + 3 * apps])
-        self.plan = attn_cuda.static_plan(split, cap, self.dev32)
+        self.plan = attn_cuda.static_plan(split, cap, self.dev32, max_rows)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.scores: torch.Tensor | None = None
         self.copied: torch.cuda.Event | None = None  # the last fill's copies out of host64/32
@@ -131,7 +131,7 @@ class RankPlans:
         ws = self._ws.get(slots)
         if ws is None:
             cfg = self.model.cfg
-            ws = self._ws[slots] = torch.empty(slots * cfg.num_heads * attn_cuda.BM * cfg.head_dim,
+            ws = self._ws[slots] = torch.empty(slots * cfg.num_heads * attn_cuda.SR * cfg.head_dim,
                                                dtype=torch.float32, device=self.device)
         return ws
 
@@ -155,7 +155,8 @@ class RankPlans:
         cfg = self.model.cfg
         if self._sms is None:
             self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        hp = attn_cuda.plan_host(desc, self.model.cfg.num_heads, self._sms)
+        hp = attn_cuda.plan_host(desc, cfg.num_heads, self._sms,
+                                 tails=attn_cuda.tails_for(self.device, cfg.head_dim))
         # Floors and fixed sizes that keep one batch size's shapes few: an empty padding item
         # costs a block that returns at once.
         cap = attn_cuda.Capacity(
@@ -164,7 +165,7 @@ class RankPlans:
         if len(hp.pages) > cap.pages:
             return None
         rb = row_bucket(rows)
-        key = (rb, _up(cands, 256), hp.split, cap.items, cap.fin, cap.slots)
+        key = (rb, _up(cands, 256), hp.split, cap.items, cap.fin, cap.slots, hp.max_rows)
         if key in self._broken:
             return None
         entry = self.entries.get(key)
@@ -175,7 +176,7 @@ class RankPlans:
             self.counters["replays"] += 1
             return entry.scores[:cands]
         apps_cap = rb if self.store is not None else 0  # recompute appends nothing
-        entry = _Entry(key, rb, key[1], apps_cap, cap, hp.split, self.device)
+        entry = _Entry(key, rb, key[1], apps_cap, cap, hp.split, self.device, hp.max_rows)
         entry.plan.workspace[(cfg.num_heads, cfg.head_dim, self.device)] = self._workspace(cap.slots)
         entry.fill(hb, hp)
         try:

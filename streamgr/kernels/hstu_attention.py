@@ -164,11 +164,13 @@ class JaggedKV:
             self._cache["ref"] = (cat(g_page), cat(g_off), cat(perm), kv_off)
         return self._cache["ref"]
 
-    def cuda_plan(self, device: torch.device, heads: int, force: str | None = None):
-        """The CUDA work items of this batch (built once, reused by every layer)."""
-        key = ("cuda", heads, force)
+    def cuda_plan(self, device: torch.device, heads: int, force: str | None = None,
+                  dim: int = 0):
+        """The CUDA work items of this batch (built once, reused by every layer); ``dim``:
+        the head dim (tiles with tails need 64 or more)."""
+        key = ("cuda", heads, force, dim)
         if key not in self._cache:
-            self._cache[key] = hstu_attention_cuda.plan(self, device, heads, force)
+            self._cache[key] = hstu_attention_cuda.plan(self, device, heads, force, dim)
         return self._cache[key]
 
 
@@ -212,7 +214,7 @@ def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, des
         H = q.shape[1]
         if any(hstu_attention_cuda.row_stride(t, H, D) is None for t in (q, k, v)):
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        p = desc.cuda_plan(q.device, H, plan)
+        p = desc.cuda_plan(q.device, H, plan, D)
         hstu_attention_cuda.run(q, k, v, desc, layer, alpha, max_len, out, p)
         return out
     res = hstu_attention_jagged_reference(q, k, v, desc, layer, alpha, max_len)

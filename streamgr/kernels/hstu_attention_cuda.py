@@ -32,7 +32,8 @@ import torch
 from ..errors import StreamgrError
 from . import _cuda
 
-BM = 128  # rows per tile (the .cu's BM)
+BM, TAIL = 128, 16  # rows per tile, most rows a tile's tail may add (the .cu's BM, TAIL)
+SR = BM + TAIL  # rows per workspace slot (tiles with tails need them; allocated either way)
 
 
 def _env_ints(name: str, default: str, form: str) -> list[int]:
@@ -69,12 +70,24 @@ def _chunk_keys() -> int:
     return kc
 
 
+def _tails() -> bool:
+    """Tiles with tails (``STREAMGR_HSTU_TAIL=1``): a user's last <= 16 rows past a full tile
+    join that tile (computed on its K/V tiles by all four warps) instead of a block of their
+    own. Off by default until measured on the H200 (docs/benchmarks.md)."""
+    (on,) = _env_ints("STREAMGR_HSTU_TAIL", "0", "FLAG")
+    if on not in (0, 1):
+        raise StreamgrError("STREAMGR_HSTU_TAIL: 0 or 1")
+    return bool(on)
+
+
 BN, STAGES, SUB = _tile_config()
 KC = _chunk_keys()
+TAILS = _tails()
 DEFINES = (f"HSTU_BN={BN}", f"HSTU_STAGES={STAGES}", f"HSTU_SUB={SUB}", f"HSTU_KC={KC}")
 SRC = "hstu_attention.cu"
 EXPRS = tuple(e for d in (32, 64, 128) for e in (
-    f"hstu_attn_fwd<{d}, true>", f"hstu_attn_fwd<{d}, false>", f"hstu_attn_merge<{d}>"))
+    *(f"hstu_attn_fwd<{d}, {a}, {t}>" for a in ("true", "false") for t in ("false", "true")),
+    f"hstu_attn_merge<{d}>"))
 # The wgmma forward (sm_90a): the same items and slots, finished by the same merge.
 WG_SRC = "hstu_attention_wgmma.cu"
 WG_EXPRS = tuple(f"hstu_attn_fwd_wg<{d}, {f}>" for d in (32, 64, 128) for f in ("true", "false"))
@@ -121,6 +134,7 @@ class Plan:
     args: list        # device int32 views, in the kernel's order
     fin_args: list
     workspace: dict   # (H, D, device) -> fp32 workspace, reused by every layer of the batch
+    max_rows: int = BM  # a tile's rows at most (SR: tiles may carry tails)
 
 
 @functools.lru_cache(maxsize=8)
@@ -143,6 +157,7 @@ class HostPlan:
     pages: np.ndarray
     fin: list  # user, row0, slot0, nslots per row tile (the merge)
     n_slots: int
+    max_rows: int = BM  # SR when tiles carry tails
 
 
 def page_csr(desc) -> tuple[np.ndarray, np.ndarray]:
@@ -158,17 +173,23 @@ def page_csr(desc) -> tuple[np.ndarray, np.ndarray]:
         dtype=np.int64, count=n)
 
 
-def plan_host(desc, heads: int, sms: int = 132, force: str | None = None) -> HostPlan:
-    """Work items of one batch (``force``: ``"split"`` or ``"direct"`` for tests and benches)."""
+def plan_host(desc, heads: int, sms: int = 132, force: str | None = None,
+              tails: bool = False) -> HostPlan:
+    """Work items of one batch (``force``: ``"split"`` or ``"direct"`` for tests and benches;
+    ``tails``: a user's last <= TAIL rows past a full tile join that tile)."""
     q_off = np.asarray(desc.q_offsets, dtype=np.int64)
     cand = np.asarray(desc.num_candidates, dtype=np.int64)
     hist = np.asarray(desc.hist_lens, dtype=np.int64)
     rows = q_off[1:] - q_off[:-1]
     new = rows - cand
     tiles = _cdiv(rows, BM)
+    if tails:
+        tiles = tiles - ((tiles > 1) & (rows - (tiles - 1) * BM <= TAIL))
+    max_rows = SR if tails else BM
     user = np.repeat(np.arange(len(rows)), tiles)
     row0 = (np.arange(tiles.sum()) - np.repeat(np.cumsum(tiles) - tiles, tiles)) * BM
-    nrows = np.minimum(BM, rows[user] - row0)
+    left = rows[user] - row0
+    nrows = np.where(left <= max_rows, left, BM)  # the kernels' rule (hstu_attention.cu)
     start = hist[user] - new[user]
     key_lim = np.where(row0 + nrows > new[user], hist[user], start + row0 + nrows)
     n_kt = _cdiv(key_lim, BN)
@@ -199,13 +220,22 @@ def plan_host(desc, heads: int, sms: int = 132, force: str | None = None) -> Hos
     page_ptr, flat = page_csr(desc)
     return HostPlan(split, [user[item_tile], row0[item_tile], kt0, kt1, slot],
                     [q_off[:-1], hist, new, cand, np.asarray(desc.paged, dtype=np.int64),
-                     np.asarray(desc.kv_rows, dtype=np.int64)], page_ptr, flat, fin, n_slots)
+                     np.asarray(desc.kv_rows, dtype=np.int64)], page_ptr, flat, fin, n_slots,
+                    max_rows)
 
 
-def plan(desc, device: torch.device, heads: int, force: str | None = None) -> Plan:
+def tails_for(device: torch.device, dim: int) -> bool:
+    """Whether plans for this device and head dim use tails: asked for, and the kernel that
+    runs them has the path (the mma.sync one with 64-key tiles, head dims 64 and 128)."""
+    return (TAILS and BN == 64 and dim >= 64
+            and not (device.type == "cuda" and _use_wgmma(device.index or 0)))
+
+
+def plan(desc, device: torch.device, heads: int, force: str | None = None,
+         dim: int = 0) -> Plan:
     """:func:`plan_host`, copied to the device in one transfer."""
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
-    hp = plan_host(desc, heads, sms, force)
+    hp = plan_host(desc, heads, sms, force, tails_for(device, dim))
     arrays = hp.items + hp.users + [hp.page_ptr, hp.pages] + hp.fin
     sizes = [len(a) for a in arrays]
     host_t = torch.from_numpy(np.concatenate(arrays).astype(np.int32))
@@ -213,7 +243,7 @@ def plan(desc, device: torch.device, heads: int, force: str | None = None) -> Pl
         host_t = host_t.pin_memory()
     views = list(torch.split(host_t.to(device, non_blocking=True), sizes))
     return Plan(hp.split, len(hp.items[0]), len(hp.fin[0]), hp.n_slots, views[:13], views[13:],
-                {})
+                {}, hp.max_rows)
 
 
 @dataclass
@@ -247,10 +277,10 @@ def pad_plan(hp: HostPlan, cap: Capacity, out: np.ndarray) -> None:
         o += size
 
 
-def static_plan(split: bool, cap: Capacity, dev: torch.Tensor) -> Plan:
+def static_plan(split: bool, cap: Capacity, dev: torch.Tensor, max_rows: int = BM) -> Plan:
     """A plan over a static device buffer laid out by ``cap`` (filled by :func:`pad_plan`)."""
     views = list(torch.split(dev, cap.sizes))
-    return Plan(split, cap.items, cap.fin, cap.slots, views[:13], views[13:], {})
+    return Plan(split, cap.items, cap.fin, cap.slots, views[:13], views[13:], {}, max_rows)
 
 
 def row_stride(t: torch.Tensor, H: int, D: int) -> int | None:
@@ -280,29 +310,37 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, desc, layer: int, alp
     key = (H, D, q.device)
     ws = p.workspace.get(key)
     if ws is None:  # one per plan: every layer of the batch reuses it
-        ws = p.workspace[key] = torch.empty(max(1, p.n_slots) * H * BM * D,
+        ws = p.workspace[key] = torch.empty(max(1, p.n_slots) * H * SR * D,
                                             dtype=torch.float32, device=q.device)
     flag = 'false' if p.split else 'true'  # the kernels' DIRECT
+    tails = p.max_rows > BM
+    slot_rows = SR if tails else BM  # the forward kernels' slot stride (rows)
+    extra = ()
     if _use_wgmma(q.device.index or 0):
+        if tails:
+            raise StreamgrError("hstu_attention: the wgmma kernel has no tiles with tails")
         fn = _cuda.arch_kernel(WG_SRC, WG_EXPRS, f"hstu_attn_fwd_wg<{D}, {flag}>", "sm_90a",
                                WG_DEFINES)
         threads, smem = 256, (BM + 2 * WG_STAGES * WG_BN) * D * 2
     else:
-        fn = _cuda.kernel(SRC, EXPRS, f"hstu_attn_fwd<{D}, {flag}>", DEFINES)
-        threads, smem = 128, (BM + 2 * STAGES * BN) * (D + 8) * 2
+        fn = _cuda.kernel(SRC, EXPRS, f"hstu_attn_fwd<{D}, {flag}, {'true' if tails else 'false'}>",
+                          DEFINES)
+        threads = 128
+        smem = (slot_rows + 2 * STAGES * BN) * (D + 8) * 2 + (TAIL * (BN + 8) * 2 if tails else 0)
+        extra = (np.int32(p.max_rows),)
     scal = (*strides, np.float32(alpha), np.float32(1.0 / max_len))
     if p.n_items:
         _cuda.launch(fn, (p.n_items, H), (threads,), (
             _cuda.ptr(q), _cuda.ptr(k), _cuda.ptr(v), _cuda.ptr(store), _cuda.ptr(ws),
-            *(_cuda.ptr(t) for t in p.args), np.int32(H), np.int32(desc.page_tokens), *scal),
-            shared_mem=smem)
+            *(_cuda.ptr(t) for t in p.args), np.int32(H), np.int32(desc.page_tokens), *scal,
+            *extra), shared_mem=smem)
     if p.n_fin:
         a = p.args
         merge = _cuda.kernel(SRC, EXPRS, f"hstu_attn_merge<{D}>", DEFINES)
-        _cuda.launch(merge, (p.n_fin * (BM // 4), H), (128,), (
+        _cuda.launch(merge, (p.n_fin * (slot_rows // 4), H), (128,), (
             _cuda.ptr(q), _cuda.ptr(k), _cuda.ptr(v), _cuda.ptr(out), _cuda.ptr(ws),
             *(_cuda.ptr(t) for t in p.fin_args), _cuda.ptr(a[5]), _cuda.ptr(a[7]),
-            _cuda.ptr(a[8]), np.int32(H), *scal))
+            _cuda.ptr(a[8]), np.int32(H), *scal, np.int32(p.max_rows), np.int32(slot_rows)))
 
 
 # -- the previous kernel (WMMA, one block per 64-row tile and head), kept for A/B benchmarks --

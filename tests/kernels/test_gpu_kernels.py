@@ -180,6 +180,29 @@ def test_hstu_attention_random_jagged(seed, hstu_kernel):
     assert torch.equal(outs[0], outs[1]), "split and direct plans differ"
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_tiles_with_tails_give_the_same_bits(seed, monkeypatch):
+    """Tiles with tails (STREAMGR_HSTU_TAIL=1: a user's last <= 16 rows run on the preceding
+    tile's K/V tiles by all four warps) against separate tail tiles: split and direct plans of
+    both within tolerance of the reference and all four equal bit for bit (mma.sync kernel)."""
+    from streamgr.kernels import hstu_attention_cuda as hc
+    monkeypatch.setattr(hc, "_use_wgmma", lambda index: False)
+    rng = np.random.default_rng(seed)
+    D = [64, 128, 128][seed]
+    users = [(int(rng.integers(300, 9000)), int(rng.integers(0, 17)), 256, True)
+             for _ in range(int(rng.integers(1, 6)))]
+    users += [(5000, 0, 256, True), (3000, 16, 256, True), (3000, 17, 256, True),
+              (129, 129, 1, False), (144, 144, 0, False), (145, 145, 0, False)]
+    outs = []
+    for tails in (False, True):
+        monkeypatch.setattr(hc, "TAILS", tails)
+        q, k, v, desc = attention_case(users, H=2, D=D, P=32, seed=seed)
+        for plan in ("split", "direct"):
+            outs.append(check_attention(*strided(q, k, v), desc, D, plan))
+            assert desc.cuda_plan(DEV, 2, plan, D).max_rows == (hc.SR if tails else hc.BM)
+    assert all(torch.equal(outs[0], o) for o in outs[1:]), "tails changed the bits"
+
+
 def desc_fp32(desc: JaggedKV) -> JaggedKV:
     return JaggedKV(desc.q_offsets, desc.num_candidates, desc.hist_lens, desc.paged,
                     desc.kv_rows, desc.pages, desc.page_tokens, desc.store.float())

@@ -139,3 +139,35 @@ def test_attention_ab_knobs_parse_or_say_what_they_expect(monkeypatch, name, fn,
         monkeypatch.setenv(name, value)
         with pytest.raises(StreamgrError, match=name):
             getattr(hc, fn)()
+
+
+@pytest.mark.parametrize("force", ["split", "direct"])
+@pytest.mark.parametrize("tails", [False, True])
+def test_plan_tiles_cover_every_row_once(force, tails):
+    """Row tiles (with tails: a user's last <= TAIL rows past a full tile join that tile) cover
+    each user's rows exactly once under the kernels' row rule, with one tile fewer exactly
+    where a tail joined."""
+    from streamgr.kernels import hstu_attention_cuda as hc
+    users = [(6400, 5, 256, True), (6400, 0, 256, True), (700, 16, 256, True),
+             (700, 17, 256, True), (40, 40, 3, False), (0, 0, 2, True), (300, 9, 128, True),
+             (200, 200, 100, False)]
+    q_off = [0]
+    for h, n, c, _ in users:
+        q_off.append(q_off[-1] + n + c)
+    desc = mod.JaggedKV(q_off, [u[2] for u in users], [u[0] for u in users],
+                        [u[3] for u in users], q_off[:-1],
+                        [list(range(-(-u[0] // 32))) if u[3] else [] for u in users], 32, None)
+    hp = hc.plan_host(desc, heads=4, force=force, tails=tails)
+    assert hp.max_rows == (hc.SR if tails else hc.BM)
+    f_user, f_row0 = hp.fin[0], hp.fin[1]
+    for b, (h, n, c, _) in enumerate(users):
+        rows = n + c
+        seen = []
+        for r0 in sorted(f_row0[f_user == b]):
+            left = rows - r0
+            nrows = left if left <= hp.max_rows else hc.BM  # hstu_attention.cu's rule
+            assert 0 < nrows <= hp.max_rows
+            seen += range(r0, r0 + nrows)
+        assert seen == list(range(rows)), (b, tails)
+        tails_here = rows > hc.BM and 0 < rows % hc.BM <= hc.TAIL
+        assert len(seen) == 0 or (len(f_row0[f_user == b]) == -(-rows // hc.BM) - (tails and tails_here))

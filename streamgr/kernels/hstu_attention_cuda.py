@@ -14,6 +14,10 @@ history keys) each (tile, chunk) is its own CUDA block with its own slot (*split
 kernel then adds each tile's slots in order and writes bf16. Both add the same chunk partials
 in the same order, so the plan never changes a result's bits.
 
+With ``STREAMGR_HSTU_TAIL=1`` (off until measured) a user's last <= 16 rows past a full tile
+join that tile, computed on its K/V tiles by all four warps, instead of a thin tile of their
+own: the same MMAs in the same order, so again no change in a result's bits.
+
 Two forward kernels run a plan: the mma.sync one (``hstu_attention.cu``, the default) and a
 wgmma one for Hopper (``hstu_attention_wgmma.cu``, ``STREAMGR_HSTU_KERNEL=wgmma``), correct
 and tested but slower on the H200 so far (docs/benchmarks.md has both).

@@ -39,6 +39,8 @@
 
 #include <cuda_bf16.h>
 
+#include "hstu_params.cuh"
+
 namespace {
 
 constexpr int MT = 2;                // 16-row m-tiles per warp
@@ -87,19 +89,7 @@ struct IntC {
 // grid (items, H), 128 threads. DIRECT: items fold their chunks into their slot; else each
 // item (one chunk) writes its own slot.
 template <int D, bool DIRECT, bool TAILS>
-__global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
-    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
-    const __nv_bfloat16* __restrict__ v, const __nv_bfloat16* __restrict__ store,
-    float* __restrict__ ws,
-    const int* __restrict__ item_user, const int* __restrict__ item_row0,
-    const int* __restrict__ item_kt0, const int* __restrict__ item_kt1,
-    const int* __restrict__ item_slot,
-    const int* __restrict__ q_start, const int* __restrict__ hist_len,
-    const int* __restrict__ n_new, const int* __restrict__ n_cand,
-    const int* __restrict__ paged, const int* __restrict__ kv_row,
-    const int* __restrict__ page_ptr, const int* __restrict__ pages,
-    int H, int page_size, long long sq, long long sk, long long sv, float alpha, float inv_n,
-    int max_rows) {
+__global__ void __launch_bounds__(128, 2) hstu_attn_fwd(HSTU_FWD_PARAMS, int max_rows) {
     constexpr int SP = D + 8;  // padded shared row (bf16)
     constexpr int PSP = BN + 8;  // padded P row (bf16) of the cooperative m-tile
     constexpr int QR = TAILS ? SR : BM;  // query rows in shared memory, rows per slot
@@ -115,8 +105,7 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
     const int b = item_user[item], row0 = item_row0[item];
     const int kt0 = item_kt0[item], kt1 = item_kt1[item];
     const int qs = q_start[b], hist = hist_len[b], nn = n_new[b], nc = n_cand[b];
-    const int left = nn + nc - row0;  // a tile takes the rest when they fit in max_rows
-    const int nrows = left <= max_rows ? left : BM;
+    const int nrows = tile_rows(nn + nc - row0, max_rows);
     if (nrows <= 0 || kt0 >= kt1) return;  // padding item, or a tile without keys
     const int start = hist - nn;  // absolute position of the user's first new token
     const float half_alpha = 0.5f * alpha;
@@ -140,9 +129,7 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
     const bool is_paged = paged[b] != 0;
     const int* upages = pages + (is_paged ? page_ptr[b] : 0);
     const long long krow = kv_row[b];
-    // Pages of a power-of-two size (the default 32) split a key index by shift and mask: a
-    // runtime division costs ~20 instructions per 16-byte copy, issued by the warps doing MMAs.
-    const int page_shift = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
+    const int page_shift = page_shift_of(page_size);
 
     auto load_kv = [&](int stage, int kt) {
         __nv_bfloat16* kd = Ks + stage * BN * SP;
@@ -155,9 +142,7 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
             const bool ok = j < key_lim;
             if (ok) {
                 if (is_paged) {
-                    const int pi = page_shift >= 0 ? j >> page_shift : j / page_size;
-                    const long long pg = upages[pi];
-                    const long long off = ((pg * 2) * page_size + (j - pi * page_size)) * HD
+                    const long long off = page_row(upages, j, page_size, page_shift) * HD
                                           + h * D + c;
                     kp = store + off;
                     vp = store + off + (long long)page_size * HD;
@@ -379,12 +364,8 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(
     });
 }
 
-#define HSTU_FWD_INSTANCE(D, DIRECT, TAILS)                                                     \
-    template __global__ void hstu_attn_fwd<D, DIRECT, TAILS>(                                    \
-        const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, \
-        float*, const int*, const int*, const int*, const int*, const int*, const int*,         \
-        const int*, const int*, const int*, const int*, const int*, const int*, const int*,     \
-        int, int, long long, long long, long long, float, float, int);
+#define HSTU_FWD_INSTANCE(D, DIRECT, TAILS) \
+    template __global__ void hstu_attn_fwd<D, DIRECT, TAILS>(HSTU_FWD_PARAM_TYPES, int);
 #define HSTU_ATTN_INSTANCES(D)                                                                  \
     HSTU_FWD_INSTANCE(D, true, false)                                                           \
     HSTU_FWD_INSTANCE(D, false, false)                                                          \

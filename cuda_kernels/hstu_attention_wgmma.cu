@@ -15,6 +15,8 @@
 
 #include <cuda_bf16.h>
 
+#include "hstu_params.cuh"
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define HSTU_WGMMA 1
 #endif
@@ -59,18 +61,7 @@ __device__ __forceinline__ int cm_off(int r, int c) {
 
 // grid (items, H), 256 threads; arguments as hstu_attn_fwd in hstu_attention.cu.
 template <int D, bool DIRECT>
-__global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(
-    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
-    const __nv_bfloat16* __restrict__ v, const __nv_bfloat16* __restrict__ store,
-    float* __restrict__ ws,
-    const int* __restrict__ item_user, const int* __restrict__ item_row0,
-    const int* __restrict__ item_kt0, const int* __restrict__ item_kt1,
-    const int* __restrict__ item_slot,
-    const int* __restrict__ q_start, const int* __restrict__ hist_len,
-    const int* __restrict__ n_new, const int* __restrict__ n_cand,
-    const int* __restrict__ paged, const int* __restrict__ kv_row,
-    const int* __restrict__ page_ptr, const int* __restrict__ pages,
-    int H, int page_size, long long sq, long long sk, long long sv, float alpha, float inv_n) {
+__global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) {
 #ifdef HSTU_WGMMA
     extern __shared__ __align__(128) unsigned char smem[];
     __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem);  // [BM x D] core matrices
@@ -119,6 +110,7 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(
             const bool ok = j < key_lim;
             if (ok) {
                 if (is_paged) {
+                    // (a division, not mma_ops.cuh's page_row: with its shift D = 128 spills)
                     const long long pg = upages[j / page_size];
                     const long long off = ((pg * 2) * page_size + j % page_size) * HD + h * D + c;
                     kp = store + off;
@@ -339,17 +331,9 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(
 #endif  // HSTU_WGMMA
 }
 
-#define HSTU_WG_INSTANCES(D)                                                                    \
-    template __global__ void hstu_attn_fwd_wg<D, true>(                                         \
-        const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, \
-        float*, const int*, const int*, const int*, const int*, const int*, const int*,         \
-        const int*, const int*, const int*, const int*, const int*, const int*, const int*,     \
-        int, int, long long, long long, long long, float, float);                               \
-    template __global__ void hstu_attn_fwd_wg<D, false>(                                        \
-        const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, \
-        float*, const int*, const int*, const int*, const int*, const int*, const int*,         \
-        const int*, const int*, const int*, const int*, const int*, const int*, const int*,     \
-        int, int, long long, long long, long long, float, float);
+#define HSTU_WG_INSTANCES(D)                                                        \
+    template __global__ void hstu_attn_fwd_wg<D, true>(HSTU_FWD_PARAM_TYPES);       \
+    template __global__ void hstu_attn_fwd_wg<D, false>(HSTU_FWD_PARAM_TYPES);
 
 HSTU_WG_INSTANCES(32)
 HSTU_WG_INSTANCES(64)

@@ -5,6 +5,12 @@
 
 namespace {
 
+// The rows of the tile at row0 of a user with `left` rows from there on: all of them when they
+// fit in max_rows (BM, or SR where tiles carry tails: the plan's rule in plan_host), else BM.
+__device__ __forceinline__ int tile_rows(int left, int max_rows) {
+    return left <= max_rows ? left : BM;
+}
+
 struct Batch {
     const __nv_bfloat16* q;
     const __nv_bfloat16* k;
@@ -81,8 +87,7 @@ __global__ void __launch_bounds__(128) hstu_attn_merge(
     const int r = (blockIdx.x % PER) * 4 + warp;
     const int b = fin_user[f], row0 = fin_row0[f], slot0 = fin_slot0[f], ns = fin_nslots[f];
     const int qs = q_start[b], nn = n_new[b];
-    const int left = nn + n_cand[b] - row0;
-    if (r >= (left <= max_rows ? left : BM)) return;
+    if (r >= tile_rows(nn + n_cand[b] - row0, max_rows)) return;
     const Batch p{q, k, v, out, sq, sk, sv, H, alpha, inv_n};
     const long long slot_stride = (long long)H * slot_rows * D;
     const float* w = ws + ((long long)slot0 * H + h) * slot_rows * D + r * D + lane;

@@ -193,7 +193,7 @@ def plan_host(desc, heads: int, sms: int = 132, force: str | None = None,
     user = np.repeat(np.arange(len(rows)), tiles)
     row0 = (np.arange(tiles.sum()) - np.repeat(np.cumsum(tiles) - tiles, tiles)) * BM
     left = rows[user] - row0
-    nrows = np.where(left <= max_rows, left, BM)  # the kernels' rule (hstu_attention.cu)
+    nrows = np.where(left <= max_rows, left, BM)  # the kernels' rule (tile_rows, hstu_slots.cuh)
     start = hist[user] - new[user]
     key_lim = np.where(row0 + nrows > new[user], hist[user], start + row0 + nrows)
     n_kt = _cdiv(key_lim, BN)

@@ -165,7 +165,7 @@ def test_plan_tiles_cover_every_row_once(force, tails):
         seen = []
         for r0 in sorted(f_row0[f_user == b]):
             left = rows - r0
-            nrows = left if left <= hp.max_rows else hc.BM  # hstu_attention.cu's rule
+            nrows = left if left <= hp.max_rows else hc.BM  # the kernels' tile_rows (hstu_slots.cuh)
             assert 0 < nrows <= hp.max_rows
             seen += range(r0, r0 + nrows)
         assert seen == list(range(rows)), (b, tails)

@@ -206,10 +206,13 @@ class CachedRankRunner(RankRunner):
         return scores
 
     def _commit(self) -> None:
-        """Finished batches' K/V into the cache metadata, in the order they finished (under
-        ``_meta``). A commit that fails gives its batch's pages back and is logged and counted,
+        """Finished batches' K/V into the cache metadata, in the order they finished. A commit that fails gives its batch's pages back and is logged and counted,
         never raised: its answers were already right, those users miss next time, and the batch
         being submitted (which may run this) is not failed for it."""
+        with self._meta:  # (re-entrant: callers that hold it already may call this)
+            self._commit_locked()
+
+    def _commit_locked(self) -> None:
         while self._to_commit:
             f = self._to_commit.popleft()
             t = time.perf_counter()
@@ -254,8 +257,7 @@ class CachedRankRunner(RankRunner):
 
     def flush(self, timeout: float | None = 60.0) -> None:
         """Wait for offloads in flight and apply them (tests, benchmarks, shutdown)."""
-        with self._meta:
-            self._commit()
+        self._commit()
         self.offload.wait_idle(timeout)
         with self._meta:
             self._apply_completions()
@@ -263,8 +265,7 @@ class CachedRankRunner(RankRunner):
     def close(self, timeout: float | None = 60.0) -> None:
         """Offloads in flight get ``timeout`` s to finish (unfinished ones are left unpersisted,
         never marked done), then the pipelines and stores are released."""
-        with self._meta:
-            self._commit()
+        self._commit()
         self._apply_completions()
         self.offload.close(timeout)
         self._apply_completions()

@@ -13,7 +13,9 @@ kernels by device time and the kernel count per batch.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -39,6 +41,9 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=40, help="batches replayed to fill the cache")
     ap.add_argument("--profile", type=int, default=5, help="batches replayed under the profiler")
     ap.add_argument("--rows", type=int, default=25, help="kernel table rows")
+    ap.add_argument("--timeline", type=int, default=0, metavar="N",
+                    help="also print the last profiled batch's timeline: its host runtime calls "
+                         "and device events in time order, and the N longest device idle gaps")
     args = ap.parse_args()
     ov = parse_set_pairs(args.overrides)
     if args.device:
@@ -62,24 +67,67 @@ def main() -> int:
     acts = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=acts) as prof:
-        res = replay_batches(eng, again, progress=False, sync_stages=True)
-        if cuda:
-            torch.cuda.synchronize()
+        sums: dict[str, float] = {}
+        for i, b in enumerate(again):  # one range per batch: the timeline finds the last one
+            with torch.profiler.record_function(f"profiled_batch_{i}"):
+                r = replay_batches(eng, [b], progress=False, sync_stages=True)
+                if cuda:
+                    torch.cuda.synchronize()
+            for k, v in r.stages.items():
+                sums[k] = sums.get(k, 0.0) + v
     events = prof.key_averages()
     key = "cuda_time_total" if cuda else "cpu_time_total"
     print(events.table(sort_by=key, row_limit=args.rows, max_name_column_width=70))
-    stages = {k: round(v / max(res.batches, 1), 3) for k, v in res.stages.items()}
+    stages = {k: round(v / len(again), 3) for k, v in sums.items()}
     print(f"stages per batch (ms, synchronized): {stages}")
     if cuda:
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not e.key.startswith("profiled_batch_")]  # the ranges' device spans
         n = sum(e.count for e in kernels)
         total = sum(e.self_device_time_total for e in kernels) / 1e3
         print(f"profile_rank {spec.name}: {n / args.profile:.0f} kernels and {total / args.profile:.3f} "
               f"ms of kernel time per batch of {args.batch} ({args.profile} batches)")
+        if args.timeline:
+            print_timeline(prof, f"profiled_batch_{len(again) - 1}", args.timeline)
     else:
         print(f"profile_rank {spec.name}: {args.profile} batches of {args.batch} on the CPU "
               f"(no device kernels)")
     return 0
+
+
+def print_timeline(prof, marker: str, gaps: int) -> None:
+    """One batch in time order (from the profiler's Chrome trace): host runtime calls (launches,
+    copies, syncs) and device events, each with its start offset; then the device's longest idle
+    gaps inside the batch with the events on either side. Where a batch's time beyond its kernel
+    time goes (launch gaps, blocking copies, host work the device waits for)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))["traceEvents"]
+    spans = [e for e in trace if e.get("ph") == "X" and e.get("name") == marker]
+    if not spans:
+        print(f"timeline: no {marker} range in the trace")
+        return
+    t0, t1 = spans[0]["ts"], spans[0]["ts"] + spans[0]["dur"]
+    dev_cats = ("kernel", "gpu_memcpy", "gpu_memset")
+    inside = sorted((e for e in trace if e.get("ph") == "X" and t0 <= e["ts"] <= t1
+                     and e.get("cat") in dev_cats + ("cuda_runtime", "cuda_driver")),
+                    key=lambda e: e["ts"])
+    dev = [e for e in inside if e["cat"] in dev_cats]
+    print(f"\ntimeline of {marker}: {t1 - t0:.1f} us on the host, {len(dev)} device events")
+    for e in inside:
+        side = "dev " if e["cat"] in dev_cats else "host"
+        print(f"  {e['ts'] - t0:9.1f} {e['dur']:8.1f} {side} {e['name'][:90]}")
+    if not dev:
+        return
+    busy = sum(e["dur"] for e in dev)
+    span = dev[-1]["ts"] + dev[-1]["dur"] - dev[0]["ts"]
+    print(f"device: first event at {dev[0]['ts'] - t0:.1f} us, span {span:.1f} us, busy "
+          f"{busy:.1f} us ({busy / max(span, 1e-9):.0%})")
+    holes = sorted(((b["ts"] - (a["ts"] + a["dur"]), a, b) for a, b in zip(dev, dev[1:])),
+                   key=lambda h: -h[0])[:gaps]
+    for g, a, b in holes:
+        print(f"  idle {g:8.1f} us at {a['ts'] + a['dur'] - t0:9.1f}: after {a['name'][:50]} "
+              f"before {b['name'][:50]}")
 
 
 if __name__ == "__main__":

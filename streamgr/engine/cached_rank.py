@@ -199,7 +199,8 @@ class CachedRankRunner(RankRunner):
             wait[0] += time.perf_counter() - t0
             if ev is not None:
                 ev[f"attention_{layer}"] = s.compute.record_event(s.event(timing=True))
-            return hstu_attention_jagged(q, k, v, desc, layer, cfg.alpha, cfg.attn_max_len)
+            return hstu_attention_jagged(q, k, v, desc, layer, cfg.alpha, cfg.attn_max_len,
+                                         cand_only=cfg.is_last(layer))
 
         scores = self.model(jb, attention)
         stages["onload_wait"] = wait[0] * 1e3

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..kernels import hstu_attention_cuda as attn_cuda
-from ..kernels import paged_kv
+from ..kernels import hstu_plan, paged_kv
 from ..models.hstu import JaggedBatch
 
 log = logging.getLogger("streamgr.engine")
@@ -56,11 +56,13 @@ class HostBatch:
 
 
 class _Entry:
-    def __init__(self, key, rows, cands, apps, cap, split, device, max_rows):
-        self.key, self.rows, self.cands, self.apps, self.cap, self.split = (
-            key, rows, cands, apps, cap, split)
+    def __init__(self, key, rows, cands, apps, caps, splits, device, max_rows):
+        # caps, splits: of the plan of every layer but the last, then (or None: the same plan)
+        # of the last layer's (its row tiles that hold a candidate only)
+        self.key, self.rows, self.cands, self.apps, self.caps = key, rows, cands, apps, caps
         self.n64 = 3 * rows + cands + 3 * apps
-        self.n32 = sum(cap.sizes)
+        n32 = [sum(c.sizes) if c is not None else 0 for c in caps]
+        self.n32 = sum(n32)
         self.host64 = torch.empty(self.n64, dtype=torch.int64).pin_memory()
         self.host32 = torch.empty(self.n32, dtype=torch.int32).pin_memory()
         self.dev64 = torch.empty(self.n64, dtype=torch.int64, device=device)
@@ -72,12 +74,14 @@ class _Entry:
         o += cands
         self.app_rows, self.app_p, self.app_o = (d[o:o + apps], d[o + apps:o + 2 * apps],
                                                  d[o + 2 * apps:o + 3 * apps])
-        self.plan = attn_cuda.static_plan(split, cap, self.dev32, max_rows)
+        self.plan = attn_cuda.static_plan(splits[0], caps[0], self.dev32[:n32[0]], max_rows)
+        self.last = self.plan if caps[1] is None else attn_cuda.static_plan(
+            splits[1], caps[1], self.dev32[n32[0]:], max_rows)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.scores: torch.Tensor | None = None
         self.copied: torch.cuda.Event | None = None  # the last fill's copies out of host64/32
 
-    def fill(self, hb: HostBatch, hp: attn_cuda.HostPlan) -> None:
+    def fill(self, hb: HostBatch, hps: tuple) -> None:
         if self.copied is not None:  # with batches in flight, the last copy may not have run
             self.copied.synchronize()
         h = self.host64.numpy()
@@ -95,7 +99,11 @@ class _Entry:
             h[o:o + a] = arr
             h[o + a:o + A] = fill
             o += A
-        attn_cuda.pad_plan(hp, self.cap, self.host32.numpy())
+        h32, o = self.host32.numpy(), 0
+        for hp, cap in zip(hps, self.caps):
+            if cap is not None:
+                hstu_plan.pad_plan(hp, cap, h32[o:o + sum(cap.sizes)])
+                o += sum(cap.sizes)
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
         self.copied = torch.cuda.Event()
@@ -155,30 +163,36 @@ class RankPlans:
         cfg = self.model.cfg
         if self._sms is None:
             self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        hp = attn_cuda.plan_host(desc, cfg.num_heads, self._sms,
-                                 tails=attn_cuda.tails_for(self.device, cfg.head_dim))
+        hps = hstu_plan.plan_host_pair(desc, cfg.num_heads, self._sms,
+                                       tails=attn_cuda.tails_for(self.device, cfg.head_dim))
+        hp = hps[0]
+        if len(hp.pages) > self.max_pages:
+            return None
         # Floors and fixed sizes that keep one batch size's shapes few: an empty padding item
         # costs a block that returns at once.
-        cap = attn_cuda.Capacity(
-            items=_pow2(len(hp.items[0]), 512), users=self.max_batch, pages=self.max_pages,
-            fin=_pow2(len(hp.fin[0]), 64), slots=_pow2(hp.n_slots, 512))
-        if len(hp.pages) > cap.pages:
-            return None
+        caps = tuple(None if p is None else hstu_plan.Capacity(
+            items=_pow2(len(p.items[0]), 512), users=self.max_batch, pages=self.max_pages,
+            fin=_pow2(len(p.fin[0]), 64), slots=_pow2(p.n_slots, 512)) for p in hps)
+        splits = tuple(p is not None and p.split for p in hps)
         rb = row_bucket(rows)
-        key = (rb, _up(cands, 256), hp.split, cap.items, cap.fin, cap.slots, hp.max_rows)
+        key = (rb, _up(cands, 256), hp.max_rows, splits) + tuple(
+            (c.items, c.fin, c.slots) if c is not None else None for c in caps)
         if key in self._broken:
             return None
         entry = self.entries.get(key)
         if entry is not None:
             self.entries.move_to_end(key)
-            entry.fill(hb, hp)
+            entry.fill(hb, hps)
             entry.graph.replay()
             self.counters["replays"] += 1
             return entry.scores[:cands]
         apps_cap = rb if self.store is not None else 0  # recompute appends nothing
-        entry = _Entry(key, rb, key[1], apps_cap, cap, hp.split, self.device, hp.max_rows)
-        entry.plan.workspace[(cfg.num_heads, cfg.head_dim, self.device)] = self._workspace(cap.slots)
-        entry.fill(hb, hp)
+        entry = _Entry(key, rb, key[1], apps_cap, caps, splits, self.device, hp.max_rows)
+        # one workspace for both plans: the layers run one after another on one stream
+        ws = self._workspace(max(c.slots for c in caps if c is not None))
+        for p in (entry.plan, entry.last):
+            p.workspace[(cfg.num_heads, cfg.head_dim, self.device)] = ws
+        entry.fill(hb, hps)
         try:
             self._capture(entry)
         except Exception as err:  # the batch still runs, eagerly; this shape stays eager
@@ -209,7 +223,8 @@ class RankPlans:
             if e.apps:
                 paged_kv.append_rows(store, layer, k, v, e.app_rows, e.app_p, e.app_o)
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            attn_cuda.run(q, k, v, where, layer, cfg.alpha, cfg.attn_max_len, out, e.plan)
+            plan = e.last if cfg.is_last(layer) else e.plan
+            attn_cuda.run(q, k, v, where, layer, cfg.alpha, cfg.attn_max_len, out, plan)
             return out
         return self.model(jb, attention)
 

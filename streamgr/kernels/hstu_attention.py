@@ -165,12 +165,14 @@ class JaggedKV:
         return self._cache["ref"]
 
     def cuda_plan(self, device: torch.device, heads: int, force: str | None = None,
-                  dim: int = 0):
+                  dim: int = 0, cand_only: bool = False):
         """The CUDA work items of this batch (built once, reused by every layer); ``dim``:
-        the head dim (tiles with tails need 64 or more)."""
-        key = ("cuda", heads, force, dim)
+        the head dim (tiles with tails need 64 or more); ``cand_only``: the row tiles that hold
+        a candidate only (the last layer's)."""
+        key = ("cuda", heads, force, dim, cand_only)
         if key not in self._cache:
-            self._cache[key] = hstu_attention_cuda.plan(self, device, heads, force, dim)
+            self._cache[key] = hstu_attention_cuda.plan(self, device, heads, force, dim,
+                                                        cand_only)
         return self._cache[key]
 
 
@@ -191,14 +193,16 @@ def hstu_attention_jagged_reference(q, k, v, desc: JaggedKV, layer: int, alpha: 
 
 def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, desc: JaggedKV,
                           layer: int, alpha: float, max_len: int,
-                          out: torch.Tensor | None = None, plan: str | None = None) -> torch.Tensor:
+                          out: torch.Tensor | None = None, plan: str | None = None,
+                          cand_only: bool = False) -> torch.Tensor:
     """HSTU attention of a jagged batch whose history K/V are paged or contiguous.
 
     ``q, k, v``: ``[rows, heads, dim]``, rows laid out as ``desc.q_offsets`` says (strided views
     of one projection are read in place); the new history tokens' K/V must already be in their
     pages for paged users. CUDA kernel for bf16 with dim 32/64/128 on a GPU (``plan`` forces
     ``"split"`` or ``"direct"`` work items, ``"wmma"`` the previous kernel: tests and benches);
-    the torch reference otherwise.
+    the torch reference otherwise. ``cand_only``: only the candidates' rows are read
+    afterwards (the model's last layer); the kernel then leaves the other rows unwritten.
     """
     D = q.shape[-1]
     if (q.dtype == torch.bfloat16 and D in (32, 64, 128) and _cuda.usable(q, k, v)
@@ -214,7 +218,7 @@ def hstu_attention_jagged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, des
         H = q.shape[1]
         if any(hstu_attention_cuda.row_stride(t, H, D) is None for t in (q, k, v)):
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        p = desc.cuda_plan(q.device, H, plan, D)
+        p = desc.cuda_plan(q.device, H, plan, D, cand_only)
         hstu_attention_cuda.run(q, k, v, desc, layer, alpha, max_len, out, p)
         return out
     res = hstu_attention_jagged_reference(q, k, v, desc, layer, alpha, max_len)

@@ -14,8 +14,8 @@ history keys) each (tile, chunk) is its own CUDA block with its own slot (*split
 kernel then adds each tile's slots in order and writes bf16. Both add the same chunk partials
 in the same order, so the plan never changes a result's bits.
 
-With ``STREAMGR_HSTU_TAIL=1`` (off until measured) a user's last <= 16 rows past a full tile
-join that tile, computed on its K/V tiles by all four warps, instead of a thin tile of their
+By default (*tiles with tails*; ``STREAMGR_HSTU_TAIL=0`` turns it off) a user's last <= 16
+rows past a full tile join that tile, computed on its K/V tiles by all four warps, instead of a thin tile of their
 own: the same MMAs in the same order, so again no change in a result's bits.
 
 Two forward kernels run a plan: the mma.sync one (``hstu_attention.cu``, the default) and a
@@ -26,7 +26,6 @@ and tested but slower on the H200 so far (docs/benchmarks.md has both).
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 from dataclasses import dataclass
 
@@ -35,58 +34,10 @@ import torch
 
 from ..errors import StreamgrError
 from . import _cuda
-
-BM, TAIL = 128, 16  # rows per tile, most rows a tile's tail may add (the .cu's BM, TAIL)
-SR = BM + TAIL  # rows per workspace slot (tiles with tails need them; allocated either way)
-
-
-def _env_ints(name: str, default: str, form: str) -> list[int]:
-    """An A/B knob of integers joined by ``x`` (``64x2x32``), as many as ``form`` names."""
-    raw = os.environ.get(name, default)
-    try:
-        vals = [int(x) for x in raw.lower().split("x")]
-    except ValueError:
-        vals = []
-    if len(vals) != form.count("x") + 1:
-        raise StreamgrError(f"{name}={raw!r}: expected {form}, e.g. {default}")
-    return vals
+from .hstu_plan import (BM, BN, KC, SR, STAGES, SUB, TAIL, TAILS, Capacity, _env_ints,
+                        page_csr, plan_host)
 
 
-def _tile_config() -> tuple[int, int, int]:
-    """Keys per K/V tile, cp.async stages and keys per compute step, compiled into the kernel
-    as HSTU_BN/HSTU_STAGES/HSTU_SUB. ``STREAMGR_HSTU_TILE=32x3x32`` picks another for A/B
-    benchmarks (the default: 64-key tiles, two stages, computed 32 keys at a time, which keeps
-    the D = 128 kernels within their registers)."""
-    bn, stages, sub = _env_ints("STREAMGR_HSTU_TILE", "64x2x32", "KEYSxSTAGESxSTEP")
-    if bn not in (32, 64) or stages not in (2, 3, 4) or sub not in (32, 64) or sub > bn:
-        raise StreamgrError("STREAMGR_HSTU_TILE: keys 32 or 64, stages 2-4, step <= keys")
-    return bn, stages, sub
-
-
-def _chunk_keys() -> int:
-    """Keys per chunk, the unit of the split and of the fold (HSTU_KC). A cached batch writes
-    one fp32 partial per (row tile, chunk) and the merge reads them back, so longer chunks mean
-    fewer partials but fewer, longer blocks; ``STREAMGR_HSTU_KC=1024`` picks another for A/B
-    benchmarks (docs/benchmarks.md). Cached and recompute agree bit for bit under any one value."""
-    (kc,) = _env_ints("STREAMGR_HSTU_KC", "512", "KEYS")
-    if kc not in (256, 512, 1024, 2048, 4096):
-        raise StreamgrError("STREAMGR_HSTU_KC: 256, 512, 1024, 2048 or 4096")
-    return kc
-
-
-def _tails() -> bool:
-    """Tiles with tails (``STREAMGR_HSTU_TAIL=1``): a user's last <= 16 rows past a full tile
-    join that tile (computed on its K/V tiles by all four warps) instead of a block of their
-    own. Off by default until measured on the H200 (docs/benchmarks.md)."""
-    (on,) = _env_ints("STREAMGR_HSTU_TAIL", "0", "FLAG")
-    if on not in (0, 1):
-        raise StreamgrError("STREAMGR_HSTU_TAIL: 0 or 1")
-    return bool(on)
-
-
-BN, STAGES, SUB = _tile_config()
-KC = _chunk_keys()
-TAILS = _tails()
 DEFINES = (f"HSTU_BN={BN}", f"HSTU_STAGES={STAGES}", f"HSTU_SUB={SUB}", f"HSTU_KC={KC}")
 SRC = "hstu_attention.cu"
 EXPRS = tuple(e for d in (32, 64, 128) for e in (
@@ -146,88 +97,6 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _cdiv(a, b):
-    return -(-a // b)
-
-
-@dataclass
-class HostPlan:
-    """A batch's work items as host int arrays, before they go to the device."""
-
-    split: bool
-    items: list  # user, row0, kt0, kt1, slot: one entry per CUDA block row
-    users: list  # q_start, hist, new, cand, paged, kv_row: one entry per user
-    page_ptr: np.ndarray  # users + 1
-    pages: np.ndarray
-    fin: list  # user, row0, slot0, nslots per row tile (the merge)
-    n_slots: int
-    max_rows: int = BM  # SR when tiles carry tails
-
-
-def page_csr(desc) -> tuple[np.ndarray, np.ndarray]:
-    """The batch's page table as CSR: ``page_ptr`` [users + 1] and the flat page ids (one dummy
-    entry when no user is paged, so the device array is never empty)."""
-    page_ptr = np.zeros(len(desc.pages) + 1, dtype=np.int64)
-    page_ptr[1:] = np.cumsum([len(p) if f else 0 for p, f in zip(desc.pages, desc.paged)])
-    n = int(page_ptr[-1])
-    if not n:
-        return page_ptr, np.zeros(1, dtype=np.int64)
-    return page_ptr, np.fromiter(  # ~2x faster than a list comprehension over the ids
-        itertools.chain.from_iterable(p for p, f in zip(desc.pages, desc.paged) if f),
-        dtype=np.int64, count=n)
-
-
-def plan_host(desc, heads: int, sms: int = 132, force: str | None = None,
-              tails: bool = False) -> HostPlan:
-    """Work items of one batch (``force``: ``"split"`` or ``"direct"`` for tests and benches;
-    ``tails``: a user's last <= TAIL rows past a full tile join that tile)."""
-    q_off = np.asarray(desc.q_offsets, dtype=np.int64)
-    cand = np.asarray(desc.num_candidates, dtype=np.int64)
-    hist = np.asarray(desc.hist_lens, dtype=np.int64)
-    rows = q_off[1:] - q_off[:-1]
-    new = rows - cand
-    tiles = _cdiv(rows, BM)
-    if tails:
-        tiles = tiles - ((tiles > 1) & (rows - (tiles - 1) * BM <= TAIL))
-    max_rows = SR if tails else BM
-    user = np.repeat(np.arange(len(rows)), tiles)
-    row0 = (np.arange(tiles.sum()) - np.repeat(np.cumsum(tiles) - tiles, tiles)) * BM
-    left = rows[user] - row0
-    nrows = np.where(left <= max_rows, left, BM)  # the kernels' rule (tile_rows, hstu_slots.cuh)
-    start = hist[user] - new[user]
-    key_lim = np.where(row0 + nrows > new[user], hist[user], start + row0 + nrows)
-    n_kt = _cdiv(key_lim, BN)
-    n_chunks = _cdiv(key_lim, KC)
-    if force is not None:
-        split = force == "split"
-    else:  # split when one tile's keys are well over a balanced share of two blocks per SM
-        share = n_kt.sum() * heads / (2 * sms)
-        split = bool(len(n_kt)) and n_chunks.max() > 1 and n_kt.max() > 1.5 * share
-    if split:
-        item_tile = np.repeat(np.arange(len(n_kt)), n_chunks)
-        slot0 = np.cumsum(n_chunks) - n_chunks
-        chunk = np.arange(n_chunks.sum()) - np.repeat(slot0, n_chunks)
-        kt0 = chunk * (KC // BN)
-        kt1 = np.minimum(kt0 + KC // BN, n_kt[item_tile])
-        slot = np.arange(n_chunks.sum())
-        # longest first; a chunk's row tiles of one user side by side (they share its K/V in L2)
-        order = np.lexsort((item_tile, chunk, user[item_tile], -(kt1 - kt0)))
-        item_tile, kt0, kt1, slot = item_tile[order], kt0[order], kt1[order], slot[order]
-        fin = [user, row0, slot0, n_chunks]
-        n_slots = int(n_chunks.sum())
-    else:  # one slot per tile; tiles without keys only merge (their own keys)
-        item_tile = np.argsort(-n_kt, kind="stable")
-        kt0, kt1 = np.zeros_like(item_tile), n_kt[item_tile]
-        slot = item_tile.copy()
-        fin = [user, row0, np.arange(len(n_kt)), (n_kt > 0).astype(np.int64)]
-        n_slots = len(n_kt)
-    page_ptr, flat = page_csr(desc)
-    return HostPlan(split, [user[item_tile], row0[item_tile], kt0, kt1, slot],
-                    [q_off[:-1], hist, new, cand, np.asarray(desc.paged, dtype=np.int64),
-                     np.asarray(desc.kv_rows, dtype=np.int64)], page_ptr, flat, fin, n_slots,
-                    max_rows)
-
-
 def tails_for(device: torch.device, dim: int) -> bool:
     """Whether plans for this device and head dim use tails: asked for, and the kernel that
     runs them has the path (the mma.sync one with 64-key tiles, head dims 64 and 128)."""
@@ -236,10 +105,10 @@ def tails_for(device: torch.device, dim: int) -> bool:
 
 
 def plan(desc, device: torch.device, heads: int, force: str | None = None,
-         dim: int = 0) -> Plan:
+         dim: int = 0, cand_only: bool = False) -> Plan:
     """:func:`plan_host`, copied to the device in one transfer."""
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
-    hp = plan_host(desc, heads, sms, force, tails_for(device, dim))
+    hp = plan_host(desc, heads, sms, force, tails_for(device, dim), cand_only)
     arrays = hp.items + hp.users + [hp.page_ptr, hp.pages] + hp.fin
     sizes = [len(a) for a in arrays]
     host_t = torch.from_numpy(np.concatenate(arrays).astype(np.int32))
@@ -248,37 +117,6 @@ def plan(desc, device: torch.device, heads: int, force: str | None = None,
     views = list(torch.split(host_t.to(device, non_blocking=True), sizes))
     return Plan(hp.split, len(hp.items[0]), len(hp.fin[0]), hp.n_slots, views[:13], views[13:],
                 {}, hp.max_rows)
-
-
-@dataclass
-class Capacity:
-    """Fixed sizes of a captured plan (a CUDA graph replays one grid): items, users (the
-    batch's maximum), pages, merge rows, workspace slots."""
-
-    items: int
-    users: int
-    pages: int
-    fin: int
-    slots: int
-
-    @property
-    def sizes(self) -> list[int]:
-        u = self.users + 1  # + a user with no rows: padding items point at it
-        return [self.items] * 5 + [u] * 6 + [u + 1, self.pages] + [self.fin] * 4
-
-
-def pad_plan(hp: HostPlan, cap: Capacity, out: np.ndarray) -> None:
-    """Write ``hp`` into ``out`` (int32, ``sum(cap.sizes)``) at the capacity's layout. Padding
-    items and merge rows belong to the empty user, so their blocks write nothing."""
-    empty = cap.users
-    fills = [empty, 0, 0, 0, 0] + [0] * 6 + [int(hp.page_ptr[-1]), 0] + [empty, 0, 0, 0]
-    parts = list(zip(hp.items + hp.users + [hp.page_ptr, hp.pages] + hp.fin, fills))
-    o = 0
-    for (a, fill), size in zip(parts, cap.sizes):
-        n = len(a)
-        out[o:o + n] = a
-        out[o + n:o + size] = fill
-        o += size
 
 
 def static_plan(split: bool, cap: Capacity, dev: torch.Tensor, max_rows: int = BM) -> Plan:

@@ -68,6 +68,10 @@ class HSTUConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def alpha(self) -> float:
         return 1.0 / math.sqrt(self.head_dim)
 
+    def is_last(self, layer: int) -> bool:
+        """The last layer: only its candidates' rows are read (see ``Attention``)."""
+        return layer == self.num_layers - 1
+
 
 @dataclass
 class JaggedBatch:
@@ -94,7 +98,10 @@ class JaggedBatch:
 
 # attention(layer, q, k, v) -> [rows, heads, dim]: how a layer's queries meet their keys. The
 # default is recompute (the batch's new tokens are each user's whole history); the cache passes
-# one that appends new K/V to pages and attends over them.
+# one that appends new K/V to pages and attends over them. Of the last layer's result only the
+# candidates' rows are read, so there an attention may leave the others unwritten
+# (``cand_only`` plans skip the row tiles without a candidate: for a recompute, the whole
+# causal history attended once more for nothing).
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -160,10 +167,14 @@ class HSTU(nn.Module):
             desc = JaggedKV.recompute(batch.q_offsets, batch.num_candidates)
 
             def attention(layer, q, k, v):
-                return hstu_attention_jagged(q, k, v, desc, layer, cfg.alpha, cfg.attn_max_len)
+                return hstu_attention_jagged(q, k, v, desc, layer, cfg.alpha, cfg.attn_max_len,
+                                             cand_only=cfg.is_last(layer))
         x = self.embed(batch)
         for l, layer in enumerate(self.layers):
             u, v, q, k = layer.project(x)
-            x = layer.finish(x, attention(l, q, k, v), u)
-        cand = x.index_select(0, batch.candidate_rows)
-        return self.head(self.final_norm(cand)).squeeze(-1).float()
+            a = attention(l, q, k, v)
+            if cfg.is_last(l):  # from here on only the candidates' rows are read
+                c = batch.candidate_rows
+                x, a, u = x.index_select(0, c), a.index_select(0, c), u.index_select(0, c)
+            x = layer.finish(x, a, u)
+        return self.head(self.final_norm(x)).squeeze(-1).float()

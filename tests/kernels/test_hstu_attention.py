@@ -101,17 +101,17 @@ def test_padded_plan_adds_only_work_that_writes_nothing(force):
     belong to the empty user (index = capacity's users), key ranges are empty, the page table's
     tail repeats its end, and every slot of the buffer is written."""
     import numpy as np
-    from streamgr.kernels import hstu_attention_cuda as hc
+    from streamgr.kernels import hstu_plan as hplan
     users = [(700, 5, 30, True), (40, 40, 3, False), (0, 0, 2, True)]
     q_off = [0]
     for h, n, c, _ in users:
         q_off.append(q_off[-1] + n + c)
     desc = mod.JaggedKV(q_off, [u[2] for u in users], [u[0] for u in users],
                         [u[3] for u in users], q_off[:-1], [list(range(22)), [], []], 32, None)
-    hp = hc.plan_host(desc, heads=2, force=force)
-    cap = hc.Capacity(items=64, users=8, pages=64, fin=16, slots=64)
+    hp = hplan.plan_host(desc, heads=2, force=force)
+    cap = hplan.Capacity(items=64, users=8, pages=64, fin=16, slots=64)
     out = np.full(sum(cap.sizes), -99, np.int32)
-    hc.pad_plan(hp, cap, out)
+    hplan.pad_plan(hp, cap, out)
     assert not (out == -99).any()
     v = np.split(out, np.cumsum(cap.sizes)[:-1])
     n, f = len(hp.items[0]), len(hp.fin[0])
@@ -124,21 +124,25 @@ def test_padded_plan_adds_only_work_that_writes_nothing(force):
 
 
 @pytest.mark.parametrize("name,fn,good,bad", [
-    ("STREAMGR_HSTU_TILE", "_tile_config", "32x3x32", ["64x2", "64x2x128", "16x2x16", "ax2x32"]),
-    ("STREAMGR_HSTU_KC", "_chunk_keys", "1024", ["768", "0", "512x2", ""]),
-    ("STREAMGR_HSTU_WG", "_wg_config", "4x1x1", ["2x1x1", "3x2x0", "3x1"]),
+    ("STREAMGR_HSTU_TILE", "hstu_plan._tile_config", "32x3x32",
+     ["64x2", "64x2x128", "16x2x16", "ax2x32"]),
+    ("STREAMGR_HSTU_KC", "hstu_plan._chunk_keys", "1024", ["768", "0", "512x2", ""]),
+    ("STREAMGR_HSTU_TAIL", "hstu_plan._tails", "0", ["2", "yes", "1x1"]),
+    ("STREAMGR_HSTU_WG", "hstu_attention_cuda._wg_config", "4x1x1", ["2x1x1", "3x2x0", "3x1"]),
 ])
 def test_attention_ab_knobs_parse_or_say_what_they_expect(monkeypatch, name, fn, good, bad):
     """The A/B knobs of the attention kernels: a good value parses, a bad one is a clear error
     naming the variable (never a silent default)."""
-    from streamgr.kernels import hstu_attention_cuda as hc
+    import importlib
+    module, fn = fn.split(".")
+    m = importlib.import_module(f"streamgr.kernels.{module}")
     monkeypatch.setenv(name, good)
-    assert getattr(hc, fn)() == (tuple(int(x) for x in good.split("x")) if "x" in good
-                                 else int(good))
+    want = tuple(int(x) for x in good.split("x")) if "x" in good else int(good)
+    assert getattr(m, fn)() == (bool(want) if fn == "_tails" else want)
     for value in bad:
         monkeypatch.setenv(name, value)
         with pytest.raises(StreamgrError, match=name):
-            getattr(hc, fn)()
+            getattr(m, fn)()
 
 
 @pytest.mark.parametrize("force", ["split", "direct"])
@@ -147,7 +151,7 @@ def test_plan_tiles_cover_every_row_once(force, tails):
     """Row tiles (with tails: a user's last <= TAIL rows past a full tile join that tile) cover
     each user's rows exactly once under the kernels' row rule, with one tile fewer exactly
     where a tail joined."""
-    from streamgr.kernels import hstu_attention_cuda as hc
+    from streamgr.kernels import hstu_plan as hc
     users = [(6400, 5, 256, True), (6400, 0, 256, True), (700, 16, 256, True),
              (700, 17, 256, True), (40, 40, 3, False), (0, 0, 2, True), (300, 9, 128, True),
              (200, 200, 100, False)]
@@ -171,3 +175,39 @@ def test_plan_tiles_cover_every_row_once(force, tails):
         assert seen == list(range(rows)), (b, tails)
         tails_here = rows > hc.BM and 0 < rows % hc.BM <= hc.TAIL
         assert len(seen) == 0 or (len(f_row0[f_user == b]) == -(-rows // hc.BM) - (tails and tails_here))
+
+
+@pytest.mark.parametrize("tails", [False, True])
+def test_candidate_only_plans_cover_the_candidates_and_drop_history_tiles(tails):
+    """The last layer's plan (``cand_only``) keeps exactly the row tiles that hold a candidate
+    row, from the same tiling (so each candidate row's sums are the same); ``plan_host_pair``
+    shares one tiling and says None when no tile would be dropped (a cached batch's)."""
+    from streamgr.kernels import hstu_plan as hp_mod
+    users = [(6400, 6400, 256, False), (300, 300, 1, False), (700, 5, 256, True),
+             (129, 129, 2, False), (40, 40, 3, False)]
+    q_off = [0]
+    for h, n, c, _ in users:
+        q_off.append(q_off[-1] + n + c)
+    desc = mod.JaggedKV(q_off, [u[2] for u in users], [u[0] for u in users],
+                        [u[3] for u in users], q_off[:-1],
+                        [list(range(-(-u[0] // 32))) if u[3] else [] for u in users], 32, None)
+    full = hp_mod.plan_host(desc, heads=4, tails=tails)
+    last = hp_mod.plan_host(desc, heads=4, tails=tails, cand_only=True)
+    pair_full, pair_last = hp_mod.plan_host_pair(desc, heads=4, tails=tails)
+    for a, b in ((full, pair_full), (last, pair_last)):
+        assert a.split == b.split and all((x == y).all() for x, y in zip(a.fin, b.fin))
+    tiles = lambda p: {(int(u), int(r)) for u, r in zip(p.fin[0], p.fin[1])}  # noqa: E731
+    assert tiles(last) < tiles(full)
+    for b, (h, n, c, _) in enumerate(users):
+        rows, covered = n + c, set()
+        for u, r0 in tiles(last):
+            if u == b:
+                left = rows - r0
+                nrows = left if left <= last.max_rows else hp_mod.BM
+                assert r0 + nrows > n, "a tile without candidates was kept"
+                covered |= set(range(r0, r0 + nrows))
+        assert set(range(n, rows)) <= covered, b
+        dropped = {t for t in tiles(full) - tiles(last) if t[0] == b}
+        assert all(r0 + hp_mod.BM <= n for _, r0 in dropped)
+    cached = mod.JaggedKV([0, 261], [256], [6400], [True], [0], [list(range(200))], 32, None)
+    assert hp_mod.plan_host_pair(cached, heads=4, tails=tails)[1] is None

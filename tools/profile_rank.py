@@ -25,6 +25,7 @@ from streamgr import Engine  # noqa: E402
 from streamgr.config import load_spec, parse_set_pairs  # noqa: E402
 from streamgr.trace.replay import batches_of_distinct_users, replay_batches  # noqa: E402
 from streamgr.trace.synth import Timeline, synth_trace  # noqa: E402
+from bench_rank import drain_background  # noqa: E402
 
 
 def main() -> int:
@@ -60,6 +61,7 @@ def main() -> int:
     if s0:
         replay_batches(eng, tl.prefill(s0, list(order), max(8, args.batch)), measure=[],
                        progress=False)
+        drain_background(eng)
     replay_batches(eng, batches, measure=[], progress=False)
     again = batches[-args.profile:]
     replay_batches(eng, again, measure=[], progress=False)  # shapes' plans outside the profile

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import hstu_glue
 from ..kernels.hstu_attention import JaggedKV, hstu_attention_jagged
 
 NORM_EPS = 1e-6
@@ -123,7 +124,9 @@ class HSTULayer(nn.Module):
         return u, v.reshape(shape), q.reshape(shape), k.reshape(shape)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return x + self.output(self.attn_norm(attn.reshape(x.shape[0], self.heads * self.head_dim)) * u)
+        """``x + output(attn_norm(attn) * u)`` (one kernel and one GEMM on the GPU)."""
+        attn = attn.reshape(x.shape[0], self.heads * self.head_dim)
+        return hstu_glue.finish(x, attn, u, self.attn_norm, self.output)
 
 
 class HSTU(nn.Module):

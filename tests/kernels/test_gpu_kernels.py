@@ -233,3 +233,32 @@ def test_candidate_only_plan_gives_the_candidates_the_same_bits(seed):
                               cand_only=True)
         assert torch.equal(out[cand], full[cand]), plan
         assert out.isnan().any(), "no history tile was dropped"
+
+
+@pytest.mark.parametrize("T,N,M", [(1, 512, 512), (37, 64, 96), (2088, 512, 512)])
+def test_fused_layer_end_matches_the_reference(T, N, M):
+    """hstu_norm_mul + addmm (x + W_o (LayerNorm(attn) * u) + b_o) against torch's unfused
+    ops: y within a bf16 rounding of the reference's, the layer's output within bf16 tolerance,
+    u read in place from a strided projection."""
+    from torch import nn
+    from streamgr.kernels import hstu_glue
+    g = torch.Generator(device=DEV).manual_seed(T)
+    rnd = lambda *s: torch.randn(*s, device=DEV, generator=g).to(torch.bfloat16)  # noqa: E731
+    norm = nn.LayerNorm(N, eps=1e-6).to(DEV, torch.bfloat16)
+    out = nn.Linear(N, M).to(DEV, torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * rnd(N)), norm.bias.copy_(0.1 * rnd(N))
+    x, attn = rnd(T, M), rnd(T, N) * 3 + 1
+    u = rnd(T, 4 * N)[:, N:2 * N]  # a column block of a [T, 4N] projection
+    assert hstu_glue.fused_ok(x, attn, u, norm, out)
+    with torch.no_grad():
+        y, xb = hstu_glue.norm_mul(x, attn, u, norm, out.bias)
+        ref_y = norm(attn) * u
+        torch.testing.assert_close(y.float(), ref_y.float(), rtol=1.6e-2, atol=1e-2)
+        torch.testing.assert_close(xb, x + out.bias, rtol=0, atol=0)
+        got = hstu_glue.finish(x, attn, u, norm, out)
+        ref = hstu_glue.finish_reference(x.float(), attn.float(), u.float(), norm.float(),
+                                         out.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (T, M)
+    assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2
+    torch.testing.assert_close(got.float(), ref, rtol=3e-2, atol=3e-2 * ref.abs().max().item())

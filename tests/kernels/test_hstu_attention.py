@@ -211,3 +211,15 @@ def test_candidate_only_plans_cover_the_candidates_and_drop_history_tiles(tails)
         assert all(r0 + hp_mod.BM <= n for _, r0 in dropped)
     cached = mod.JaggedKV([0, 261], [256], [6400], [True], [0], [list(range(200))], 32, None)
     assert hp_mod.plan_host_pair(cached, heads=4, tails=tails)[1] is None
+
+
+def test_layer_end_falls_back_to_the_reference_where_the_kernel_cannot_run():
+    """On the CPU (and for fp32) the layer's end is torch's unfused ops, exactly."""
+    from torch import nn
+    from streamgr.kernels import hstu_glue
+    torch.manual_seed(0)
+    norm, out = nn.LayerNorm(64, eps=1e-6), nn.Linear(64, 32)
+    x, attn, u = torch.randn(5, 32), torch.randn(5, 64), torch.randn(5, 256)[:, 64:128]
+    assert not hstu_glue.fused_ok(x, attn, u, norm, out)
+    with torch.no_grad():
+        assert torch.equal(hstu_glue.finish(x, attn, u, norm, out), x + out(norm(attn) * u))

@@ -95,6 +95,16 @@ def test_bad_layout_is_a_clear_error(bad):
         mod.hstu_attention_reference(alpha=1.0, max_len=8, **args)
 
 
+def plan_case(users):
+    """A batch layout (no tensors) from ``(hist, new, cand, paged)`` per user, pages of 32."""
+    q_off = [0]
+    for h, n, c, _ in users:
+        q_off.append(q_off[-1] + n + c)
+    return mod.JaggedKV(q_off, [u[2] for u in users], [u[0] for u in users],
+                        [u[3] for u in users], q_off[:-1],
+                        [list(range(-(-u[0] // 32))) if u[3] else [] for u in users], 32, None)
+
+
 @pytest.mark.parametrize("force", ["split", "direct"])
 def test_padded_plan_adds_only_work_that_writes_nothing(force):
     """A captured rank plan's work items are padded to a capacity: padding items and merge rows
@@ -103,11 +113,7 @@ def test_padded_plan_adds_only_work_that_writes_nothing(force):
     import numpy as np
     from streamgr.kernels import hstu_plan as hplan
     users = [(700, 5, 30, True), (40, 40, 3, False), (0, 0, 2, True)]
-    q_off = [0]
-    for h, n, c, _ in users:
-        q_off.append(q_off[-1] + n + c)
-    desc = mod.JaggedKV(q_off, [u[2] for u in users], [u[0] for u in users],
-                        [u[3] for u in users], q_off[:-1], [list(range(22)), [], []], 32, None)
+    desc = plan_case(users)
     hp = hplan.plan_host(desc, heads=2, force=force)
     cap = hplan.Capacity(items=64, users=8, pages=64, fin=16, slots=64)
     out = np.full(sum(cap.sizes), -99, np.int32)
@@ -155,12 +161,7 @@ def test_plan_tiles_cover_every_row_once(force, tails):
     users = [(6400, 5, 256, True), (6400, 0, 256, True), (700, 16, 256, True),
              (700, 17, 256, True), (40, 40, 3, False), (0, 0, 2, True), (300, 9, 128, True),
              (200, 200, 100, False)]
-    q_off = [0]
-    for h, n, c, _ in users:
-        q_off.append(q_off[-1] + n + c)
-    desc = mod.JaggedKV(q_off, [u[2] for u in users], [u[0] for u in users],
-                        [u[3] for u in users], q_off[:-1],
-                        [list(range(-(-u[0] // 32))) if u[3] else [] for u in users], 32, None)
+    desc = plan_case(users)
     hp = hc.plan_host(desc, heads=4, force=force, tails=tails)
     assert hp.max_rows == (hc.SR if tails else hc.BM)
     f_user, f_row0 = hp.fin[0], hp.fin[1]
@@ -185,12 +186,7 @@ def test_candidate_only_plans_cover_the_candidates_and_drop_history_tiles(tails)
     from streamgr.kernels import hstu_plan as hp_mod
     users = [(6400, 6400, 256, False), (300, 300, 1, False), (700, 5, 256, True),
              (129, 129, 2, False), (40, 40, 3, False)]
-    q_off = [0]
-    for h, n, c, _ in users:
-        q_off.append(q_off[-1] + n + c)
-    desc = mod.JaggedKV(q_off, [u[2] for u in users], [u[0] for u in users],
-                        [u[3] for u in users], q_off[:-1],
-                        [list(range(-(-u[0] // 32))) if u[3] else [] for u in users], 32, None)
+    desc = plan_case(users)
     full = hp_mod.plan_host(desc, heads=4, tails=tails)
     last = hp_mod.plan_host(desc, heads=4, tails=tails, cand_only=True)
     pair_full, pair_last = hp_mod.plan_host_pair(desc, heads=4, tails=tails)

@@ -10,13 +10,18 @@ their parent beam, child node and code; ranks at or past a request's own width `
 ``-inf``.
 
 Kernels (Numba CUDA, on torch's stream, captured inside the decode plans' CUDA graphs):
-``expand`` writes every candidate's score and a 64-bit key ``order(score) << 32 | ~c`` (unique,
-so no ties are left to break); ``reduce`` cuts each request's keys into groups of ``S`` and keeps
-each group's top ``k`` by an in-shared-memory radix select (8-bit digits from the top, stopping
-as soon as a digit settles the set); ``final`` does the same on the last group, sorts the ``k``
-(bitonic) and decodes them. Rows of 2M candidates go through a few ``reduce`` levels, each a
-full-GPU launch. ``NUMBA_ENABLE_CUDASIM=1`` runs the same kernels on the CPU with small groups,
-so CI checks their logic. The torch reference (``trie_topk_reference``) carries the CPU path.
+every candidate is a 64-bit key ``order(score) << 32 | ~c`` (unique, so no ties are left to
+break), computed where it is needed and never stored for the whole grid. A request of at most
+``S`` candidates is one block: its keys in shared memory, a radix select (8-bit digits from the
+top, stopping as soon as a digit settles the set), a bitonic sort of the ``k`` and their decode.
+A longer one (a 2M-candidate row) takes two grid-wide radix passes of ``DIGIT``-bit digits, as
+AIR top-k does: a histogram of the keys' top digit; then every block finds the digit that
+holds the k-th key, sends the keys above it to the result and those in it to a buffer, with a
+histogram of their next digit; the buffer is split the same way; a last block per request
+selects the rest from the few keys left tied and sorts and decodes the ``k``. Four launches
+after a memset, each reading the candidates (or the buffer) once.
+``NUMBA_ENABLE_CUDASIM=1`` runs the same kernels on the CPU with small sizes, so CI checks their
+logic. The torch reference (``trie_topk_reference``) carries the CPU path.
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ from .head_lse import LogProbs, gather_log_probs
 
 NEG_INF = float("-inf")
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
-# Threads per block and keys per group: small under the simulator so its tests run every
-# level with small inputs.
-TPB, S = (32, 64) if SIMULATED else (256, 4096)
+# Threads per block; the most candidates one block selects from in shared memory (a request
+# with more goes through the grid passes); radix digit bits of those passes; candidates per
+# block of a grid pass; the most tied keys the last pass selects from in shared memory. Small
+# under the simulator, so its tests run every pass (and the overflow paths) on small inputs.
+TPB, S, DIGIT, CH, TS = (32, 64, 5, 64, 64) if SIMULATED else (256, 4096, 11, 4096, 2048)
 MAX_K = 1024
 
 
@@ -108,8 +115,6 @@ def trie_topk(scores: torch.Tensor, nodes: torch.Tensor, logp: torch.Tensor, ptr
     ``NUMBA_ENABLE_CUDASIM=1``), stable ties; ``"stable"``: the reference with stable ties."""
     _check(scores, nodes, logp, k, fanout)
     impl = impl or DEFAULT_IMPL
-    if impl == "numba" and SIMULATED and k > S // 4:
-        raise StreamgrError(f"trie_topk: the simulator's groups of {S} keys take k <= {S // 4}")
     if impl != "numba" or not (SIMULATED or usable(scores)):
         return trie_topk_reference(scores, nodes, logp, ptr, codes, off, fanout, k, cap,
                                    stable=impl == "stable")

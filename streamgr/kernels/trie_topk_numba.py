@@ -2,7 +2,9 @@
 
 Imported only when they run: a CUDA device with numba-cuda, or ``NUMBA_ENABLE_CUDASIM=1``.
 Arrays come from torch without copies (``__cuda_array_interface__``, no stream sync, so a
-CUDA graph can capture the launches); kernels launch on torch's current stream.
+CUDA graph can capture the launches); kernels launch on torch's current stream. Every
+"pick" below is a block-wide parallel prefix sum over histogram bins from the highest (no
+warp shuffles: the simulator has none), so no thread walks thousands of bins alone.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 import torch
 from numba import cuda, float32, int32, int64, uint64
 
-from .trie_topk import MAX_K, S, SIMULATED, TPB
+from .trie_topk import CH, DIGIT, MAX_K, S, SIMULATED, TPB, TS
 
 LOW = np.uint64(0xFFFFFFFF)
 TOP_BIT = np.uint64(0x80000000)
@@ -22,6 +24,14 @@ FULL = np.uint64(0xFFFFFFFFFFFFFFFF)
 ZERO = np.uint64(0)
 SH32 = np.uint64(32)
 NEG_INF = float32(-np.inf)
+NB = 1 << DIGIT  # bins of a grid pass's digit
+SH1, SH2 = np.uint64(64 - DIGIT), np.uint64(64 - 2 * DIGIT)  # the two digits' shifts
+DMASK = np.uint64(NB - 1)
+F2_BLOCKS = 4 if SIMULATED else 128
+# Workspace per request (int32, zeroed per call): digit-1 histogram, digit-2 histogram, then
+# the result's and the two buffers' fill counters.
+W_H2, W_SURE, W_BUF, W_BUF2 = NB, 2 * NB, 2 * NB + 1, 2 * NB + 2
+W_LEN = 2 * NB + 4
 
 
 if SIMULATED:  # kernels are Python there: the bits of a numpy float32 scalar
@@ -43,20 +53,75 @@ def _compose(bits, c):
     return (key << SH32) | (LOW ^ np.uint64(c))
 
 
+@cuda.jit(device=True, inline=True)
+def _score(r, c, F, B, scores, nodes, logp, ptr, codes, off):
+    """Candidate c of request r: (its score, -inf where no child; its child node, its code)."""
+    b = c // F
+    j = c - b * F
+    s = scores[r, b]
+    if s > NEG_INF:
+        n = nodes[r, b]
+        lo = ptr[n]
+        if j < ptr[n + 1] - lo:
+            ch = lo + j
+            cd = codes[ch]
+            return s + logp[r * B + b, off + cd], ch, cd
+    return NEG_INF, int64(0), int64(0)
+
+
+@cuda.jit(device=True, inline=True)
+def _key(r, c, F, B, scores, nodes, logp, ptr, codes, off):
+    val, _, _ = _score(r, c, F, B, scores, nodes, logp, ptr, codes, off)
+    return _compose(_bits(val + float32(0.0)), c)  # -0.0 keys as +0.0: they compare equal
+
+
+@cuda.jit(device=True)
+def _pick(hist, nbins, want, scan, res):
+    """Over ``hist[:nbins]`` (shared; nbins a multiple of TPB) from the highest bin: res[0] =
+    the bin d holding the ``want``-th key, res[1] = how many of d's keys are still wanted,
+    res[2] = hist[d]. Every thread calls it; it ends synchronized."""
+    tid = cuda.threadIdx.x
+    per = nbins // TPB
+    hi = nbins - 1 - tid * per
+    own = 0
+    for i in range(per):
+        own += hist[hi - i]
+    scan[tid] = own
+    cuda.syncthreads()
+    step = 1
+    while step < TPB:  # inclusive prefix over the threads' chunks, highest bins first
+        v = scan[tid - step] if tid >= step else 0
+        cuda.syncthreads()
+        scan[tid] += v
+        cuda.syncthreads()
+        step *= 2
+    above = scan[tid] - own
+    if above < want and want <= scan[tid]:
+        for i in range(per):
+            h = hist[hi - i]
+            if above + h >= want:
+                res[0] = hi - i
+                res[1] = want - above
+                res[2] = h
+                break
+            above += h
+    cuda.syncthreads()
+
+
 @cuda.jit(device=True)
 def _select(keys, cnt, k, out, base):
-    """Write the ``k`` largest of ``keys[:cnt]`` (shared, distinct) to ``out[base:base+k]`` in
-    no order: radix select over 8-bit digits from the top, stopping once a digit's bin holds
-    exactly the keys still wanted."""
+    """Write the ``k`` largest of ``keys[:cnt]`` (distinct; shared or global memory) to
+    ``out[base:base+k]`` in no order: radix select over 8-bit digits from the top, stopping once
+    a digit's bin holds exactly the keys still wanted."""
     hist = cuda.shared.array(256, int32)
-    st = cuda.shared.array(4, uint64)  # prefix, still wanted, done, collect counter
+    scan = cuda.shared.array(TPB, int32)
+    res = cuda.shared.array(3, int32)
+    st = cuda.shared.array(2, uint64)  # prefix, collect counter
     tid = cuda.threadIdx.x
     if tid == 0:
         st[0] = ZERO
-        st[1] = np.uint64(k)
-        st[2] = ZERO
-        st[3] = ZERO
-    cuda.syncthreads()
+        st[1] = ZERO
+    want = k
     shift = 56
     while True:
         for i in range(tid, 256, TPB):
@@ -70,92 +135,31 @@ def _select(keys, cnt, k, out, base):
             if (key & hmask) == (prefix & hmask):
                 cuda.atomic.add(hist, int32((key >> sh) & np.uint64(255)), 1)
         cuda.syncthreads()
+        _pick(hist, 256, want, scan, res)
+        d, need, inbin = res[0], res[1], res[2]
         if tid == 0:
-            want = st[1]
-            cum = ZERO
-            d = 255
-            while d > 0:
-                h = np.uint64(hist[d])
-                if cum + h >= want:
-                    break
-                cum += h
-                d -= 1
             st[0] = prefix | (np.uint64(d) << sh)
-            st[1] = want - cum
-            st[2] = np.uint64(1) if np.uint64(hist[d]) == want - cum else ZERO
         cuda.syncthreads()
-        if st[2] == np.uint64(1) or shift == 0:
+        if need == inbin or shift == 0:
             break
+        want = need
         shift -= 8
-        cuda.syncthreads()
     sh = np.uint64(shift)
     thr = st[0] >> sh
     for i in range(tid, cnt, TPB):
         key = keys[i]
         if (key >> sh) >= thr:
-            p = cuda.atomic.add(st, 3, np.uint64(1))
+            p = cuda.atomic.add(st, 1, np.uint64(1))
             out[base + int64(p)] = key
     cuda.syncthreads()
 
 
-@cuda.jit
-def _expand(scores, nodes, logp, ptr, codes, off, F, B, cand, keys):
-    r = cuda.blockIdx.y
-    c = cuda.blockIdx.x * TPB + cuda.threadIdx.x
-    if c >= B * F:
-        return
-    b = c // F
-    j = c - b * F
-    s = scores[r, b]
-    val = NEG_INF
-    if s > NEG_INF:
-        n = nodes[r, b]
-        lo = ptr[n]
-        if j < ptr[n + 1] - lo:
-            val = s + logp[r * B + b, off + codes[lo + j]]
-    cand[r, c] = val
-    keys[r, c] = _compose(_bits(val + float32(0.0)), c)  # -0.0 keys as +0.0: they compare equal
-
-
-@cuda.jit
-def _reduce(src, m, k, dst):
-    """Group g of row r (``S`` keys) -> its top ``k`` at ``dst[r, g*k:(g+1)*k]`` (zeros pad a
-    short group: a zero key loses to every real one)."""
-    r = cuda.blockIdx.y
-    g = cuda.blockIdx.x
+@cuda.jit(device=True)
+def _emit(srt, k, KP, r, F, B, scores, nodes, logp, ptr, codes, off, cap, top, parent, child,
+          code):
+    """Sort ``srt[:KP]`` (shared; zeros past k) descending (bitonic), then decode the first
+    ``k``: their scores (recomputed, the same fp32 add), parent beams, child nodes, codes."""
     tid = cuda.threadIdx.x
-    base = g * S
-    cnt = min(S, m - base)
-    sm = cuda.shared.array(S, uint64)
-    for i in range(tid, cnt, TPB):
-        sm[i] = src[r, base + i]
-    cuda.syncthreads()
-    row = dst[r]
-    if cnt <= k:
-        for i in range(tid, k, TPB):
-            row[g * k + i] = sm[i] if i < cnt else ZERO
-        return
-    _select(sm, cnt, k, row, g * k)
-
-
-@cuda.jit
-def _final(src, m, k, KP, cand, F, B, scores, nodes, ptr, codes, cap, top, parent, child, code):
-    """The last group of row r: its top ``k`` sorted (bitonic, descending) and decoded."""
-    r = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    sm = cuda.shared.array(S, uint64)
-    srt = cuda.shared.array(MAX_K, uint64)
-    for i in range(tid, m, TPB):
-        sm[i] = src[r, i]
-    for i in range(tid, KP, TPB):
-        srt[i] = ZERO
-    cuda.syncthreads()
-    if m <= k:
-        for i in range(tid, m, TPB):
-            srt[i] = sm[i]
-        cuda.syncthreads()
-    else:
-        _select(sm, m, k, srt, 0)
     size = 2
     while size <= KP:
         stride = size // 2
@@ -174,20 +178,147 @@ def _final(src, m, k, KP, cand, F, B, scores, nodes, ptr, codes, cap, top, paren
         size *= 2
     for i in range(tid, k, TPB):
         c = int64(LOW ^ (srt[i] & LOW))
-        b = c // F
-        j = c - b * F
-        ch = int64(0)
-        cd = int64(0)
-        if scores[r, b] > NEG_INF:
-            n = nodes[r, b]
-            lo = ptr[n]
-            if j < ptr[n + 1] - lo:
-                ch = lo + j
-                cd = codes[ch]
-        top[r, i] = cand[r, c] if i < cap[r] else NEG_INF
-        parent[r, i] = b
+        val, ch, cd = _score(r, c, F, B, scores, nodes, logp, ptr, codes, off)
+        top[r, i] = val if i < cap[r] else NEG_INF
+        parent[r, i] = c // F
         child[r, i] = ch
         code[r, i] = cd
+
+
+@cuda.jit
+def _small(N, k, KP, F, B, scores, nodes, logp, ptr, codes, off, cap, top, parent, child, code):
+    """A request of at most ``S`` candidates, in one block: keys, select, sort, decode."""
+    r = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    sm = cuda.shared.array(S, uint64)
+    srt = cuda.shared.array(MAX_K, uint64)
+    for i in range(tid, N, TPB):
+        sm[i] = _key(r, i, F, B, scores, nodes, logp, ptr, codes, off)
+    for i in range(tid, KP, TPB):
+        srt[i] = ZERO
+    cuda.syncthreads()
+    if N <= k:
+        for i in range(tid, N, TPB):
+            srt[i] = sm[i]
+        cuda.syncthreads()
+    else:
+        _select(sm, N, k, srt, 0)
+    _emit(srt, k, KP, r, F, B, scores, nodes, logp, ptr, codes, off, cap, top, parent, child,
+          code)
+
+
+@cuda.jit(device=True)
+def _load_pick(ws, r, lo, want, h, scan, res):
+    """Pick over the request's histogram ``ws[r, lo:lo+NB]`` (global) via shared ``h``."""
+    for i in range(cuda.threadIdx.x, NB, TPB):
+        h[i] = ws[r, lo + i]
+    cuda.syncthreads()
+    _pick(h, NB, want, scan, res)
+
+
+@cuda.jit
+def _hist1(N, F, B, scores, nodes, logp, ptr, codes, off, ws):
+    """Grid pass 1: the histogram of every candidate key's top digit, per request."""
+    r = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    h = cuda.shared.array(NB, int32)
+    for i in range(tid, NB, TPB):
+        h[i] = 0
+    cuda.syncthreads()
+    for c in range(cuda.blockIdx.x * CH + tid, min(N, (cuda.blockIdx.x + 1) * CH), TPB):
+        key = _key(r, c, F, B, scores, nodes, logp, ptr, codes, off)
+        cuda.atomic.add(h, int32(key >> SH1), 1)
+    cuda.syncthreads()
+    for i in range(tid, NB, TPB):
+        if h[i]:
+            cuda.atomic.add(ws, (r, i), h[i])
+
+
+@cuda.jit
+def _filter1(N, k, F, B, scores, nodes, logp, ptr, codes, off, ws, sure, buf):
+    """Grid pass 2: keys above the k-th key's top digit to the result, those sharing it to the
+    buffer (with the histogram of their next digit)."""
+    r = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    h = cuda.shared.array(NB, int32)
+    scan = cuda.shared.array(TPB, int32)
+    res = cuda.shared.array(3, int32)
+    _load_pick(ws, r, 0, k, h, scan, res)
+    t1, all_in = np.uint64(res[0]), res[1] == res[2]
+    for i in range(tid, NB, TPB):
+        h[i] = 0
+    cuda.syncthreads()
+    for c in range(cuda.blockIdx.x * CH + tid, min(N, (cuda.blockIdx.x + 1) * CH), TPB):
+        key = _key(r, c, F, B, scores, nodes, logp, ptr, codes, off)
+        d = key >> SH1
+        if d > t1 or (d == t1 and all_in):
+            sure[r, cuda.atomic.add(ws, (r, W_SURE), 1)] = key
+        elif d == t1:
+            buf[r, cuda.atomic.add(ws, (r, W_BUF), 1)] = key
+            cuda.atomic.add(h, int32((key >> SH2) & DMASK), 1)
+    cuda.syncthreads()
+    for i in range(tid, NB, TPB):
+        if h[i]:
+            cuda.atomic.add(ws, (r, W_H2 + i), h[i])
+
+
+@cuda.jit
+def _filter2(k, ws, sure, buf, buf2):
+    """Grid pass 3 over the buffer: keys above the wanted key's second digit to the result,
+    those sharing it to the second buffer."""
+    r = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    h = cuda.shared.array(NB, int32)
+    scan = cuda.shared.array(TPB, int32)
+    res = cuda.shared.array(3, int32)
+    _load_pick(ws, r, 0, k, h, scan, res)
+    if res[1] == res[2]:
+        return  # the first digit settled it: nothing was buffered
+    n1, need1 = res[2], res[1]
+    cuda.syncthreads()
+    _load_pick(ws, r, W_H2, need1, h, scan, res)
+    t2, all_in = np.uint64(res[0]), res[1] == res[2]
+    for i in range(cuda.blockIdx.x * TPB + tid, n1, cuda.gridDim.x * TPB):  # grid-stride
+        key = buf[r, i]
+        d = (key >> SH2) & DMASK
+        if d > t2 or (d == t2 and all_in):
+            sure[r, cuda.atomic.add(ws, (r, W_SURE), 1)] = key
+        elif d == t2:
+            buf2[r, cuda.atomic.add(ws, (r, W_BUF2), 1)] = key
+
+
+@cuda.jit
+def _final(k, KP, F, B, scores, nodes, logp, ptr, codes, off, ws, sure, buf2, cap, top,
+           parent, child, code):
+    """Per request: the result's keys plus the wanted ones of the keys left tied (selected in
+    shared memory, or from the global buffer when more than ``TS`` are tied), sorted, decoded."""
+    r = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    h = cuda.shared.array(NB, int32)
+    scan = cuda.shared.array(TPB, int32)
+    res = cuda.shared.array(3, int32)
+    tied = cuda.shared.array(TS, uint64)
+    srt = cuda.shared.array(MAX_K, uint64)
+    n_sure = ws[r, W_SURE]
+    for i in range(tid, KP, TPB):
+        srt[i] = sure[r, i] if i < n_sure else ZERO
+    _load_pick(ws, r, 0, k, h, scan, res)
+    if res[1] != res[2]:
+        need1 = res[1]
+        cuda.syncthreads()
+        _load_pick(ws, r, W_H2, need1, h, scan, res)
+        need2, n2 = res[1], res[2]
+        if need2 != n2:  # n_sure == k - need2: the rest from the n2 tied keys
+            if n2 <= TS:
+                for i in range(tid, n2, TPB):
+                    tied[i] = buf2[r, i]
+                cuda.syncthreads()
+                _select(tied, n2, need2, srt, n_sure)
+            else:
+                _select(buf2[r], n2, need2, srt, n_sure)
+    cuda.syncthreads()
+    _emit(srt, k, KP, r, F, B, scores, nodes, logp, ptr, codes, off, cap, top, parent, child,
+          code)
 
 
 @functools.lru_cache(maxsize=64)
@@ -203,8 +334,6 @@ def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
     R, B = scores.shape
     N = B * F
     dev = scores.device
-    cand = torch.empty(R, N, dtype=torch.float32, device=dev)
-    keys = torch.empty(R, N, dtype=torch.uint64, device=dev)
     top = torch.empty(R, k, dtype=torch.float32, device=dev)
     parent, child, code = (torch.empty(R, k, dtype=torch.int64, device=dev) for _ in range(3))
     if SIMULATED:
@@ -213,17 +342,22 @@ def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
         stream = _stream(torch.cuda.current_stream(dev).cuda_stream)
         launch = lambda fn, grid: fn[grid, TPB, stream]  # noqa: E731
     a = _arr
-    sc, nd = scores.float().contiguous(), nodes.contiguous()
-    lp = logp if logp.dtype == torch.float32 else logp.float()
-    launch(_expand, (math.ceil(N / TPB), R))(
-        a(sc), a(nd), a(lp), a(ptr), a(codes), off, F, B, a(cand), a(keys))
-    src, m = keys, N
-    while m > S:
-        G = math.ceil(m / S)
-        dst = torch.empty(R, G * k, dtype=torch.uint64, device=dev)
-        launch(_reduce, (G, R))(a(src), m, k, a(dst))
-        src, m = dst, G * k
+    sc, nd = a(scores.float().contiguous()), a(nodes.contiguous())
+    lp = a(logp if logp.dtype == torch.float32 else logp.float())
+    trie = (a(ptr), a(codes), off)
+    outs = (a(cap.contiguous()), a(top), a(parent), a(child), a(code))
     KP = 1 << max(0, (k - 1).bit_length())
-    launch(_final, (R,))(a(src), m, k, KP, a(cand), F, B, a(sc), a(nd), a(ptr), a(codes),
-                         a(cap.contiguous()), a(top), a(parent), a(child), a(code))
+    if N <= S:
+        launch(_small, (R,))(N, k, KP, F, B, sc, nd, lp, *trie, *outs)
+        return top, parent, child, code
+    ws = torch.zeros(R, W_LEN, dtype=torch.int32, device=dev)
+    sure = torch.empty(R, k, dtype=torch.uint64, device=dev)
+    buf, buf2 = (torch.empty(R, N, dtype=torch.uint64, device=dev) for _ in range(2))
+    grid = (math.ceil(N / CH), R)
+    launch(_hist1, grid)(N, F, B, sc, nd, lp, *trie, a(ws))
+    launch(_filter1, grid)(N, k, F, B, sc, nd, lp, *trie, a(ws), a(sure), a(buf))
+    # The buffer is a fraction of the candidates, unknown here: a grid of at most F2_BLOCKS
+    # blocks strides over it (each block's prologue reads two histograms).
+    launch(_filter2, (min(grid[0], F2_BLOCKS), R))(k, a(ws), a(sure), a(buf), a(buf2))
+    launch(_final, (R,))(k, KP, F, B, sc, nd, lp, *trie, a(ws), a(sure), a(buf2), *outs)
     return top, parent, child, code

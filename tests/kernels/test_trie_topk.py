@@ -1,6 +1,6 @@
 """Trie-constrained top-k selection: the torch reference against a plain per-request loop, and
 the Numba kernels against the reference under the CUDA simulator (a subprocess with
-NUMBA_ENABLE_CUDASIM=1: small groups, so every reduce level runs on small inputs)."""
+NUMBA_ENABLE_CUDASIM=1: small sizes, so every pass and path runs on small inputs)."""
 
 from __future__ import annotations
 
@@ -95,10 +95,13 @@ SIM = textwrap.dedent("""
 
 def test_numba_kernels_under_the_simulator():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    # (seed, ties, beams, fan-out range, k): one group; several reduce levels (beams x F far
-    # over the simulator's 64-key groups); ties; k = 1; dead beams in every case.
+    # (seed, ties, beams, fan-out range, k): one block (beams x F <= the simulator's 64);
+    # the grid passes (far over it); ties; k = 1; dead beams in every case; k reaching into
+    # the -inf slots, so that more keys stay tied than the last block holds (its select from
+    # global memory); every candidate wanted (a digit that settles the set at once).
     cases = [(0, False, 3, (1, 5), 4), (1, True, 6, (2, 8), 8), (2, False, 40, (4, 12), 16),
-             (3, True, 25, (1, 9), 16), (4, False, 9, (0, 3), 1), (5, False, 1, (6, 6), 6)]
+             (3, True, 25, (1, 9), 16), (4, False, 9, (0, 3), 1), (5, False, 1, (6, 6), 6),
+             (6, True, 16, (4, 10), 110), (7, False, 30, (3, 3), 90)]
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     p = subprocess.run([sys.executable, "-c", SIM.format(root=root, cases=cases)], env=env,
                        capture_output=True, text=True, timeout=600, cwd=root)

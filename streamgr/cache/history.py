@@ -6,7 +6,7 @@ tells the client to resend the full history. Bounded by a total event budget, LR
 every user also costs ``USER_COST`` events (its entry's own memory), so many users with short
 or empty histories are bounded too.
 
-Every resolved history gets a *stamp* (a number never reused), kept with it when remembered.
+Every resolved history gets a *stamp* (a number never reused), kept with it when kept.
 A history that extends the one held (a delta request, or a full request whose first events
 equal the held ones) names the held history's stamp as its *base*: the K/V cache, which
 records the stamp of the history it last committed, then knows its cached tokens are a prefix
@@ -24,23 +24,57 @@ import numpy as np
 from ..errors import HistoryRequired
 
 
-USER_COST = 32  # events' worth of memory per user entry (dict slot, two arrays' headers)
+USER_COST = 32  # events' worth of memory per user entry (dict slot, array header)
+HEADROOM = 4  # a grown buffer gets 1/HEADROOM spare: appends copy the history O(1) times
+
+
+def interleave_into(out: np.ndarray, at: int, items: np.ndarray, actions: np.ndarray) -> None:
+    """Write events as tokens item_0, action_0, item_1, ... into ``out`` from event ``at``."""
+    n = len(items)
+    out[2 * at:2 * (at + n):2] = items
+    out[2 * at + 1:2 * (at + n):2] = actions
 
 
 class Resolved(NamedTuple):
-    """A request's full history: its events, its stamp, and the (stamp, events) of the held
-    history it extends (None: not known to extend one)."""
+    """A request's full history as interleaved tokens (``tokens``: a view, never to be written),
+    its stamp, the (stamp, events) of the held history it extends (None: not known to extend
+    one), and the buffer the tokens live in (what ``keep`` holds on to)."""
 
-    items: np.ndarray
-    actions: np.ndarray
+    tokens: np.ndarray
     stamp: int
     base: tuple[int, int] | None
+    buf: np.ndarray
+
+    @property
+    def events(self) -> int:
+        return len(self.tokens) // 2
+
+    @property
+    def items(self) -> np.ndarray:
+        return self.tokens[0::2]
+
+    @property
+    def actions(self) -> np.ndarray:
+        return self.tokens[1::2]
+
+
+class _Held(NamedTuple):
+    buf: np.ndarray  # int64 tokens; the first 2 * events are the history, the rest spare
+    events: int
+    stamp: int
 
 
 class HistoryStore:
+    """Histories kept as interleaved tokens in buffers with spare room: a request that extends
+    the held history appends its new events in place, so neither resolving it nor keeping it
+    afterwards copies or re-interleaves the whole history (a full request still compares its
+    events with the held ones: the client sent them all). Only ``keep`` (after the batch)
+    makes a resolved history the held one; tokens a failed batch appended past it are simply
+    written over by the next request."""
+
     def __init__(self, capacity_events: int) -> None:
         self.capacity = capacity_events
-        self._users: OrderedDict[Hashable, tuple[np.ndarray, np.ndarray, int]] = OrderedDict()
+        self._users: OrderedDict[Hashable, _Held] = OrderedDict()
         self._events = 0
         self._stamps = itertools.count(1)
 
@@ -49,7 +83,7 @@ class HistoryStore:
 
     def known(self, user: Hashable) -> int | None:
         h = self._users.get(user)
-        return None if h is None else len(h[0])
+        return None if h is None else h.events
 
     def resolve(self, user: Hashable, base_len: int | None, items: np.ndarray,
                 actions: np.ndarray, match_full: bool = False) -> Resolved:
@@ -58,28 +92,49 @@ class HistoryStore:
         runner wants that; recompute does not)."""
         h = self._users.get(user)
         if base_len is None:
-            base = None
-            if match_full and h is not None and len(h[0]) <= len(items):
-                n = len(h[0])
-                if np.array_equal(items[:n], h[0]) and np.array_equal(actions[:n], h[1]):
-                    base = (h[2], n)
-            return Resolved(items, actions, next(self._stamps), base)
-        if h is None or len(h[0]) != base_len:
-            have = "nothing" if h is None else f"{len(h[0])} events"
+            if match_full and h is not None and h.events <= len(items):
+                n = h.events
+                if np.array_equal(items[:n], h.buf[0:2 * n:2]) \
+                        and np.array_equal(actions[:n], h.buf[1:2 * n:2]):
+                    return self._extend(h, items[n:], actions[n:])
+            buf = np.empty(2 * len(items), dtype=np.int64)
+            interleave_into(buf, 0, items, actions)
+            return Resolved(buf, next(self._stamps), None, buf)
+        if h is None or h.events != base_len:
+            have = "nothing" if h is None else f"{h.events} events"
             raise HistoryRequired(f"user {user!r}: request extends {base_len} events, the engine "
                                   f"holds {have}; resend the full history")
-        return Resolved(np.concatenate([h[0], items]), np.concatenate([h[1], actions]),
-                        next(self._stamps), (h[2], base_len))
+        return self._extend(h, items, actions)
+
+    def _extend(self, h: _Held, items: np.ndarray, actions: np.ndarray) -> Resolved:
+        n, total = h.events, h.events + len(items)
+        buf = h.buf
+        if 2 * total > len(buf):  # grown with spare room; views of the old buffer stay valid
+            buf = np.empty(2 * (total + total // HEADROOM), dtype=np.int64)
+            buf[:2 * n] = h.buf[:2 * n]
+        interleave_into(buf, n, items, actions)
+        return Resolved(buf[:2 * total], next(self._stamps), (h.stamp, n), buf)
+
+    def keep(self, user: Hashable, res: Resolved) -> None:
+        """Hold ``res`` as the user's history (after its batch; no copy)."""
+        self._hold(user, _Held(res.buf, res.events, res.stamp))
 
     def remember(self, user: Hashable, items: np.ndarray, actions: np.ndarray,
                  stamp: int = 0) -> None:
+        """Hold these events as the user's history (a copy)."""
+        buf = np.empty(2 * len(items), dtype=np.int64)
+        interleave_into(buf, 0, items, actions)
+        self._hold(user, _Held(buf, len(items), stamp))
+
+    def _hold(self, user: Hashable, held: _Held) -> None:
         old = self._users.pop(user, None)
         if old is not None:
-            self._events -= len(old[0]) + USER_COST
-        if len(items) + USER_COST > self.capacity:
+            self._events -= len(old.buf) // 2 + USER_COST
+        cost = len(held.buf) // 2 + USER_COST  # the buffer's spare room counts too
+        if cost > self.capacity:
             return
-        self._users[user] = (items.astype(np.int32), actions.astype(np.int32), stamp)
-        self._events += len(items) + USER_COST
+        self._users[user] = held
+        self._events += cost
         while self._events > self.capacity:
-            _, (i, _, _) = self._users.popitem(last=False)
-            self._events -= len(i) + USER_COST
+            _, gone = self._users.popitem(last=False)
+            self._events -= len(gone.buf) // 2 + USER_COST

@@ -25,7 +25,7 @@ from ..kernels.hstu_attention import JaggedKV, hstu_attention_jagged
 from ..models.hstu import HSTU
 from ..streams import (NullOffload, NullOnload, OffloadPipeline, OnloadFault, OnloadPipeline,
                        StreamSet)
-from .rank import (BatchOutcome, InFlight, PreparedRank, RankRunner, UserSlice, interleave,
+from .rank import (BatchOutcome, InFlight, PreparedRank, RankRunner, UserSlice,
                    pack_jagged, read_back, upload_jagged)
 
 log = logging.getLogger("streamgr.cache")
@@ -98,7 +98,7 @@ class CachedRankRunner(RankRunner):
         resolved, live = self._resolve(batch)
         if not live:
             return InFlight(batch, resolved, live, stages, version=self.version)
-        tokens = {batch[i].user: interleave(resolved[i].items, resolved[i].actions) for i in live}
+        tokens = {batch[i].user: resolved[i].tokens for i in live}  # interleaved, kept so
         t = self._mark(stages, "strip", t)
         # A history that extends the one the cache last committed for that user: its cached
         # tokens are a prefix of these, known without hashing them (history.py's stamps).

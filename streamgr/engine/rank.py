@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..api import RankRequest
-from ..cache.history import HistoryStore
+from ..cache.history import HistoryStore, interleave_into
 from ..errors import (EmptyCandidates, HistoryTooLong, IdOutOfRange, InvalidRequest,
                       LengthMismatch, TooManyCandidates)
 from ..kernels.hstu_attention import JaggedKV
@@ -88,8 +88,7 @@ def prepare_rank(req: RankRequest, cfg: HSTUConfig) -> PreparedRank:
 def interleave(items: np.ndarray, actions: np.ndarray) -> np.ndarray:
     """History tokens: item_0, action_0, item_1, action_1, ..."""
     out = np.empty(2 * len(items), dtype=np.int64)
-    out[0::2] = items
-    out[1::2] = actions
+    interleave_into(out, 0, items, actions)
     return out
 
 
@@ -245,8 +244,8 @@ class RankRunner:
             try:
                 res = self.history.resolve(r.user, r.base_len, r.items, r.actions,
                                            match_full=self.matches_history)
-                if len(res.items) > max_hist:
-                    raise HistoryTooLong(f"history of {len(res.items)} events, the model takes at "
+                if res.events > max_hist:
+                    raise HistoryTooLong(f"history of {res.events} events, the model takes at "
                                          f"most {max_hist}")
                 out.append(res)
             except InvalidRequest as err:
@@ -257,7 +256,7 @@ class RankRunner:
         with self._meta:
             for r, h in zip(batch, resolved):
                 if not isinstance(h, Exception):
-                    self.history.remember(r.user, h.items, h.actions, h.stamp)
+                    self.history.keep(r.user, h)
 
     def run(self, batch: list[PreparedRank]) -> BatchOutcome:
         """One batch start to finish (offline replays, tests)."""
@@ -271,8 +270,7 @@ class RankRunner:
         resolved, live = self._resolve(batch)
         if not live:
             return InFlight(batch, resolved, live, stages, version=self.version)
-        users = [UserSlice(interleave(resolved[i].items, resolved[i].actions), 0,
-                           batch[i].candidates) for i in live]
+        users = [UserSlice(resolved[i].tokens, 0, batch[i].candidates) for i in live]
         pb = pack_jagged(users)
         t = self._mark(stages, "layout", t)
         scores = self._forward_planned(pb, JaggedKV.recompute(pb.q_offsets, pb.num_candidates))

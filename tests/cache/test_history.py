@@ -17,8 +17,9 @@ def arr(*x):
 def test_delta_extends_exactly_the_prefix_held():
     h = HistoryStore(1000)
     h.remember("u", arr(1, 2, 3), arr(0, 1, 0))
-    items, actions, _, _ = h.resolve("u", 3, arr(4), arr(1))
-    assert items.tolist() == [1, 2, 3, 4] and actions.tolist() == [0, 1, 0, 1]
+    res = h.resolve("u", 3, arr(4), arr(1))
+    assert res.items.tolist() == [1, 2, 3, 4] and res.actions.tolist() == [0, 1, 0, 1]
+    assert res.tokens.tolist() == [1, 0, 2, 1, 3, 0, 4, 1] and res.events == 4
     with pytest.raises(HistoryRequired):
         h.resolve("u", 2, arr(9), arr(0))
     with pytest.raises(HistoryRequired):
@@ -47,7 +48,7 @@ def test_resolved_histories_name_the_held_history_they_extend():
     h = HistoryStore(1000)
     first = h.resolve("u", None, arr(1, 2), arr(0, 1), match_full=True)
     assert first.base is None  # nothing held yet
-    h.remember("u", first.items, first.actions, first.stamp)
+    h.keep("u", first)
     full = h.resolve("u", None, arr(1, 2, 3), arr(0, 1, 1), match_full=True)
     assert full.base == (first.stamp, 2) and full.stamp != first.stamp
     assert h.resolve("u", None, arr(1, 2, 3), arr(0, 1, 1)).base is None  # not asked to match
@@ -58,3 +59,28 @@ def test_resolved_histories_name_the_held_history_they_extend():
     assert delta.base == (first.stamp, 2) and list(delta.items) == [1, 2, 3]
     stamps = {first.stamp, full.stamp, delta.stamp}
     assert len(stamps) == 3
+
+
+def test_extending_a_held_history_appends_in_place_and_never_moves_what_was_handed_out():
+    """A request that extends the held history appends its events into the held buffer (no
+    copy of the history, amortized), a grown buffer leaves earlier views intact, tokens that
+    a failed batch appended are written over by the next request, and kept histories count
+    their buffers' spare room against the budget."""
+    h = HistoryStore(10_000)
+    first = h.resolve("u", None, np.arange(100), np.zeros(100, dtype=np.int64))
+    h.keep("u", first)
+    old = first.tokens.copy()
+    nxt = h.resolve("u", 100, arr(7, 8), arr(1, 1))  # grows: the first buffer had no room
+    assert nxt.buf is not first.buf and np.array_equal(first.tokens, old)
+    assert nxt.base == (first.stamp, 100) and nxt.tokens[-4:].tolist() == [7, 1, 8, 1]
+    h.keep("u", nxt)
+    assert len(nxt.buf) > 2 * 102 and h._events == len(nxt.buf) // 2 + USER_COST
+    failed = h.resolve("u", 102, arr(5), arr(0))  # its batch fails: never kept
+    assert failed.buf is nxt.buf  # appended in place, into the spare room
+    again = h.resolve("u", None, np.r_[np.arange(100), 7, 8, 9], np.r_[np.zeros(100, int), 1, 1, 1],
+                      match_full=True)  # a full request extending the held 102 events
+    assert again.buf is nxt.buf and again.base == (nxt.stamp, 102)
+    assert again.tokens[-2:].tolist() == [9, 1] and np.array_equal(nxt.tokens, again.tokens[:-2])
+    other = h.resolve("u", None, arr(1, 2), arr(0, 0), match_full=True)  # a rewrite: fresh
+    assert other.buf is not nxt.buf and other.base is None
+    assert np.array_equal(again.tokens[:-2], nxt.tokens)  # untouched by the rewrite

@@ -68,7 +68,9 @@ class EngineSpec(_Section, kw_only=True):
     max_batch: int = 8
     max_wait_ms: float = 2.0
     max_queue: int = 4096  # requests admitted but not finished; beyond it: Overloaded
-    history_events: int = 20_000_000  # events of user histories kept for delta requests (LRU)
+    # Events of user histories kept for delta requests (LRU), as interleaved int64 tokens with
+    # up to 25% spare room: ~16-20 bytes an event.
+    history_events: int = 20_000_000
     # Generate on CUDA: batch shapes whose whole beam search is captured as a CUDA graph and
     # replayed (runtime/plans.py), kept in an LRU; 0 searches eagerly.
     decode_plans: int = 16

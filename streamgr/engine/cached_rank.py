@@ -26,7 +26,7 @@ from ..models.hstu import HSTU
 from ..streams import (NullOffload, NullOnload, OffloadPipeline, OnloadFault, OnloadPipeline,
                        StreamSet)
 from .rank import (BatchOutcome, InFlight, PreparedRank, RankRunner, UserSlice,
-                   pack_jagged, read_back, upload_jagged)
+                   pack_jagged, upload_jagged)
 
 log = logging.getLogger("streamgr.cache")
 
@@ -132,7 +132,7 @@ class CachedRankRunner(RankRunner):
                     scores = self._forward_eager(pb, desc, app, handles, stages)
                 handles.done()
                 self._compute_done = s.compute.record_event(s.event())
-                host, event = read_back(scores)
+                host, event, pinned = self.score_buffers.read_back(scores)
             self._mark(stages, "model", t)
         except BaseException:
             self._quiesce(handles)
@@ -140,7 +140,7 @@ class CachedRankRunner(RankRunner):
                 self.manager.abort_batch(plans)
             raise
         return InFlight(batch, resolved, live, stages, plans=plans, tokens=tokens, host=host,
-                        event=event, version=self.version)
+                        event=event, version=self.version, pinned=pinned)
 
     def finish(self, f: "InFlight") -> BatchOutcome:
         """Wait for the batch's scores, then commit its users' K/V to the cache metadata."""
@@ -163,11 +163,12 @@ class CachedRankRunner(RankRunner):
         o = 0
         for i, p in zip(f.live, f.plans):
             c = len(f.batch[i].candidates)
-            results[i] = (scores[o:o + c], {
+            results[i] = (scores[o:o + c].copy(), {
                 "history_tokens": p.length, "tokens_from_gpu": p.from_gpu,
                 "tokens_from_host": p.from_host, "tokens_recomputed": p.length - p.start,
                 "tier": _tier(p)})
             o += c
+        self.score_buffers.give_back(f.pinned)  # the answers hold copies now
         self._mark(stages, "postprocess", t)
         return BatchOutcome(results, stages, f.version)
 

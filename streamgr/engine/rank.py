@@ -167,6 +167,7 @@ class InFlight:
     host: torch.Tensor | None = None
     event: object = None
     version: str = ""  # the weights the batch runs on (set at submit)
+    pinned: torch.Tensor | None = None  # the pooled buffer ``host`` views (given back at finish)
 
     def wait(self) -> np.ndarray:
         if self.event is not None:
@@ -174,15 +175,40 @@ class InFlight:
         return self.host.numpy()
 
 
-def read_back(scores: torch.Tensor):
-    """Queue the scores' copy to pinned host memory behind the batch's work (no wait)."""
-    if not scores.is_cuda:
-        return scores.detach(), None
-    host = torch.empty(scores.shape, dtype=scores.dtype, pin_memory=True)
-    host.copy_(scores, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return host, event
+class ScoreBuffers:
+    """Page-locked host buffers for batches' scores, reused: a batch takes one when its scores'
+    copy is queued and gives it back once its answers hold copies of them, so steady serving
+    allocates no pinned memory per batch."""
+
+    KEEP = 8  # buffers kept free at most (batches in flight are at most 4)
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def read_back(self, scores: torch.Tensor):
+        """(host view, event, buffer): the scores' copy queued behind the batch's work (no
+        wait); on the CPU the scores themselves, no event, no buffer."""
+        if not scores.is_cuda:
+            return scores.detach(), None, None
+        n = scores.numel()
+        with self._lock:
+            buf = next((b for b in self._free if b.numel() >= n), None)
+            if buf is not None:
+                self._free.remove(buf)
+        if buf is None:
+            buf = torch.empty(max(n, 4096), dtype=torch.float32, pin_memory=True)
+        host = buf[:n].view(scores.shape)
+        host.copy_(scores, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event, buf
+
+    def give_back(self, buf: torch.Tensor | None) -> None:
+        if buf is not None:
+            with self._lock:
+                if len(self._free) < self.KEEP:
+                    self._free.append(buf)
 
 
 @dataclass
@@ -210,6 +236,7 @@ class RankRunner:
         # finishes (completion thread): the history store, and the cache manager in subclasses.
         self._meta = threading.RLock()
         self.plans = None  # RankPlans: CUDA graphs of the forward (engine.rank_plans > 0)
+        self.score_buffers = ScoreBuffers()
 
     def set_model(self, model: HSTU, version: str) -> None:
         self.model, self.version = model, version
@@ -276,10 +303,10 @@ class RankRunner:
         scores = self._forward_planned(pb, JaggedKV.recompute(pb.q_offsets, pb.num_candidates))
         if scores is None:
             scores = self.model(upload_jagged(pb, self.device))
-        host, event = read_back(scores)
+        host, event, pinned = self.score_buffers.read_back(scores)
         self._mark(stages, "model", t)
         return InFlight(batch, resolved, live, stages, host=host, event=event, version=self.version,
-                        lengths={i: len(u.tokens) for i, u in zip(live, users)})
+                        lengths={i: len(u.tokens) for i, u in zip(live, users)}, pinned=pinned)
 
     def finish(self, f: InFlight) -> BatchOutcome:
         if not f.live:
@@ -293,9 +320,11 @@ class RankRunner:
         for i in f.live:
             c = len(f.batch[i].candidates)
             n = f.lengths[i]
-            results[i] = (scores[o:o + c], {"history_tokens": n, "tokens_recomputed": n,
-                                            "tier": "none" if n == 0 else "miss"})
+            results[i] = (scores[o:o + c].copy(), {"history_tokens": n,
+                                                   "tokens_recomputed": n,
+                                                   "tier": "none" if n == 0 else "miss"})
             o += c
+        self.score_buffers.give_back(f.pinned)  # the answers hold copies now
         self._mark(f.stages, "postprocess", t)
         return BatchOutcome(results, f.stages, f.version)
 

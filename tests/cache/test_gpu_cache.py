@@ -84,3 +84,22 @@ def test_rank_plans_replay_equals_eager(mode):
     assert st["capture_failures"] == 0 and st["captures"] < st["replays"], st
     if mode != "hierarchical":
         assert st["replays"] == 30, st
+
+
+def test_score_buffers_are_reused_and_answers_keep_their_scores():
+    """Batches' scores come back through pooled page-locked buffers: after the first batch no
+    new buffer is made, and an answer's scores stay what they were after later batches reuse
+    the buffer they were read through."""
+    cuda = runners("cuda", "bfloat16", GPU_MODEL, page_tokens=4, chunk_tokens=8, device_pages=40,
+                   host_chunks=64, offload_quota_tokens=16)
+    for mode in MODES:
+        eng = cuda[mode]
+        pool = eng.runner.score_buffers
+        first = run_batch(eng, [req(0, [1, 2, 3], [0, 1, 0], [5, 6, 7])])
+        kept = [s.copy() for s, _ in first]
+        bufs = {id(b) for b in pool._free}
+        assert len(bufs) == 1, mode
+        for u in range(1, 6):
+            run_batch(eng, [req(u, [4, 5], [1, 1], [8, 9, 10, 11])])
+        assert {id(b) for b in pool._free} == bufs, mode  # the same buffer, reused
+        assert all(np.array_equal(s, k) for (s, _), k in zip(first, kept)), mode

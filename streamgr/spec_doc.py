@@ -36,7 +36,8 @@ MEANING = {
     "engine.max_wait_ms": "how long a batch waits to fill (finite, >= 0)",
     "engine.max_queue": "requests admitted and not finished; past it `Overloaded`",
     "engine.history_events": "events of user histories kept for delta requests (LRU; each "
-                             "user also costs 32 events)",
+                             "user also costs 32 events, a buffer's spare room counts; "
+                             "~16-20 bytes an event)",
     "engine.decode_plans": "generate on CUDA: batch shapes captured as CUDA graphs (LRU); 0: "
                            "eager",
     "engine.rank_plans": "rank on CUDA: batch shapes whose forward is captured as a CUDA graph "

@@ -243,7 +243,10 @@ class KVCacheManager(OffloadPlanning):
         if e is None:
             e = self.users[key] = UserEntry(key, version)
         e.version = version
-        plan.pages = (e.pages if resident else []) + new_pages
+        # The held list itself when nothing is added: its identity then says "unchanged" to
+        # callers that cache a conversion of it (the runner's page arrays).
+        plan.pages = e.pages if resident and not new_pages else \
+            (e.pages if resident else []) + new_pages
         if plan.from_host:
             plan.onload = [(cid, i) for i, cid in enumerate(e.chunks)]
         # Pages are owned from now on; device_len moves only at commit.

@@ -15,11 +15,12 @@ class NullOnload:
 
     def __init__(self, layers: int, streams: StreamSet) -> None:
         self.layers, self.streams = layers, streams
+        self._ready = ReadyHandles(layers, streams)
 
     def submit(self, onload, after=None) -> ReadyHandles:
         if onload:
             raise RuntimeError("gpu-only cache asked to onload host chunks")
-        return ReadyHandles(self.layers, self.streams)
+        return self._ready
 
     def close(self) -> None:
         pass

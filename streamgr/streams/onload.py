@@ -32,6 +32,7 @@ class OnloadPipeline:
         workers = workers or min(16, os.cpu_count() or 4)
         self.stores, self.streams = stores, streams
         self.layers = stores.layers
+        self._ready = ReadyHandles(self.layers, streams)  # every batch with nothing to onload
         host = stores.host
         self.slice_shape = tuple(host.shape[2:]) if host is not None else ()  # one chunk, one layer
         self.pin = streams.cuda
@@ -70,7 +71,7 @@ class OnloadPipeline:
         """Start onloading ``[(user, chunk ids, page ids)]``; ``after``: an event the scatter must
         wait for (the previous batch's compute, which may still read pages being reused)."""
         if not onload:
-            return ReadyHandles(self.layers, self.streams)
+            return self._ready
         handles = LayerOnloadHandles(self.layers, self.streams, {u for u, _, _ in onload})
         if self.threaded:
             self._thread.submit(self._run, onload, after, handles)

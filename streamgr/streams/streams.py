@@ -142,7 +142,8 @@ class LayerOnloadHandles:
 
 
 class ReadyHandles(LayerOnloadHandles):
-    """Handles of a batch with nothing to onload."""
+    """Handles of a batch with nothing to onload. Nothing ever records its events or fails
+    it, so one instance serves every such batch of a pipeline."""
 
     def __init__(self, layers: int, streams: StreamSet) -> None:
         super().__init__(layers, streams, set())

@@ -208,12 +208,25 @@ def _small(N, k, KP, F, B, scores, nodes, logp, ptr, codes, off, cap, top, paren
 
 
 @cuda.jit(device=True)
-def _load_pick(ws, r, lo, want, h, scan, res):
-    """Pick over the request's histogram ``ws[r, lo:lo+NB]`` (global) via shared ``h``."""
+def _digit_pick(ws, r, lo, want, h):
+    """:func:`_pick` over the request's histogram ``ws[r, lo:lo+NB]`` (global), copied into
+    the caller's shared ``h``: (the bin holding the ``want``-th key, how many of its keys are
+    still wanted, how many it holds)."""
+    scan = cuda.shared.array(TPB, int32)
+    res = cuda.shared.array(3, int32)
     for i in range(cuda.threadIdx.x, NB, TPB):
         h[i] = ws[r, lo + i]
     cuda.syncthreads()
     _pick(h, NB, want, scan, res)
+    return res[0], res[1], res[2]
+
+
+@cuda.jit(device=True)
+def _flush(h, ws, r, lo):
+    """A block's shared histogram into the request's global one."""
+    for i in range(cuda.threadIdx.x, NB, TPB):
+        if h[i]:
+            cuda.atomic.add(ws, (r, lo + i), h[i])
 
 
 @cuda.jit
@@ -229,9 +242,7 @@ def _hist1(N, F, B, scores, nodes, logp, ptr, codes, off, ws):
         key = _key(r, c, F, B, scores, nodes, logp, ptr, codes, off)
         cuda.atomic.add(h, int32(key >> SH1), 1)
     cuda.syncthreads()
-    for i in range(tid, NB, TPB):
-        if h[i]:
-            cuda.atomic.add(ws, (r, i), h[i])
+    _flush(h, ws, r, 0)
 
 
 @cuda.jit
@@ -241,10 +252,8 @@ def _filter1(N, k, F, B, scores, nodes, logp, ptr, codes, off, ws, sure, buf):
     r = cuda.blockIdx.y
     tid = cuda.threadIdx.x
     h = cuda.shared.array(NB, int32)
-    scan = cuda.shared.array(TPB, int32)
-    res = cuda.shared.array(3, int32)
-    _load_pick(ws, r, 0, k, h, scan, res)
-    t1, all_in = np.uint64(res[0]), res[1] == res[2]
+    d1, need1, n1 = _digit_pick(ws, r, 0, k, h)
+    t1, all_in = np.uint64(d1), need1 == n1
     for i in range(tid, NB, TPB):
         h[i] = 0
     cuda.syncthreads()
@@ -257,9 +266,7 @@ def _filter1(N, k, F, B, scores, nodes, logp, ptr, codes, off, ws, sure, buf):
             buf[r, cuda.atomic.add(ws, (r, W_BUF), 1)] = key
             cuda.atomic.add(h, int32((key >> SH2) & DMASK), 1)
     cuda.syncthreads()
-    for i in range(tid, NB, TPB):
-        if h[i]:
-            cuda.atomic.add(ws, (r, W_H2 + i), h[i])
+    _flush(h, ws, r, W_H2)
 
 
 @cuda.jit
@@ -269,15 +276,12 @@ def _filter2(k, ws, sure, buf, buf2):
     r = cuda.blockIdx.y
     tid = cuda.threadIdx.x
     h = cuda.shared.array(NB, int32)
-    scan = cuda.shared.array(TPB, int32)
-    res = cuda.shared.array(3, int32)
-    _load_pick(ws, r, 0, k, h, scan, res)
-    if res[1] == res[2]:
+    _, need1, n1 = _digit_pick(ws, r, 0, k, h)
+    if need1 == n1:
         return  # the first digit settled it: nothing was buffered
-    n1, need1 = res[2], res[1]
     cuda.syncthreads()
-    _load_pick(ws, r, W_H2, need1, h, scan, res)
-    t2, all_in = np.uint64(res[0]), res[1] == res[2]
+    d2, need2, n2 = _digit_pick(ws, r, W_H2, need1, h)
+    t2, all_in = np.uint64(d2), need2 == n2
     for i in range(cuda.blockIdx.x * TPB + tid, n1, cuda.gridDim.x * TPB):  # grid-stride
         key = buf[r, i]
         d = (key >> SH2) & DMASK
@@ -295,19 +299,15 @@ def _final(k, KP, F, B, scores, nodes, logp, ptr, codes, off, ws, sure, buf2, ca
     r = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     h = cuda.shared.array(NB, int32)
-    scan = cuda.shared.array(TPB, int32)
-    res = cuda.shared.array(3, int32)
     tied = cuda.shared.array(TS, uint64)
     srt = cuda.shared.array(MAX_K, uint64)
     n_sure = ws[r, W_SURE]
     for i in range(tid, KP, TPB):
         srt[i] = sure[r, i] if i < n_sure else ZERO
-    _load_pick(ws, r, 0, k, h, scan, res)
-    if res[1] != res[2]:
-        need1 = res[1]
+    _, need1, n1 = _digit_pick(ws, r, 0, k, h)
+    if need1 != n1:
         cuda.syncthreads()
-        _load_pick(ws, r, W_H2, need1, h, scan, res)
-        need2, n2 = res[1], res[2]
+        _, need2, n2 = _digit_pick(ws, r, W_H2, need1, h)
         if need2 != n2:  # n_sure == k - need2: the rest from the n2 tied keys
             if n2 <= TS:
                 for i in range(tid, n2, TPB):

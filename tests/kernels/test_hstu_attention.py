@@ -219,3 +219,18 @@ def test_layer_end_falls_back_to_the_reference_where_the_kernel_cannot_run():
     assert not hstu_glue.fused_ok(x, attn, u, norm, out)
     with torch.no_grad():
         assert torch.equal(hstu_glue.finish(x, attn, u, norm, out), x + out(norm(attn) * u))
+
+
+def test_page_table_from_arrays_equals_the_one_from_lists():
+    """The cached runner hands its page ids as int64 arrays, tests and other callers as lists:
+    the CSR page table (and so the plan) is the same either way."""
+    import numpy as np
+    from streamgr.kernels import hstu_plan
+    users = [(700, 5, 30, True), (40, 40, 3, False), (0, 0, 2, True), (65, 1, 4, True)]
+    lists = plan_case(users)
+    arrays = plan_case(users)
+    arrays.pages = [np.asarray(p, dtype=np.int64) for p in arrays.pages]
+    for a, b in zip(hstu_plan.page_csr(lists), hstu_plan.page_csr(arrays)):
+        assert a.dtype == b.dtype == np.int64 and np.array_equal(a, b)
+    pa, pb = hstu_plan.plan_host(lists, heads=2), hstu_plan.plan_host(arrays, heads=2)
+    assert all(np.array_equal(x, y) for x, y in zip(pa.items + pa.fin, pb.items + pb.fin))

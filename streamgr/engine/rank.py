@@ -192,17 +192,20 @@ class ScoreBuffers:
         if not scores.is_cuda:
             return scores.detach(), None, None
         n = scores.numel()
-        with self._lock:
-            buf = next((b for b in self._free if b.numel() >= n), None)
-            if buf is not None:
-                self._free.remove(buf)
-        if buf is None:
-            buf = torch.empty(max(n, 4096), dtype=torch.float32, pin_memory=True)
+        buf = self.take(n)
         host = buf[:n].view(scores.shape)
         host.copy_(scores, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         return host, event, buf
+
+    def take(self, n: int, pinned: bool = True) -> torch.Tensor:
+        """A free buffer of at least ``n`` floats, or a new one."""
+        with self._lock:  # (by index: list.remove would compare tensors with ==)
+            i = next((i for i, b in enumerate(self._free) if b.numel() >= n), None)
+            if i is not None:
+                return self._free.pop(i)
+        return torch.empty(max(n, 4096), dtype=torch.float32, pin_memory=pinned)
 
     def give_back(self, buf: torch.Tensor | None) -> None:
         if buf is not None:

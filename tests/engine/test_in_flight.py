@@ -96,3 +96,20 @@ async def test_a_user_in_flight_waits_for_a_later_batch():
         ra, rb = await asyncio.gather(eng.rank(a), eng.rank(b))
         assert len(ra.scores) == len(rb.scores) == 1
         assert eng.stats()["counters"].get("batch_errors", 0) == 0
+
+
+def test_score_buffers_hand_out_a_free_buffer_that_fits_and_keep_a_few():
+    """The pool behind rank batches' score copies (pinned on a GPU; plain tensors here): the
+    first free buffer large enough is handed out (whatever sits before it), a new one only when
+    none fits, and at most KEEP buffers are kept."""
+    import torch
+    from streamgr.engine.rank import ScoreBuffers
+    pool = ScoreBuffers()
+    small, big = torch.zeros(10), torch.zeros(5000)
+    pool.give_back(small), pool.give_back(big), pool.give_back(None)
+    assert pool.take(4097, pinned=False) is big and pool._free == [small]
+    fresh = pool.take(20, pinned=False)
+    assert fresh is not small and fresh.numel() >= 4096 and pool._free == [small]
+    for _ in range(2 * ScoreBuffers.KEEP):
+        pool.give_back(torch.zeros(1))
+    assert len(pool._free) == ScoreBuffers.KEEP

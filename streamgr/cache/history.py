@@ -35,6 +35,13 @@ def interleave_into(out: np.ndarray, at: int, items: np.ndarray, actions: np.nda
     out[2 * at + 1:2 * (at + n):2] = actions
 
 
+def interleave(items: np.ndarray, actions: np.ndarray) -> np.ndarray:
+    """History tokens (int64): item_0, action_0, item_1, action_1, ..."""
+    out = np.empty(2 * len(items), dtype=np.int64)
+    interleave_into(out, 0, items, actions)
+    return out
+
+
 class Resolved(NamedTuple):
     """A request's full history as interleaved tokens (``tokens``: a view, never to be written),
     its stamp, the (stamp, events) of the held history it extends (None: not known to extend
@@ -97,8 +104,7 @@ class HistoryStore:
                 if np.array_equal(items[:n], h.buf[0:2 * n:2]) \
                         and np.array_equal(actions[:n], h.buf[1:2 * n:2]):
                     return self._extend(h, items[n:], actions[n:])
-            buf = np.empty(2 * len(items), dtype=np.int64)
-            interleave_into(buf, 0, items, actions)
+            buf = interleave(items, actions)
             return Resolved(buf, next(self._stamps), None, buf)
         if h is None or h.events != base_len:
             have = "nothing" if h is None else f"{h.events} events"
@@ -122,9 +128,7 @@ class HistoryStore:
     def remember(self, user: Hashable, items: np.ndarray, actions: np.ndarray,
                  stamp: int = 0) -> None:
         """Hold these events as the user's history (a copy)."""
-        buf = np.empty(2 * len(items), dtype=np.int64)
-        interleave_into(buf, 0, items, actions)
-        self._hold(user, _Held(buf, len(items), stamp))
+        self._hold(user, _Held(interleave(items, actions), len(items), stamp))
 
     def _hold(self, user: Hashable, held: _Held) -> None:
         old = self._users.pop(user, None)

@@ -53,6 +53,16 @@ class UserEntry:
     fps: list[int] = field(default_factory=list)
     # The history stamp (cache/history.py) of the tokens last committed; None when unknown.
     hist_stamp: int | None = None
+    _ids: tuple | None = field(default=None, repr=False, compare=False)  # (pages, as int64)
+
+    def page_ids(self) -> np.ndarray:
+        """``pages`` as an int64 array, converted again only when the list changed: it is
+        replaced when pages are added and cut in place when pages are dropped, so its identity
+        and length tell (a batch's page table needs the array; ~400 ids per user)."""
+        c = self._ids
+        if c is None or c[0] is not self.pages or len(c[1]) != len(self.pages):
+            c = self._ids = (self.pages, np.asarray(self.pages, dtype=np.int64))
+        return c[1]
 
     def persisted_len(self, chunk: int) -> int:
         return len(self.chunks) * chunk
@@ -72,6 +82,7 @@ class UserPlan:
     from_host: int = 0
     lost: int = 0  # tokens the cache held before but had to drop (mismatch, version, eviction)
     pages: list[int] = field(default_factory=list)  # covers [0, length) unless transient
+    page_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # as int64
     onload: list[tuple[int, int]] = field(default_factory=list)  # (host chunk id, chunk index)
     transient: bool = False  # computed without caching (did not fit, or locked)
 
@@ -243,14 +254,14 @@ class KVCacheManager(OffloadPlanning):
         if e is None:
             e = self.users[key] = UserEntry(key, version)
         e.version = version
-        # The held list itself when nothing is added: its identity then says "unchanged" to
-        # callers that cache a conversion of it (the runner's page arrays).
+        # The held list itself when nothing is added (see UserEntry.page_ids).
         plan.pages = e.pages if resident and not new_pages else \
             (e.pages if resident else []) + new_pages
         if plan.from_host:
             plan.onload = [(cid, i) for i, cid in enumerate(e.chunks)]
         # Pages are owned from now on; device_len moves only at commit.
         e.pages = plan.pages
+        plan.page_ids = e.page_ids()
         return plan
 
     def commit_batch(self, plans: list[UserPlan], tokens: dict[Hashable, np.ndarray],

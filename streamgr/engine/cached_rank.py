@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 
 import numpy as np
 import torch
@@ -29,8 +29,6 @@ from .rank import (BatchOutcome, InFlight, PreparedRank, RankRunner, UserSlice,
                    pack_jagged, upload_jagged)
 
 log = logging.getLogger("streamgr.cache")
-PAGE_ARRAYS = 1024  # users whose page arrays are kept (LRU)
-_NO_PAGES = np.zeros(0, dtype=np.int64)
 
 
 def _tier(plan) -> str:
@@ -60,7 +58,6 @@ class CachedRankRunner(RankRunner):
         self.trace_events: dict | None = None  # tests: {name: timing event} of the last batch
         self._to_commit: deque = deque()  # finished batches whose commit runs in ``background``
         self.commit_failures = 0
-        self._page_arrays: OrderedDict = OrderedDict()  # user -> (page list, its int64 array)
 
     @property
     def bytes_onloaded(self) -> int:
@@ -79,25 +76,8 @@ class CachedRankRunner(RankRunner):
         cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
         desc = JaggedKV(pb.q_offsets, pb.num_candidates, [p.length for p in plans],
                         [not p.transient for p in plans], list(pb.q_offsets[:-1]),
-                        [self._page_array(p) for p in plans], self.stores.P, self.stores.pages)
+                        [p.page_ids for p in plans], self.stores.P, self.stores.pages)
         return desc, (cat(app_rows), cat(app_p), cat(app_o))
-
-    def _page_array(self, p) -> np.ndarray:
-        """A user's page ids as an int64 array, converted again only when its page list
-        changed (the manager hands out the same list while a user gains no page: converting
-        ~400 ids per user per batch was most of the page table's host time)."""
-        if p.transient or not p.pages:
-            return _NO_PAGES
-        hit = self._page_arrays.get(p.key)
-        if hit is not None and hit[0] is p.pages and len(hit[1]) == len(p.pages):
-            self._page_arrays.move_to_end(p.key)
-            return hit[1]
-        arr = np.asarray(p.pages, dtype=np.int64)
-        self._page_arrays[p.key] = (p.pages, arr)
-        self._page_arrays.move_to_end(p.key)
-        if len(self._page_arrays) > PAGE_ARRAYS:
-            self._page_arrays.popitem(last=False)
-        return arr
 
     def submit(self, batch: list[PreparedRank]) -> "InFlight":
         """Plan the batch, queue its onloads and its forward on the device, and queue the

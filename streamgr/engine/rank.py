@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..api import RankRequest
-from ..cache.history import HistoryStore, interleave_into
+from ..cache.history import HistoryStore
 from ..errors import (EmptyCandidates, HistoryTooLong, IdOutOfRange, InvalidRequest,
                       LengthMismatch, TooManyCandidates)
 from ..kernels.hstu_attention import JaggedKV
@@ -83,13 +83,6 @@ def prepare_rank(req: RankRequest, cfg: HSTUConfig) -> PreparedRank:
         raise HistoryTooLong(f"history of {total} events, the model takes at most "
                              f"{cfg.max_history}")
     return PreparedRank(req.user_id, items, actions, candidates, base)
-
-
-def interleave(items: np.ndarray, actions: np.ndarray) -> np.ndarray:
-    """History tokens: item_0, action_0, item_1, action_1, ..."""
-    out = np.empty(2 * len(items), dtype=np.int64)
-    interleave_into(out, 0, items, actions)
-    return out
 
 
 @dataclass

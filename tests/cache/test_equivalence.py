@@ -89,23 +89,26 @@ def test_equivalence_workloads_reached_every_path():
 
 
 def test_page_arrays_are_converted_again_only_when_a_users_pages_change():
-    """The runner keeps each user's page ids as an array and reuses it while the manager hands
-    out the same page list (no page gained); a user who gains pages gets a fresh array equal to
-    the new list, and answers stay those of recompute."""
+    """A user's page ids reach the page table as an int64 array kept with the cache entry and
+    reused while the manager keeps the same page list (no page gained); a user who gains pages
+    gets a fresh array equal to the new list, and answers stay those of recompute."""
     engines = runners(page_tokens=4, chunk_tokens=8, device_pages=40, host_chunks=16)
     eng, ref = engines["gpu-only"], engines["recompute"]
-    r = eng.runner
+    m = eng.runner.manager
     hist = ([1, 2, 3], [0, 1, 0])
+    seen = []
     for cands in ([5, 6], [7, 8]):  # the same 6 tokens twice: 2 pages, unchanged
         got = run_batch(eng, [req(0, *hist, cands)])
         np.testing.assert_allclose(got[0][0], run_batch(ref, [req(0, *hist, cands)])[0][0],
                                    rtol=1e-5, atol=1e-5)
-        if cands == [5, 6]:
-            first = r._page_arrays[0][1]
-    assert r._page_arrays[0][1] is first and first.tolist() == r.manager.users[0].pages
+        seen.append(m.users[0].page_ids())
+    assert seen[1] is seen[0] and seen[0].tolist() == m.users[0].pages
     longer = (hist[0] + [4] * 10, hist[1] + [1] * 10)  # 26 tokens: 7 pages
     got = run_batch(eng, [req(0, *longer, [9])])
     np.testing.assert_allclose(got[0][0], run_batch(ref, [req(0, *longer, [9])])[0][0],
                                rtol=1e-5, atol=1e-5)
-    now = r._page_arrays[0][1]
-    assert now is not first and now.tolist() == r.manager.users[0].pages and len(now) == 7
+    now = m.users[0].page_ids()
+    assert now is not seen[0] and now.tolist() == m.users[0].pages and len(now) == 7
+    e = m.users[0]
+    del e.pages[5:]  # cut in place (as the manager drops pages): converted again
+    assert e.page_ids().tolist() == e.pages

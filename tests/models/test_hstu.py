@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from streamgr.engine.rank import UserSlice, build_jagged, interleave
+from streamgr.cache.history import interleave
+from streamgr.engine.rank import UserSlice, build_jagged
 from streamgr.errors import CheckpointError
 from streamgr.models import HSTU, HSTUConfig
 from streamgr.models.checkpoint import save_checkpoint, load_weights

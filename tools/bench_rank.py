@@ -143,8 +143,13 @@ def main() -> int:
                          "and report latency over the others, as served (1: every batch synced, "
                          "the method of earlier sessions' tables); pick N co-prime with "
                          "--recompute-every, so the speed-ups still compare unsynced batches")
+    ap.add_argument("--mode-order", nargs=3, choices=MODES, default=list(MODES),
+                    help="the order the modes run in (each in its own engine, one after the "
+                         "other in this process): to tell a mode's cost from its place")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    if sorted(args.mode_order) != sorted(MODES):
+        ap.error(f"--mode-order names each of {', '.join(MODES)} once")
     ov = parse_set_pairs(args.overrides)
     if args.device:
         ov["engine.device"] = args.device
@@ -177,7 +182,7 @@ def main() -> int:
         if args.prefill:  # untimed, in batches of 8 at least
             prefill = tl.prefill(s0, order, max(bs, 8))
         runs = {m: run_mode(spec, m, batches, measured, timed_re, prefill, args.delta,
-                            args.stage_every) for m in MODES}
+                            args.stage_every) for m in args.mode_order}
         # The cached modes' scores on the recompute-timed batches, against recompute's.
         re_set = set(timed_re)
         errs = {}

@@ -33,8 +33,9 @@ from streamgr.trace.synth import Timeline, synth_trace  # noqa: E402
 
 MODES = ("recompute", "gpu-only", "hierarchical")
 SHORT = {"recompute": "RE", "gpu-only": "GPU", "hierarchical": "HIER"}
-STAGES = ("strip", "metadata", "onload_submit", "layout", "onload_wait", "model", "commit",
-          "postprocess")
+# plan / fill / launch: the host parts of "model" when a rank plan replays (within it)
+STAGES = ("strip", "metadata", "onload_submit", "layout", "onload_wait", "model", "plan", "fill",
+          "launch", "commit", "postprocess")
 
 
 def drain_background(eng, rounds: int = 100_000) -> None:

@@ -127,7 +127,7 @@ class CachedRankRunner(RankRunner):
                 t = self._mark(stages, "layout", t)
                 # Batches that onload host chunks stay eager (per-layer onload events).
                 onloads = any(p.onload for p in plans)
-                scores = None if onloads else self._forward_planned(pb, desc, app)
+                scores = None if onloads else self._forward_planned(pb, desc, app, stages)
                 if scores is None:
                     scores = self._forward_eager(pb, desc, app, handles, stages)
                 handles.done()

@@ -52,6 +52,11 @@ def _ids(name: str, value, low: int, high: int) -> np.ndarray:
             bad = max(value, key=lambda v: v if v >= high else (-v if v < low else -1))
             raise IdOutOfRange(f"`{name}` holds id {bad}, outside [{low}, {high})")
         raise InvalidRequest(f"`{name}` must hold integers, got {arr.dtype}")
+    if low == 0 and (arr.dtype.kind == "u" or high <= 1 << (8 * arr.itemsize - 1)) \
+            and int(arr.view(f"u{arr.itemsize}").max()) < high:
+        # one pass instead of min and max: read as unsigned, a negative id is at least
+        # 2**(bits-1), so at least ``high``
+        return arr.astype(np.int64, copy=False)
     lo, hi = int(arr.min()), int(arr.max())  # before any cast: 2**63 (uint64) stays itself
     if lo < low or hi >= high:
         bad = lo if lo < low else hi
@@ -239,14 +244,15 @@ class RankRunner:
         if self.plans is not None:
             self.plans.clear(model)
 
-    def _forward_planned(self, pb: PackedBatch, desc, app=None):
-        """Scores from a rank plan (a replayed CUDA graph), or None: run eagerly."""
+    def _forward_planned(self, pb: PackedBatch, desc, app=None, stages: dict | None = None):
+        """Scores from a rank plan (a replayed CUDA graph), or None: run eagerly. ``stages``
+        gets the host time of the plan's steps (``plan``, ``fill``, ``launch``, ms)."""
         if self.plans is None:
             return None
         from .rank_plans import HostBatch
         e = np.zeros(0, np.int64)
         app = app or (e, e, e)
-        return self.plans.run(HostBatch(pb.packed, pb.cand_rows, *app), desc)
+        return self.plans.run(HostBatch(pb.packed, pb.cand_rows, *app), desc, stages)
 
     def _mark(self, stages: dict, name: str, t: float) -> float:
         if self.sync_stages and self.device.type == "cuda":
@@ -296,7 +302,8 @@ class RankRunner:
         users = [UserSlice(resolved[i].tokens, 0, batch[i].candidates) for i in live]
         pb = pack_jagged(users)
         t = self._mark(stages, "layout", t)
-        scores = self._forward_planned(pb, JaggedKV.recompute(pb.q_offsets, pb.num_candidates))
+        scores = self._forward_planned(pb, JaggedKV.recompute(pb.q_offsets, pb.num_candidates),
+                                       stages=stages)
         if scores is None:
             scores = self.model(upload_jagged(pb, self.device))
         host, event, pinned = self.score_buffers.read_back(scores)

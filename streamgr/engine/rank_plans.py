@@ -16,6 +16,7 @@ not part of a graph). Plans live in an LRU over one shared memory pool; new weig
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -154,9 +155,12 @@ class RankPlans:
     def stats(self) -> dict:
         return {"plans": len(self.entries), **self.counters}
 
-    def run(self, hb: HostBatch, desc) -> torch.Tensor | None:
+    def run(self, hb: HostBatch, desc, stages: dict | None = None) -> torch.Tensor | None:
         """The batch's scores ``[candidates]`` (device fp32) from a plan, or None when this
-        batch cannot replay (too large, or its capture failed before): run it eagerly."""
+        batch cannot replay (too large, or its capture failed before): run it eagerly.
+        ``stages`` (ms) gets the host time of a replay's steps: ``plan`` (the attention work
+        items), ``fill`` (the static buffers and their copies queued), ``launch`` (the graph)."""
+        t0 = time.perf_counter()
         rows, cands = hb.packed.shape[1], len(hb.cand_rows)
         if rows > MAX_ROWS or len(desc.num_candidates) > self.max_batch:
             return None
@@ -182,9 +186,15 @@ class RankPlans:
         entry = self.entries.get(key)
         if entry is not None:
             self.entries.move_to_end(key)
+            t1 = time.perf_counter()
             entry.fill(hb, hps)
+            t2 = time.perf_counter()
             entry.graph.replay()
             self.counters["replays"] += 1
+            if stages is not None:
+                for name, dt in (("plan", t1 - t0), ("fill", t2 - t1),
+                                 ("launch", time.perf_counter() - t2)):
+                    stages[name] = stages.get(name, 0.0) + dt * 1e3
             return entry.scores[:cands]
         apps_cap = rb if self.store is not None else 0  # recompute appends nothing
         entry = _Entry(key, rb, key[1], apps_cap, caps, splits, self.device, hp.max_rows)

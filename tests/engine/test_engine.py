@@ -198,3 +198,20 @@ async def test_huge_ids_are_named_as_sent(bad):
             await eng.rank(RankRequest(user_id=1, items=[1, bad], actions=[0, 1], candidates=[2]))
         r = await eng.rank(RankRequest(user_id=1, items=[1], actions=[0], candidates=[2]))
         assert len(r.scores) == 1
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int16", "int32", "int64", "uint8", "uint64"])
+def test_id_check_in_one_pass_still_names_negative_and_large_ids(dtype):
+    """The range check reads ids as unsigned in one pass; a negative id of a narrow signed
+    dtype (int8 -1 reads as 255) must still be refused, with the id as sent."""
+    from streamgr.engine.rank import _ids
+    from streamgr.errors import IdOutOfRange
+    dt = np.dtype(dtype)
+    ok = np.array([0, 3, 99], dtype=dt)
+    assert _ids("items", ok, 0, 100).tolist() == [0, 3, 99]
+    assert _ids("items", ok, 0, 100).dtype == np.int64
+    if dt.kind == "i":
+        with pytest.raises(IdOutOfRange, match=r"holds id -1,"):
+            _ids("items", np.array([5, -1], dtype=dt), 0, 1000)
+    with pytest.raises(IdOutOfRange, match=r"holds id 100,"):
+        _ids("items", np.array([5, 100], dtype=dt), 0, 100)

@@ -86,7 +86,8 @@ def _check(scores, nodes, logp, k, fanout):
 
 
 # STREAMGR_SELECTION=numba serves with the Numba kernels. Not the default: on the H200 they
-# ran slower than torch.topk at gen-ref's shapes (docs/benchmarks.md).
+# ran at 0.77x-1.95x torch.topk's speed over gen-ref's step shapes (slower at beams of 1,024;
+# docs/benchmarks.md, session 7), too close to be worth trading torch.topk's tie order for.
 DEFAULT_IMPL = os.environ.get("STREAMGR_SELECTION", "topk").lower()
 
 

@@ -64,10 +64,14 @@ class _Entry:
         self.n64 = 3 * rows + cands + 3 * apps
         n32 = [sum(c.sizes) if c is not None else 0 for c in caps]
         self.n32 = sum(n32)
-        self.host64 = torch.empty(self.n64, dtype=torch.int64).pin_memory()
-        self.host32 = torch.empty(self.n32, dtype=torch.int32).pin_memory()
-        self.dev64 = torch.empty(self.n64, dtype=torch.int64, device=device)
-        self.dev32 = torch.empty(self.n32, dtype=torch.int32, device=device)
+        # One pinned buffer and one device buffer, int64 then int32 views: one copy per batch
+        nbytes = 8 * self.n64 + 4 * self.n32
+        self.host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        self.dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.host64, self.host32 = (self.host[:8 * self.n64].view(torch.int64),
+                                    self.host[8 * self.n64:].view(torch.int32))
+        self.dev64, self.dev32 = (self.dev[:8 * self.n64].view(torch.int64),
+                                  self.dev[8 * self.n64:].view(torch.int32))
         d = self.dev64
         self.ids, self.act, self.pos = d[:rows], d[rows:2 * rows], d[2 * rows:3 * rows]
         o = 3 * rows
@@ -80,10 +84,11 @@ class _Entry:
             splits[1], caps[1], self.dev32[n32[0]:], max_rows)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.scores: torch.Tensor | None = None
-        self.copied: torch.cuda.Event | None = None  # the last fill's copies out of host64/32
+        self.copied = torch.cuda.Event()  # the last fill's copy out of ``host`` (one event, reused)
+        self.filled = False
 
     def fill(self, hb: HostBatch, hps: tuple) -> None:
-        if self.copied is not None:  # with batches in flight, the last copy may not have run
+        if self.filled:  # with batches in flight, the last copy may not have run
             self.copied.synchronize()
         h = self.host64.numpy()
         rows, n = self.rows, hb.packed.shape[1]
@@ -105,10 +110,9 @@ class _Entry:
             if cap is not None:
                 hstu_plan.pad_plan(hp, cap, h32[o:o + sum(cap.sizes)])
                 o += sum(cap.sizes)
-        self.dev64.copy_(self.host64, non_blocking=True)
-        self.dev32.copy_(self.host32, non_blocking=True)
-        self.copied = torch.cuda.Event()
+        self.dev.copy_(self.host, non_blocking=True)
         self.copied.record()
+        self.filled = True
 
 
 class RankPlans:

@@ -2,7 +2,7 @@
 # The whole GPU check in one call: GPU tests, then the benchmarks, then a short table.
 # Run on the lent H200 from the repository root (docs/benchmarks.md records the figures):
 #   bash tools/gpu_check.sh [tests|quick|full|rank|gen|attn|topk|inflight|genprof|update|verify|
-#                            rankprof|attnprof]
+#                            rankprof|attnprof|first|hosthit]
 #     tests: the gpu-marked tests only; quick: + transfer bench + a short rank-ref bench;
 #     full: + the rank-ref bench at batch 1, 4, 8 (several minutes) + the gen-ref bench;
 #     rank: the rank-ref bench alone; gen: the generate GPU tests + the gen-ref bench;
@@ -16,6 +16,8 @@
 #     rankprof: tools/profile_rank.py on rank-ref (kernel table of cached batches of 8; no tests)
 #     first: rank-ref first visits one batch at a time (the first 2,400 requests of a fresh
 #       trace), FIRST_RUNS times alternating the batch order (single runs disagree; no tests)
+#     hosthit: rank-ref at batch 8 with a device tier of 8,192 pages, so that most hits come
+#       from host chunks (issue 12's host-hit target; no tests)
 #     attnprof: ncu on the attention forward kernels (mma.sync and wgmma) with stall reasons and
 #       the source lines they stall on (STREAMGR_NVRTC_LINEINFO=1; no tests)
 #   env: WARMUP/WINDOW (rank bench requests), RANK_ARGS (more rank bench flags, e.g.
@@ -41,7 +43,8 @@ python3 -c "import torch, numpy, cupy; print('torch', torch.__version__, 'cuda',
 
 summary=()
 if [ "$mode" != rank ] && [ "$mode" != inflight ] && [ "$mode" != genprof ] \
-    && [ "$mode" != rankprof ] && [ "$mode" != attnprof ] && [ "$mode" != first ]; then
+    && [ "$mode" != rankprof ] && [ "$mode" != attnprof ] && [ "$mode" != first ] \
+    && [ "$mode" != hosthit ]; then
   tests=tests/
   [ "$mode" = gen ] && tests=tests/runtime/test_gpu_generate.py
   [ "$mode" = attn ] && tests="tests/kernels/test_gpu_kernels.py tests/engine/test_gpu_rank.py tests/cache/test_gpu_cache.py"
@@ -83,6 +86,12 @@ if [ "$mode" = full ] || [ "$mode" = rank ]; then
     | tee "$out/bench_rank.txt"
   grep -v "^\(recompute\|gpu-only\|hierarchical\)" "$out/bench_rank.err" | tail -n 15
   summary+=("$(tail -n 1 "$out/bench_rank.txt")")
+fi
+if [ "$mode" = hosthit ]; then
+  python3 tools/bench_rank.py "${rank_ref[@]}" --batch 8 --warmup 400 --window 400 --recompute-every 4 \
+    --stage-every 5 --set cache.device_pages=8192 ${RANK_ARGS:-} --json "$out/bench_rank_hosthit.json" \
+    2>"$out/bench_rank_hosthit.err" | tee "$out/bench_rank_hosthit.txt"
+  summary+=("host hits: $(grep '^host (mean ms)' "$out/bench_rank_hosthit.txt"); $(tail -n 1 "$out/bench_rank_hosthit.txt")")
 fi
 if [ "$mode" = inflight ]; then
   # Batches overlap only inside the engine (bench_rank runs one batch at a time), so this is

@@ -20,10 +20,23 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ..errors import StreamgrError
 from ..kernels import paged_kv
 from .streams import LayerOnloadHandles, ReadyHandles, StreamSet, threaded_transfers
 
 log = logging.getLogger("streamgr.onload")
+
+
+def onload_layer_group(layers: int) -> int:
+    """Layers per host-to-device copy of a chunk from the page-locked store. 1 (the default):
+    MTServe's layer-major order, each layer's event as early as possible. More (an A/B knob,
+    ``STREAMGR_ONLOAD_LAYERS``): fewer, larger copies issued from Python, the layers of a group
+    landing together; worth it only where the transfer, not compute, bounds a host-hit batch."""
+    raw = os.environ.get("STREAMGR_ONLOAD_LAYERS", "1")
+    if not raw.isdigit() or not 1 <= int(raw) <= layers:
+        raise StreamgrError(f"STREAMGR_ONLOAD_LAYERS={raw!r}: layers per onload copy, 1 to "
+                            f"{layers}")
+    return int(raw)
 
 
 class OnloadPipeline:
@@ -40,6 +53,7 @@ class OnloadPipeline:
         # asked (STREAMGR_THREADED_TRANSFERS=1: the CPU tests run the threaded path too).
         self.threaded = threaded_transfers(streams) if threaded is None else threaded
         self.staging_chunks = staging_chunks
+        self.layer_group = onload_layer_group(self.layers)
         self._staging: list[torch.Tensor] | None = None
         self._copied = [streams.event(), streams.event()]  # staging buffer i drained by the DMA
         self._workers = ThreadPoolExecutor(workers, thread_name_prefix="streamgr-onload-fill")
@@ -140,18 +154,24 @@ class OnloadPipeline:
         self._last_scatter = handles.ready[-1]
 
     def _direct(self, units, chunks, buf, page_ids, handles) -> None:
+        """DMA from the page-locked store, ``layer_group`` layers of a chunk per copy (they are
+        contiguous in a chunk): layer-major by default, so the first layers land first."""
         s = self.streams
+        g = self.layer_group
         delayed: set[int] = set()
         with s.use(s.onload):
             for l, i in units:
+                if l % g:
+                    continue  # copied with its group's first layer
                 if l not in delayed and self.delay_layers.get(l):
                     delayed.add(l)
                     time.sleep(self.delay_layers[l])
-                src = self.stores.host[chunks[i], l]
-                buf[i, l].copy_(src, non_blocking=True)
+                src = self.stores.host[chunks[i], l:l + g]
+                buf[i, l:l + g].copy_(src, non_blocking=True)
                 self.bytes += src.numel() * src.element_size()
                 if i == len(chunks) - 1:
-                    self._layer_landed(l, buf, page_ids, handles)
+                    for j in range(l, min(l + g, self.layers)):
+                        self._layer_landed(j, buf, page_ids, handles)
         self._last_scatter = handles.ready[-1]
 
     def _layer_landed(self, l: int, buf, page_ids, handles) -> None:

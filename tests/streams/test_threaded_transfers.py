@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 from tests.cache.helpers import run_batch, runners
 from tests.cache.test_pipeline_faults import workload
@@ -67,3 +68,45 @@ def test_gpu_only_cache_has_null_transfers():
     snap = runner.snapshot()
     assert snap["bytes_onloaded"] == snap["bytes_offloaded"] == snap["offloads_in_flight"] == 0
     engines["gpu-only"].close_offline()
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_direct_onload_in_layer_groups_keeps_answers_equal(monkeypatch, group):
+    """The page-locked store's direct DMA path (CUDA's; here forced on the CPU, where copies
+    are synchronous): copying one layer of a chunk at a time (MTServe's order) or a group of
+    layers per copy (``STREAMGR_ONLOAD_LAYERS``) gives the same answers as recompute, and each
+    layer is signalled once."""
+    monkeypatch.setenv("STREAMGR_ONLOAD_LAYERS", str(group))
+    engines = runners(page_tokens=4, chunk_tokens=8, device_pages=24, host_chunks=64)
+    runner = engines["hierarchical"].runner
+    onload = runner.onload
+    assert onload.layer_group == group
+    onload._staging_buffers()  # made now, unpinned (the CPU has no pinned allocator)
+    onload.pin = True  # the direct path: DMA straight from a page-locked store
+    runner.stores.host.is_pinned = lambda: True
+    calls, landed = [], []
+    direct, land = onload._direct, onload._layer_landed
+    onload._direct = lambda *a: (calls.append(1), direct(*a))[1]
+    onload._layer_landed = lambda layer, *a: (landed.append(layer), land(layer, *a))[1]
+    rng = np.random.default_rng(3)
+    for batch in workload(rng, engines, steps=30):
+        ref = run_batch(engines["recompute"], batch)
+        got = run_batch(engines["hierarchical"], batch)
+        for g, r in zip(got, ref):
+            np.testing.assert_allclose(g[0], r[0], rtol=2e-4, atol=2e-5)
+    assert calls and runner.bytes_onloaded > 0
+    layers = runner.stores.layers
+    assert landed == list(range(layers)) * len(calls)  # every layer once per onload, in order
+    for e in engines.values():
+        e.close_offline()
+
+
+def test_onload_layer_group_knob_says_what_it_expects(monkeypatch):
+    from streamgr.errors import StreamgrError
+    from streamgr.streams.onload import onload_layer_group
+    for bad in ("0", "9", "two", "-1"):
+        monkeypatch.setenv("STREAMGR_ONLOAD_LAYERS", bad)
+        with pytest.raises(StreamgrError, match="STREAMGR_ONLOAD_LAYERS"):
+            onload_layer_group(8)
+    monkeypatch.setenv("STREAMGR_ONLOAD_LAYERS", "8")
+    assert onload_layer_group(8) == 8

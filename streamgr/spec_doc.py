@@ -61,6 +61,7 @@ MEANING = {
     "cache.offload_quota_tokens": "tokens queued for offload at once (>= `chunk_tokens`); "
                                   "beyond it offloads are deferred, never lost",
     "cache.host_pinned": "page-lock the whole host store (GPU): onload DMAs straight from it",
+    "cache.host_huge_pages": "back the host store with transparent huge pages (Linux): faster to page-lock",
     "catalog.path": "CSV `item_id,s1,s2,...` or `.npy` [items, 1 + depth]; excludes "
                     "`random_items`",
     "catalog.random_items": "without a path: this many items with random distinct SIDs",

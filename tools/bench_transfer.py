@@ -10,6 +10,7 @@ device-to-device copy (bytes read + written). Each path is checked against its r
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -81,12 +82,20 @@ def main() -> int:
         pipe.close()
         return total / t_on
     onload = onload_rate(stores)
-    pinned_store = KVStores(L, H, D, P, C, pages, n, torch.bfloat16, dev, host_pinned=True)
-    pinned_store.host.copy_(stores.host)
-    stores.pages.zero_()
-    onload_direct = onload_rate(pinned_store)
-    pinned_store.close()
-    del pinned_store
+    direct = {}
+    # Pinned in 4 KiB or in 2 MiB pages; one layer of a chunk per copy, or all of its layers
+    # (STREAMGR_ONLOAD_LAYERS, read when the pipeline is made).
+    for label, huge, group in (("4k", False, 1), ("huge", True, 1), ("huge, all layers", True, L)):
+        pinned_store = KVStores(L, H, D, P, C, pages, n, torch.bfloat16, dev, host_pinned=True,
+                                host_huge_pages=huge)
+        pinned_store.host.copy_(stores.host)
+        pinned_store.pages.zero_()
+        os.environ["STREAMGR_ONLOAD_LAYERS"] = str(group)
+        direct[label] = onload_rate(pinned_store)
+        os.environ.pop("STREAMGR_ONLOAD_LAYERS")
+        pinned_store.close()
+        del pinned_store
+    onload_direct = direct["4k"]
 
     # Ceiling 2: a device-to-device copy (read + write).
     a = torch.empty(total // 2, dtype=torch.bfloat16, device=dev)
@@ -109,13 +118,15 @@ def main() -> int:
     gb = lambda x: x / 1e9  # noqa: E731
     print(f"{n} chunks x {chunk_bytes / 2**20:.0f} MiB ({L} layers, page {P}, chunk {C}): "
           f"{total / 2**30:.2f} GiB")
-    print(f"{'path':<34} {'GB/s':>8} {'ceiling GB/s':>13} {'ratio':>7} {'target':>7}")
+    print(f"{'path':<40} {'GB/s':>8} {'ceiling GB/s':>13} {'ratio':>7} {'target':>7}")
     rows = [("onload, staged (pageable host store)", onload, h2d, 0.85),
             ("onload, direct (pinned host store)", onload_direct, h2d, 0.85),
+            ("  same, store in huge pages", direct["huge"], h2d, 0.85),
+            ("  same, all layers of a chunk per copy", direct["huge, all layers"], h2d, 0.85),
             ("scatter kernel (read+write)", scatter, d2d, 0.70),
             ("gather kernel (read+write)", gather, d2d, 0.70)]
     for name, x, ceil, target in rows:
-        print(f"{name:<34} {gb(x):>8.1f} {gb(ceil):>13.1f} {x / ceil:>7.1%} {target:>7.0%}")
+        print(f"{name:<40} {gb(x):>8.1f} {gb(ceil):>13.1f} {x / ceil:>7.1%} {target:>7.0%}")
     print(f"bench_transfer: onload staged {onload / h2d:.0%}, direct {onload_direct / h2d:.0%} "
           f"({gb(onload):.1f}/{gb(onload_direct):.1f} GB/s) of pinned H2D "
           f"{gb(h2d):.1f} GB/s; scatter {scatter / d2d:.0%}, gather {gather / d2d:.0%} of D2D "

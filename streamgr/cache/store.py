@@ -8,15 +8,31 @@ all layers, so onload/offload are block copies (see ``kernels.paged_kv``).
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import torch
 
+
+def host_tensor(shape: tuple, dtype: torch.dtype, huge_pages: bool) -> torch.Tensor:
+    """An uninitialized host tensor (memory committed lazily as it is written). ``huge_pages``:
+    an anonymous mapping advised to transparent huge pages (Linux; elsewhere a plain mapping):
+    page-locking a 56 GiB store in 2 MiB pages took 10.1 s on the lent H200 host against 27.1 s
+    in 4 KiB pages (docs/benchmarks.md, session 7). The mapping lives as long as the tensor."""
+    nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+    if not huge_pages or nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        m.madvise(mmap.MADV_HUGEPAGE)
+    # numpy holds the mapping; the tensor holds the array: no close while a view is alive
+    return torch.from_numpy(np.frombuffer(m, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class KVStores:
     def __init__(self, layers: int, heads: int, head_dim: int, page_tokens: int, chunk_tokens: int,
                  device_pages: int, host_chunks: int, dtype: torch.dtype, device: torch.device,
-                 host_pinned: bool = False) -> None:
+                 host_pinned: bool = False, host_huge_pages: bool = False) -> None:
         self.P, self.C = page_tokens, chunk_tokens
         self.chunk_pages = chunk_tokens // page_tokens
         self.layers = layers
@@ -24,8 +40,8 @@ class KVStores:
         self.pages = torch.empty(layers, device_pages, 2, page_tokens, heads, head_dim,
                                  dtype=dtype, device=device)
         # Host memory is committed lazily by the OS as chunks are written.
-        self.host = torch.empty(host_chunks, layers, self.chunk_pages, 2, page_tokens, heads,
-                                head_dim, dtype=dtype) if host_chunks else None
+        self.host = host_tensor((host_chunks, layers, self.chunk_pages, 2, page_tokens, heads,
+                                 head_dim), dtype, host_huge_pages) if host_chunks else None
         self._registered = False
         if host_pinned and device.type == "cuda" and self.host is not None:
             # Page-lock the store in place (torch's pinned allocator would round a 40 GiB store

@@ -58,7 +58,7 @@ class Builder:
                                  hierarchical=hierarchical)
         stores = KVStores(cfg.num_layers, cfg.num_heads, cfg.head_dim, c.page_tokens,
                           c.chunk_tokens, c.device_pages, c.host_chunks if hierarchical else 0,
-                          self.dtype, self.device, c.host_pinned)
+                          self.dtype, self.device, c.host_pinned, c.host_huge_pages)
         return self._with_plans(CachedRankRunner(model, version, self.device, history, manager,
                                                  stores), stores.pages, c.page_tokens)
 

@@ -52,3 +52,29 @@ def test_victims_are_least_recent_outside_protected_and_locked():
     res.relist(UserEntry("a", "v", pages=[0], device_len=4, chunks=[1]), touch=True)  # a: MRU
     assert res.device_victim(set(), {}) == "b"
     assert not Residency(4, hierarchical=False).wanted
+
+
+def test_host_store_in_huge_pages_is_an_ordinary_tensor():
+    """The host chunk store backed by an anonymous mapping advised to huge pages: the shape and
+    dtype asked for, zero-filled, writable in place, and still valid through a view after the
+    store tensor itself is dropped (the mapping lives as long as any view)."""
+    import gc
+
+    import torch
+
+    from streamgr.cache.store import KVStores, host_tensor
+    t = host_tensor((3, 2, 4, 5), torch.bfloat16, True)
+    assert t.shape == (3, 2, 4, 5) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert not t.any()  # fresh anonymous memory reads as zeros
+    t[1].fill_(2.5)
+    view = t[1, 0]
+    del t
+    gc.collect()
+    assert float(view.sum()) == 2.5 * 20
+    assert host_tensor((0, 4), torch.float32, True).shape == (0, 4)
+    both = [KVStores(2, 2, 8, 4, 8, 16, 6, torch.float32, torch.device("cpu"), host_huge_pages=h)
+            for h in (False, True)]
+    assert both[0].host.shape == both[1].host.shape and both[1].chunk_bytes == both[0].chunk_bytes
+    both[1].host[5].copy_(torch.arange(both[1].host[5].numel(), dtype=torch.float32).view(
+        both[1].host[5].shape))
+    assert float(both[1].host[5].flatten()[-1]) == both[1].host[5].numel() - 1

@@ -65,6 +65,9 @@ class Builder:
     def _with_plans(self, runner: RankRunner, store, page_tokens: int) -> RankRunner:
         """Rank plans (CUDA graphs of the forward) where their kernels run."""
         from .rank_plans import RankPlans
+        if self.device.type == "cuda":  # the CUDA attention plans every batch on the host:
+            from ..kernels import hstu_plan  # compile that planner now, not in the first batch
+            hstu_plan.warm()
         n = self.spec.engine.rank_plans
         if n and RankPlans.usable(runner.model, self.device):
             runner.plans = RankPlans(runner.model, self.spec.engine.max_batch, n, store,

@@ -109,7 +109,7 @@ def plan(desc, device: torch.device, heads: int, force: str | None = None,
     """:func:`plan_host`, copied to the device in one transfer."""
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
     hp = plan_host(desc, heads, sms, force, tails_for(device, dim), cand_only)
-    arrays = hp.items + hp.users + [hp.page_ptr, hp.pages] + hp.fin
+    arrays = list(hp.items) + list(hp.users) + [hp.page_ptr, hp.pages] + list(hp.fin)
     sizes = [len(a) for a in arrays]
     host_t = torch.from_numpy(np.concatenate(arrays).astype(np.int32))
     if device.type == "cuda":

@@ -6,17 +6,24 @@ work items are (tile, key range) with fp32 slots that the merge adds in chunk or
 and chunk constants (and their A/B knobs from the environment) live here because the plan and
 the kernels must agree on them: ``hstu_attention_cuda`` compiles them into the kernels.
 ``Capacity`` and ``pad_plan`` lay a plan into the fixed-size buffers a CUDA graph replays.
+The planning runs compiled (``hstu_plan_jit``, Numba's CPU JIT: numpy's per-call overhead was
+most of a cached batch's host planning); the numpy functions here (``*_reference``) are what
+the tests hold it to, and what runs where Numba cannot be imported.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import logging
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import StreamgrError
+
+log = logging.getLogger("streamgr.kernels")
 
 BM, TAIL = 128, 16  # rows per tile, most rows a tile's tail may add (the .cu's BM, TAIL)
 SR = BM + TAIL  # rows per workspace slot (tiles with tails need them; allocated either way)
@@ -80,11 +87,11 @@ class HostPlan:
     """A batch's work items as host int arrays, before they go to the device."""
 
     split: bool
-    items: list  # user, row0, kt0, kt1, slot: one entry per CUDA block row
-    users: list  # q_start, hist, new, cand, paged, kv_row: one entry per user
+    items: np.ndarray  # [5, n]: user, row0, kt0, kt1, slot: one column per CUDA block row
+    users: np.ndarray  # [6, users]: q_start, hist, new, cand, paged, kv_row
     page_ptr: np.ndarray  # users + 1
     pages: np.ndarray
-    fin: list  # user, row0, slot0, nslots per row tile (the merge)
+    fin: np.ndarray  # [4, tiles]: user, row0, slot0, nslots per row tile (the merge)
     n_slots: int
     max_rows: int = BM  # SR when tiles carry tails
 
@@ -104,6 +111,17 @@ def page_csr(desc) -> tuple[np.ndarray, np.ndarray]:
         itertools.chain.from_iterable(paged), dtype=np.int64, count=n)
 
 
+@functools.lru_cache(maxsize=1)
+def _jit():
+    """The compiled planner, or None where Numba cannot be imported (then numpy plans)."""
+    try:
+        from . import hstu_plan_jit
+        return hstu_plan_jit
+    except Exception as err:  # noqa: BLE001 - e.g. a numpy this numba does not support
+        log.warning("batch planning runs in numpy: numba is not importable (%s)", err)
+        return None
+
+
 def plan_host(desc, heads: int, sms: int = 132, force: str | None = None,
               tails: bool = False, cand_only: bool = False) -> HostPlan:
     """Work items of one batch (``force``: ``"split"`` or ``"direct"`` for tests and benches;
@@ -112,18 +130,69 @@ def plan_host(desc, heads: int, sms: int = 132, force: str | None = None,
     last, where a recompute's whole causal history is otherwise attended once more for
     nothing). Dropping tiles changes no row's bits: a row's sums run over its keys' chunks in
     key order whatever tile it is in."""
-    t = _Tiles(desc, tails)
-    return t.plan(desc, heads, sms, force, t.with_candidates() if cand_only else None)
+    if _jit() is None:
+        return plan_host_reference(desc, heads, sms, force, tails, cand_only)
+    return _JitTiles(desc, tails).plan(desc, heads, sms, force, cand_only)
 
 
 def plan_host_pair(desc, heads: int, sms: int = 132,
                    tails: bool = False) -> tuple[HostPlan, HostPlan | None]:
     """The plans of every layer but the last and of the last (``cand_only``) from one tiling;
     None for the last when it would drop no tile (then it is the first)."""
+    if _jit() is None:
+        return plan_host_pair_reference(desc, heads, sms, tails)
+    t = _JitTiles(desc, tails)
+    last = None if t.all_hold_candidates() else t.plan(desc, heads, sms, None, True)
+    return t.plan(desc, heads, sms, None, False), last
+
+
+def plan_host_reference(desc, heads: int, sms: int = 132, force: str | None = None,
+                        tails: bool = False, cand_only: bool = False) -> HostPlan:
+    """:func:`plan_host` in numpy."""
+    t = _Tiles(desc, tails)
+    return t.plan(desc, heads, sms, force, t.with_candidates() if cand_only else None)
+
+
+def plan_host_pair_reference(desc, heads: int, sms: int = 132,
+                             tails: bool = False) -> tuple[HostPlan, HostPlan | None]:
+    """:func:`plan_host_pair` in numpy."""
     t = _Tiles(desc, tails)
     keep = t.with_candidates()
     last = None if keep.all() else t.plan(desc, heads, sms, None, keep)
     return t.plan(desc, heads, sms, None, None), last
+
+
+def _users(desc, q_off, hist, new, cand) -> np.ndarray:
+    return np.stack([q_off[:-1], hist, new, cand, np.asarray(desc.paged, dtype=np.int64),
+                     np.asarray(desc.kv_rows, dtype=np.int64)])
+
+
+class _JitTiles:
+    """:class:`_Tiles` through the compiled planner."""
+
+    def __init__(self, desc, tails: bool) -> None:
+        jit = _jit()
+        self.q_off = np.asarray(desc.q_offsets, dtype=np.int64)
+        self.cand = np.asarray(desc.num_candidates, dtype=np.int64)
+        self.hist = np.asarray(desc.hist_lens, dtype=np.int64)
+        self.max_rows = SR if tails else BM
+        self.user, self.row0, self.nrows, self.new = jit.tiles(
+            self.q_off, self.cand, tails, BM, TAIL, self.max_rows)
+        self.shared = None  # (users, page_ptr, pages): once for both plans
+
+    def all_hold_candidates(self) -> bool:
+        return bool(_jit().all_hold(self.user, self.row0, self.nrows, self.new))
+
+    def plan(self, desc, heads: int, sms: int, force: str | None, cand_only: bool) -> HostPlan:
+        f = -1 if force is None else int(force == "split")
+        split, items, fin, n_slots = _jit().plan(self.user, self.row0, self.nrows, self.new,
+                                                 self.hist, cand_only, heads, sms, f, BN, KC)
+        if self.shared is None:
+            self.shared = (_users(desc, self.q_off, self.hist, self.new, self.cand),
+                           *page_csr(desc))
+        users, page_ptr, pages = self.shared
+        return HostPlan(bool(split), items, users, page_ptr, pages, fin, int(n_slots),
+                        self.max_rows)
 
 
 class _Tiles:
@@ -185,11 +254,9 @@ class _Tiles:
         if self.csr is None:
             self.csr = page_csr(desc)
         page_ptr, flat = self.csr
-        return HostPlan(split, [user[item_tile], row0[item_tile], kt0, kt1, slot],
-                        [self.q_off[:-1], hist, new, self.cand,
-                         np.asarray(desc.paged, dtype=np.int64),
-                         np.asarray(desc.kv_rows, dtype=np.int64)], page_ptr, flat, fin, n_slots,
-                        self.max_rows)
+        return HostPlan(split, np.stack([user[item_tile], row0[item_tile], kt0, kt1, slot]),
+                        _users(desc, self.q_off, hist, new, self.cand), page_ptr, flat,
+                        np.stack(fin), n_slots, self.max_rows)
 
 
 @dataclass
@@ -212,12 +279,37 @@ class Capacity:
 def pad_plan(hp: HostPlan, cap: Capacity, out: np.ndarray) -> None:
     """Write ``hp`` into ``out`` (int32, ``sum(cap.sizes)``) at the capacity's layout. Padding
     items and merge rows belong to the empty user, so their blocks write nothing."""
+    jit = _jit()
+    if jit is None:
+        return pad_plan_reference(hp, cap, out)
+    jit.pad(hp.items, hp.users, hp.page_ptr, hp.pages, hp.fin, cap.items, cap.users, cap.pages,
+            cap.fin, out)
+
+
+def pad_plan_reference(hp: HostPlan, cap: Capacity, out: np.ndarray) -> None:
+    """:func:`pad_plan` in numpy."""
     empty = cap.users
     fills = [empty, 0, 0, 0, 0] + [0] * 6 + [int(hp.page_ptr[-1]), 0] + [empty, 0, 0, 0]
-    parts = list(zip(hp.items + hp.users + [hp.page_ptr, hp.pages] + hp.fin, fills))
+    arrays = list(hp.items) + list(hp.users) + [hp.page_ptr, hp.pages] + list(hp.fin)
     o = 0
-    for (a, fill), size in zip(parts, cap.sizes):
+    for a, fill, size in zip(arrays, fills, cap.sizes):
         n = len(a)
+        if n > size:
+            raise ValueError("plan larger than its capacity")
         out[o:o + n] = a
         out[o + n:o + size] = fill
         o += size
+
+
+def warm() -> None:
+    """Compile the planner now (a few seconds the first time; Numba caches it on disk), not
+    in the first batch."""
+    from .hstu_attention import JaggedKV
+    desc = JaggedKV([0, 3, 300], [2, 150], [40, 300], [True, False], [0, 3], [[0, 1], []], 32)
+    for tails in (False, True):
+        for hp in plan_host_pair(desc, 2, 4, tails=tails) + (
+                plan_host(desc, 2, 4, "split", tails), plan_host(desc, 2, 4, "direct", tails)):
+            if hp is not None:
+                cap = Capacity(items=max(1, hp.items.shape[1]), users=2, pages=4,
+                               fin=max(1, hp.fin.shape[1]), slots=max(1, hp.n_slots))
+                pad_plan(hp, cap, np.empty(sum(cap.sizes), dtype=np.int32))

@@ -22,6 +22,7 @@ from typing import Hashable, NamedTuple
 import numpy as np
 
 from ..errors import HistoryRequired
+from ..hostjit import prefix_equal
 
 
 USER_COST = 32  # events' worth of memory per user entry (dict slot, array header)
@@ -101,8 +102,7 @@ class HistoryStore:
         if base_len is None:
             if match_full and h is not None and h.events <= len(items):
                 n = h.events
-                if np.array_equal(items[:n], h.buf[0:2 * n:2]) \
-                        and np.array_equal(actions[:n], h.buf[1:2 * n:2]):
+                if prefix_equal(h.buf, items, actions, n):
                     return self._extend(h, items[n:], actions[n:])
             buf = interleave(items, actions)
             return Resolved(buf, next(self._stamps), None, buf)

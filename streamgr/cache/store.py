@@ -69,12 +69,3 @@ class KVStores:
 
     def token_bytes(self) -> int:
         return self.pages[:, 0, :, 0].numel() * self.pages.element_size()
-
-    def slots(self, pages: list[int], start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        """Page index and in-page offset of tokens ``[start, end)`` of a user with ``pages``."""
-        pos = np.arange(start, end)
-        if end <= start:
-            return pos, pos
-        first = start // self.P  # only the pages the span touches (not the whole list)
-        span = np.asarray(pages[first:(end - 1) // self.P + 1], dtype=np.int64)
-        return span[pos // self.P - first], pos % self.P

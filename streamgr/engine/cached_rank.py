@@ -20,6 +20,7 @@ import torch
 from ..cache import HistoryStore, KVCacheManager
 from ..cache.store import KVStores
 from ..errors import EngineDead
+from ..hostjit import page_slots
 from ..kernels import paged_kv
 from ..kernels.hstu_attention import JaggedKV, hstu_attention_jagged
 from ..models.hstu import HSTU
@@ -66,18 +67,16 @@ class CachedRankRunner(RankRunner):
     def _descriptor(self, plans, pb) -> tuple[JaggedKV, tuple[np.ndarray, ...]]:
         """Where each user's history keys live, and the page slots its new K/V go to
         (rows of the batch, pages, offsets)."""
-        app_p, app_o, app_rows = [], [], []
-        for b, p in enumerate(plans):
-            if p.transient:
-                continue
-            q0 = pb.q_offsets[b]
-            pi, po = self.stores.slots(p.pages, p.start, p.length)
-            app_p.append(pi), app_o.append(po), app_rows.append(np.arange(q0, q0 + p.length - p.start))
-        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
+        kept = [b for b, p in enumerate(plans) if not p.transient]
+        app_rows, app_p, app_o = page_slots(
+            np.array([pb.q_offsets[b] for b in kept], dtype=np.int64),
+            np.array([plans[b].start for b in kept], dtype=np.int64),
+            np.array([plans[b].length for b in kept], dtype=np.int64),
+            [plans[b].page_ids for b in kept], self.stores.P)
         desc = JaggedKV(pb.q_offsets, pb.num_candidates, [p.length for p in plans],
                         [not p.transient for p in plans], list(pb.q_offsets[:-1]),
                         [p.page_ids for p in plans], self.stores.P, self.stores.pages)
-        return desc, (cat(app_rows), cat(app_p), cat(app_o))
+        return desc, (app_rows, app_p, app_o)
 
     def submit(self, batch: list[PreparedRank]) -> "InFlight":
         """Plan the batch, queue its onloads and its forward on the device, and queue the

@@ -19,6 +19,7 @@ from ..api import RankRequest
 from ..cache.history import HistoryStore
 from ..errors import (EmptyCandidates, HistoryTooLong, IdOutOfRange, InvalidRequest,
                       LengthMismatch, TooManyCandidates)
+from ..hostjit import pack_rows
 from ..kernels.hstu_attention import JaggedKV
 from ..models.hstu import HSTU, HSTUConfig, JaggedBatch
 
@@ -126,28 +127,9 @@ def upload_jagged(pb: PackedBatch, device: torch.device) -> JaggedBatch:
 
 
 def pack_jagged(users: list[UserSlice]) -> PackedBatch:
-    q_offsets, ncand, hist = [0], [], []
-    for u in users:
-        q_offsets.append(q_offsets[-1] + len(u.tokens) + len(u.candidates))
-        ncand.append(len(u.candidates))
-        hist.append(u.start + len(u.tokens))
-    total = q_offsets[-1]
-    packed = np.empty((3, total), dtype=np.int64)  # ids, is_action, position
-    cand_rows = np.empty(sum(ncand), dtype=np.int64)
-    c0 = 0
-    for u, q0, h in zip(users, q_offsets, hist):
-        n = len(u.tokens)
-        packed[0, q0:q0 + n] = u.tokens
-        pos = np.arange(u.start, u.start + n)
-        packed[1, q0:q0 + n] = pos & 1  # odd positions are action tokens
-        packed[2, q0:q0 + n] = pos
-        c = len(u.candidates)
-        packed[0, q0 + n:q0 + n + c] = u.candidates
-        packed[1, q0 + n:q0 + n + c] = 0
-        packed[2, q0 + n:q0 + n + c] = h  # every candidate at the next free position
-        cand_rows[c0:c0 + c] = np.arange(q0 + n, q0 + n + c)
-        c0 += c
-    return PackedBatch(packed, cand_rows, q_offsets, ncand, hist)
+    """The batch's rows on the host (``hostjit.pack_rows``: one compiled call per batch)."""
+    packed, cand_rows, q_offsets, hist = pack_rows(users)
+    return PackedBatch(packed, cand_rows, q_offsets, [len(u.candidates) for u in users], hist)
 
 
 @dataclass

@@ -145,3 +145,20 @@ def page_slots(q0: np.ndarray, start: np.ndarray, end: np.ndarray,
         page.append(np.asarray(page_ids[b], dtype=np.int64)[pos // P])
         off.append(pos % P)
     return np.concatenate(rows), np.concatenate(page), np.concatenate(off)
+
+
+def warm() -> None:
+    """Compile the loops now (a few seconds the first time; Numba caches them on disk), not in
+    a first batch."""
+    e = np.zeros(0, np.int64)
+    buf = np.zeros(4, np.int64)
+    prefix_equal(buf, buf[:2], buf[:2], 2)
+    pack_rows([_Slice(np.arange(2, dtype=np.int64), 1, np.arange(1, dtype=np.int64))])
+    page_slots(np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones(1, np.int64),
+               [np.zeros(1, np.int64)], 4)
+    page_slots(e, e, e, [], 4)
+
+
+class _Slice:  # the fields of engine.rank.UserSlice that pack_rows reads
+    def __init__(self, tokens, start, candidates) -> None:
+        self.tokens, self.start, self.candidates = tokens, start, candidates

@@ -64,9 +64,11 @@ class Builder:
 
     def _with_plans(self, runner: RankRunner, store, page_tokens: int) -> RankRunner:
         """Rank plans (CUDA graphs of the forward) where their kernels run."""
+        from .. import hostjit
         from .rank_plans import RankPlans
+        hostjit.warm()  # the batch's compiled host loops: compiled now, not in a first batch
         if self.device.type == "cuda":  # the CUDA attention plans every batch on the host:
-            from ..kernels import hstu_plan  # compile that planner now, not in the first batch
+            from ..kernels import hstu_plan  # compile that planner now too
             hstu_plan.warm()
         n = self.spec.engine.rank_plans
         if n and RankPlans.usable(runner.model, self.device):

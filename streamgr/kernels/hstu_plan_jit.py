@@ -118,50 +118,32 @@ def plan(user, row0, nrows, new, hist, cand_only, heads, sms, force, bn, kc):
 
 
 @njit(cache=True)
+def _put(out, o, row, size, fill):
+    """``row`` at ``out[o:]``, then ``fill`` up to ``size`` entries; the next offset."""
+    for j in range(len(row)):
+        out[o + j] = row[j]
+    for j in range(len(row), size):
+        out[o + j] = fill
+    return o + size
+
+
+@njit(cache=True)
 def pad(items, users, page_ptr, pages, fin, cap_items, cap_users, cap_pages, cap_fin, out):
     """``hstu_plan.pad_plan`` over the same layout: padding items and merge rows belong to the
     empty user (index ``cap_users``), the page table's tail repeats its end."""
     u = cap_users + 1
-    sizes = (cap_items, u, u + 1, cap_pages, cap_fin)
     if items.shape[1] > cap_items or users.shape[1] > u or len(page_ptr) > u + 1 \
             or len(pages) > cap_pages or fin.shape[1] > cap_fin:
         raise ValueError("plan larger than its capacity")
     o = 0
     for f in range(5):  # items: user (padding: the empty user), row0, kt0, kt1, slot
-        n = items.shape[1]
-        for j in range(n):
-            out[o + j] = items[f, j]
-        fill = cap_users if f == 0 else 0
-        for j in range(n, cap_items):
-            out[o + j] = fill
-        o += sizes[0]
+        o = _put(out, o, items[f], cap_items, cap_users if f == 0 else 0)
     for f in range(users.shape[0]):  # per user: q_start, hist, new, cand, paged, kv_row
-        n = users.shape[1]
-        for j in range(n):
-            out[o + j] = users[f, j]
-        for j in range(n, u):
-            out[o + j] = 0
-        o += u
-    n = len(page_ptr)
-    for j in range(n):
-        out[o + j] = page_ptr[j]
-    for j in range(n, u + 1):
-        out[o + j] = page_ptr[n - 1]
-    o += u + 1
-    n = len(pages)
-    for j in range(n):
-        out[o + j] = pages[j]
-    for j in range(n, cap_pages):
-        out[o + j] = 0
-    o += cap_pages
+        o = _put(out, o, users[f], u, 0)
+    o = _put(out, o, page_ptr, u + 1, page_ptr[len(page_ptr) - 1])
+    o = _put(out, o, pages, cap_pages, 0)
     for f in range(4):  # merge rows: user (padding: the empty user), row0, slot0, slots
-        n = fin.shape[1]
-        for j in range(n):
-            out[o + j] = fin[f, j]
-        fill = cap_users if f == 0 else 0
-        for j in range(n, cap_fin):
-            out[o + j] = fill
-        o += cap_fin
+        o = _put(out, o, fin[f], cap_fin, cap_users if f == 0 else 0)
     return o
 
 

@@ -22,7 +22,7 @@ from typing import Hashable, NamedTuple
 import numpy as np
 
 from ..errors import HistoryRequired
-from ..hostjit import prefix_equal
+from ..kernels.host_loops import prefix_equal
 
 
 USER_COST = 32  # events' worth of memory per user entry (dict slot, array header)

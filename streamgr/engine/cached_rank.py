@@ -20,7 +20,7 @@ import torch
 from ..cache import HistoryStore, KVCacheManager
 from ..cache.store import KVStores
 from ..errors import EngineDead
-from ..hostjit import page_slots
+from ..kernels.host_loops import page_slots
 from ..kernels import paged_kv
 from ..kernels.hstu_attention import JaggedKV, hstu_attention_jagged
 from ..models.hstu import HSTU

@@ -64,9 +64,9 @@ class Builder:
 
     def _with_plans(self, runner: RankRunner, store, page_tokens: int) -> RankRunner:
         """Rank plans (CUDA graphs of the forward) where their kernels run."""
-        from .. import hostjit
+        from ..kernels import host_loops
         from .rank_plans import RankPlans
-        hostjit.warm()  # the batch's compiled host loops: compiled now, not in a first batch
+        host_loops.warm()  # the batch's compiled host loops: compiled now, not in a first batch
         if self.device.type == "cuda":  # the CUDA attention plans every batch on the host:
             from ..kernels import hstu_plan  # compile that planner now too
             hstu_plan.warm()

@@ -19,7 +19,7 @@ from ..api import RankRequest
 from ..cache.history import HistoryStore
 from ..errors import (EmptyCandidates, HistoryTooLong, IdOutOfRange, InvalidRequest,
                       LengthMismatch, TooManyCandidates)
-from ..hostjit import pack_rows
+from ..kernels.host_loops import pack_rows
 from ..kernels.hstu_attention import JaggedKV
 from ..models.hstu import HSTU, HSTUConfig, JaggedBatch
 
@@ -130,7 +130,7 @@ def upload_jagged(pb: PackedBatch, device: torch.device) -> JaggedBatch:
 
 
 def pack_jagged(users: list[UserSlice]) -> PackedBatch:
-    """The batch's rows on the host (``hostjit.pack_rows``: one compiled call per batch)."""
+    """The batch's rows on the host (``kernels.host_loops.pack_rows``: one compiled call per batch)."""
     packed, cand_rows, q_offsets, hist = pack_rows(users)
     return PackedBatch(packed, cand_rows, q_offsets, [len(u.candidates) for u in users], hist)
 

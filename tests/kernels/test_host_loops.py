@@ -1,4 +1,4 @@
-"""The compiled host loops (``streamgr.hostjit``) against the numpy code each replaces (which
+"""The compiled host loops (``streamgr.kernels.host_loops``) against the numpy code each replaces (which
 also runs where Numba cannot be imported), on random batches."""
 
 from __future__ import annotations
@@ -6,26 +6,26 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from streamgr import hostjit
+from streamgr.kernels import host_loops
 from streamgr.engine.rank import UserSlice
 
 
 def _numpy(monkeypatch, name):
-    monkeypatch.setattr(hostjit, name, None)
+    monkeypatch.setattr(host_loops, name, None)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_pack_rows_compiled_equals_numpy(monkeypatch, seed):
     rng = np.random.default_rng(seed)
-    assert hostjit._pack is not None, "numba should be importable wherever the tests run"
+    assert host_loops._pack is not None, "numba should be importable wherever the tests run"
     for _ in range(40):
         users = [UserSlice(rng.integers(0, 10**6, rng.integers(0, 40)), int(rng.integers(0, 5000)),
                            rng.integers(0, 10**6, rng.integers(0, 260)))
                  for _ in range(int(rng.integers(1, 17)))]
-        got = hostjit.pack_rows(users)
+        got = host_loops.pack_rows(users)
         with monkeypatch.context() as m:
             _numpy(m, "_pack")
-            want = hostjit.pack_rows(users)
+            want = host_loops.pack_rows(users)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
         assert got[2] == want[2] and got[3] == want[3]
         assert got[0].dtype == got[1].dtype == np.int64
@@ -41,10 +41,10 @@ def test_page_slots_compiled_equals_numpy(monkeypatch, seed):
         start = np.minimum(end, rng.integers(0, 3000, n))
         pages = [rng.permutation(10**5)[:-(-int(e) // P)].astype(np.int64) for e in end]
         q0 = np.cumsum(rng.integers(0, 300, n)).astype(np.int64)
-        got = hostjit.page_slots(q0, start, end, pages, P)
+        got = host_loops.page_slots(q0, start, end, pages, P)
         with monkeypatch.context() as m:
             _numpy(m, "_slots")
-            want = hostjit.page_slots(q0, start, end, pages, P)
+            want = host_loops.page_slots(q0, start, end, pages, P)
         for a, b in zip(got, want):
             assert a.dtype == np.int64 and np.array_equal(a, b)
 
@@ -58,8 +58,8 @@ def test_prefix_equal_compiled_equals_numpy(monkeypatch):
         buf[0:2 * n:2], buf[1:2 * n:2] = items[:n], actions[:n]
         if n and rng.random() < 0.5:  # one token differs
             buf[int(rng.integers(0, 2 * n))] += 1
-        got = hostjit.prefix_equal(buf, items, actions, n)
+        got = host_loops.prefix_equal(buf, items, actions, n)
         with monkeypatch.context() as m:
             _numpy(m, "_prefix_equal")
-            want = hostjit.prefix_equal(buf, items, actions, n)
+            want = host_loops.prefix_equal(buf, items, actions, n)
         assert got == want

@@ -13,7 +13,7 @@ import logging
 
 import numpy as np
 
-log = logging.getLogger("streamgr")
+log = logging.getLogger("streamgr.kernels")
 
 
 try:

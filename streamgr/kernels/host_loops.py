@@ -24,7 +24,16 @@ except Exception as err:  # noqa: BLE001 - e.g. a numpy this numba does not supp
 
 
 def _jit_or_none(fn):
-    return njit(cache=True)(fn) if njit is not None else None
+    return cached_njit(fn) if njit is not None else None
+
+
+def cached_njit(fn):
+    """``njit`` with its machine code cached on disk, or without the cache where Numba finds no
+    writable place for it (a read-only install, no writable home): slower starts, same code."""
+    try:
+        return njit(cache=True)(fn)
+    except RuntimeError:  # "cannot cache function ...: no locator available"
+        return njit(fn)
 
 
 @_jit_or_none

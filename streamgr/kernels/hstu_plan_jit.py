@@ -12,15 +12,16 @@ constant is an argument, never a global: a cached compilation must not keep an o
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from .host_loops import cached_njit as njit_cached
 
 
-@njit(cache=True)
+@njit_cached
 def _cdiv(a, b):
     return -(-a // b)
 
 
-@njit(cache=True)
+@njit_cached
 def tiles(q_off, cand, tails, bm, tail, max_rows):
     """Row tiles (user, first row, rows) of every user, and each user's new-token count."""
     U = len(cand)
@@ -49,7 +50,7 @@ def tiles(q_off, cand, tails, bm, tail, max_rows):
     return user, row0, nrows, new
 
 
-@njit(cache=True)
+@njit_cached
 def plan(user, row0, nrows, new, hist, cand_only, heads, sms, force, bn, kc):
     """One plan over the tiles (``cand_only``: those holding a candidate row): (split, items
     [5, n] = user, row0, kt0, kt1, slot; fin [4, tiles] = user, row0, slot0, slots; n_slots).
@@ -117,7 +118,7 @@ def plan(user, row0, nrows, new, hist, cand_only, heads, sms, force, bn, kc):
     return split, items, fin, T
 
 
-@njit(cache=True)
+@njit_cached
 def _put(out, o, row, size, fill):
     """``row`` at ``out[o:]``, then ``fill`` up to ``size`` entries; the next offset."""
     for j in range(len(row)):
@@ -127,7 +128,7 @@ def _put(out, o, row, size, fill):
     return o + size
 
 
-@njit(cache=True)
+@njit_cached
 def pad(items, users, page_ptr, pages, fin, cap_items, cap_users, cap_pages, cap_fin, out):
     """``hstu_plan.pad_plan`` over the same layout: padding items and merge rows belong to the
     empty user (index ``cap_users``), the page table's tail repeats its end."""
@@ -147,7 +148,7 @@ def pad(items, users, page_ptr, pages, fin, cap_items, cap_users, cap_pages, cap
     return o
 
 
-@njit(cache=True)
+@njit_cached
 def all_hold(user, row0, nrows, new):
     """Whether every tile holds a candidate row (then the last layer's plan is the same)."""
     for i in range(len(user)):

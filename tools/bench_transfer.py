@@ -10,7 +10,6 @@ device-to-device copy (bytes read + written). Each path is checked against its r
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -66,8 +65,9 @@ def main() -> int:
     jobs = [("u", list(range(n)), page_ids)]
     ids = torch.tensor(page_ids, device=dev)
 
-    def onload_rate(st) -> float:
+    def onload_rate(st, layer_group: int = 1) -> float:
         pipe = OnloadPipeline(st, streams)
+        pipe.layer_group = layer_group  # (STREAMGR_ONLOAD_LAYERS in the engine)
 
         def once() -> float:
             torch.cuda.synchronize()
@@ -83,16 +83,13 @@ def main() -> int:
         return total / t_on
     onload = onload_rate(stores)
     direct = {}
-    # Pinned in 4 KiB or in 2 MiB pages; one layer of a chunk per copy, or all of its layers
-    # (STREAMGR_ONLOAD_LAYERS, read when the pipeline is made).
+    # Pinned in 4 KiB or in 2 MiB pages; one layer of a chunk per copy, or all of its layers.
     for label, huge, group in (("4k", False, 1), ("huge", True, 1), ("huge, all layers", True, L)):
         pinned_store = KVStores(L, H, D, P, C, pages, n, torch.bfloat16, dev, host_pinned=True,
                                 host_huge_pages=huge)
         pinned_store.host.copy_(stores.host)
         pinned_store.pages.zero_()
-        os.environ["STREAMGR_ONLOAD_LAYERS"] = str(group)
-        direct[label] = onload_rate(pinned_store)
-        os.environ.pop("STREAMGR_ONLOAD_LAYERS")
+        direct[label] = onload_rate(pinned_store, group)
         pinned_store.close()
         del pinned_store
     onload_direct = direct["4k"]

@@ -21,6 +21,7 @@ from ..cache import HistoryStore, KVCacheManager
 from ..cache.store import KVStores
 from ..errors import EngineDead
 from ..kernels.host_loops import page_slots
+from ..kernels.hstu_plan import page_csr
 from ..kernels import paged_kv
 from ..kernels.hstu_attention import JaggedKV, hstu_attention_jagged
 from ..models.hstu import HSTU
@@ -67,16 +68,15 @@ class CachedRankRunner(RankRunner):
     def _descriptor(self, plans, pb) -> tuple[JaggedKV, tuple[np.ndarray, ...]]:
         """Where each user's history keys live, and the page slots its new K/V go to
         (rows of the batch, pages, offsets)."""
-        kept = [b for b, p in enumerate(plans) if not p.transient]
-        app_rows, app_p, app_o = page_slots(
-            np.array([pb.q_offsets[b] for b in kept], dtype=np.int64),
-            np.array([plans[b].start for b in kept], dtype=np.int64),
-            np.array([plans[b].length for b in kept], dtype=np.int64),
-            [plans[b].page_ids for b in kept], self.stores.P)
         desc = JaggedKV(pb.q_offsets, pb.num_candidates, [p.length for p in plans],
                         [not p.transient for p in plans], list(pb.q_offsets[:-1]),
                         [p.page_ids for p in plans], self.stores.P, self.stores.pages)
-        return desc, (app_rows, app_p, app_o)
+        page_ptr, pages = page_csr(desc)  # kept with desc: the attention plans read it too
+        end = np.array([p.length for p in plans], dtype=np.int64)
+        start = np.array([p.length if p.transient else p.start for p in plans], dtype=np.int64)
+        app = page_slots(np.asarray(pb.q_offsets[:-1], dtype=np.int64), start, end, page_ptr,
+                         pages, self.stores.P)  # a transient user appends nothing
+        return desc, app
 
     def submit(self, batch: list[PreparedRank]) -> "InFlight":
         """Plan the batch, queue its onloads and its forward on the device, and queue the
@@ -207,8 +207,8 @@ class CachedRankRunner(RankRunner):
         return scores
 
     def _commit(self) -> None:
-        """Finished batches' K/V into the cache metadata, in the order they finished. A commit that fails gives its batch's pages back and is logged and counted,
-        never raised: its answers were already right, those users miss next time, and the batch
+        """Finished batches' K/V into the cache metadata, in the order they finished. A commit
+        that fails gives its batch's pages back and is logged and counted, never raised: its answers were already right, those users miss next time, and the batch
         being submitted (which may run this) is not failed for it."""
         with self._meta:  # (re-entrant: callers that hold it already may call this)
             self._commit_locked()

@@ -38,9 +38,6 @@ class PreparedRank:
 
 
 def _ids(name: str, value, low: int, high: int) -> np.ndarray:
-    if type(value) is np.ndarray and value.dtype == np.int64 and value.ndim == 1 and low == 0 \
-            and value.size and int(value.view(np.uint64).max()) < high:
-        return value  # the common case (decoded or replayed int64 ids) in one reduction
     try:
         arr = np.asarray(value)
     except Exception:

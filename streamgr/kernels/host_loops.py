@@ -134,24 +134,18 @@ def pack_rows(users) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
     return packed, cand_rows, q_offsets, hist
 
 
-def page_slots(q0: np.ndarray, start: np.ndarray, end: np.ndarray,
-               page_ids: list[np.ndarray], P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For tokens ``[start[b], end[b])`` of user ``b`` (pages ``page_ids[b]``, ``P`` tokens
-    each), living in batch rows from ``q0[b]``: (rows, page ids, in-page offsets)."""
-    if not len(q0):
-        e = np.zeros(0, np.int64)
-        return e, e, e
+def page_slots(q0: np.ndarray, start: np.ndarray, end: np.ndarray, page_ptr: np.ndarray,
+               pages: np.ndarray, P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For tokens ``[start[b], end[b])`` of user ``b`` (its pages ``pages[page_ptr[b]:]``, the
+    batch's CSR page table, ``P`` tokens each), living in batch rows from ``q0[b]``: (rows,
+    page ids, in-page offsets)."""
     if _slots is not None:
-        ptr = np.zeros(len(page_ids) + 1, dtype=np.int64)
-        np.cumsum([len(p) for p in page_ids], out=ptr[1:])
-        flat = np.concatenate(page_ids).astype(np.int64, copy=False) if ptr[-1] else \
-            np.zeros(1, np.int64)
-        return _slots(q0, start, end, ptr, flat, P)
-    rows, page, off = [], [], []
+        return _slots(q0, start, end, page_ptr, pages, P)
+    rows, page, off = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
     for b in range(len(q0)):
         pos = np.arange(start[b], end[b])
         rows.append(q0[b] + pos - start[b])
-        page.append(np.asarray(page_ids[b], dtype=np.int64)[pos // P])
+        page.append(pages[page_ptr[b] + pos // P])
         off.append(pos % P)
     return np.concatenate(rows), np.concatenate(page), np.concatenate(off)
 
@@ -159,13 +153,11 @@ def page_slots(q0: np.ndarray, start: np.ndarray, end: np.ndarray,
 def warm() -> None:
     """Compile the loops now (a few seconds the first time; Numba caches them on disk), not in
     a first batch."""
-    e = np.zeros(0, np.int64)
     buf = np.zeros(4, np.int64)
     prefix_equal(buf, buf[:2], buf[:2], 2)
     pack_rows([_Slice(np.arange(2, dtype=np.int64), 1, np.arange(1, dtype=np.int64))])
     page_slots(np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones(1, np.int64),
-               [np.zeros(1, np.int64)], 4)
-    page_slots(e, e, e, [], 4)
+               np.array([0, 1], np.int64), np.zeros(1, np.int64), 4)
 
 
 class _Slice:  # the fields of engine.rank.UserSlice that pack_rows reads

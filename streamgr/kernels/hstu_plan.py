@@ -98,7 +98,15 @@ class HostPlan:
 
 def page_csr(desc) -> tuple[np.ndarray, np.ndarray]:
     """The batch's page table as CSR: ``page_ptr`` [users + 1] and the flat page ids (one dummy
-    entry when no user is paged, so the device array is never empty)."""
+    entry when no user is paged, so the device array is never empty). Built once per batch
+    (kept with ``desc``): the runner's page slots and the attention plans both read it."""
+    csr = desc._cache.get("csr")
+    if csr is None:
+        csr = desc._cache["csr"] = _page_csr(desc)
+    return csr
+
+
+def _page_csr(desc) -> tuple[np.ndarray, np.ndarray]:
     page_ptr = np.zeros(len(desc.pages) + 1, dtype=np.int64)
     page_ptr[1:] = np.cumsum([len(p) if f else 0 for p, f in zip(desc.pages, desc.paged)])
     n = int(page_ptr[-1])
@@ -178,7 +186,7 @@ class _JitTiles:
         self.max_rows = SR if tails else BM
         self.user, self.row0, self.nrows, self.new = jit.tiles(
             self.q_off, self.cand, tails, BM, TAIL, self.max_rows)
-        self.shared = None  # (users, page_ptr, pages): once for both plans
+        self.users = None  # the per-user arrays, once for both plans
 
     def all_hold_candidates(self) -> bool:
         return bool(_jit().all_hold(self.user, self.row0, self.nrows, self.new))
@@ -187,11 +195,10 @@ class _JitTiles:
         f = -1 if force is None else int(force == "split")
         split, items, fin, n_slots = _jit().plan(self.user, self.row0, self.nrows, self.new,
                                                  self.hist, cand_only, heads, sms, f, BN, KC)
-        if self.shared is None:
-            self.shared = (_users(desc, self.q_off, self.hist, self.new, self.cand),
-                           *page_csr(desc))
-        users, page_ptr, pages = self.shared
-        return HostPlan(bool(split), items, users, page_ptr, pages, fin, int(n_slots),
+        if self.users is None:
+            self.users = _users(desc, self.q_off, self.hist, self.new, self.cand)
+        page_ptr, pages = page_csr(desc)
+        return HostPlan(bool(split), items, self.users, page_ptr, pages, fin, int(n_slots),
                         self.max_rows)
 
 
@@ -213,7 +220,6 @@ class _Tiles:
         left = rows[self.user] - self.row0
         # the kernels' rule (tile_rows, hstu_slots.cuh)
         self.nrows = np.where(left <= self.max_rows, left, BM)
-        self.csr: tuple[np.ndarray, np.ndarray] | None = None  # page_csr, once for both plans
 
     def with_candidates(self) -> np.ndarray:
         return self.row0 + self.nrows > self.new[self.user]
@@ -251,9 +257,7 @@ class _Tiles:
             slot = item_tile.copy()
             fin = [user, row0, np.arange(len(n_kt)), (n_kt > 0).astype(np.int64)]
             n_slots = len(n_kt)
-        if self.csr is None:
-            self.csr = page_csr(desc)
-        page_ptr, flat = self.csr
+        page_ptr, flat = page_csr(desc)
         return HostPlan(split, np.stack([user[item_tile], row0[item_tile], kt0, kt1, slot]),
                         _users(desc, self.q_off, hist, new, self.cand), page_ptr, flat,
                         np.stack(fin), n_slots, self.max_rows)

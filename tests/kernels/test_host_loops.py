@@ -39,12 +39,15 @@ def test_page_slots_compiled_equals_numpy(monkeypatch, seed):
         P = int(rng.choice([1, 4, 32]))
         end = rng.integers(0, 3000, n)
         start = np.minimum(end, rng.integers(0, 3000, n))
-        pages = [rng.permutation(10**5)[:-(-int(e) // P)].astype(np.int64) for e in end]
+        per_user = [rng.permutation(10**5)[:-(-int(e) // P)].astype(np.int64) for e in end]
+        ptr = np.zeros(n + 1, np.int64)
+        np.cumsum([len(p) for p in per_user], out=ptr[1:])
+        pages = np.concatenate(per_user + [np.zeros(1, np.int64)])  # (never empty, as page_csr)
         q0 = np.cumsum(rng.integers(0, 300, n)).astype(np.int64)
-        got = host_loops.page_slots(q0, start, end, pages, P)
+        got = host_loops.page_slots(q0, start, end, ptr, pages, P)
         with monkeypatch.context() as m:
             _numpy(m, "_slots")
-            want = host_loops.page_slots(q0, start, end, pages, P)
+            want = host_loops.page_slots(q0, start, end, ptr, pages, P)
         for a, b in zip(got, want):
             assert a.dtype == np.int64 and np.array_equal(a, b)
 

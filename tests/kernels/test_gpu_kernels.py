@@ -162,9 +162,10 @@ def strided(q, k, v):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_hstu_attention_random_jagged(seed, hstu_kernel):
-    """Random batches (1-16 users, histories up to 20,000, pages partly filled, zero new tokens,
-    one candidate): split and direct plans within tolerance of the reference and equal to each
-    other bit for bit (a cached batch must equal its recompute), strided inputs read in place."""
+    """Random batches (1-16 users, histories up to 20,000, pages of 1-128 keys partly filled,
+    zero new tokens, one candidate): split and direct plans within tolerance of the reference
+    and equal to each other bit for bit (a cached batch must equal its recompute), strided
+    inputs read in place."""
     rng = np.random.default_rng(seed + 100 * int(torch.randint(0, 1000, ()).item()))
     D = [32, 64, 128][seed % 3]
     users = []
@@ -175,7 +176,7 @@ def test_hstu_attention_random_jagged(seed, hstu_kernel):
         users.append((hist, new, int(rng.choice([0, 1, int(rng.integers(1, 300))])), paged))
     if all(h + c == 0 for h, _, c, _ in users):
         users.append((3, 3, 1, False))
-    P = int(rng.choice([16, 32]))
+    P = int(rng.choice([1, 4, 16, 24, 32, 128]))  # page index by shift (powers of two) or division
     q, k, v, desc = attention_case(users, H=2, D=D, P=P, seed=seed)
     try:  # a random case that fails names itself (to be replayed)
         outs = [check_attention(*strided(q, k, v), desc, D, plan) for plan in ("split", "direct")]

@@ -11,11 +11,12 @@ their parent beam, child node and code; ranks at or past a request's own width `
 
 Kernels (Numba CUDA, on torch's stream, captured inside the decode plans' CUDA graphs):
 every candidate is a 64-bit key ``order(score) << 32 | ~c`` (unique, so no ties are left to
-break), computed where it is needed and never stored for the whole grid. A request of at most
-``S`` candidates is one block: its keys in shared memory, a radix select (8-bit digits from the
-top, stopping as soon as a digit settles the set), a bitonic sort of the ``k`` and their decode.
-A longer one (a 2M-candidate row) takes two grid-wide radix passes of ``DIGIT``-bit digits, as
-AIR top-k does: a histogram of the keys' top digit; then every block finds the digit that
+break). A request of at most ``S`` candidates is one block: its keys in shared memory, a radix
+select (8-bit digits from the top, stopping as soon as a digit settles the set), a bitonic sort
+of the ``k`` and their decode. Up to ``MID`` candidates (``trie_topk_block``): every key written
+to a buffer by a grid of one thread per candidate, then one block per request selects, sorts
+and decodes from it. A longer one (a 2M-candidate row) takes two grid-wide radix passes of
+``DIGIT``-bit digits, as AIR top-k does, computing keys where needed: a histogram of the keys' top digit; then every block finds the digit that
 holds the k-th key, sends the keys above it to the result and those in it to a buffer, with a
 histogram of their next digit; the buffer is split the same way; a last block per request
 selects the rest from the few keys left tied and sorts and decodes the ``k``. Four launches
@@ -41,6 +42,10 @@ SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 # block of a grid pass; the most tied keys the last pass selects from in shared memory. Small
 # under the simulator, so its tests run every pass (and the overflow paths) on small inputs.
 TPB, S, DIGIT, CH, TS = (32, 64, 5, 64, 64) if SIMULATED else (256, 4096, 11, 4096, 2048)
+# The most candidates per request that one block selects from a key buffer (trie_topk_block);
+# the grid passes take longer requests.
+# STREAMGR_SELECTION_MID overrides it for A/B benchmarks (S or less: that path off).
+MID = 256 if SIMULATED else int(os.environ.get("STREAMGR_SELECTION_MID", 1 << 14))
 MAX_K = 1024
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from numba import cuda, float32, int32, int64, uint64
 
-from .trie_topk import CH, DIGIT, MAX_K, S, SIMULATED, TPB, TS
+from .trie_topk import CH, DIGIT, MAX_K, MID, S, SIMULATED, TPB, TS
 
 LOW = np.uint64(0xFFFFFFFF)
 TOP_BIT = np.uint64(0x80000000)
@@ -158,13 +158,15 @@ def _select(keys, cnt, k, out, base):
 def _emit(srt, k, KP, r, F, B, scores, nodes, logp, ptr, codes, off, cap, top, parent, child,
           code):
     """Sort ``srt[:KP]`` (shared; zeros past k) descending (bitonic), then decode the first
-    ``k``: their scores (recomputed, the same fp32 add), parent beams, child nodes, codes."""
+    ``k``: their scores (recomputed, the same fp32 add), parent beams, child nodes, codes.
+    Any block size (the grid passes' last block and the one-block select differ)."""
     tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
     size = 2
     while size <= KP:
         stride = size // 2
         while stride > 0:
-            for i in range(tid, KP, TPB):
+            for i in range(tid, KP, nt):
                 j = i ^ stride
                 if j > i:
                     a = srt[i]
@@ -176,7 +178,7 @@ def _emit(srt, k, KP, r, F, B, scores, nodes, logp, ptr, codes, off, cap, top, p
             cuda.syncthreads()
             stride //= 2
         size *= 2
-    for i in range(tid, k, TPB):
+    for i in range(tid, k, nt):
         c = int64(LOW ^ (srt[i] & LOW))
         val, ch, cd = _score(r, c, F, B, scores, nodes, logp, ptr, codes, off)
         top[r, i] = val if i < cap[r] else NEG_INF
@@ -349,6 +351,12 @@ def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
     KP = 1 << max(0, (k - 1).bit_length())
     if N <= S:
         launch(_small, (R,))(N, k, KP, F, B, sc, nd, lp, *trie, *outs)
+        return top, parent, child, code
+    if N <= MID:  # one block per request over a key buffer (trie_topk_block)
+        from .trie_topk_block import run_block
+        launch3 = (lambda fn, grid, threads: fn[grid, threads]) if SIMULATED else \
+            (lambda fn, grid, threads: fn[grid, threads, stream])
+        run_block(launch3, N, k, KP, F, B, sc, nd, lp, trie, outs, R, dev, a, TPB)
         return top, parent, child, code
     ws = torch.zeros(R, W_LEN, dtype=torch.int32, device=dev)
     sure = torch.empty(R, k, dtype=torch.uint64, device=dev)

@@ -95,13 +95,16 @@ SIM = textwrap.dedent("""
 
 def test_numba_kernels_under_the_simulator():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    # (seed, ties, beams, fan-out range, k): one block (beams x F <= the simulator's 64);
-    # the grid passes (far over it); ties; k = 1; dead beams in every case; k reaching into
-    # the -inf slots, so that more keys stay tied than the last block holds (its select from
-    # global memory); every candidate wanted (a digit that settles the set at once).
+    # (seed, ties, beams, fan-out range, k): one block in shared memory (beams x F <= the
+    # simulator's S = 64); one block per request over a key buffer (64 < beams x F <= MID =
+    # 256: cases 3, 6, 7, 9); the grid passes (over MID: cases 2, 8); ties; k = 1; dead beams
+    # in every case; k reaching into the -inf slots, so that more keys stay tied than the last
+    # block holds (its select from global memory); every candidate wanted (a digit that
+    # settles the set at once).
     cases = [(0, False, 3, (1, 5), 4), (1, True, 6, (2, 8), 8), (2, False, 40, (4, 12), 16),
              (3, True, 25, (1, 9), 16), (4, False, 9, (0, 3), 1), (5, False, 1, (6, 6), 6),
-             (6, True, 16, (4, 10), 110), (7, False, 30, (3, 3), 90)]
+             (6, True, 16, (4, 10), 110), (7, False, 30, (3, 3), 90),
+             (8, True, 60, (4, 10), 100), (9, False, 20, (5, 10), 1)]
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     p = subprocess.run([sys.executable, "-c", SIM.format(root=root, cases=cases)], env=env,
                        capture_output=True, text=True, timeout=600, cwd=root)

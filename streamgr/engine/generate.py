@@ -230,12 +230,16 @@ class GenerateRunner:
         if self.previous is slot:
             self.previous = None
         src = new.model.state_dict()
-        with torch.no_grad():
-            for key, dst in slot.model.state_dict().items():
-                dst.copy_(src[key], non_blocking=True)
-        # The source tensors stay alive until the next refit (long after the queued copies ran):
-        # freed now, their memory could be handed to work on another stream before the copies.
-        self._refit_source = new.model
+        dst = slot.model.state_dict()
+        srcs = [src[key] for key in dst]
+        with torch.no_grad():  # one multi-tensor launch, not one per parameter (~200)
+            torch._foreach_copy_(list(dst.values()), srcs, non_blocking=True)
+        # The new weights were made on a build stream (streams.off_stream): their memory must
+        # not go back to that stream's pool before the copies queued here have read it.
+        for t in srcs:
+            if t.is_cuda:
+                t.record_stream(torch.cuda.current_stream(t.device))
+        self._refit_source = new.model  # kept until the next refit, as a second guard
         slot.name, slot.weights, slot.contract = new.name, new.weights, new.contract
         self.refits_in_place += 1
         self.activate(slot, keep_previous)

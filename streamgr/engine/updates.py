@@ -32,6 +32,7 @@ import msgspec
 
 from ..errors import ContractError, StreamgrError, UnsupportedRequest
 from ..selection.vocabulary import Catalog, CatalogDelta, apply_delta, load_catalog
+from ..streams import off_stream
 from .generate import MAX_BEAM
 
 Target = Literal["auto", "rank", "generate"]
@@ -103,6 +104,12 @@ class Updates:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    async def _off_executor(self, fn, *args):
+        """``fn`` on a worker thread with its device work on a stream of its own (see
+        ``streams.off_stream``), beside the batches the executor keeps running."""
+        return await asyncio.get_running_loop().run_in_executor(
+            None, off_stream, self._build.device, fn, *args)
+
     async def update(self, weights=None, catalog=None, policy=None, *, target: Target = "auto",
                      keep_previous: bool = True) -> dict[str, Any]:
         """Prepare, check and cut over to a new version (see the module docstring).
@@ -113,7 +120,6 @@ class Updates:
             raise StreamgrError("update: give weights, catalog or policy")
         which = self._target(target, weights is None)
         async with self._updating:
-            loop = asyncio.get_running_loop()
             if which == "rank":
                 if catalog is not None or policy is not None:
                     raise UnsupportedRequest("rank takes new weights only")
@@ -126,23 +132,23 @@ class Updates:
                     # A weights refit: the new weights only (no version build), written into
                     # a retired version's tensors, whose decode plans stay valid; only shapes
                     # it never captured are captured (worker thread).
-                    new = await loop.run_in_executor(None, self._build_weights, weights, slot)
+                    new = await self._off_executor(self._build_weights, weights, slot)
                     have = set(slot.plan_keys())
                     missing = [k for k in keys if k not in have]
                     if missing:
-                        await loop.run_in_executor(None, slot.warm_up, missing)
+                        await self._off_executor(slot.warm_up, missing)
                     await self._on_executor(runner.refit, slot, new, keep_previous)
                     self.metrics.count("generate_refits_in_place")
                 else:
-                    new = await loop.run_in_executor(None, self._build_generate, weights,
-                                                     catalog, policy)
+                    new = await self._off_executor(self._build_generate, weights, catalog,
+                                                   policy)
                     # Its plans before it serves: the shapes the traffic uses (or the
                     # defaults), captured on a worker thread while the executor keeps serving.
                     # A capture is thread-local (plans.py) into the new version's own memory
                     # pool, so the executor's replays go on beside it; on the executor, each
                     # capture (an eager search, then the graph) stalled every queued request
                     # (the p99 under updates: docs/benchmarks.md).
-                    await loop.run_in_executor(None, new.warm_up, keys or None)
+                    await self._off_executor(new.warm_up, keys or None)
                     await self._on_executor(runner.activate, new, keep_previous)
             self.metrics.count(f"{which}_updates")
         return self.versions()
@@ -199,8 +205,7 @@ class Updates:
 
     async def _update_rank(self, weights, keep_previous: bool) -> None:
         new_spec = _weights_spec(self.spec.model, weights)
-        loop = asyncio.get_running_loop()
-        model, version = await loop.run_in_executor(None, self._build.ranker, new_spec)
+        model, version = await self._off_executor(self._build.ranker, new_spec)
         if model.cfg != self.runner.model.cfg:
             raise ContractError(f"model: new weights have architecture {model.cfg}, the engine "
                                 f"serves {self.runner.model.cfg}")

@@ -8,8 +8,8 @@ Imports kernels; must not import engine, protocol or server code.
 from .null import NullOffload, NullOnload
 from .offload import OffloadDone, OffloadPipeline
 from .onload import OnloadPipeline
-from .streams import LayerOnloadHandles, OnloadFault, StreamSet
+from .streams import LayerOnloadHandles, OnloadFault, StreamSet, off_stream
 
 __all__ = ["StreamSet", "LayerOnloadHandles", "OnloadFault", "OnloadPipeline", "OffloadPipeline",
            "OffloadDone",
-           "NullOnload", "NullOffload"]
+           "NullOnload", "NullOffload", "off_stream"]

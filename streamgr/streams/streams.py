@@ -82,6 +82,22 @@ def threaded_transfers(streams: "StreamSet") -> bool:
     return streams.cuda if flag not in ("0", "1") else flag == "1"
 
 
+def off_stream(device, fn, *args):
+    """``fn(*args)`` with its device work on a side stream of its own, finished before this
+    returns: for builds on a worker thread beside serving (a live update's weights moved to
+    the GPU, a trie's tables, its plans' warm-up searches). On the legacy default stream, which
+    the executor's batches use, each of those copies (hundreds of MB, pageable) and searches
+    would queue between two batches and hold up every request behind them.
+    ``STREAMGR_BUILD_STREAM=0`` keeps them on the default stream (A/B benchmarks)."""
+    if getattr(device, "type", "cpu") != "cuda" or os.environ.get("STREAMGR_BUILD_STREAM") == "0":
+        return fn(*args)
+    side = torch.cuda.Stream(device=device)
+    with torch.cuda.stream(side):
+        out = fn(*args)
+    side.synchronize()  # this (worker) thread waits; the batches' stream never does
+    return out
+
+
 # How long the compute thread waits for a layer's onload copies to be issued, and a failed batch
 # for its onload thread to stop, before calling the transfer hung (read at call time).
 TRANSFER_TIMEOUT_S = 60.0

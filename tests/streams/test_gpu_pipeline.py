@@ -41,3 +41,33 @@ def test_layer0_computes_while_deep_layers_onload():
     assert t_layer0 < t_last_landed, (t_layer0, t_last_landed)
     want = run_batch(eng["recompute"], [again])
     np.testing.assert_allclose(got[0][0], want[0][0], rtol=0.05, atol=0.05)
+
+
+def test_off_stream_leaves_the_batches_stream_alone():
+    """A build on a worker thread (streams.off_stream) neither waits for the batches' stream nor
+    queues on it: with that stream busy for ~1 s, the build's device work runs and finishes,
+    and the caller's stream is current again afterwards."""
+    from streamgr.streams import off_stream
+    dev = torch.device("cuda")
+    batches = torch.cuda.current_stream(dev)
+    seen = {}
+
+    def build():
+        seen["stream"] = torch.cuda.current_stream(dev)
+        w = torch.arange(1 << 20, dtype=torch.float32).to(dev)  # a weights-like copy
+        seen["done"] = torch.cuda.Event()
+        seen["done"].record()
+        return w * 2
+
+    # Once first: a kernel's first launch in a process loads its module (CUDA lazy loading),
+    # which may wait for the whole device; a serving engine has loaded these long before.
+    off_stream(dev, build)
+    torch.cuda._sleep(int(2e9))  # ~1 s of a busy batches' stream (cycles)
+    busy = torch.cuda.Event()
+    busy.record(batches)
+    out = off_stream(dev, build)
+    assert seen["stream"] != batches
+    assert seen["done"].query() and not busy.query()  # finished, beside the busy stream
+    assert torch.cuda.current_stream(dev) == batches
+    assert float(out[-1]) == 2.0 * ((1 << 20) - 1)
+    busy.synchronize()

@@ -1,6 +1,7 @@
 """The onload/offload pipelines on their threads, on the CPU (STREAMGR_THREADED_TRANSFERS=1: the
 path CUDA takes, with streams and events as no-ops): cached scores still equal recompute's,
-transfers really ran on the pipelines' threads, and an injected onload fault still falls back."""
+transfers really ran on the pipelines' threads, and an injected onload fault still falls back.
+Also ``streams.off_stream`` on the CPU (the builds of live updates): just the call."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from tests.cache.helpers import run_batch, runners
 from tests.cache.test_pipeline_faults import workload
@@ -110,3 +112,8 @@ def test_onload_layer_group_knob_says_what_it_expects(monkeypatch):
             onload_layer_group(8)
     monkeypatch.setenv("STREAMGR_ONLOAD_LAYERS", "8")
     assert onload_layer_group(8) == 8
+
+
+def test_off_stream_on_the_cpu_just_runs():
+    from streamgr.streams import off_stream
+    assert off_stream(torch.device("cpu"), lambda a, b: a + b, 2, 3) == 5

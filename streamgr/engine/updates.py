@@ -25,10 +25,6 @@ view. Here:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import sys
-import threading
 from pathlib import Path
 from typing import Any, Literal
 
@@ -84,35 +80,6 @@ def same_contract(old: dict, new: dict) -> None:
                                     f"serves {value!r}")
 
 
-_SWITCH = {"holders": 0, "saved": None}
-_SWITCH_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def short_gil_slices():
-    """While an update builds on a worker thread: the interpreter's thread switch interval
-    cut to ``STREAMGR_UPDATE_SWITCH_MS`` (0: left alone). A build's Python work (modules, the
-    contract check, the trie) otherwise holds the GIL for up to the default 5 ms at a time,
-    and the event loop and executor threads, which serve, wait for it (a p99 term of a refit
-    phase). Process-wide, so counted (engines in one process may update at once)."""
-    ms = float(os.environ.get("STREAMGR_UPDATE_SWITCH_MS", "0") or 0)
-    if ms <= 0:
-        yield
-        return
-    with _SWITCH_LOCK:
-        if _SWITCH["holders"] == 0:
-            _SWITCH["saved"] = sys.getswitchinterval()
-        _SWITCH["holders"] += 1
-        sys.setswitchinterval(min(ms / 1e3, _SWITCH["saved"]))
-    try:
-        yield
-    finally:
-        with _SWITCH_LOCK:
-            _SWITCH["holders"] -= 1
-            if _SWITCH["holders"] == 0:
-                sys.setswitchinterval(_SWITCH["saved"])
-
-
 class Updates:
     """Mixed into ``Engine``: ``update``, ``rollback``, ``versions`` (and ``update_weights``)."""
 
@@ -153,42 +120,38 @@ class Updates:
             raise StreamgrError("update: give weights, catalog or policy")
         which = self._target(target, weights is None)
         async with self._updating:
-            with short_gil_slices():
-                await self._update(which, weights, catalog, policy, keep_previous)
+            if which == "rank":
+                if catalog is not None or policy is not None:
+                    raise UnsupportedRequest("rank takes new weights only")
+                await self._update_rank(weights, keep_previous)
+            else:
+                runner = self.gen_runner
+                keys = runner.active.plan_keys()
+                slot = runner.refit_slot() if catalog is None and policy is None else None
+                if slot is not None:
+                    # A weights refit: the new weights only (no version build), written into
+                    # a retired version's tensors, whose decode plans stay valid; only shapes
+                    # it never captured are captured (worker thread).
+                    new = await self._off_executor(self._build_weights, weights, slot)
+                    have = set(slot.plan_keys())
+                    missing = [k for k in keys if k not in have]
+                    if missing:
+                        await self._off_executor(slot.warm_up, missing)
+                    await self._on_executor(runner.refit, slot, new, keep_previous)
+                    self.metrics.count("generate_refits_in_place")
+                else:
+                    new = await self._off_executor(self._build_generate, weights, catalog,
+                                                   policy)
+                    # Its plans before it serves: the shapes the traffic uses (or the
+                    # defaults), captured on a worker thread while the executor keeps serving.
+                    # A capture is thread-local (plans.py) into the new version's own memory
+                    # pool, so the executor's replays go on beside it; on the executor, each
+                    # capture (an eager search, then the graph) stalled every queued request
+                    # (the p99 under updates: docs/benchmarks.md).
+                    await self._off_executor(new.warm_up, keys or None)
+                    await self._on_executor(runner.activate, new, keep_previous)
             self.metrics.count(f"{which}_updates")
         return self.versions()
-
-    async def _update(self, which, weights, catalog, policy, keep_previous) -> None:
-        if which == "rank":
-            if catalog is not None or policy is not None:
-                raise UnsupportedRequest("rank takes new weights only")
-            await self._update_rank(weights, keep_previous)
-        else:
-            runner = self.gen_runner
-            keys = runner.active.plan_keys()
-            slot = runner.refit_slot() if catalog is None and policy is None else None
-            if slot is not None:
-                # A weights refit: the new weights only (no version build), written into
-                # a retired version's tensors, whose decode plans stay valid; only shapes
-                # it never captured are captured (worker thread).
-                new = await self._off_executor(self._build_weights, weights, slot)
-                have = set(slot.plan_keys())
-                missing = [k for k in keys if k not in have]
-                if missing:
-                    await self._off_executor(slot.warm_up, missing)
-                await self._on_executor(runner.refit, slot, new, keep_previous)
-                self.metrics.count("generate_refits_in_place")
-            else:
-                new = await self._off_executor(self._build_generate, weights, catalog,
-                                               policy)
-                # Its plans before it serves: the shapes the traffic uses (or the
-                # defaults), captured on a worker thread while the executor keeps serving.
-                # A capture is thread-local (plans.py) into the new version's own memory
-                # pool, so the executor's replays go on beside it; on the executor, each
-                # capture (an eager search, then the graph) stalled every queued request
-                # (the p99 under updates: docs/benchmarks.md).
-                await self._off_executor(new.warm_up, keys or None)
-                await self._on_executor(runner.activate, new, keep_previous)
 
     def _build_weights(self, weights, slot):
         """New weights of the active version's catalog and policy, for a refit into ``slot``:

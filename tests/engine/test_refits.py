@@ -133,22 +133,3 @@ async def test_a_spare_with_rollback_kept():
         assert _items(await answers(eng, reqs)) == await _fresh(72, reqs)
         await eng.rollback()
         assert _items(await answers(eng, reqs)) == base
-
-
-def test_short_gil_slices_while_updating(monkeypatch):
-    """STREAMGR_UPDATE_SWITCH_MS shortens the interpreter's switch interval while updates
-    build (nested holders counted), and the interval returns afterwards; 0 leaves it alone."""
-    import sys
-
-    from streamgr.engine.updates import short_gil_slices
-    before = sys.getswitchinterval()
-    monkeypatch.setenv("STREAMGR_UPDATE_SWITCH_MS", "0.5")
-    with short_gil_slices():
-        assert sys.getswitchinterval() == 0.0005
-        with short_gil_slices():
-            assert sys.getswitchinterval() == 0.0005
-        assert sys.getswitchinterval() == 0.0005  # the outer holder still builds
-    assert sys.getswitchinterval() == before
-    monkeypatch.setenv("STREAMGR_UPDATE_SWITCH_MS", "0")
-    with short_gil_slices():
-        assert sys.getswitchinterval() == before

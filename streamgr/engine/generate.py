@@ -66,6 +66,9 @@ class GenerateVersion:
         self.name, self.model, self.weights = name, model, weights
         self.catalog, self.catalog_name, self.trie = catalog, catalog_name, trie
         self.policy, self.policy_name, self.contract = policy, policy_name, contract
+        # Device tables of its own (host arrays shared): a later catalog may be written into
+        # them in place (GenerateRunner.refit) without touching another version's.
+        trie = self.trie = trie.view()
         # The longest encoder context the policy allows (SID tokens of every item, then EOS).
         self.max_context = max(policy.max_context_items * trie.depth + int(policy.append_eos), 1)
         plans = None
@@ -73,13 +76,13 @@ class GenerateVersion:
             plans = PlanCache(spec.engine.max_batch, spec.engine.decode_plans,
                               max_length=self.max_context)
         self.search = BeamSearch(model, trie, spec.catalog.sid_policy, plans)
-        # Item id -> its SID tokens: a row of the sorted catalog ids (a table when dense).
-        ids = trie.leaf_items
-        order = np.argsort(ids, kind="stable")
-        self.item_ids = ids[order]
-        self.index = ItemIndex(self.item_ids)
-        leaf_of_item = np.repeat(np.arange(len(trie.leaf_ptr) - 1), np.diff(trie.leaf_ptr))
-        self._tokens = (trie.leaf_sids[leaf_of_item] + np.asarray(trie.level_offset))[order]
+        self.item_ids, self.index, self._tokens = catalog_views(trie)
+
+    def adopt_catalog(self, catalog, catalog_name: str, trie, views) -> None:
+        """A catalog whose device tables were just written into this version's (``refit``)."""
+        self.catalog, self.catalog_name, self.trie = catalog, catalog_name, trie
+        self.search.trie = trie
+        self.item_ids, self.index, self._tokens = views
 
     def describe(self) -> dict:
         return {"version": self.name, "weights": self.weights, "catalog": self.catalog_name,
@@ -155,6 +158,32 @@ class GenerateVersion:
             self.search.run([BeamRequest(ctx, 1, list(self.policy.beam_widths))] * rows)
 
 
+def catalog_views(trie) -> tuple:
+    """(sorted item ids, their index, each item's SID tokens): what requests are prepared with
+    (item id -> a row of the sorted ids, through a table when dense)."""
+    ids = trie.leaf_items
+    order = np.argsort(ids, kind="stable")
+    item_ids = ids[order]
+    leaf_of_item = np.repeat(np.arange(len(trie.leaf_ptr) - 1), np.diff(trie.leaf_ptr))
+    tokens = (trie.leaf_sids[leaf_of_item] + np.asarray(trie.level_offset))[order]
+    return item_ids, ItemIndex(item_ids), tokens
+
+
+@dataclass
+class CatalogRefit:
+    """What a catalog update in place brings (``GenerateRunner.refit``): the catalog, its trie
+    (tables not yet on the device), the views requests are prepared with, the tables staged on
+    the device (None on the CPU: copied from the host), and a version name and contract."""
+
+    name: str
+    catalog: object
+    catalog_name: str
+    trie: object
+    views: tuple
+    staged: list | None
+    contract: dict
+
+
 @dataclass
 class WeightsOnly:
     """What a weights refit in place brings (``GenerateRunner.refit``): the version name, the
@@ -204,43 +233,69 @@ class GenerateRunner:
         if self.spare is version or self.spare is self.previous:
             self.spare = None
 
-    def refit_slot(self) -> GenerateVersion | None:
-        """A retired version whose storage can take new weights of the active version's
-        catalog and policy: the one a ``keep_previous=False`` update drops anyway (the spare,
-        or the previous it replaces), sharing the active version's trie and policy. Its decode
-        plans read its own tensors, so writing new weights into them keeps the plans valid: a
-        weights refit then builds no version and captures nothing (captures and version builds
-        beside live traffic cost p99)."""
+    def refit_slot(self, trie=None) -> GenerateVersion | None:
+        """A retired version whose storage can take the next version in place: the one a
+        ``keep_previous=False`` update drops anyway (the spare, or the previous it replaces),
+        with the active policy, and either the catalog the update brings (``trie``; None: the
+        active one) or tables it fits into. Its decode plans read its own tensors, so writing
+        the new weights and tables into them keeps the plans valid: the update then builds no
+        version and captures nothing (captures and version builds beside live traffic cost
+        p99)."""
         a = self.active
+        target = trie if trie is not None else a.trie
         for v in (self.spare, self.previous):
-            if v is not None and v is not a and v.trie is a.trie and v.policy == a.policy \
-                    and v.policy_name == a.policy_name and v.catalog_name == a.catalog_name:
+            if v is not None and v is not a and v.policy == a.policy \
+                    and v.policy_name == a.policy_name \
+                    and (v.trie.same_catalog(target) or target.fits(v.trie)):
                 return v
         return None
 
-    def refit(self, slot: GenerateVersion, new: WeightsOnly, keep_previous: bool) -> None:
-        """Executor thread, between batches: ``new``'s weights into ``slot``'s tensors, then
-        ``slot`` (renamed ``new``'s) becomes active. The copies are queued on the stream every
-        batch is, after all of them, so a batch still running on ``slot`` reads its old weights
-        to the end; its answers keep the name it was submitted under."""
+    def refit(self, slot: GenerateVersion, new: WeightsOnly | None, keep_previous: bool,
+              cat: CatalogRefit | None = None) -> None:
+        """Executor thread, between batches: into ``slot``'s tensors, the new weights (``new``;
+        None: the active ones, where the slot's differ) and catalog tables (``cat``; None: the
+        active catalog, where the slot's differs), then ``slot`` becomes active under the new
+        name. The copies are queued on the stream every batch is, after all of them, so a batch
+        still running on ``slot`` reads its old state to the end; its answers keep the name it
+        was submitted under."""
         # Out of reach first: a copy that failed half-way must not leave a rollback target
         # with mixed weights.
         if self.spare is slot:
             self.spare = None
         if self.previous is slot:
             self.previous = None
-        src = new.model.state_dict()
-        dst = slot.model.state_dict()
-        srcs = [src[key] for key in dst]
-        with torch.no_grad():  # one multi-tensor launch, not one per parameter (~200)
-            torch._foreach_copy_(list(dst.values()), srcs, non_blocking=True)
-        # The new weights were made on a build stream (streams.off_stream): their memory must
-        # not go back to that stream's pool before the copies queued here have read it.
-        for t in srcs:
-            if t.is_cuda:
-                t.record_stream(torch.cuda.current_stream(t.device))
-        self._refit_source = new.model  # kept until the next refit, as a second guard
-        slot.name, slot.weights, slot.contract = new.name, new.weights, new.contract
+        a = self.active
+        if new is not None or slot.weights != a.weights:
+            src = (new.model if new is not None else a.model).state_dict()
+            dst = slot.model.state_dict()
+            srcs = [src[key] for key in dst]
+            with torch.no_grad():  # one multi-tensor launch, not one per parameter (~200)
+                torch._foreach_copy_(list(dst.values()), srcs, non_blocking=True)
+            if new is not None:
+                # Made on a build stream (streams.off_stream): their memory must not go back
+                # to that stream's pool before the copies queued here have read it.
+                for t in srcs:
+                    if t.is_cuda:
+                        t.record_stream(torch.cuda.current_stream(t.device))
+                self._refit_source = new.model  # kept until the next refit, a second guard
+        if cat is not None or not slot.trie.same_catalog(a.trie):
+            dev = slot.model.shared.weight.device
+            if cat is not None:
+                trie, staged = cat.trie, cat.staged or cat.trie.staged(dev)
+                catalog, cname, views = cat.catalog, cat.catalog_name, cat.views
+            else:  # the active catalog's tables, device to device
+                trie, catalog, cname = a.trie.view(), a.catalog, a.catalog_name
+                views = (a.item_ids, a.index, a._tokens)
+                staged = [tuple(t[:len(arr)] for t, arr in zip(a.trie.tables(level, dev),
+                                                                (p, c)))
+                          for level, (p, c) in enumerate(zip(a.trie.ptr, a.trie.codes))]
+            trie.write_into(slot.trie, dev, staged)
+            slot.adopt_catalog(catalog, cname, trie, views)
+        if new is not None:
+            slot.name, slot.weights, slot.contract = new.name, new.weights, new.contract
+        else:
+            slot.name, slot.weights = cat.name if cat is not None else slot.name, a.weights
+            slot.contract = cat.contract if cat is not None else a.contract
         self.refits_in_place += 1
         self.activate(slot, keep_previous)
 

@@ -15,10 +15,13 @@ view. Here:
   cache validates the version).
 - The previous version stays loaded for ``rollback()`` until the next update (or
   ``keep_previous=False``), so a rollback is a cutover too, with no load.
-- A weights-only update whose catalog and policy are those of a retired version (the spare
-  that ``keep_previous=False`` keeps, or the previous one this update replaces) is written
-  into that version's tensors instead (``GenerateRunner.refit``): its decode plans stay valid,
-  so a stream of weight refits captures nothing after the first two versions.
+- An update that keeps the policy is written into a retired version (the spare that
+  ``keep_previous=False`` keeps, or the previous one this update replaces) instead
+  (``GenerateRunner.refit``): new weights into its tensors, and a new catalog whose trie has
+  the same shapes (levels, widest fan-outs; every version owns device tables with room to
+  spare) into its trie tables. Its decode plans stay valid, so a stream of weight refits and
+  catalog changes captures nothing after the first two versions; a catalog that changes the
+  trie's shapes, or a policy change, builds a version.
 - Updates run one at a time (a lock); ``versions()`` names what is active and what is kept.
 """
 
@@ -32,8 +35,9 @@ import msgspec
 
 from ..errors import ContractError, StreamgrError, UnsupportedRequest
 from ..selection.vocabulary import Catalog, CatalogDelta, apply_delta, load_catalog
+from ..runtime.deployment import build_generator
 from ..streams import off_stream
-from .generate import MAX_BEAM
+from .generate import MAX_BEAM, CatalogRefit, catalog_views
 
 Target = Literal["auto", "rank", "generate"]
 
@@ -125,33 +129,42 @@ class Updates:
                     raise UnsupportedRequest("rank takes new weights only")
                 await self._update_rank(weights, keep_previous)
             else:
-                runner = self.gen_runner
-                keys = runner.active.plan_keys()
-                slot = runner.refit_slot() if catalog is None and policy is None else None
-                if slot is not None:
-                    # A weights refit: the new weights only (no version build), written into
-                    # a retired version's tensors, whose decode plans stay valid; only shapes
-                    # it never captured are captured (worker thread).
-                    new = await self._off_executor(self._build_weights, weights, slot)
-                    have = set(slot.plan_keys())
-                    missing = [k for k in keys if k not in have]
-                    if missing:
-                        await self._off_executor(slot.warm_up, missing)
-                    await self._on_executor(runner.refit, slot, new, keep_previous)
-                    self.metrics.count("generate_refits_in_place")
-                else:
-                    new = await self._off_executor(self._build_generate, weights, catalog,
-                                                   policy)
-                    # Its plans before it serves: the shapes the traffic uses (or the
-                    # defaults), captured on a worker thread while the executor keeps serving.
-                    # A capture is thread-local (plans.py) into the new version's own memory
-                    # pool, so the executor's replays go on beside it; on the executor, each
-                    # capture (an eager search, then the graph) stalled every queued request
-                    # (the p99 under updates: docs/benchmarks.md).
-                    await self._off_executor(new.warm_up, keys or None)
-                    await self._on_executor(runner.activate, new, keep_previous)
+                await self._update_generate(weights, catalog, policy, keep_previous)
             self.metrics.count(f"{which}_updates")
         return self.versions()
+
+    async def _update_generate(self, weights, catalog, policy, keep_previous: bool) -> None:
+        runner = self.gen_runner
+        keys = runner.active.plan_keys()
+        cat = None
+        if catalog is not None and policy is None:  # the catalog first: a slot may take it
+            cat = await self._off_executor(self._build_catalog, catalog)
+        slot = runner.refit_slot(cat.trie if cat else None) if policy is None else None
+        if slot is not None:
+            # In place: the new weights (no version build) and catalog tables written into a
+            # retired version's tensors, whose decode plans stay valid; only shapes it never
+            # captured are captured (worker thread).
+            new = None
+            if weights is not None:
+                new = await self._off_executor(self._build_weights, weights, slot)
+            elif cat is not None:  # a catalog alone: the version's name is new too
+                self._build.versions += 1
+                cat.name = f"g{self._build.versions}"
+            have = set(slot.plan_keys())
+            missing = [k for k in keys if k not in have]
+            if missing:
+                await self._off_executor(slot.warm_up, missing)
+            await self._on_executor(runner.refit, slot, new, keep_previous, cat)
+            self.metrics.count("generate_refits_in_place")
+            return
+        new = await self._off_executor(self._build_generate, weights, catalog, policy, cat)
+        # Its plans before it serves: the shapes the traffic uses (or the defaults), captured
+        # on a worker thread while the executor keeps serving. A capture is thread-local
+        # (plans.py) into the new version's own memory pool, so the executor's replays go on
+        # beside it; on the executor, each capture (an eager search, then the graph) stalled
+        # every queued request (the p99 under updates: docs/benchmarks.md).
+        await self._off_executor(new.warm_up, keys or None)
+        await self._on_executor(runner.activate, new, keep_previous)
 
     def _build_weights(self, weights, slot):
         """New weights of the active version's catalog and policy, for a refit into ``slot``:
@@ -167,7 +180,39 @@ class Updates:
                                 f"engine serves {slot.model.cfg}")
         return new
 
-    def _build_generate(self, weights, catalog, policy):
+    def _catalog_of(self, catalog) -> tuple:
+        """(Catalog, its name) of an update's ``catalog`` argument."""
+        act, sizes = self.gen_runner.active, self.spec.catalog.codebook_sizes
+        if isinstance(catalog, (str, Path)):
+            return load_catalog(catalog, sizes), f"file:{catalog}"
+        if isinstance(catalog, Catalog):
+            return catalog, f"object:{len(catalog.item_ids)}"
+        try:
+            delta = msgspec.convert(catalog, CatalogDelta, strict=False) \
+                if isinstance(catalog, dict) else catalog
+        except msgspec.ValidationError as err:
+            raise ContractError(f"catalog: {err}") from None
+        if not isinstance(delta, CatalogDelta):
+            raise StreamgrError("catalog: a file, a Catalog or a CatalogDelta")
+        return (apply_delta(act.catalog, delta, sizes),
+                f"{act.catalog_name}+{len(delta.add)}-{len(delta.remove)}")
+
+    def _build_catalog(self, catalog) -> CatalogRefit:
+        """A new catalog for the active weights and policy (worker thread): its trie, checked
+        against the contract, the views requests are prepared with, and, where a retired
+        version's tables can take it in place, its tables staged on the device."""
+        act = self.gen_runner.active
+        cat, cname = self._catalog_of(catalog)
+        spec = msgspec.structs.replace(self.spec, policy=act.policy)
+        _, _, trie, contract, cat = build_generator(spec, self._build.device, self._build.dtype,
+                                                    model=act.model, catalog=cat)
+        same_contract(act.contract, contract)
+        slot = self.gen_runner.refit_slot(trie)
+        dev = act.model.shared.weight.device
+        staged = trie.staged(dev) if slot is not None and dev.type == "cuda" else None
+        return CatalogRefit("", cat, cname, trie, catalog_views(trie), staged, contract)
+
+    def _build_generate(self, weights, catalog, policy, cat: CatalogRefit | None = None):
         act, spec = self.gen_runner.active, self.spec
         model, wname = act.model, act.weights
         if weights is not None:
@@ -175,30 +220,17 @@ class Updates:
             spec = msgspec.structs.replace(spec, **{"model" if spec.model.family == "t5"
                                                     else "generator": ms})
             model = wname = None
-        cat, trie, cname = act.catalog, act.trie, act.catalog_name
-        if catalog is not None:
-            sizes = spec.catalog.codebook_sizes
-            if isinstance(catalog, (str, Path)):
-                cat, cname = load_catalog(catalog, sizes), f"file:{catalog}"
-            elif isinstance(catalog, Catalog):
-                cat, cname = catalog, f"object:{len(catalog.item_ids)}"
-            else:
-                try:
-                    delta = msgspec.convert(catalog, CatalogDelta, strict=False) if isinstance(catalog, dict) \
-                        else catalog
-                except msgspec.ValidationError as err:
-                    raise ContractError(f"catalog: {err}") from None
-                if not isinstance(delta, CatalogDelta):
-                    raise StreamgrError("catalog: a file, a Catalog or a CatalogDelta")
-                cat = apply_delta(act.catalog, delta, sizes)
-                cname = f"{act.catalog_name}+{len(delta.add)}-{len(delta.remove)}"
-            trie = None
+        c, trie, cname = act.catalog, act.trie, act.catalog_name
+        if cat is not None:  # built already (no slot took it)
+            c, trie, cname = cat.catalog, cat.trie, cat.catalog_name
+        elif catalog is not None:
+            (c, cname), trie = self._catalog_of(catalog), None
         pol, pname = act.policy, act.policy_name
         if policy is not None:
             pol = merged_policy(act.policy, policy, act.trie.depth)
             pname = f"p{self._build.versions + 1}"
         spec = msgspec.structs.replace(spec, policy=pol)
-        new = self._build.generate_version(spec, model=model, weights=wname, catalog=cat,
+        new = self._build.generate_version(spec, model=model, weights=wname, catalog=c,
                                            catalog_name=cname, trie=trie, policy_name=pname)
         same_contract(act.contract, new.contract)
         return new

@@ -10,6 +10,7 @@ child at CSR position ``p`` is node ``p`` of level ``l+1``.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,22 +99,75 @@ class SidTrie:
         self.leaf_sids = s[self.leaf_ptr[:-1]] if n_nodes else np.zeros((0, self.depth), np.int64)
         # Widest fan-out per level: the width of a level's child grid.
         self.max_fanout = [int(np.diff(p).max()) if len(p) > 1 else 0 for p in self.ptr]
+        # Device tables get room to spare (an eighth, at least 64): a later catalog of the same
+        # shape can be written into them in place (``write_into``), so the decode plans that
+        # captured their addresses stay valid. Kernels read only the ranges ``ptr`` names.
+        self._cap = [(_room(len(p)), _room(len(c))) for p, c in zip(self.ptr, self.codes)]
         self._dev: dict = {}
 
     def n_items(self) -> int:
         return len(self.leaf_items)
 
+    def view(self) -> "SidTrie":
+        """The same trie (host arrays shared, never written) with device tables of its own:
+        a version whose tables may later take another catalog's must not share them."""
+        v = copy.copy(self)
+        v._dev = {}
+        return v
+
+    def same_catalog(self, other: "SidTrie") -> bool:
+        """Built from the same catalog (one trie, or views of it)."""
+        return self.leaf_items is other.leaf_items
+
     def tables(self, level: int, device: torch.device):
-        """Device tensors of one level: (ptr, codes)."""
+        """Device tensors of one level: (ptr, codes), each with room past its length."""
         key = (level, str(device))
         if key not in self._dev:
-            self._dev[key] = (torch.from_numpy(self.ptr[level]).to(device),
-                              torch.from_numpy(self.codes[level]).to(device))
+            out = []
+            with torch.inference_mode(False):  # ordinary tensors: ``write_into`` writes them
+                for arr, cap in zip((self.ptr[level], self.codes[level]), self._cap[level]):
+                    t = torch.zeros(cap, dtype=torch.int64, device=device)
+                    t[:len(arr)].copy_(torch.from_numpy(arr))
+                    out.append(t)
+            self._dev[key] = tuple(out)
         return self._dev[key]
+
+    def fits(self, other: "SidTrie") -> bool:
+        """Its tables can go into ``other``'s in place: the same levels, codebooks and widest
+        fan-outs (the decode plans' shapes) and room for every array."""
+        return (self.depth == other.depth and self.level_offset == other.level_offset
+                and self.max_fanout == other.max_fanout
+                and all(len(p) <= cp and len(c) <= cc for p, c, (cp, cc)
+                        in zip(self.ptr, self.codes, other._cap)))
+
+    def staged(self, device: torch.device) -> list:
+        """Its tables as plain device tensors (a worker thread, before a cutover)."""
+        return [(torch.from_numpy(p).to(device), torch.from_numpy(c).to(device))
+                for p, c in zip(self.ptr, self.codes)]
+
+    def write_into(self, other: "SidTrie", device: torch.device, staged: list) -> None:
+        """Between batches (executor): ``staged`` (see ``staged``, or another trie's tables cut
+        to this one's lengths) copied into ``other``'s device tables on the current stream, after
+        every batch queued there; those tables become this trie's (``other`` must own them and
+        ``fits``). Room past the lengths keeps stale codes that no ``ptr`` range names."""
+        for level, (p, c) in enumerate(staged):
+            tp, tc = other.tables(level, device)
+            with torch.no_grad():
+                tp[:len(p)].copy_(p, non_blocking=True)
+                tc[:len(c)].copy_(c, non_blocking=True)
+            for src in (p, c):
+                if src.is_cuda:  # made on another stream: kept until these copies ran
+                    src.record_stream(torch.cuda.current_stream(src.device))
+            self._dev[(level, str(device))] = (tp, tc)
+        self._cap = other._cap
 
     def items_of(self, leaf: int, policy: str) -> np.ndarray:
         items = self.leaf_items[self.leaf_ptr[leaf]:self.leaf_ptr[leaf + 1]]
         return items[:1] if policy == "first" else items
+
+
+def _room(n: int) -> int:
+    return n + max(64, n // 8)
 
 
 class CatalogDelta(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -59,3 +59,29 @@ async def test_a_spare_from_the_start_has_its_plans_before_serving():
         assert {r.stats.version for r in got} == {vs["generate"]["active"]["version"]}
         async with Engine.from_spec("gen-small", {**CUDA, "model.init_seed": 44}) as fresh:
             assert _items(got) == _items(await answers(fresh, reqs))
+
+
+async def test_a_catalog_change_in_place_replays_the_spares_plans():
+    """A catalog change of the same trie shapes goes into the spare's own device tables: its
+    decode plans (which captured those tables' addresses) replay the new catalog, nothing is
+    captured, and the answers equal a version built for that catalog."""
+    from tests.engine.test_catalog_refits import removal_that_fits
+    from streamgr.selection.vocabulary import CatalogDelta
+    eng = Engine.from_spec("gen-small", {**CUDA, "engine.refit_spare": True})
+    runner = eng.gen_runner
+    gone = removal_that_fits(eng)
+    reqs = [r for r in requests(eng, 8) if not set(r.history) & set(gone)]
+    delta = CatalogDelta(remove=gone)
+    async with eng:
+        await answers(eng, reqs)
+        spare = runner.spare
+        captured = spare.search.plans.captures
+        await eng.update(catalog=delta)
+        assert runner.active is spare and runner.refits_in_place == 1
+        got = await answers(eng, reqs)
+        assert spare.search.plans.captures == captured
+        assert all(not set(r.items) & set(gone) for r in got)
+    async with Engine.from_spec("gen-small", CUDA) as ref:
+        await ref.update(catalog=delta)
+        assert ref.gen_runner.refits_in_place == 0
+        assert _items(got) == _items(await answers(ref, reqs))

@@ -133,6 +133,9 @@ def main() -> int:
     print(f"{'no updates':<16}{len(calm):>10}{pct(lat_calm, 50):>10.2f}{pct(lat_calm, 99):>10.2f}")
     print(f"{'updates':<16}{len(busy):>10}{pct(lat_busy, 50):>10.2f}{pct(lat_busy, 99):>10.2f}")
     print(f"update() to cutover: p50 {pct(cut, 50):.1f} ms, max {max(cut, default=float('nan')):.1f} ms")
+    c = eng.stats()["counters"]
+    print(f"in place (no version built, no plan captured): {c.get('generate_refits_in_place', 0)} "
+          f"of {c.get('generate_updates', 0)} updates")
     ratio = pct(lat_busy, 99) / pct(lat_calm, 99)
     print(f"bench_update {eng.spec.name}: p99 with updates {ratio:.2f}x without (target <= 1.2); "
           f"unknown-version answers {unknown}, removed items answered {leaked}, failed {errors} "

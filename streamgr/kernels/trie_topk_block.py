@@ -19,7 +19,7 @@ import numpy as np
 from numba import cuda, int32, int64, uint64
 
 from .trie_topk import MAX_K, SIMULATED
-from .trie_topk_numba import FULL, ZERO, _emit, _key
+from .trie_topk_numba import FULL, ZERO, _emit, _key, _walk
 
 # Threads of the select block, digit bits, bins, chunks of the two-level pick (bins per chunk).
 TPB2, DIGIT2 = (32, 5) if SIMULATED else (512, 11)  # 512: ~90 registers a thread
@@ -57,17 +57,8 @@ def _pick_chunked(hist, want, csum, res):
         for j in range(CHUNKS):
             if j < tid:
                 above += csum[j]
-        own = csum[tid]
-        if above < want and want <= above + own:
-            hi = NB2 - 1 - tid * CW
-            for i in range(CW):
-                h = hist[hi - i]
-                if above + h >= want:
-                    res[0] = hi - i
-                    res[1] = want - above
-                    res[2] = h
-                    break
-                above += h
+        if above < want and want <= above + csum[tid]:
+            _walk(hist, NB2 - 1 - tid * CW, CW, above, want, res)
     cuda.syncthreads()
 
 

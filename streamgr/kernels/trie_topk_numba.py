@@ -97,15 +97,22 @@ def _pick(hist, nbins, want, scan, res):
         step *= 2
     above = scan[tid] - own
     if above < want and want <= scan[tid]:
-        for i in range(per):
-            h = hist[hi - i]
-            if above + h >= want:
-                res[0] = hi - i
-                res[1] = want - above
-                res[2] = h
-                break
-            above += h
+        _walk(hist, hi, per, above, want, res)
     cuda.syncthreads()
+
+
+@cuda.jit(device=True, inline=True)
+def _walk(hist, hi, n, above, want, res):
+    """Down ``hist[hi - n + 1 .. hi]`` with ``above`` keys in higher bins, to the bin holding
+    the ``want``-th key: res = (that bin, how many of its keys are still wanted, its count)."""
+    for i in range(n):
+        h = hist[hi - i]
+        if above + h >= want:
+            res[0] = hi - i
+            res[1] = want - above
+            res[2] = h
+            break
+        above += h
 
 
 @cuda.jit(device=True)

@@ -30,6 +30,7 @@ from streamgr.config import load_spec  # noqa: E402
 from streamgr.engine.core import Engine  # noqa: E402
 from streamgr.trace.replay import batches_of_distinct_users, replay_batches  # noqa: E402
 from streamgr.trace.synth import Timeline, synth_trace  # noqa: E402
+from host_probe import probe_ms  # noqa: E402  (tools/, the script's own folder)
 
 MODES = ("recompute", "gpu-only", "hierarchical")
 SHORT = {"recompute": "RE", "gpu-only": "GPU", "hierarchical": "HIER"}
@@ -220,7 +221,8 @@ def main() -> int:
                                for bs in args.batch for m in MODES],
     ]
     print(f"\nspec {spec.name} ({spec.model.num_layers} layers, dim {spec.model.num_heads * spec.model.head_dim}), "
-          f"profile {args.profile}, {len(order)} requests replayed, device {torch.cuda.get_device_name() if torch.cuda.is_available() and spec.engine.device != 'cpu' else 'cpu'}")
+          f"profile {args.profile}, {len(order)} requests replayed, device {torch.cuda.get_device_name() if torch.cuda.is_available() and spec.engine.device != 'cpu' else 'cpu'}, "
+          f"host probe {probe_ms():.0f} ms (tools/host_probe.py)")
     print(table("Table 1: end-to-end batch latency, speed-up, hit ratios", rows, cols))
     srows = [[s] + [f'{get(bs, m)["stages"].get(s, 0.0):.2f}' for bs in args.batch for m in MODES]
              for s in STAGES]

@@ -172,15 +172,15 @@ def catalog_views(trie) -> tuple:
 @dataclass
 class CatalogRefit:
     """What a catalog update in place brings (``GenerateRunner.refit``): the catalog, its trie
-    (tables not yet on the device), the views requests are prepared with, the tables staged on
-    the device (None on the CPU: copied from the host), and a version name and contract."""
+    (tables not yet its own), the views requests are prepared with, its tables staged on the
+    device (``SidTrie.staged``), and a version name and contract."""
 
     name: str
     catalog: object
     catalog_name: str
     trie: object
     views: tuple
-    staged: list | None
+    staged: list
     contract: dict
 
 
@@ -279,23 +279,16 @@ class GenerateRunner:
                         t.record_stream(torch.cuda.current_stream(t.device))
                 self._refit_source = new.model  # kept until the next refit, a second guard
         if cat is not None or not slot.trie.same_catalog(a.trie):
-            dev = slot.model.shared.weight.device
-            if cat is not None:
-                trie, staged = cat.trie, cat.staged or cat.trie.staged(dev)
-                catalog, cname, views = cat.catalog, cat.catalog_name, cat.views
-            else:  # the active catalog's tables, device to device
-                trie, catalog, cname = a.trie.view(), a.catalog, a.catalog_name
-                views = (a.item_ids, a.index, a._tokens)
-                staged = [tuple(t[:len(arr)] for t, arr in zip(a.trie.tables(level, dev),
-                                                                (p, c)))
-                          for level, (p, c) in enumerate(zip(a.trie.ptr, a.trie.codes))]
-            trie.write_into(slot.trie, dev, staged)
-            slot.adopt_catalog(catalog, cname, trie, views)
-        if new is not None:
-            slot.name, slot.weights, slot.contract = new.name, new.weights, new.contract
-        else:
-            slot.name, slot.weights = cat.name if cat is not None else slot.name, a.weights
-            slot.contract = cat.contract if cat is not None else a.contract
+            if cat is None:  # the active catalog's tables, device to device
+                cat = CatalogRefit(slot.name, a.catalog, a.catalog_name, a.trie.view(),
+                                   (a.item_ids, a.index, a._tokens),
+                                   a.trie.staged(slot.model.shared.weight.device), a.contract)
+            cat.trie.write_into(slot.trie, slot.model.shared.weight.device, cat.staged)
+            slot.adopt_catalog(cat.catalog, cat.catalog_name, cat.trie, cat.views)
+        # The name, weights and contract of what now lies in the slot.
+        src = new if new is not None else cat
+        slot.name, slot.contract = src.name, src.contract
+        slot.weights = new.weights if new is not None else a.weights
         self.refits_in_place += 1
         self.activate(slot, keep_previous)
 

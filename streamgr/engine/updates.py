@@ -199,18 +199,17 @@ class Updates:
 
     def _build_catalog(self, catalog) -> CatalogRefit:
         """A new catalog for the active weights and policy (worker thread): its trie, checked
-        against the contract, the views requests are prepared with, and, where a retired
-        version's tables can take it in place, its tables staged on the device."""
+        against the contract, the views requests are prepared with, and its tables staged on
+        the device for a retired version's to take in place (~3 arrays a level; a version
+        built instead when none fits uploads its own)."""
         act = self.gen_runner.active
         cat, cname = self._catalog_of(catalog)
         spec = msgspec.structs.replace(self.spec, policy=act.policy)
         _, _, trie, contract, cat = build_generator(spec, self._build.device, self._build.dtype,
                                                     model=act.model, catalog=cat)
         same_contract(act.contract, contract)
-        slot = self.gen_runner.refit_slot(trie)
-        dev = act.model.shared.weight.device
-        staged = trie.staged(dev) if slot is not None and dev.type == "cuda" else None
-        return CatalogRefit("", cat, cname, trie, catalog_views(trie), staged, contract)
+        return CatalogRefit("", cat, cname, trie, catalog_views(trie),
+                            trie.staged(act.model.shared.weight.device), contract)
 
     def _build_generate(self, weights, catalog, policy, cat: CatalogRefit | None = None):
         act, spec = self.gen_runner.active, self.spec

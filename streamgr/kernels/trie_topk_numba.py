@@ -2,9 +2,8 @@
 
 Imported only when they run: a CUDA device with numba-cuda, or ``NUMBA_ENABLE_CUDASIM=1``.
 Arrays come from torch without copies (``__cuda_array_interface__``, no stream sync, so a
-CUDA graph can capture the launches); kernels launch on torch's current stream. Every
-"pick" below is a block-wide parallel prefix sum over histogram bins from the highest (no
-warp shuffles: the simulator has none), so no thread walks thousands of bins alone.
+CUDA graph can capture the launches); kernels launch on torch's current stream. The block-wide
+radix select and its digit picks are in ``trie_topk_radix``.
 """
 
 from __future__ import annotations
@@ -17,11 +16,10 @@ import torch
 from numba import cuda, float32, int32, int64, uint64
 
 from .trie_topk import CH, DIGIT, MAX_K, MID, S, SIMULATED, TPB, TS
+from .trie_topk_radix import ZERO, _pick, _select
 
 LOW = np.uint64(0xFFFFFFFF)
 TOP_BIT = np.uint64(0x80000000)
-FULL = np.uint64(0xFFFFFFFFFFFFFFFF)
-ZERO = np.uint64(0)
 SH32 = np.uint64(32)
 NEG_INF = float32(-np.inf)
 NB = 1 << DIGIT  # bins of a grid pass's digit
@@ -73,92 +71,6 @@ def _score(r, c, F, B, scores, nodes, logp, ptr, codes, off):
 def _key(r, c, F, B, scores, nodes, logp, ptr, codes, off):
     val, _, _ = _score(r, c, F, B, scores, nodes, logp, ptr, codes, off)
     return _compose(_bits(val + float32(0.0)), c)  # -0.0 keys as +0.0: they compare equal
-
-
-@cuda.jit(device=True)
-def _pick(hist, nbins, want, scan, res):
-    """Over ``hist[:nbins]`` (shared; nbins a multiple of TPB) from the highest bin: res[0] =
-    the bin d holding the ``want``-th key, res[1] = how many of d's keys are still wanted,
-    res[2] = hist[d]. Every thread calls it; it ends synchronized."""
-    tid = cuda.threadIdx.x
-    per = nbins // TPB
-    hi = nbins - 1 - tid * per
-    own = 0
-    for i in range(per):
-        own += hist[hi - i]
-    scan[tid] = own
-    cuda.syncthreads()
-    step = 1
-    while step < TPB:  # inclusive prefix over the threads' chunks, highest bins first
-        v = scan[tid - step] if tid >= step else 0
-        cuda.syncthreads()
-        scan[tid] += v
-        cuda.syncthreads()
-        step *= 2
-    above = scan[tid] - own
-    if above < want and want <= scan[tid]:
-        _walk(hist, hi, per, above, want, res)
-    cuda.syncthreads()
-
-
-@cuda.jit(device=True, inline=True)
-def _walk(hist, hi, n, above, want, res):
-    """Down ``hist[hi - n + 1 .. hi]`` with ``above`` keys in higher bins, to the bin holding
-    the ``want``-th key: res = (that bin, how many of its keys are still wanted, its count)."""
-    for i in range(n):
-        h = hist[hi - i]
-        if above + h >= want:
-            res[0] = hi - i
-            res[1] = want - above
-            res[2] = h
-            break
-        above += h
-
-
-@cuda.jit(device=True)
-def _select(keys, cnt, k, out, base):
-    """Write the ``k`` largest of ``keys[:cnt]`` (distinct; shared or global memory) to
-    ``out[base:base+k]`` in no order: radix select over 8-bit digits from the top, stopping once
-    a digit's bin holds exactly the keys still wanted."""
-    hist = cuda.shared.array(256, int32)
-    scan = cuda.shared.array(TPB, int32)
-    res = cuda.shared.array(3, int32)
-    st = cuda.shared.array(2, uint64)  # prefix, collect counter
-    tid = cuda.threadIdx.x
-    if tid == 0:
-        st[0] = ZERO
-        st[1] = ZERO
-    want = k
-    shift = 56
-    while True:
-        for i in range(tid, 256, TPB):
-            hist[i] = 0
-        cuda.syncthreads()
-        prefix = st[0]
-        sh = np.uint64(shift)
-        hmask = ZERO if shift == 56 else (FULL << np.uint64(shift + 8))
-        for i in range(tid, cnt, TPB):
-            key = keys[i]
-            if (key & hmask) == (prefix & hmask):
-                cuda.atomic.add(hist, int32((key >> sh) & np.uint64(255)), 1)
-        cuda.syncthreads()
-        _pick(hist, 256, want, scan, res)
-        d, need, inbin = res[0], res[1], res[2]
-        if tid == 0:
-            st[0] = prefix | (np.uint64(d) << sh)
-        cuda.syncthreads()
-        if need == inbin or shift == 0:
-            break
-        want = need
-        shift -= 8
-    sh = np.uint64(shift)
-    thr = st[0] >> sh
-    for i in range(tid, cnt, TPB):
-        key = keys[i]
-        if (key >> sh) >= thr:
-            p = cuda.atomic.add(st, 1, np.uint64(1))
-            out[base + int64(p)] = key
-    cuda.syncthreads()
 
 
 @cuda.jit(device=True)

@@ -141,13 +141,17 @@ class SidTrie:
                         in zip(self.ptr, self.codes, other._cap)))
 
     def staged(self, device: torch.device) -> list:
-        """Its tables as plain device tensors (a worker thread, before a cutover)."""
-        return [(torch.from_numpy(p).to(device), torch.from_numpy(c).to(device))
-                for p, c in zip(self.ptr, self.codes)]
+        """Its tables on ``device``, cut to their lengths, to be written into another trie's
+        (``write_into``): its own device tables where it has them, else copies of the host
+        arrays (a worker thread, before a cutover; on the CPU, the arrays themselves)."""
+        return [tuple(t[:len(arr)] for t, arr in zip(self._dev[(level, str(device))], (p, c)))
+                if (level, str(device)) in self._dev
+                else (torch.from_numpy(p).to(device), torch.from_numpy(c).to(device))
+                for level, (p, c) in enumerate(zip(self.ptr, self.codes))]
 
     def write_into(self, other: "SidTrie", device: torch.device, staged: list) -> None:
-        """Between batches (executor): ``staged`` (see ``staged``, or another trie's tables cut
-        to this one's lengths) copied into ``other``'s device tables on the current stream, after
+        """Between batches (executor): ``staged`` (this trie's, or a trie's of the same catalog:
+        see ``staged``) copied into ``other``'s device tables on the current stream, after
         every batch queued there; those tables become this trie's (``other`` must own them and
         ``fits``). Room past the lengths keeps stale codes that no ``ptr`` range names."""
         for level, (p, c) in enumerate(staged):

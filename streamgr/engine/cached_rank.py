@@ -208,8 +208,9 @@ class CachedRankRunner(RankRunner):
 
     def _commit(self) -> None:
         """Finished batches' K/V into the cache metadata, in the order they finished. A commit
-        that fails gives its batch's pages back and is logged and counted, never raised: its answers were already right, those users miss next time, and the batch
-        being submitted (which may run this) is not failed for it."""
+        that fails gives its batch's pages back and is logged and counted, never raised: its
+        answers were already right, those users miss next time, and the batch being submitted
+        (which may run this) is not failed for it."""
         with self._meta:  # (re-entrant: callers that hold it already may call this)
             self._commit_locked()
 

@@ -7,7 +7,14 @@
 //   - SiLU and the mask on S in registers, P repacked in registers as the A operand of
 //     O += P V, with V read from shared memory as an MN-major B operand (trans-b);
 //   - K/V tiles of 64 keys by cp.async, STAGES deep, in the no-swizzle "core matrix" layout
-//     wgmma reads (8 rows x 16 bytes contiguous per core matrix).
+//     wgmma reads (8 rows x 16 bytes contiguous per core matrix);
+//   - warp-specialized (FlashAttention-3's structure): a third, producer warpgroup issues every
+//     copy (Q, then the K/V tiles with their page lookups) and signals each stage's arrival on
+//     an mbarrier (cp.async.mbarrier.arrive); the two consumer warpgroups only wait for full
+//     stages, run the MMAs and the SiLU, and hand each stage back on another mbarrier once
+//     their P V on it has completed. No block-wide barrier per tile, and the consumers issue
+//     no loads (session 4's kernel: both warpgroups loaded and met at __syncthreads each tile,
+//     long-scoreboard stalls, the tensor pipe 23% busy).
 // Arithmetic per row and chunk is the same in the split and direct plans (one code path), so a
 // cached batch still equals its recompute bit for bit. Compiled for sm_90a only (wgmma); for
 // other targets the kernel body is empty and the wrapper never launches it.
@@ -31,18 +38,18 @@ constexpr int BN = 64;      // keys per tile
 constexpr int KC = HSTU_KC; // keys per chunk, as in hstu_attention.cu
 constexpr int TPC = KC / BN;
 #ifndef HSTU_WG_STAGES
-#define HSTU_WG_STAGES 3
+#define HSTU_WG_STAGES 4
 #endif
 #ifndef HSTU_WG_OVERLAP
 #define HSTU_WG_OVERLAP 1
 #endif
 #ifndef HSTU_WG_QREG
-#define HSTU_WG_QREG 1
+#define HSTU_WG_QREG 0
 #endif
 constexpr int STAGES = HSTU_WG_STAGES;
-constexpr int THREADS = 256;
+constexpr int THREADS = 384;  // warpgroup 0 produces (copies), 1 and 2 consume (64 rows each)
 static_assert(BM == 2 * 64 && TPC * BN == KC, "two warpgroups of 64 rows, whole tiles per chunk");
-static_assert(STAGES >= 2 + HSTU_WG_OVERLAP, "the overlapped loop keeps two tiles resident");
+static_assert(HSTU_WG_OVERLAP == 1 && STAGES >= 3, "the overlapped loop keeps two tiles resident");
 
 #ifdef HSTU_WGMMA
 #include "hstu_common.cuh"
@@ -55,11 +62,41 @@ template <int D>
 __device__ __forceinline__ int cm_off(int r, int c) {
     return ((r >> 3) * (D / 8) + (c >> 3)) * 64 + (r & 7) * 8;
 }
+
+// mbarriers (shared memory, 8 bytes each): the stages' full / empty signals.
+__device__ __forceinline__ void mbar_init(unsigned long long* b, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_u32(b)), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(unsigned long long* b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(smem_u32(b)) : "memory");
+}
+// Arrives once this thread's earlier cp.async copies have landed (counted in the barrier's
+// expected arrivals: .noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive(unsigned long long* b) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n"
+                 :: "r"(smem_u32(b)) : "memory");
+}
+// Until the phase of parity `parity` has completed (parity 1 before any phase has: at once).
+__device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred P;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n"
+        "@!P bra WAIT;\n}\n" :: "r"(smem_u32(b)), "r"(parity) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void set_max_regs_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N));
+}
+template <int N>
+__device__ __forceinline__ void set_max_regs_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N));
+}
 #endif  // HSTU_WGMMA
 
 }  // namespace
 
-// grid (items, H), 256 threads; arguments as hstu_attn_fwd in hstu_attention.cu.
+// grid (items, H), 384 threads; arguments as hstu_attn_fwd in hstu_attention.cu. Shared
+// memory: Q, STAGES K and V tiles, then 2 STAGES + 1 mbarriers (the wrapper sizes it).
 template <int D, bool DIRECT>
 __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) {
 #ifdef HSTU_WGMMA
@@ -67,6 +104,9 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
     __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem);  // [BM x D] core matrices
     __nv_bfloat16* Ks = Qs + BM * D;                              // [STAGES][BN x D]
     __nv_bfloat16* Vs = Ks + STAGES * BN * D;                     // [STAGES][BN x D]
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(Vs + STAGES * BN * D);
+    unsigned long long* empty = full + STAGES;
+    unsigned long long* q_full = empty + STAGES;
 
     // The plan's key tiles are 64 keys too (the wrapper checks), 8 to a chunk.
     const int item = blockIdx.x, h = blockIdx.y;
@@ -76,54 +116,74 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
     const int nrows = min(BM, nn + nc - row0);
     if (nrows <= 0 || kt0 >= kt1) return;  // padding item, or a tile without keys
     const int start = hist - nn;
-    const float half_alpha = 0.5f * alpha;
     const int tid = threadIdx.x, lane = tid & 31;
     const int wg = tid >> 7, wq = (tid >> 5) & 3;  // warpgroup, warp in the warpgroup
-    const int g = lane >> 2, t = lane & 3;
-    const int wrow = wg * 64 + wq * 16;  // the warp's first row in the tile
-    const bool active = wg * 64 < nrows;  // warpgroup-uniform
-    const long long HD = (long long)H * D;
+    const int consumers = nrows > 64 ? 2 : 1;  // consumer warpgroups with rows
     constexpr int CH = D / 8;  // 16-byte chunks per row
-
-    // 8 consecutive threads fill one core matrix (8 rows x 16 bytes): conflict-free stores.
-    for (int i = tid; i < BM * CH; i += THREADS) {
-        const int r = ((i >> 3) / CH) * 8 + (i & 7), c = ((i >> 3) % CH) * 8;
-        const bool ok = r < nrows;
-        cp_async16(Qs + cm_off<D>(r, c), ok ? q + (qs + row0 + r) * sq + h * D + c : q, ok ? 16 : 0);
-    }
-    cp_async_commit();
-
-    const int key_lim = (row0 + nrows > nn) ? hist : start + row0 + nrows;
-    const int min_lim = (row0 < nn) ? start + row0 + 1 : hist;
-    const bool is_paged = paged[b] != 0;
-    const int* upages = pages + (is_paged ? page_ptr[b] : 0);
-    const long long krow = kv_row[b];
-
-    auto load_kv = [&](int stage, int kt) {
-        __nv_bfloat16* kd = Ks + stage * BN * D;
-        __nv_bfloat16* vd = Vs + stage * BN * D;
-#pragma unroll
-        for (int i = tid; i < BN * CH; i += THREADS) {
-            const int r = ((i >> 3) / CH) * 8 + (i & 7), c = ((i >> 3) % CH) * 8;
-            const int j = kt * BN + r;
-            const __nv_bfloat16 *kp = q, *vp = q;
-            const bool ok = j < key_lim;
-            if (ok) {
-                if (is_paged) {
-                    // (a division, not mma_ops.cuh's page_row: with its shift D = 128 spills)
-                    const long long pg = upages[j / page_size];
-                    const long long off = ((pg * 2) * page_size + j % page_size) * HD + h * D + c;
-                    kp = store + off;
-                    vp = store + off + (long long)page_size * HD;
-                } else {
-                    kp = k + (krow + j) * sk + h * D + c;
-                    vp = v + (krow + j) * sv + h * D + c;
-                }
-            }
-            cp_async16(kd + cm_off<D>(r, c), kp, ok ? 16 : 0);
-            cp_async16(vd + cm_off<D>(r, c), vp, ok ? 16 : 0);
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full + s, 128);           // every producer thread's copies of the stage
+            mbar_init(empty + s, 4 * consumers);  // every consumer warp done with it
         }
-    };
+        mbar_init(q_full, 128);
+    }
+    __syncthreads();  // the barriers initialized, for all (the last block-wide barrier)
+
+    if (wg == 0) {  // the producer: Q, then each K/V tile once its stage is free
+        set_max_regs_dec<40>();
+        const int key_lim = (row0 + nrows > nn) ? hist : start + row0 + nrows;
+        const bool is_paged = paged[b] != 0;
+        const int* upages = pages + (is_paged ? page_ptr[b] : 0);
+        const long long krow = kv_row[b];
+        const long long HD = (long long)H * D;
+        // 8 consecutive threads fill one core matrix (8 rows x 16 bytes): conflict-free stores.
+        for (int i = tid; i < BM * CH; i += 128) {
+            const int r = ((i >> 3) / CH) * 8 + (i & 7), c = ((i >> 3) % CH) * 8;
+            const bool ok = r < nrows;
+            cp_async16(Qs + cm_off<D>(r, c), ok ? q + (qs + row0 + r) * sq + h * D + c : q,
+                       ok ? 16 : 0);
+        }
+        cp_async_mbar_arrive(q_full);
+        for (int kt = kt0; kt < kt1; ++kt) {
+            const int it = kt - kt0, stage = it % STAGES;
+            mbar_wait(empty + stage, ((it / STAGES) & 1) ^ 1);
+            __nv_bfloat16* kd = Ks + stage * BN * D;
+            __nv_bfloat16* vd = Vs + stage * BN * D;
+#pragma unroll 4
+            for (int i = tid; i < BN * CH; i += 128) {
+                const int r = ((i >> 3) / CH) * 8 + (i & 7), c = ((i >> 3) % CH) * 8;
+                const int j = kt * BN + r;
+                const __nv_bfloat16 *kp = q, *vp = q;
+                const bool ok = j < key_lim;  // past it zero-filled (garbage could be NaN)
+                if (ok) {
+                    if (is_paged) {
+                        const long long pg = upages[j / page_size];
+                        const long long off = ((pg * 2) * page_size + j % page_size) * HD
+                                              + h * D + c;
+                        kp = store + off;
+                        vp = store + off + (long long)page_size * HD;
+                    } else {
+                        kp = k + (krow + j) * sk + h * D + c;
+                        vp = v + (krow + j) * sv + h * D + c;
+                    }
+                }
+                cp_async16(kd + cm_off<D>(r, c), kp, ok ? 16 : 0);
+                cp_async16(vd + cm_off<D>(r, c), vp, ok ? 16 : 0);
+            }
+            cp_async_mbar_arrive(full + stage);
+        }
+        cp_async_wait<0>();
+        return;
+    }
+
+    // The consumers: warpgroup cw owns rows 64 cw .. 64 cw + 63 of the tile.
+    set_max_regs_inc<232>();
+    const int cw = wg - 1;
+    if (cw >= consumers) return;  // no rows (its warps are not counted in `empty`)
+    const float half_alpha = 0.5f * alpha;
+    const int g = lane >> 2, t = lane & 3;
+    const int wrow = cw * 64 + wq * 16;  // the warp's first row in the tile
+    const int min_lim = (row0 < nn) ? start + row0 + 1 : hist;
 
     float acc[D / 2];  // O: this thread's rows wrow + g (+ 8), columns 8 i + 2 t (+ 1)
     auto zero_acc = [&]() {
@@ -156,7 +216,7 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
     constexpr unsigned KMAJ_LBO = 128, KMAJ_SBO = D * 16;  // Q and K: next k-chunk, next 8 rows
     constexpr unsigned V_LBO = D * 16, V_SBO = 128;  // V (MN-major): next 8 keys, next 8 dims
 #if !HSTU_WG_QREG
-    const __nv_bfloat16* Qw = Qs + (wg * 64 / 8) * CH * 64;  // the warpgroup's 64 rows
+    const __nv_bfloat16* Qw = Qs + (cw * 64 / 8) * CH * 64;  // the warpgroup's 64 rows
 #endif
 
 #if HSTU_WG_QREG
@@ -230,64 +290,55 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
     };
     auto chunk_end = [&](int kt) {
         if (DIRECT && ((kt + 1) % TPC == 0 || kt + 1 == kt1)) {
-            if (active) flush(kt < TPC);
+            // (the guard always holds here; without it ptxas serializes every wgmma of the
+            // DIRECT kernels, warning C7511)
+            if (cw * 64 < nrows) flush(kt < TPC);
             zero_acc();
         }
     };
+    auto wait_full = [&](int kt) {  // tile kt's stage landed (then visible to the async proxy)
+        const int it = kt - kt0;
+        mbar_wait(full + it % STAGES, (it / STAGES) & 1);
+        fence_async_smem();
+    };
+    auto release = [&](int kt) {  // this warp's MMAs on tile kt's stage have completed
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + (kt - kt0) % STAGES);
+    };
 
-#pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-        if (kt0 + i < kt1) load_kv(i, kt0 + i);
-        cp_async_commit();
-    }
-#if HSTU_WG_OVERLAP
     // S of tile kt + 1 and P V of tile kt are in flight together; the SiLU of tile kt + 1 runs
     // while P V of tile kt does (FlashAttention-3's intra-warpgroup overlap).
-    cp_async_wait<STAGES - 2>();
-    fence_async_smem();
-    __syncthreads();  // Q and the first tile landed
-    if (active) {
+    mbar_wait(q_full, 0);
 #if HSTU_WG_QREG
-        load_q();
+    load_q();
 #endif
-        issue_s(0);
-        wg_wait<0>();
-        silu_p(kt0, pa);
-    }
+    wait_full(kt0);
+    issue_s(0);
+    wg_wait<0>();
+    silu_p(kt0, pa);
     // Two P buffers, swapped by unrolling two tiles per trip (a register copy between them
     // would let the allocator merge them, and the next SiLU would overwrite the A operand of
     // the P V still in flight), and the last tile peeled off: ptxas serializes every wgmma when
     // it cannot prove that (or when the S issue and its wait sit under a data-dependent branch).
     unsigned pb[BN / 16][4];
-    auto sync_load = [&](int kt) {
-        const int it = kt - kt0;
-        cp_async_wait<STAGES - 3>();
-        fence_async_smem();
-        __syncthreads();  // tile kt + 1 landed; tile kt - 1's stage is free (its P V waited)
-        if (kt + STAGES - 1 < kt1) load_kv((it + STAGES - 1) % STAGES, kt + STAGES - 1);
-        cp_async_commit();
-    };
     auto step = [&](int kt, unsigned (&cur)[BN / 16][4], unsigned (&nxt)[BN / 16][4]) {
-        sync_load(kt);  // a tile kt + 1 exists
-        if (active) {
-            issue_s((kt + 1 - kt0) % STAGES);
-            issue_pv(cur, (kt - kt0) % STAGES);
-            wg_wait<1>();  // S of tile kt + 1 (P V of tile kt may still run)
-            silu_p(kt + 1, nxt);
-            wg_wait<0>();
-            fence_regs(acc);
-            fence_regs(cur);
-        }
+        wait_full(kt + 1);  // a tile kt + 1 exists
+        issue_s((kt + 1 - kt0) % STAGES);
+        issue_pv(cur, (kt - kt0) % STAGES);
+        wg_wait<1>();  // S of tile kt + 1 (P V of tile kt may still run)
+        silu_p(kt + 1, nxt);
+        wg_wait<0>();
+        fence_regs(acc);
+        fence_regs(cur);
+        release(kt);
         chunk_end(kt);
     };
     auto last = [&](int kt, unsigned (&cur)[BN / 16][4]) {
-        sync_load(kt);
-        if (active) {
-            issue_pv(cur, (kt - kt0) % STAGES);
-            wg_wait<0>();
-            fence_regs(acc);
-            fence_regs(cur);
-        }
+        issue_pv(cur, (kt - kt0) % STAGES);
+        wg_wait<0>();
+        fence_regs(acc);
+        fence_regs(cur);
+        release(kt);
         chunk_end(kt);
     };
     int kt = kt0;
@@ -301,33 +352,7 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
     } else {
         last(kt, pa);
     }
-#else
-#if HSTU_WG_QREG
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // Q landed
-    if (active) load_q();
-#endif
-    for (int kt = kt0; kt < kt1; ++kt) {
-        const int it = kt - kt0;
-        cp_async_wait<STAGES - 2>();
-        fence_async_smem();
-        __syncthreads();  // tile `it` landed for all; every wgmma on the refilled stage is done
-        if (kt + STAGES - 1 < kt1) load_kv((it + STAGES - 1) % STAGES, kt + STAGES - 1);
-        cp_async_commit();
-        if (active) {
-            issue_s(it % STAGES);
-            wg_wait<0>();
-            silu_p(kt, pa);
-            issue_pv(pa, it % STAGES);
-            wg_wait<0>();
-            fence_regs(acc);
-            fence_regs(pa);
-        }
-        chunk_end(kt);
-    }
-#endif
-    cp_async_wait<0>();
-    if (!DIRECT && active) flush(true);
+    if (!DIRECT) flush(true);
 #endif  // HSTU_WGMMA
 }
 

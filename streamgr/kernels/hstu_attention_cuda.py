@@ -50,13 +50,13 @@ WG_BN = 64
 
 
 def _wg_config() -> tuple[int, int, int]:
-    """cp.async stages, the S / P V overlap and Q in registers of the wgmma kernel
-    (HSTU_WG_STAGES, HSTU_WG_OVERLAP, HSTU_WG_QREG); ``STREAMGR_HSTU_WG=3x0x0`` picks another
-    for A/B benchmarks."""
-    stages, overlap, qreg = _env_ints("STREAMGR_HSTU_WG", "3x1x1", "STAGESxOVERLAPxQREG")
-    if stages not in (2, 3, 4) or overlap not in (0, 1) or qreg not in (0, 1) \
-            or stages < 2 + overlap:
-        raise StreamgrError("STREAMGR_HSTU_WG: stages 2-4 (3+ with overlap 1), flags 0 or 1")
+    """K/V stages, the S / P V overlap and Q in registers of the wgmma kernel
+    (HSTU_WG_STAGES, HSTU_WG_OVERLAP, HSTU_WG_QREG); ``STREAMGR_HSTU_WG=3x1x1`` picks another
+    for A/B benchmarks. The warp-specialized kernel always overlaps; Q in registers spills its
+    D = 128 direct build (consumers get 232 registers), so Q stays in shared memory."""
+    stages, overlap, qreg = _env_ints("STREAMGR_HSTU_WG", "4x1x0", "STAGESxOVERLAPxQREG")
+    if stages not in (3, 4) or overlap != 1 or qreg not in (0, 1):
+        raise StreamgrError("STREAMGR_HSTU_WG: stages 3 or 4, overlap 1, Q-in-registers 0 or 1")
     return stages, overlap, qreg
 
 
@@ -163,7 +163,8 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, desc, layer: int, alp
             raise StreamgrError("hstu_attention: the wgmma kernel has no tiles with tails")
         fn = _cuda.arch_kernel(WG_SRC, WG_EXPRS, f"hstu_attn_fwd_wg<{D}, {flag}>", "sm_90a",
                                WG_DEFINES)
-        threads, smem = 256, (BM + 2 * WG_STAGES * WG_BN) * D * 2
+        # a producer warpgroup and two consumers; Q, the K/V stages, then 2 STAGES + 1 mbarriers
+        threads, smem = 384, (BM + 2 * WG_STAGES * WG_BN) * D * 2 + 8 * (2 * WG_STAGES + 1)
     else:
         fn = _cuda.kernel(SRC, EXPRS, f"hstu_attn_fwd<{D}, {flag}, {'true' if tails else 'false'}>",
                           DEFINES)

@@ -49,20 +49,22 @@ WG_EXPRS = tuple(f"hstu_attn_fwd_wg<{d}, {f}>" for d in (32, 64, 128) for f in (
 WG_BN = 64
 
 
-def _wg_config() -> tuple[int, int, int]:
-    """K/V stages, the S / P V overlap and Q in registers of the wgmma kernel
-    (HSTU_WG_STAGES, HSTU_WG_OVERLAP, HSTU_WG_QREG); ``STREAMGR_HSTU_WG=3x1x1`` picks another
-    for A/B benchmarks. The warp-specialized kernel always overlaps; Q in registers spills its
-    D = 128 direct build (consumers get 232 registers), so Q stays in shared memory."""
-    stages, overlap, qreg = _env_ints("STREAMGR_HSTU_WG", "4x1x0", "STAGESxOVERLAPxQREG")
-    if stages not in (3, 4) or overlap != 1 or qreg not in (0, 1):
-        raise StreamgrError("STREAMGR_HSTU_WG: stages 3 or 4, overlap 1, Q-in-registers 0 or 1")
-    return stages, overlap, qreg
+def _wg_config() -> tuple[int, int, int, int]:
+    """K/V stages, the S / P V overlap, Q in registers and the consumers' ping-pong of the
+    wgmma kernel (HSTU_WG_STAGES, HSTU_WG_OVERLAP, HSTU_WG_QREG, HSTU_WG_PINGPONG);
+    ``STREAMGR_HSTU_WG=3x1x0x0`` picks another for A/B benchmarks. The warp-specialized kernel
+    always overlaps; Q in registers spills its D = 128 direct build (consumers get 232
+    registers), so Q stays in shared memory by default."""
+    stages, overlap, qreg, pingpong = _env_ints("STREAMGR_HSTU_WG", "4x1x0x1",
+                                                "STAGESxOVERLAPxQREGxPINGPONG")
+    if stages not in (3, 4) or overlap != 1 or qreg not in (0, 1) or pingpong not in (0, 1):
+        raise StreamgrError("STREAMGR_HSTU_WG: stages 3 or 4, overlap 1, flags 0 or 1")
+    return stages, overlap, qreg, pingpong
 
 
-WG_STAGES, WG_OVERLAP, WG_QREG = _wg_config()
+WG_STAGES, WG_OVERLAP, WG_QREG, WG_PINGPONG = _wg_config()
 WG_DEFINES = (f"HSTU_WG_STAGES={WG_STAGES}", f"HSTU_WG_OVERLAP={WG_OVERLAP}",
-              f"HSTU_WG_QREG={WG_QREG}", f"HSTU_KC={KC}")
+              f"HSTU_WG_QREG={WG_QREG}", f"HSTU_WG_PINGPONG={WG_PINGPONG}", f"HSTU_KC={KC}")
 
 
 @functools.lru_cache(maxsize=8)

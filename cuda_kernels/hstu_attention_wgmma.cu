@@ -59,11 +59,57 @@ static_assert(HSTU_WG_OVERLAP == 1 && STAGES >= 3, "the overlapped loop keeps tw
 
 #include "wgmma_ops.cuh"
 
-// Element offset of (row r, column c, a multiple of 8) in a [rows x D] tile stored as core
-// matrices: 8 rows x 8 columns (128 contiguous bytes) each, row groups of D / 8 of them.
+// Shared-memory tiles as wgmma reads them. D >= 64: rows of 128-byte swizzle atoms (64
+// columns; a row's 16-byte chunk k stored at chunk k ^ (row % 8), atoms of D / 64 column blocks
+// one after another), so that a quarter-warp's copy of one row's 128 contiguous bytes lands in
+// eight distinct bank groups and each global row segment is one full 128-byte line (the core
+// matrix layout below needs eight rows per quarter-warp: half lines, twice the L2 requests,
+// the producer's limit). D = 32 (64-byte rows): core matrices, 8 rows x 16 bytes, no swizzle.
 template <int D>
-__device__ __forceinline__ int cm_off(int r, int c) {
-    return ((r >> 3) * (D / 8) + (c >> 3)) * 64 + (r & 7) * 8;
+constexpr bool kSwizzle = D % 64 == 0;
+// Element offset of (row r, column c, a multiple of 8) in a tile of R rows.
+template <int D, int R>
+__device__ __forceinline__ int tile_off(int r, int c) {
+    if constexpr (kSwizzle<D>)
+        return (c >> 6) * R * 64 + r * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3);
+    else
+        return ((r >> 3) * (D / 8) + (c >> 3)) * 64 + (r & 7) * 8;
+}
+// The (row, column) of copy i (16 bytes) of a tile: whole rows in order (D >= 64), or 8 rows
+// by one chunk, the core matrices' order (D = 32, conflict-free without a swizzle).
+template <int D>
+__device__ __forceinline__ void copy_rc(int i, int& r, int& c) {
+    constexpr int CH = D / 8;
+    if constexpr (kSwizzle<D>) {
+        r = i / CH;
+        c = (i % CH) * 8;
+    } else {
+        r = ((i >> 3) / CH) * 8 + (i & 7);
+        c = ((i >> 3) % CH) * 8;
+    }
+}
+// Descriptor of a K-major operand (Q or K): rows rbase.. of a tile of R rows, k16 step kk.
+// Swizzled: the stride byte offset is 8 rows (1,024 bytes), the leading one unused; the start
+// moves 32 bytes per step inside an atom (the hardware applies the swizzle to the address).
+template <int D, int R>
+__device__ __forceinline__ unsigned long long kmaj_desc(const __nv_bfloat16* tile, int rbase,
+                                                        int kk) {
+    // (the start address is the descriptor's low field: the k16 steps' constant byte offsets
+    // are added to one base descriptor, which keeps the unrolled steps out of registers)
+    if constexpr (kSwizzle<D>)
+        return desc_sw128(tile + rbase * 64, 16, 1024) + (((kk >> 2) * R * 128 + (kk & 3) * 32) >> 4);
+    else
+        return desc(tile + (rbase / 8) * (D / 8) * 64, 128, D * 16) + ((kk * 256) >> 4);
+}
+// Descriptor of V as the MN-major B operand of P V, keys 16 kc .. 16 kc + 15 of a BN-key tile:
+// swizzled, the leading byte offset is the next 64 columns (an atom block), the stride the
+// next 8 keys; core matrices: next 8 keys, next 8 columns.
+template <int D>
+__device__ __forceinline__ unsigned long long v_desc(const __nv_bfloat16* tile, int kc) {
+    if constexpr (kSwizzle<D>)
+        return desc_sw128(tile, BN * 128, 1024) + ((kc * 16 * 128) >> 4);
+    else
+        return desc(tile, D * 16, 128) + ((kc * 2 * (D / 8) * 128) >> 4);
 }
 
 // mbarriers (shared memory, 8 bytes each): the stages' full / empty signals.
@@ -110,8 +156,10 @@ __device__ __forceinline__ void set_max_regs_dec() {
 template <int D, bool DIRECT>
 __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) {
 #ifdef HSTU_WGMMA
-    extern __shared__ __align__(128) unsigned char smem[];
-    __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem);  // [BM x D] core matrices
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    // Swizzle atoms must start at 1,024-byte boundaries (the wrapper adds 1 KB for this).
+    unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+    __nv_bfloat16* Qs = reinterpret_cast<__nv_bfloat16*>(smem);  // [BM x D] (tile_off)
     __nv_bfloat16* Ks = Qs + BM * D;                              // [STAGES][BN x D]
     __nv_bfloat16* Vs = Ks + STAGES * BN * D;                     // [STAGES][BN x D]
     unsigned long long* full = reinterpret_cast<unsigned long long*>(Vs + STAGES * BN * D);
@@ -140,7 +188,7 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
     __syncthreads();  // the barriers initialized, for all (the last block-wide barrier)
 
     if (wg == 0) {  // the producer: Q, then each K/V tile once its stage is free
-        set_max_regs_dec<40>();
+        set_max_regs_dec<48>();  // 40 spills the producer's copy loop
         const int key_lim = (row0 + nrows > nn) ? hist : start + row0 + nrows;
         const bool is_paged = paged[b] != 0;
         const int* upages = pages + (is_paged ? page_ptr[b] : 0);
@@ -148,9 +196,10 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
         const long long HD = (long long)H * D;
         // 8 consecutive threads fill one core matrix (8 rows x 16 bytes): conflict-free stores.
         for (int i = tid; i < BM * CH; i += 128) {
-            const int r = ((i >> 3) / CH) * 8 + (i & 7), c = ((i >> 3) % CH) * 8;
+            int r, c;
+            copy_rc<D>(i, r, c);
             const bool ok = r < nrows;
-            cp_async16(Qs + cm_off<D>(r, c), ok ? q + (qs + row0 + r) * sq + h * D + c : q,
+            cp_async16(Qs + tile_off<D, BM>(r, c), ok ? q + (qs + row0 + r) * sq + h * D + c : q,
                        ok ? 16 : 0);
         }
         cp_async_mbar_arrive(q_full);
@@ -161,7 +210,8 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
             __nv_bfloat16* vd = Vs + stage * BN * D;
 #pragma unroll 4
             for (int i = tid; i < BN * CH; i += 128) {
-                const int r = ((i >> 3) / CH) * 8 + (i & 7), c = ((i >> 3) % CH) * 8;
+                int r, c;
+                copy_rc<D>(i, r, c);
                 const int j = kt * BN + r;
                 const __nv_bfloat16 *kp = q, *vp = q;
                 const bool ok = j < key_lim;  // past it zero-filled (garbage could be NaN)
@@ -177,8 +227,8 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
                         vp = v + (krow + j) * sv + h * D + c;
                     }
                 }
-                cp_async16(kd + cm_off<D>(r, c), kp, ok ? 16 : 0);
-                cp_async16(vd + cm_off<D>(r, c), vp, ok ? 16 : 0);
+                cp_async16(kd + tile_off<D, BN>(r, c), kp, ok ? 16 : 0);
+                cp_async16(vd + tile_off<D, BN>(r, c), vp, ok ? 16 : 0);
             }
             cp_async_mbar_arrive(full + stage);
         }
@@ -187,7 +237,7 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
     }
 
     // The consumers: warpgroup cw owns rows 64 cw .. 64 cw + 63 of the tile.
-    set_max_regs_inc<232>();
+    set_max_regs_inc<224>();  // 128 x 48 + 256 x 224 <= 64 K registers
     const int cw = wg - 1;
     if (cw >= consumers) return;  // no rows (its warps are not counted in `empty`)
     const float half_alpha = 0.5f * alpha;
@@ -223,11 +273,6 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
         }
     };
 
-    constexpr unsigned KMAJ_LBO = 128, KMAJ_SBO = D * 16;  // Q and K: next k-chunk, next 8 rows
-    constexpr unsigned V_LBO = D * 16, V_SBO = 128;  // V (MN-major): next 8 keys, next 8 dims
-#if !HSTU_WG_QREG
-    const __nv_bfloat16* Qw = Qs + (cw * 64 / 8) * CH * 64;  // the warpgroup's 64 rows
-#endif
 
 #if HSTU_WG_QREG
     // Q as register A fragments (S reads only K from shared memory: with Q there too, each
@@ -235,7 +280,7 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
     unsigned qa[D / 16][4];
     auto load_q = [&]() {  // from the core-matrix layout, after Q landed
         auto at = [&](int r, int c) {
-            return *reinterpret_cast<const unsigned*>(Qs + cm_off<D>(r, c & ~7) + (c & 7));
+            return *reinterpret_cast<const unsigned*>(Qs + tile_off<D, BM>(r, c & ~7) + (c & 7));
         };
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
@@ -256,10 +301,10 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk)
 #if HSTU_WG_QREG
-            wgmma_rs_kmaj_n64(s, qa[kk], desc(Kt + kk * 2 * 64, KMAJ_LBO, KMAJ_SBO), kk > 0);
+            wgmma_rs_kmaj_n64(s, qa[kk], kmaj_desc<D, BN>(Kt, 0, kk), kk > 0);
 #else
-            wgmma_ss_n64(s, desc(Qw + kk * 2 * 64, KMAJ_LBO, KMAJ_SBO),
-                         desc(Kt + kk * 2 * 64, KMAJ_LBO, KMAJ_SBO), kk > 0);
+            wgmma_ss_n64(s, kmaj_desc<D, BM>(Qs, cw * 64, kk), kmaj_desc<D, BN>(Kt, 0, kk),
+                         kk > 0);
 #endif
         wg_commit();
     };
@@ -295,7 +340,7 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
         wg_fence();
 #pragma unroll
         for (int kc = 0; kc < BN / 16; ++kc)
-            wgmma_pv<D>(acc, p[kc], desc(Vt + kc * 2 * CH * 64, V_LBO, V_SBO));
+            wgmma_pv<D>(acc, p[kc], v_desc<D>(Vt, kc));
         wg_commit();
     };
     auto chunk_end = [&](int kt) {

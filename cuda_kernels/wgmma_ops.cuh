@@ -12,6 +12,13 @@ __device__ __forceinline__ unsigned long long desc(const void* p, unsigned lbo, 
            | ((unsigned long long)((sbo & 0x3FFFF) >> 4) << 32);
 }
 
+// The same with the 128-byte swizzle (layout type 1 in bits 62-63); the matrix must start at
+// a 1,024-byte boundary plus the in-atom offset of the step.
+__device__ __forceinline__ unsigned long long desc_sw128(const void* p, unsigned lbo,
+                                                         unsigned sbo) {
+    return desc(p, lbo, sbo) | (1ull << 62);
+}
+
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");

@@ -53,7 +53,7 @@ def _wg_config() -> tuple[int, int, int, int]:
     """K/V stages, the S / P V overlap, Q in registers and the consumers' ping-pong of the
     wgmma kernel (HSTU_WG_STAGES, HSTU_WG_OVERLAP, HSTU_WG_QREG, HSTU_WG_PINGPONG);
     ``STREAMGR_HSTU_WG=3x1x0x0`` picks another for A/B benchmarks. The warp-specialized kernel
-    always overlaps; Q in registers spills its D = 128 direct build (consumers get 232
+    always overlaps; Q in registers spills its D = 128 direct build (consumers get 224
     registers), so Q stays in shared memory by default."""
     stages, overlap, qreg, pingpong = _env_ints("STREAMGR_HSTU_WG", "4x1x0x1",
                                                 "STAGESxOVERLAPxQREGxPINGPONG")
@@ -166,7 +166,8 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, desc, layer: int, alp
         fn = _cuda.arch_kernel(WG_SRC, WG_EXPRS, f"hstu_attn_fwd_wg<{D}, {flag}>", "sm_90a",
                                WG_DEFINES)
         # a producer warpgroup and two consumers; Q, the K/V stages, then 2 STAGES + 1 mbarriers
-        threads, smem = 384, (BM + 2 * WG_STAGES * WG_BN) * D * 2 + 8 * (2 * WG_STAGES + 1)
+        # (+ 1 KB: the kernel aligns its swizzled tiles to 1,024 bytes)
+        threads, smem = 384, (BM + 2 * WG_STAGES * WG_BN) * D * 2 + 8 * (2 * WG_STAGES + 1) + 1024
     else:
         fn = _cuda.kernel(SRC, EXPRS, f"hstu_attn_fwd<{D}, {flag}, {'true' if tails else 'false'}>",
                           DEFINES)

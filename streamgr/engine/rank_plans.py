@@ -171,8 +171,7 @@ class RankPlans:
         cfg = self.model.cfg
         if self._sms is None:
             self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        hps = hstu_plan.plan_host_pair(desc, cfg.num_heads, self._sms,
-                                       tails=attn_cuda.tails_for(self.device, cfg.head_dim))
+        hps = attn_cuda.plan_pair(desc, self.device, cfg.num_heads, cfg.head_dim, self._sms)
         hp = hps[0]
         if len(hp.pages) > self.max_pages:
             return None

@@ -18,9 +18,11 @@ By default (*tiles with tails*; ``STREAMGR_HSTU_TAIL=0`` turns it off) a user's 
 rows past a full tile join that tile, computed on its K/V tiles by all four warps, instead of a thin tile of their
 own: the same MMAs in the same order, so again no change in a result's bits.
 
-Two forward kernels run a plan: the mma.sync one (``hstu_attention.cu``, the default) and a
-wgmma one for Hopper (``hstu_attention_wgmma.cu``, ``STREAMGR_HSTU_KERNEL=wgmma``), correct
-and tested but slower on the H200 so far (docs/benchmarks.md has both).
+Two forward kernels run a plan, with the same bits: the mma.sync one (``hstu_attention.cu``)
+and a warp-specialized wgmma one for Hopper (``hstu_attention_wgmma.cu``). By default
+(``STREAMGR_HSTU_KERNEL=auto``) direct plans without tails run on wgmma (faster over a
+recompute's long row tiles) and the rest on mma.sync (faster on a cached batch's short chunk
+items); docs/benchmarks.md has both.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 from ..errors import StreamgrError
 from . import _cuda
 from .hstu_plan import (BM, BN, KC, SR, STAGES, SUB, TAIL, TAILS, Capacity, _env_ints,
-                        page_csr, plan_host)
+                        page_csr, plan_host, plan_host_pair)
 
 
 DEFINES = (f"HSTU_BN={BN}", f"HSTU_STAGES={STAGES}", f"HSTU_SUB={SUB}", f"HSTU_KC={KC}")
@@ -68,18 +70,44 @@ WG_DEFINES = (f"HSTU_WG_STAGES={WG_STAGES}", f"HSTU_WG_OVERLAP={WG_OVERLAP}",
 
 
 @functools.lru_cache(maxsize=8)
-def _use_wgmma(index: int) -> bool:
-    """The wgmma kernel when ``STREAMGR_HSTU_KERNEL=wgmma`` (Hopper, compute capability 9.0,
-    64-key tiles); the mma.sync kernel otherwise (``mma``, the default: faster so far)."""
-    choice = os.environ.get("STREAMGR_HSTU_KERNEL", "mma").lower()
-    if choice not in ("wgmma", "mma"):
-        raise StreamgrError(f"STREAMGR_HSTU_KERNEL={choice!r}: wgmma or mma")
+def _kernel_choice(index: int) -> str:
+    """``STREAMGR_HSTU_KERNEL``: ``auto`` (the default): direct plans without tails (a
+    recompute's long row tiles) on the wgmma kernel, the rest (a cached batch's short
+    chunk items and tiles with tails) on the mma.sync one, each where it is faster on the H200;
+    ``mma`` or ``wgmma``: every plan on that kernel. The two give the same bits (the same
+    k16 MMA steps in the same order, the same SiLU and folds; tested on random batches), so
+    the choice never changes a result and a cached batch still equals its recompute. wgmma
+    needs Hopper (compute capability 9.0) and 64-key tiles; ``auto`` is ``mma`` elsewhere."""
+    choice = os.environ.get("STREAMGR_HSTU_KERNEL", "auto").lower()
+    if choice not in ("auto", "wgmma", "mma"):
+        raise StreamgrError(f"STREAMGR_HSTU_KERNEL={choice!r}: auto, wgmma or mma")
     if choice == "mma":
-        return False
+        return choice
     if BN != WG_BN or torch.cuda.get_device_capability(index) != (9, 0):
-        raise StreamgrError("STREAMGR_HSTU_KERNEL=wgmma needs an sm_90 GPU and 64-key tiles")
+        if choice == "wgmma":
+            raise StreamgrError("STREAMGR_HSTU_KERNEL=wgmma needs an sm_90 GPU and 64-key tiles")
+        return "mma"
     _cuda.arch_module(WG_SRC, WG_EXPRS, "sm_90a", WG_DEFINES)  # compiles, or raises why not
-    return True
+    return choice
+
+
+def _use_wgmma(index: int) -> bool:
+    """Every plan on the wgmma kernel (``STREAMGR_HSTU_KERNEL=wgmma``)."""
+    return _kernel_choice(index) == "wgmma"
+
+
+def _wgmma_runs(p: "Plan", index: int, dim: int) -> bool:
+    """Whether plan ``p`` runs on the wgmma kernel (see ``_kernel_choice``)."""
+    choice = _kernel_choice(index)
+    return choice == "wgmma" or (choice == "auto" and not p.split and p.max_rows == BM
+                                 and dim % 64 == 0)
+
+
+def untail_direct(device: torch.device, dim: int) -> bool:
+    """Whether a direct plan with tails should be tiled again without them, for the wgmma
+    kernel (``auto``: a recompute's plan; its few tail rows then take thin tiles)."""
+    return (device.type == "cuda" and dim % 64 == 0
+            and _kernel_choice(device.index or 0) == "auto")
 
 
 @dataclass
@@ -106,11 +134,24 @@ def tails_for(device: torch.device, dim: int) -> bool:
             and not (device.type == "cuda" and _use_wgmma(device.index or 0)))
 
 
+def plan_pair(desc, device: torch.device, heads: int, dim: int, sms: int) -> tuple:
+    """:func:`plan_host_pair` (every layer's plan and the last layer's), a direct one without
+    tails where the wgmma kernel takes it (``untail_direct``)."""
+    tails = tails_for(device, dim)
+    hps = plan_host_pair(desc, heads, sms, tails=tails)
+    if tails and not hps[0].split and hps[0].max_rows > BM and untail_direct(device, dim):
+        hps = plan_host_pair(desc, heads, sms, tails=False)
+    return hps
+
+
 def plan(desc, device: torch.device, heads: int, force: str | None = None,
          dim: int = 0, cand_only: bool = False) -> Plan:
     """:func:`plan_host`, copied to the device in one transfer."""
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
-    hp = plan_host(desc, heads, sms, force, tails_for(device, dim), cand_only)
+    tails = tails_for(device, dim)
+    hp = plan_host(desc, heads, sms, force, tails, cand_only)
+    if tails and not hp.split and hp.max_rows > BM and untail_direct(device, dim):
+        hp = plan_host(desc, heads, sms, "direct", False, cand_only)
     arrays = list(hp.items) + list(hp.users) + [hp.page_ptr, hp.pages] + list(hp.fin)
     sizes = [len(a) for a in arrays]
     host_t = torch.from_numpy(np.concatenate(arrays).astype(np.int32))
@@ -160,7 +201,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, desc, layer: int, alp
     tails = p.max_rows > BM
     slot_rows = SR if tails else BM  # the forward kernels' slot stride (rows)
     extra = ()
-    if _use_wgmma(q.device.index or 0):
+    if _wgmma_runs(p, q.device.index or 0, D):
         if tails:
             raise StreamgrError("hstu_attention: the wgmma kernel has no tiles with tails")
         fn = _cuda.arch_kernel(WG_SRC, WG_EXPRS, f"hstu_attn_fwd_wg<{D}, {flag}>", "sm_90a",

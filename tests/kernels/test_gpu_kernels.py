@@ -130,17 +130,18 @@ def check_attention(q, k, v, desc, D, plan, rtol=2e-2):
 
 
 # The wgmma kernel where it runs (Hopper, compute capability 9.0); the mma.sync one everywhere.
-KERNELS = ["mma"] + (["wgmma"] if torch.cuda.is_available()
+KERNELS = ["mma"] + (["wgmma", "auto"] if torch.cuda.is_available()
                      and torch.cuda.get_device_capability() == (9, 0) else [])
 
 
 @pytest.fixture(params=KERNELS)
 def hstu_kernel(request, monkeypatch):
-    """Both forward kernels: the wgmma one (sm_90a) and the mma.sync one."""
+    """Both forward kernels: the wgmma one (sm_90a), the mma.sync one, and the default choice
+    between them per plan."""
     from streamgr.kernels import _cuda, hstu_attention_cuda as hc
-    if request.param == "wgmma":
+    if request.param != "mma":
         _cuda.arch_module(hc.WG_SRC, hc.WG_EXPRS, "sm_90a", hc.WG_DEFINES)  # builds
-    monkeypatch.setattr(hc, "_use_wgmma", lambda index: request.param == "wgmma")
+    monkeypatch.setattr(hc, "_kernel_choice", lambda index: request.param)
     return request.param
 
 
@@ -160,14 +161,9 @@ def strided(q, k, v):
     return fused[:, 0], fused[:, 1], fused[:, 2]
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_hstu_attention_random_jagged(seed, hstu_kernel):
-    """Random batches (1-16 users, histories up to 20,000, pages of 1-128 keys partly filled,
-    zero new tokens, one candidate): split and direct plans within tolerance of the reference
-    and equal to each other bit for bit (a cached batch must equal its recompute), strided
-    inputs read in place."""
-    rng = np.random.default_rng(seed + 100 * int(torch.randint(0, 1000, ()).item()))
-    D = [32, 64, 128][seed % 3]
+def random_users(rng):
+    """1-16 users (hist, new, cand, paged): histories up to 20,000, pages of 1-128 keys partly
+    filled, zero new tokens, one candidate; and the page size."""
     users = []
     for _ in range(int(rng.integers(1, 17))):
         hist = int(rng.choice([0, 1, int(rng.integers(1, 600)), int(rng.integers(600, 20000))]))
@@ -177,6 +173,18 @@ def test_hstu_attention_random_jagged(seed, hstu_kernel):
     if all(h + c == 0 for h, _, c, _ in users):
         users.append((3, 3, 1, False))
     P = int(rng.choice([1, 4, 16, 24, 32, 128]))  # page index by shift (powers of two) or division
+    return users, P
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_hstu_attention_random_jagged(seed, hstu_kernel):
+    """Random batches (1-16 users, histories up to 20,000, pages of 1-128 keys partly filled,
+    zero new tokens, one candidate): split and direct plans within tolerance of the reference
+    and equal to each other bit for bit (a cached batch must equal its recompute), strided
+    inputs read in place."""
+    rng = np.random.default_rng(seed + 100 * int(torch.randint(0, 1000, ()).item()))
+    D = [32, 64, 128][seed % 3]
+    users, P = random_users(rng)
     q, k, v, desc = attention_case(users, H=2, D=D, P=P, seed=seed)
     try:  # a random case that fails names itself (to be replayed)
         outs = [check_attention(*strided(q, k, v), desc, D, plan) for plan in ("split", "direct")]
@@ -185,13 +193,35 @@ def test_hstu_attention_random_jagged(seed, hstu_kernel):
         raise AssertionError(f"{err}\ncase: users={users} D={D} P={P}") from None
 
 
+@pytest.mark.skipif("wgmma" not in KERNELS, reason="the wgmma kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("seed", range(9))
+def test_mma_and_wgmma_kernels_give_the_same_bits(seed, monkeypatch):
+    """The default (``auto``) runs a cached batch's split plan on the mma.sync kernel and a
+    recompute's direct plan on the wgmma one, so a cached batch equals its recompute bit for
+    bit only if the two kernels agree bit for bit: random batches, both plans on both kernels
+    (mma.sync with its tiles with tails), all four outputs equal."""
+    from streamgr.kernels import hstu_attention_cuda as hc
+    rng = np.random.default_rng(seed + 100 * int(torch.randint(0, 1000, ()).item()))
+    D = [32, 64, 128][seed % 3]
+    users, P = random_users(rng)
+    q, k, v, desc = attention_case(users, H=2, D=D, P=P, seed=seed)
+    outs = {}
+    for kern in ("mma", "wgmma"):
+        monkeypatch.setattr(hc, "_kernel_choice", lambda index, c=kern: c)
+        desc._cache.clear()  # its plans: tiles with tails on mma.sync only
+        for plan in ("split", "direct"):
+            outs[kern, plan] = check_attention(*strided(q, k, v), desc, D, plan)
+    for key, out in outs.items():
+        assert torch.equal(out, outs["mma", "split"]), (key, f"users={users} D={D} P={P}")
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_tiles_with_tails_give_the_same_bits(seed, monkeypatch):
     """Tiles with tails (STREAMGR_HSTU_TAIL=1: a user's last <= 16 rows run on the preceding
     tile's K/V tiles by all four warps) against separate tail tiles: split and direct plans of
     both within tolerance of the reference and all four equal bit for bit (mma.sync kernel)."""
     from streamgr.kernels import hstu_attention_cuda as hc
-    monkeypatch.setattr(hc, "_use_wgmma", lambda index: False)
+    monkeypatch.setattr(hc, "_kernel_choice", lambda index: "mma")
     rng = np.random.default_rng(seed)
     D = [64, 128, 128][seed]
     users = [(int(rng.integers(300, 9000)), int(rng.integers(0, 17)), 256, True)

@@ -31,7 +31,11 @@
 namespace {
 
 constexpr int BM = 128;     // query rows per block: two warpgroups of 64
-constexpr int BN = 64;      // keys per tile
+#ifndef HSTU_WG_BN
+#define HSTU_WG_BN 64
+#endif
+constexpr int BN = HSTU_WG_BN;  // keys per tile (64 or 128)
+constexpr int PLAN_BN = 64;     // keys per tile of the plan's kt0 / kt1 (hstu_plan's BN)
 #ifndef HSTU_KC
 #define HSTU_KC 512
 #endif
@@ -51,8 +55,12 @@ constexpr int TPC = KC / BN;
 #endif
 constexpr int STAGES = HSTU_WG_STAGES;
 constexpr int THREADS = 384;  // warpgroup 0 produces (copies), 1 and 2 consume (64 rows each)
-static_assert(BM == 2 * 64 && TPC * BN == KC, "two warpgroups of 64 rows, whole tiles per chunk");
-static_assert(HSTU_WG_OVERLAP == 1 && STAGES >= 3, "the overlapped loop keeps two tiles resident");
+static_assert(BM == 2 * 64 && TPC * BN == KC && (BN == 64 || BN == 128),
+              "two warpgroups of 64 rows, whole tiles of 64 or 128 keys per chunk");
+// OVERLAP 1: S of tile kt + 1 and P V of tile kt in flight together, two P buffers; 0: one P
+// buffer, the SiLU after both (the other warpgroup's MMAs still overlap it: ping-pong), for
+// 128-key tiles, whose second P buffer does not fit in the registers.
+static_assert(STAGES >= 2 + HSTU_WG_OVERLAP, "the overlapped loop keeps two tiles resident");
 
 #ifdef HSTU_WGMMA
 #include "hstu_common.cuh"
@@ -166,10 +174,11 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
     unsigned long long* empty = full + STAGES;
     unsigned long long* q_full = empty + STAGES;
 
-    // The plan's key tiles are 64 keys too (the wrapper checks), 8 to a chunk.
+    // The plan's key tiles are 64 keys; this kernel's are BN (a chunk starts on one of both).
     const int item = blockIdx.x, h = blockIdx.y;
     const int b = item_user[item], row0 = item_row0[item];
-    const int kt0 = item_kt0[item], kt1 = item_kt1[item];
+    const int kt0 = item_kt0[item] * PLAN_BN / BN;
+    const int kt1 = (item_kt1[item] * PLAN_BN + BN - 1) / BN;
     const int qs = q_start[b], hist = hist_len[b], nn = n_new[b], nc = n_cand[b];
     const int nrows = min(BM, nn + nc - row0);
     if (nrows <= 0 || kt0 >= kt1) return;  // padding item, or a tile without keys
@@ -259,16 +268,23 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
             const int r = wrow + g + hl * 8;
             if (r >= nrows) continue;
             float* row = w + r * D + 2 * t;
-            float2 o[D / 8];
+            // In groups of 8 columns pairs: each group's old values loaded before its stores
+            // (so the loads overlap), few registers beside the accumulators.
+            constexpr int G = D / 8 < 8 ? D / 8 : 8;
 #pragma unroll
-            for (int n = 0; n < D / 8; ++n)
-                o[n] = (DIRECT && !first) ? *reinterpret_cast<const float2*>(row + n * 8)
-                                          : make_float2(0.0f, 0.0f);
+            for (int n0 = 0; n0 < D / 8; n0 += G) {
+                float2 o[G];
 #pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                float2 x = make_float2(acc[4 * n + 2 * hl], acc[4 * n + 2 * hl + 1]);
-                if (DIRECT) x = make_float2(__fadd_rn(o[n].x, x.x), __fadd_rn(o[n].y, x.y));
-                *reinterpret_cast<float2*>(row + n * 8) = x;
+                for (int n = 0; n < G; ++n)
+                    o[n] = (DIRECT && !first) ? *reinterpret_cast<const float2*>(row + (n0 + n) * 8)
+                                              : make_float2(0.0f, 0.0f);
+#pragma unroll
+                for (int n = 0; n < G; ++n) {
+                    const int m = n0 + n;
+                    float2 x = make_float2(acc[4 * m + 2 * hl], acc[4 * m + 2 * hl + 1]);
+                    if (DIRECT) x = make_float2(__fadd_rn(o[n].x, x.x), __fadd_rn(o[n].y, x.y));
+                    *reinterpret_cast<float2*>(row + m * 8) = x;
+                }
             }
         }
     };
@@ -301,10 +317,10 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk)
 #if HSTU_WG_QREG
-            wgmma_rs_kmaj_n64(s, qa[kk], kmaj_desc<D, BN>(Kt, 0, kk), kk > 0);
+            wgmma_s_rs<BN>(s, qa[kk], kmaj_desc<D, BN>(Kt, 0, kk), kk > 0);
 #else
-            wgmma_ss_n64(s, kmaj_desc<D, BM>(Qs, cw * 64, kk), kmaj_desc<D, BN>(Kt, 0, kk),
-                         kk > 0);
+            wgmma_s_ss<BN>(s, kmaj_desc<D, BM>(Qs, cw * 64, kk), kmaj_desc<D, BN>(Kt, 0, kk),
+                           kk > 0);
 #endif
         wg_commit();
     };
@@ -333,23 +349,24 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
             out[kc][3] = pack_bf16(x[6], x[7]);
         }
     };
-    auto issue_pv = [&](unsigned (&p)[BN / 16][4], int stage) {  // O += P V, one commit group
-        const __nv_bfloat16* Vt = Vs + stage * BN * D;
+    // O += P V of tile kt, one commit group; a chunk's first tile starts O afresh (its partial
+    // starts from zero) by the first MMA's scale-d of 0 instead of a zeroing pass.
+    auto issue_pv = [&](unsigned (&p)[BN / 16][4], int kt) {
+        const __nv_bfloat16* Vt = Vs + ((kt - kt0) % STAGES) * BN * D;
+        const int fresh = kt == kt0 || kt % TPC == 0;
         fence_regs(p);
         fence_regs(acc);
         wg_fence();
 #pragma unroll
         for (int kc = 0; kc < BN / 16; ++kc)
-            wgmma_pv<D>(acc, p[kc], v_desc<D>(Vt, kc));
+            wgmma_pv<D>(acc, p[kc], v_desc<D>(Vt, kc), kc > 0 || !fresh);
         wg_commit();
     };
     auto chunk_end = [&](int kt) {
-        if (DIRECT && ((kt + 1) % TPC == 0 || kt + 1 == kt1)) {
-            // (the guard always holds here; without it ptxas serializes every wgmma of the
-            // DIRECT kernels, warning C7511)
-            if (cw * 64 < nrows) flush(kt < TPC);
-            zero_acc();
-        }
+        // (the guard always holds here; without it ptxas serializes every wgmma of the
+        // DIRECT kernels, warning C7511)
+        if (DIRECT && ((kt + 1) % TPC == 0 || kt + 1 == kt1) && cw * 64 < nrows)
+            flush(kt < TPC);
     };
     auto wait_full = [&](int kt) {  // tile kt's stage landed (then visible to the async proxy)
         const int it = kt - kt0;
@@ -394,16 +411,25 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
     // would let the allocator merge them, and the next SiLU would overwrite the A operand of
     // the P V still in flight), and the last tile peeled off: ptxas serializes every wgmma when
     // it cannot prove that (or when the S issue and its wait sit under a data-dependent branch).
+#if HSTU_WG_OVERLAP
     unsigned pb[BN / 16][4];
+#else
+    auto& pb = pa;
+#endif
     auto step = [&](int kt, unsigned (&cur)[BN / 16][4], unsigned (&nxt)[BN / 16][4]) {
         wait_full(kt + 1);  // a tile kt + 1 exists
         my_turn();
         issue_s((kt + 1 - kt0) % STAGES);
-        issue_pv(cur, (kt - kt0) % STAGES);
+        issue_pv(cur, kt);
         hand_over();
+#if HSTU_WG_OVERLAP
         wg_wait<1>();  // S of tile kt + 1 (P V of tile kt may still run)
         silu_p(kt + 1, nxt);
         wg_wait<0>();
+#else
+        wg_wait<0>();  // both (`nxt` is `cur`)
+        silu_p(kt + 1, nxt);
+#endif
         fence_regs(acc);
         fence_regs(cur);
         release(kt);
@@ -411,7 +437,7 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
     };
     auto last = [&](int kt, unsigned (&cur)[BN / 16][4]) {
         my_turn();
-        issue_pv(cur, (kt - kt0) % STAGES);
+        issue_pv(cur, kt);
         hand_over();
         wg_wait<0>();
         fence_regs(acc);

@@ -48,25 +48,28 @@ EXPRS = tuple(e for d in (32, 64, 128) for e in (
 # The wgmma forward (sm_90a): the same items and slots, finished by the same merge.
 WG_SRC = "hstu_attention_wgmma.cu"
 WG_EXPRS = tuple(f"hstu_attn_fwd_wg<{d}, {f}>" for d in (32, 64, 128) for f in ("true", "false"))
-WG_BN = 64
 
 
-def _wg_config() -> tuple[int, int, int, int]:
-    """K/V stages, the S / P V overlap, Q in registers and the consumers' ping-pong of the
-    wgmma kernel (HSTU_WG_STAGES, HSTU_WG_OVERLAP, HSTU_WG_QREG, HSTU_WG_PINGPONG);
-    ``STREAMGR_HSTU_WG=3x1x0x0`` picks another for A/B benchmarks. The warp-specialized kernel
-    always overlaps; Q in registers spills its D = 128 direct build (consumers get 224
-    registers), so Q stays in shared memory by default."""
-    stages, overlap, qreg, pingpong = _env_ints("STREAMGR_HSTU_WG", "4x1x0x1",
-                                                "STAGESxOVERLAPxQREGxPINGPONG")
-    if stages not in (3, 4) or overlap != 1 or qreg not in (0, 1) or pingpong not in (0, 1):
-        raise StreamgrError("STREAMGR_HSTU_WG: stages 3 or 4, overlap 1, flags 0 or 1")
-    return stages, overlap, qreg, pingpong
+def _wg_config() -> tuple[int, int, int, int, int]:
+    """K/V stages, the S / P V overlap (two P buffers), Q in registers, the consumers'
+    ping-pong and the keys per tile of the wgmma kernel (HSTU_WG_STAGES, HSTU_WG_OVERLAP,
+    HSTU_WG_QREG, HSTU_WG_PINGPONG, HSTU_WG_BN); ``STREAMGR_HSTU_WG=4x1x0x1x64`` picks another
+    for A/B benchmarks. Q in registers spills the D = 128 direct build (consumers get 224
+    registers), so Q stays in shared memory by default; 128-key tiles fit 3 stages at most."""
+    stages, overlap, qreg, pingpong, keys = _env_ints(
+        "STREAMGR_HSTU_WG", "4x1x0x1x64", "STAGESxOVERLAPxQREGxPINGPONGxKEYS")
+    if stages not in (2, 3, 4) or stages < 2 + overlap or overlap not in (0, 1) \
+            or qreg not in (0, 1) or pingpong not in (0, 1) or keys not in (64, 128) \
+            or (keys == 128 and stages > 3):
+        raise StreamgrError("STREAMGR_HSTU_WG: stages 2-4 (3+ with overlap, 3 at most with "
+                            "128 keys), flags 0 or 1, keys 64 or 128")
+    return stages, overlap, qreg, pingpong, keys
 
 
-WG_STAGES, WG_OVERLAP, WG_QREG, WG_PINGPONG = _wg_config()
+WG_STAGES, WG_OVERLAP, WG_QREG, WG_PINGPONG, WG_BN = _wg_config()
 WG_DEFINES = (f"HSTU_WG_STAGES={WG_STAGES}", f"HSTU_WG_OVERLAP={WG_OVERLAP}",
-              f"HSTU_WG_QREG={WG_QREG}", f"HSTU_WG_PINGPONG={WG_PINGPONG}", f"HSTU_KC={KC}")
+              f"HSTU_WG_QREG={WG_QREG}", f"HSTU_WG_PINGPONG={WG_PINGPONG}",
+              f"HSTU_WG_BN={WG_BN}", f"HSTU_KC={KC}")
 
 
 @functools.lru_cache(maxsize=8)
@@ -83,7 +86,7 @@ def _kernel_choice(index: int) -> str:
         raise StreamgrError(f"STREAMGR_HSTU_KERNEL={choice!r}: auto, wgmma or mma")
     if choice == "mma":
         return choice
-    if BN != WG_BN or torch.cuda.get_device_capability(index) != (9, 0):
+    if BN != 64 or torch.cuda.get_device_capability(index) != (9, 0):
         if choice == "wgmma":
             raise StreamgrError("STREAMGR_HSTU_KERNEL=wgmma needs an sm_90 GPU and 64-key tiles")
         return "mma"

@@ -32,7 +32,7 @@ namespace {
 
 constexpr int BM = 128;     // query rows per block: two warpgroups of 64
 #ifndef HSTU_WG_BN
-#define HSTU_WG_BN 64
+#define HSTU_WG_BN 128
 #endif
 constexpr int BN = HSTU_WG_BN;  // keys per tile (64 or 128)
 constexpr int PLAN_BN = 64;     // keys per tile of the plan's kt0 / kt1 (hstu_plan's BN)
@@ -42,7 +42,7 @@ constexpr int PLAN_BN = 64;     // keys per tile of the plan's kt0 / kt1 (hstu_p
 constexpr int KC = HSTU_KC; // keys per chunk, as in hstu_attention.cu
 constexpr int TPC = KC / BN;
 #ifndef HSTU_WG_STAGES
-#define HSTU_WG_STAGES 4
+#define HSTU_WG_STAGES 3
 #endif
 #ifndef HSTU_WG_OVERLAP
 #define HSTU_WG_OVERLAP 1
@@ -57,10 +57,9 @@ constexpr int STAGES = HSTU_WG_STAGES;
 constexpr int THREADS = 384;  // warpgroup 0 produces (copies), 1 and 2 consume (64 rows each)
 static_assert(BM == 2 * 64 && TPC * BN == KC && (BN == 64 || BN == 128),
               "two warpgroups of 64 rows, whole tiles of 64 or 128 keys per chunk");
-// OVERLAP 1: S of tile kt + 1 and P V of tile kt in flight together, two P buffers; 0: one P
-// buffer, the SiLU after both (the other warpgroup's MMAs still overlap it: ping-pong), for
-// 128-key tiles, whose second P buffer does not fit in the registers.
-static_assert(STAGES >= 2 + HSTU_WG_OVERLAP, "the overlapped loop keeps two tiles resident");
+// S of tile kt + 1 and P V of tile kt in flight together, two P buffers (the only loop: a
+// one-buffer variant failed a GPU test, session 9, and ran no faster).
+static_assert(HSTU_WG_OVERLAP == 1 && STAGES >= 3, "the overlapped loop keeps two tiles resident");
 
 #ifdef HSTU_WGMMA
 #include "hstu_common.cuh"
@@ -411,25 +410,16 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
     // would let the allocator merge them, and the next SiLU would overwrite the A operand of
     // the P V still in flight), and the last tile peeled off: ptxas serializes every wgmma when
     // it cannot prove that (or when the S issue and its wait sit under a data-dependent branch).
-#if HSTU_WG_OVERLAP
     unsigned pb[BN / 16][4];
-#else
-    auto& pb = pa;
-#endif
     auto step = [&](int kt, unsigned (&cur)[BN / 16][4], unsigned (&nxt)[BN / 16][4]) {
         wait_full(kt + 1);  // a tile kt + 1 exists
         my_turn();
         issue_s((kt + 1 - kt0) % STAGES);
         issue_pv(cur, kt);
         hand_over();
-#if HSTU_WG_OVERLAP
         wg_wait<1>();  // S of tile kt + 1 (P V of tile kt may still run)
         silu_p(kt + 1, nxt);
         wg_wait<0>();
-#else
-        wg_wait<0>();  // both (`nxt` is `cur`)
-        silu_p(kt + 1, nxt);
-#endif
         fence_regs(acc);
         fence_regs(cur);
         release(kt);

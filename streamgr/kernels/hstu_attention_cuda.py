@@ -51,18 +51,18 @@ WG_EXPRS = tuple(f"hstu_attn_fwd_wg<{d}, {f}>" for d in (32, 64, 128) for f in (
 
 
 def _wg_config() -> tuple[int, int, int, int, int]:
-    """K/V stages, the S / P V overlap (two P buffers), Q in registers, the consumers'
-    ping-pong and the keys per tile of the wgmma kernel (HSTU_WG_STAGES, HSTU_WG_OVERLAP,
-    HSTU_WG_QREG, HSTU_WG_PINGPONG, HSTU_WG_BN); ``STREAMGR_HSTU_WG=4x1x0x1x64`` picks another
-    for A/B benchmarks. Q in registers spills the D = 128 direct build (consumers get 224
-    registers), so Q stays in shared memory by default; 128-key tiles fit 3 stages at most."""
+    """K/V stages, the S / P V overlap (always on), Q in registers, the consumers' ping-pong
+    and the keys per tile of the wgmma kernel (HSTU_WG_STAGES, HSTU_WG_OVERLAP, HSTU_WG_QREG,
+    HSTU_WG_PINGPONG, HSTU_WG_BN); ``STREAMGR_HSTU_WG=4x1x0x1x64`` picks another for A/B
+    benchmarks. The default, 3 stages of 128-key tiles with Q in shared memory, was the
+    fastest on the H200 (docs/benchmarks.md, session 9); Q in registers spills the D = 128
+    direct build (consumers get 224 registers); 128-key tiles fit 3 stages at most."""
     stages, overlap, qreg, pingpong, keys = _env_ints(
-        "STREAMGR_HSTU_WG", "4x1x0x1x64", "STAGESxOVERLAPxQREGxPINGPONGxKEYS")
-    if stages not in (2, 3, 4) or stages < 2 + overlap or overlap not in (0, 1) \
-            or qreg not in (0, 1) or pingpong not in (0, 1) or keys not in (64, 128) \
-            or (keys == 128 and stages > 3):
-        raise StreamgrError("STREAMGR_HSTU_WG: stages 2-4 (3+ with overlap, 3 at most with "
-                            "128 keys), flags 0 or 1, keys 64 or 128")
+        "STREAMGR_HSTU_WG", "3x1x0x1x128", "STAGESxOVERLAPxQREGxPINGPONGxKEYS")
+    if stages not in (3, 4) or overlap != 1 or qreg not in (0, 1) or pingpong not in (0, 1) \
+            or keys not in (64, 128) or (keys == 128 and stages > 3):
+        raise StreamgrError("STREAMGR_HSTU_WG: stages 3 or 4 (3 with 128 keys), overlap 1, "
+                            "flags 0 or 1, keys 64 or 128")
     return stages, overlap, qreg, pingpong, keys
 
 

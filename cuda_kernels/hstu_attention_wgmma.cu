@@ -35,7 +35,7 @@ constexpr int BM = 128;     // query rows per block: two warpgroups of 64
 #define HSTU_WG_BN 128
 #endif
 constexpr int BN = HSTU_WG_BN;  // keys per tile (64 or 128)
-constexpr int PLAN_BN = 64;     // keys per tile of the plan's kt0 / kt1 (hstu_plan's BN)
+[[maybe_unused]] constexpr int PLAN_BN = 64;  // keys per tile of the plan's kt0 / kt1 (hstu_plan's BN)
 #ifndef HSTU_KC
 #define HSTU_KC 512
 #endif
@@ -158,10 +158,15 @@ __device__ __forceinline__ void set_max_regs_dec() {
 
 }  // namespace
 
+#ifdef HSTU_WGMMA
+#include "hstu_slots.cuh"  // store_row: a row's bf16 output as the merge writes it
+#endif
+
 // grid (items, H), 384 threads; arguments as hstu_attn_fwd in hstu_attention.cu. Shared
 // memory: Q, STAGES K and V tiles, then 2 STAGES + 1 mbarriers (the wrapper sizes it).
 template <int D, bool DIRECT>
-__global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) {
+__global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS,
+                                                                 __nv_bfloat16* __restrict__ out) {
 #ifdef HSTU_WGMMA
     extern __shared__ __align__(128) unsigned char smem_raw[];
     // Swizzle atoms must start at 1,024-byte boundaries (the wrapper adds 1 KB for this).
@@ -180,7 +185,22 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
     const int kt1 = (item_kt1[item] * PLAN_BN + BN - 1) / BN;
     const int qs = q_start[b], hist = hist_len[b], nn = n_new[b], nc = n_cand[b];
     const int nrows = min(BM, nn + nc - row0);
-    if (nrows <= 0 || kt0 >= kt1) return;  // padding item, or a tile without keys
+    if (nrows <= 0) return;  // a padding item
+    // DIRECT: the block writes its rows' bf16 output itself (no merge kernel), exactly as the
+    // merge would from the tile's one slot: o = 0 + slot (a candidate adds its own key).
+    const Batch out_p{q, k, v, out, sq, sk, sv, H, alpha, inv_n};
+    if (kt0 >= kt1) {  // a tile without keys (candidates of a user without history)
+        if (DIRECT) {
+            float o[D / 32];
+            for (int r = threadIdx.x >> 5; r < nrows; r += THREADS / 32) {
+#pragma unroll
+                for (int i = 0; i < D / 32; ++i) o[i] = 0.0f;
+                const int lr = row0 + r;
+                store_row<D>(out_p, o, qs + lr, h, lr >= nn, threadIdx.x & 31);
+            }
+        }
+        return;
+    }
     const int start = hist - nn;
     const int tid = threadIdx.x, lane = tid & 31;
     const int wg = tid >> 7, wq = (tid >> 5) & 3;  // warpgroup, warp in the warpgroup
@@ -446,13 +466,35 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS) 
     } else {
         last(kt, pa);
     }
-    if (!DIRECT) flush(true);
+    if (!DIRECT) {
+        flush(true);
+        return;
+    }
+    // The warp's 16 rows (it wrote their slot rows: the last fold), loaded all at once, then
+    // each row's output with the merge's arithmetic.
+    __syncwarp();
+    constexpr int DL = D / 32;
+    float x[16][DL];
+#pragma unroll
+    for (int rr = 0; rr < 16; ++rr)
+#pragma unroll
+        for (int i = 0; i < DL; ++i)
+            x[rr][i] = wrow + rr < nrows ? w[(wrow + rr) * D + lane + 32 * i] : 0.0f;
+#pragma unroll
+    for (int rr = 0; rr < 16; ++rr) {
+        if (wrow + rr >= nrows) break;
+        float o[DL];
+#pragma unroll
+        for (int i = 0; i < DL; ++i) o[i] = __fadd_rn(0.0f, x[rr][i]);
+        const int lr = row0 + wrow + rr;
+        store_row<D>(out_p, o, qs + lr, h, lr >= nn, lane);
+    }
 #endif  // HSTU_WGMMA
 }
 
 #define HSTU_WG_INSTANCES(D)                                                        \
-    template __global__ void hstu_attn_fwd_wg<D, true>(HSTU_FWD_PARAM_TYPES);       \
-    template __global__ void hstu_attn_fwd_wg<D, false>(HSTU_FWD_PARAM_TYPES);
+    template __global__ void hstu_attn_fwd_wg<D, true>(HSTU_FWD_PARAM_TYPES, __nv_bfloat16*); \
+    template __global__ void hstu_attn_fwd_wg<D, false>(HSTU_FWD_PARAM_TYPES, __nv_bfloat16*);
 
 HSTU_WG_INSTANCES(32)
 HSTU_WG_INSTANCES(64)

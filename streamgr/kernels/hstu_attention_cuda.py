@@ -204,11 +204,14 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, desc, layer: int, alp
     tails = p.max_rows > BM
     slot_rows = SR if tails else BM  # the forward kernels' slot stride (rows)
     extra = ()
+    merge_needed = True
     if _wgmma_runs(p, q.device.index or 0, D):
         if tails:
             raise StreamgrError("hstu_attention: the wgmma kernel has no tiles with tails")
         fn = _cuda.arch_kernel(WG_SRC, WG_EXPRS, f"hstu_attn_fwd_wg<{D}, {flag}>", "sm_90a",
                                WG_DEFINES)
+        extra = (_cuda.ptr(out),)
+        merge_needed = p.split  # a direct plan's blocks write their rows themselves
         # a producer warpgroup and two consumers; Q, the K/V stages, then 2 STAGES + 1 mbarriers
         # (+ 1 KB: the kernel aligns its swizzled tiles to 1,024 bytes)
         threads, smem = 384, (BM + 2 * WG_STAGES * WG_BN) * D * 2 + 8 * (2 * WG_STAGES + 1) + 1024
@@ -224,7 +227,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, desc, layer: int, alp
             _cuda.ptr(q), _cuda.ptr(k), _cuda.ptr(v), _cuda.ptr(store), _cuda.ptr(ws),
             *(_cuda.ptr(t) for t in p.args), np.int32(H), np.int32(desc.page_tokens), *scal,
             *extra), shared_mem=smem)
-    if p.n_fin:
+    if p.n_fin and merge_needed:
         a = p.args
         merge = _cuda.kernel(SRC, EXPRS, f"hstu_attn_merge<{D}>", DEFINES)
         _cuda.launch(merge, (p.n_fin * (slot_rows // 4), H), (128,), (

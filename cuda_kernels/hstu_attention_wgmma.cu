@@ -159,7 +159,8 @@ __device__ __forceinline__ void set_max_regs_dec() {
 }  // namespace
 
 #ifdef HSTU_WGMMA
-#include "hstu_slots.cuh"  // store_row: a row's bf16 output as the merge writes it
+// store_row: a row's bf16 output as the merge writes it
+#include "hstu_slots.cuh"
 #endif
 
 // grid (items, H), 384 threads; arguments as hstu_attn_fwd in hstu_attention.cu. Shared

@@ -68,8 +68,9 @@ class Builder:
         from .rank_plans import RankPlans
         host_loops.warm()  # the batch's compiled host loops: compiled now, not in a first batch
         if self.device.type == "cuda":  # the CUDA attention plans every batch on the host:
-            from ..kernels import hstu_plan  # compile that planner now too
+            from ..kernels import hstu_attention_cuda, hstu_plan  # compile that planner now
             hstu_plan.warm()
+            hstu_attention_cuda.warm(self.device)  # and its kernels (wgmma: NVRTC, seconds)
         n = self.spec.engine.rank_plans
         if n and RankPlans.usable(runner.model, self.device):
             runner.plans = RankPlans(runner.model, self.spec.engine.max_batch, n, store,

@@ -28,6 +28,7 @@ items); docs/benchmarks.md has both.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass
 
@@ -39,6 +40,8 @@ from . import _cuda
 from .hstu_plan import (BM, BN, KC, SR, STAGES, SUB, TAIL, TAILS, Capacity, _env_ints,
                         page_csr, plan_host, plan_host_pair)
 
+
+log = logging.getLogger("streamgr.kernels")
 
 DEFINES = (f"HSTU_BN={BN}", f"HSTU_STAGES={STAGES}", f"HSTU_SUB={SUB}", f"HSTU_KC={KC}")
 SRC = "hstu_attention.cu"
@@ -128,6 +131,19 @@ class Plan:
 @functools.lru_cache(maxsize=8)
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def warm(device: torch.device) -> None:
+    """Compile the attention kernels now, not in a first batch: the mma.sync module (CuPy
+    caches it on disk) and, where ``auto`` or ``wgmma`` runs it, the wgmma one (NVRTC, a few
+    seconds per process). Nothing where CuPy is unavailable (the torch reference runs)."""
+    if device.type != "cuda" or _cuda._cupy() is None:
+        return
+    try:
+        _cuda.module(SRC, EXPRS, DEFINES)
+        _kernel_choice(device.index or 0)
+    except Exception as err:  # noqa: BLE001 - the first batch raises it again, where it is used
+        log.warning("attention kernels not compiled ahead (%s)", err)
 
 
 def tails_for(device: torch.device, dim: int) -> bool:

@@ -35,7 +35,8 @@ constexpr int BM = 128;     // query rows per block: two warpgroups of 64
 #define HSTU_WG_BN 128
 #endif
 constexpr int BN = HSTU_WG_BN;  // keys per tile (64 or 128)
-[[maybe_unused]] constexpr int PLAN_BN = 64;  // keys per tile of the plan's kt0 / kt1 (hstu_plan's BN)
+// keys per tile of the plan's kt0 / kt1 (hstu_plan's BN)
+[[maybe_unused]] constexpr int PLAN_BN = 64;
 #ifndef HSTU_KC
 #define HSTU_KC 512
 #endif
@@ -104,7 +105,8 @@ __device__ __forceinline__ unsigned long long kmaj_desc(const __nv_bfloat16* til
     // (the start address is the descriptor's low field: the k16 steps' constant byte offsets
     // are added to one base descriptor, which keeps the unrolled steps out of registers)
     if constexpr (kSwizzle<D>)
-        return desc_sw128(tile + rbase * 64, 16, 1024) + (((kk >> 2) * R * 128 + (kk & 3) * 32) >> 4);
+        return desc_sw128(tile + rbase * 64, 16, 1024)
+               + (((kk >> 2) * R * 128 + (kk & 3) * 32) >> 4);
     else
         return desc(tile + (rbase / 8) * (D / 8) * 64, 128, D * 16) + ((kk * 256) >> 4);
 }

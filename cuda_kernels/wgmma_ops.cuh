@@ -43,8 +43,7 @@ __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], unsigned long long 
 }
 
 __device__ __forceinline__ void wgmma_rs_n32(float (&d)[16], const unsigned (&a)[4],
-                                                 unsigned long long db,
-                                             int scale_d) {
+                                                 unsigned long long db, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
@@ -55,8 +54,7 @@ __device__ __forceinline__ void wgmma_rs_n32(float (&d)[16], const unsigned (&a)
 }
 
 __device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const unsigned (&a)[4],
-                                                 unsigned long long db,
-                                             int scale_d) {
+                                                 unsigned long long db, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
@@ -67,8 +65,7 @@ __device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const unsigned (&a)
 }
 
 __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const unsigned (&a)[4],
-                                                 unsigned long long db,
-                                             int scale_d) {
+                                                 unsigned long long db, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "

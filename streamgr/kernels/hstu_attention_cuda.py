@@ -93,7 +93,14 @@ def _kernel_choice(index: int) -> str:
         if choice == "wgmma":
             raise StreamgrError("STREAMGR_HSTU_KERNEL=wgmma needs an sm_90 GPU and 64-key tiles")
         return "mma"
-    _cuda.arch_module(WG_SRC, WG_EXPRS, "sm_90a", WG_DEFINES)  # compiles, or raises why not
+    try:
+        _cuda.arch_module(WG_SRC, WG_EXPRS, "sm_90a", WG_DEFINES)  # compiles, or raises why not
+    except Exception as err:  # noqa: BLE001 - e.g. a CuPy without the NVRTC hook for sm_90a
+        if choice == "wgmma":
+            raise
+        log.warning("the wgmma attention kernel did not build (%s): mma.sync for every plan",
+                    err)
+        return "mma"
     return choice
 
 

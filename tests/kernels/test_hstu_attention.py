@@ -291,3 +291,58 @@ def test_compiled_planner_equals_the_numpy_reference(seed):
     if hp.items.shape[1]:
         with pytest.raises(ValueError, match="capacity"):
             hp_mod.pad_plan(hp, small, np.zeros(sum(small.sizes) + 10**6, np.int32))
+
+
+def _choice(monkeypatch, env, build_error=None):
+    """``_kernel_choice`` on a pretend Hopper GPU (no GPU needed), the wgmma build faked."""
+    from streamgr.kernels import _cuda, hstu_attention_cuda as hc
+
+    def build(*a, **k):
+        if build_error is not None:
+            raise build_error
+    monkeypatch.setenv("STREAMGR_HSTU_KERNEL", env)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(_cuda, "arch_module", build)
+    hc._kernel_choice.cache_clear()
+    try:
+        return hc._kernel_choice(0)
+    finally:
+        hc._kernel_choice.cache_clear()
+
+
+def test_kernel_choice_auto_falls_back_to_mma_when_wgmma_cannot_build(monkeypatch):
+    """``auto`` (the default) on a Hopper GPU is wgmma for direct plans; where the wgmma module
+    cannot build (an older CuPy, NVRTC) it serves every plan on mma.sync instead of failing,
+    while an explicit ``wgmma`` says why it cannot run; a bad value is a clear error."""
+    assert _choice(monkeypatch, "auto") == "auto"
+    assert _choice(monkeypatch, "mma") == "mma"
+    assert _choice(monkeypatch, "auto", StreamgrError("no NVRTC hook")) == "mma"
+    with pytest.raises(StreamgrError, match="no NVRTC hook"):
+        _choice(monkeypatch, "wgmma", StreamgrError("no NVRTC hook"))
+    with pytest.raises(StreamgrError, match="STREAMGR_HSTU_KERNEL"):
+        _choice(monkeypatch, "fast")
+
+
+@pytest.mark.parametrize("choice", ["auto", "mma"])
+def test_auto_tiles_a_direct_plan_without_tails_for_wgmma(monkeypatch, choice):
+    """With ``auto`` a recompute's direct plan is tiled without tails (the wgmma kernel runs
+    it; a user's last <= 16 rows take a tile of their own) and runs on wgmma; a cached batch's
+    split plan keeps its tails and runs on mma.sync. With ``mma`` both keep tails."""
+    from streamgr.kernels import hstu_attention_cuda as hc
+    from streamgr.kernels import hstu_plan
+    if not hstu_plan.TAILS:
+        pytest.skip("tiles with tails are off (STREAMGR_HSTU_TAIL=0)")
+    monkeypatch.setattr(hc, "_kernel_choice", lambda index: choice)
+    dev = torch.device("cuda")  # a device object only: nothing runs
+    recompute = plan_case([(6400, 6400, 10, False)] * 8)  # rows % 128 = 10: a tail each
+    cached = plan_case([(6400, 5, 256, True), (9000, 0, 140, True)])
+    full, last = hc.plan_pair(recompute, dev, heads=4, dim=128, sms=132)
+    assert not full.split
+    assert full.max_rows == (hc.BM if choice == "auto" else hc.SR)
+    assert all(p is None or p.max_rows == full.max_rows for p in (last,))
+    plan = hc.Plan(full.split, 1, 1, 1, [], [], {}, full.max_rows)
+    assert hc._wgmma_runs(plan, 0, 128) == (choice == "auto")
+    assert not hc._wgmma_runs(plan, 0, 32)  # D = 32: mma.sync under auto
+    split, _ = hc.plan_pair(cached, dev, heads=4, dim=128, sms=132)
+    assert split.split and split.max_rows == hc.SR
+    assert not hc._wgmma_runs(hc.Plan(True, 1, 1, 1, [], [], {}, split.max_rows), 0, 128)

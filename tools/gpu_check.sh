@@ -2,7 +2,7 @@
 # The whole GPU check in one call: GPU tests, then the benchmarks, then a short table.
 # Run on the lent H200 from the repository root (docs/benchmarks.md records the figures):
 #   bash tools/gpu_check.sh [tests|quick|full|rank|gen|attn|topk|inflight|genprof|update|verify|
-#                            rankprof|attnprof|first|hosthit]
+#                            rankprof|reprof|attnprof|first|hosthit]
 #     tests: the gpu-marked tests only; quick: + transfer bench + a short rank-ref bench;
 #     full: + the rank-ref bench at batch 1, 4, 8 (several minutes) + the gen-ref bench;
 #     rank: the rank-ref bench alone; gen: the generate GPU tests + the gen-ref bench;
@@ -14,6 +14,8 @@
 #     update: the GPU tests, then tools/bench_update.py on gen-ref (live updates under traffic)
 #     verify: the GPU tests, bench_update on gen-ref, then the gen-ref bench (GEN_RATES)
 #     rankprof: tools/profile_rank.py on rank-ref (kernel table of cached batches of 8; no tests)
+#     reprof: the same for recompute batches of 8 (users from the middle of their trace), with
+#       the last batch's timeline: where an eager recompute batch's ~2 ms beyond its kernels go
 #     first: rank-ref first visits one batch at a time (the first 2,400 requests of a fresh
 #       trace), FIRST_RUNS times alternating the batch order (single runs disagree; no tests)
 #     hosthit: rank-ref at batch 8 with a device tier of 8,192 pages, so that most hits come
@@ -44,7 +46,8 @@ python3 -c "import torch, numpy, cupy; print('torch', torch.__version__, 'cuda',
 
 summary=()
 if [ "$mode" != rank ] && [ "$mode" != inflight ] && [ "$mode" != genprof ] \
-    && [ "$mode" != rankprof ] && [ "$mode" != attnprof ] && [ "$mode" != first ] \
+    && [ "$mode" != rankprof ] && [ "$mode" != reprof ] && [ "$mode" != attnprof ] \
+    && [ "$mode" != first ] \
     && [ "$mode" != hosthit ]; then
   tests=tests/
   [ "$mode" = gen ] && tests=tests/runtime/test_gpu_generate.py
@@ -126,6 +129,13 @@ if [ "$mode" = rankprof ]; then
     --batches ${PROF_BATCHES:-60} --profile 5 --rows 30 2>"$out/profile_rank.err" \
     | tee "$out/profile_rank.txt"
   summary+=("$(tail -n 1 "$out/profile_rank.txt")")
+fi
+if [ "$mode" = reprof ]; then
+  python3 tools/profile_rank.py --spec rank-ref --users 400 --start-frac 0.5 --batch 8 \
+    --batches 12 --profile 3 --rows 25 --timeline ${PROF_GAPS:-12} --set cache.mode=recompute \
+    --set cache.host_chunks=16 2>"$out/profile_recompute.err" > "$out/profile_recompute.txt"
+  grep -A 40 "^stages per batch" "$out/profile_recompute.txt" | grep -v "^ .* \(host\|dev \) "
+  summary+=("$(grep '^profile_rank' "$out/profile_recompute.txt")")
 fi
 if [ "$mode" = attnprof ]; then
   for kern in mma wgmma; do

@@ -116,11 +116,12 @@ def _wgmma_runs(p: "Plan", index: int, dim: int) -> bool:
                                  and dim % 64 == 0)
 
 
-def untail_direct(device: torch.device, dim: int) -> bool:
-    """Whether a direct plan with tails should be tiled again without them, for the wgmma
-    kernel (``auto``: a recompute's plan; its few tail rows then take thin tiles)."""
-    return (device.type == "cuda" and dim % 64 == 0
-            and _kernel_choice(device.index or 0) == "auto")
+def _retile(hp, tails: bool, device: torch.device, dim: int) -> bool:
+    """Whether ``hp``, a plan tiled with tails, should be tiled again without them: a direct
+    plan (a recompute's) that ``auto`` then runs on the wgmma kernel, which has no tails (its
+    few tail rows take thin tiles)."""
+    return (tails and not hp.split and hp.max_rows > BM and device.type == "cuda"
+            and dim % 64 == 0 and _kernel_choice(device.index or 0) == "auto")
 
 
 @dataclass
@@ -162,10 +163,10 @@ def tails_for(device: torch.device, dim: int) -> bool:
 
 def plan_pair(desc, device: torch.device, heads: int, dim: int, sms: int) -> tuple:
     """:func:`plan_host_pair` (every layer's plan and the last layer's), a direct one without
-    tails where the wgmma kernel takes it (``untail_direct``)."""
+    tails where the wgmma kernel takes it (``_retile``)."""
     tails = tails_for(device, dim)
     hps = plan_host_pair(desc, heads, sms, tails=tails)
-    if tails and not hps[0].split and hps[0].max_rows > BM and untail_direct(device, dim):
+    if _retile(hps[0], tails, device, dim):
         hps = plan_host_pair(desc, heads, sms, tails=False)
     return hps
 
@@ -176,7 +177,7 @@ def plan(desc, device: torch.device, heads: int, force: str | None = None,
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
     tails = tails_for(device, dim)
     hp = plan_host(desc, heads, sms, force, tails, cand_only)
-    if tails and not hp.split and hp.max_rows > BM and untail_direct(device, dim):
+    if _retile(hp, tails, device, dim):
         hp = plan_host(desc, heads, sms, "direct", False, cand_only)
     arrays = list(hp.items) + list(hp.users) + [hp.page_ptr, hp.pages] + list(hp.fin)
     sizes = [len(a) for a in arrays]

@@ -329,9 +329,7 @@ def test_auto_tiles_a_direct_plan_without_tails_for_wgmma(monkeypatch, choice):
     it; a user's last <= 16 rows take a tile of their own) and runs on wgmma; a cached batch's
     split plan keeps its tails and runs on mma.sync. With ``mma`` both keep tails."""
     from streamgr.kernels import hstu_attention_cuda as hc
-    from streamgr.kernels import hstu_plan
-    if not hstu_plan.TAILS:
-        pytest.skip("tiles with tails are off (STREAMGR_HSTU_TAIL=0)")
+    monkeypatch.setattr(hc, "TAILS", True)  # the default (STREAMGR_HSTU_TAIL=0 turns it off)
     monkeypatch.setattr(hc, "_kernel_choice", lambda index: choice)
     dev = torch.device("cuda")  # a device object only: nothing runs
     recompute = plan_case([(6400, 6400, 10, False)] * 8)  # rows % 128 = 10: a tail each

@@ -277,11 +277,10 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS,
     const int min_lim = (row0 < nn) ? start + row0 + 1 : hist;
 
     float acc[D / 2];  // O: this thread's rows wrow + g (+ 8), columns 8 i + 2 t (+ 1)
-    auto zero_acc = [&]() {
+    // Zeroed once: a chunk's first P V overwrites O (scale-d 0), but each wgmma's asm reads
+    // its accumulators, and leaving them undefined changes ptxas's allocation (untested).
 #pragma unroll
-        for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
-    };
-    zero_acc();
+    for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
 
     float* w = ws + ((long long)item_slot[item] * H + h) * BM * D;
     auto flush = [&](bool first) {  // as fold_row in hstu_attention.cu: all loads, then stores

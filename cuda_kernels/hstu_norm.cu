@@ -1,5 +1,5 @@
-// The end of an HSTU layer before its output projection, in one launch (the torch reference is
-// streamgr/kernels/hstu_glue.py):
+// An HSTU layer's glue around its GEMMs and attention (the torch references are in
+// streamgr/kernels/hstu_glue.py). The end of a layer before its output projection, in one launch:
 //   y  = bf16(bf16(LayerNorm(attn) * w + b) * u)      the projection's input
 //   xb = bf16(x + out_bias)                          the residual its GEMM adds (beta = 1)
 // so that x + W_o y + b_o is one GEMM (torch.addmm(xb, y, W_o^T)) instead of a norm, a multiply,
@@ -7,7 +7,13 @@
 // the first pass brings into L1: no catastrophic cancellation), and y is rounded to bf16
 // twice, after the norm and after the multiply, as torch's unfused ops round it.
 // One warp per row, 16-byte loads: N (attention width) and M (model width) multiples of 8,
-// rows 16-byte aligned (the wrapper checks). No torch headers: compiled by NVRTC via CuPy.
+// rows 16-byte aligned (the wrapper checks). u may be the projection before its SiLU
+// (u_silu = 1): the SiLU is then applied here, rounded to bf16 as torch's F.silu rounds it, so
+// the v, q, k blocks alone need the separate SiLU pass (hstu_silu).
+// Also: the input LayerNorm (hstu_layer_norm), that SiLU pass (hstu_silu), and the token
+// embedding (hstu_embed), each one launch where torch takes one (the norm, ~3x off bandwidth
+// in torch's kernel at width 512) or seven (the embedding's where/lookup/add ops).
+// No torch headers: compiled by NVRTC via CuPy.
 #include <cuda_bf16.h>
 
 namespace {
@@ -36,17 +42,15 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
     return raw;
 }
 
-}  // namespace
+// torch's F.silu in fp32 (x / (1 + exp(-x)), IEEE division, no fast math), rounded to bf16.
+__device__ __forceinline__ float silu_bf16(float v) {
+    return __bfloat162float(__float2bfloat16(v / (1.0f + expf(-v))));
+}
 
-__global__ void __launch_bounds__(256) hstu_norm_mul(
-    const uint4* __restrict__ attn, const uint4* __restrict__ u, long long u_stride_vecs,
-    const uint4* __restrict__ w, const uint4* __restrict__ b, const uint4* __restrict__ x,
-    const uint4* __restrict__ out_bias, uint4* __restrict__ y, uint4* __restrict__ xb,
-    long long rows, int n_vecs, int m_vecs, float eps) {
-    const long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
-    if (row >= rows) return;
-    const uint4* a = attn + row * n_vecs;
+// Mean and 1/std of one row of n_vecs 16-byte vectors, by one warp (two passes in fp32; the
+// second re-reads the row from L1).
+__device__ __forceinline__ void row_stats(const uint4* a, int n_vecs, float eps, int lane,
+                                          float& mean, float& rstd) {
     const float n = (float)(n_vecs * 8);
     float f[8], s = 0.0f;
     for (int c = lane; c < n_vecs; c += 32) {
@@ -54,14 +58,29 @@ __global__ void __launch_bounds__(256) hstu_norm_mul(
 #pragma unroll
         for (int i = 0; i < 8; ++i) s += f[i];
     }
-    const float mean = warp_sum(s) / n;
+    mean = warp_sum(s) / n;
     float q = 0.0f;
     for (int c = lane; c < n_vecs; c += 32) {
         unpack8(a[c], f);
 #pragma unroll
         for (int i = 0; i < 8; ++i) q = __fmaf_rn(f[i] - mean, f[i] - mean, q);
     }
-    const float rstd = rsqrtf(warp_sum(q) / n + eps);
+    rstd = rsqrtf(warp_sum(q) / n + eps);
+}
+
+}  // namespace
+
+__global__ void __launch_bounds__(256) hstu_norm_mul(
+    const uint4* __restrict__ attn, const uint4* __restrict__ u, long long u_stride_vecs,
+    const uint4* __restrict__ w, const uint4* __restrict__ b, const uint4* __restrict__ x,
+    const uint4* __restrict__ out_bias, uint4* __restrict__ y, uint4* __restrict__ xb,
+    long long rows, int n_vecs, int m_vecs, float eps, int u_silu) {
+    const long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const uint4* a = attn + row * n_vecs;
+    float mean, rstd, f[8];
+    row_stats(a, n_vecs, eps, lane, mean, rstd);
     const uint4* ur = u + row * u_stride_vecs;
     for (int c = lane; c < n_vecs; c += 32) {
         float g[8], bb[8], uu[8];
@@ -70,7 +89,7 @@ __global__ void __launch_bounds__(256) hstu_norm_mul(
         for (int i = 0; i < 8; ++i) {
             const float normed = __bfloat162float(__float2bfloat16(
                 __fmaf_rn((f[i] - mean) * rstd, g[i], bb[i])));
-            f[i] = normed * uu[i];
+            f[i] = normed * (u_silu ? silu_bf16(uu[i]) : uu[i]);
         }
         y[row * n_vecs + c] = pack8(f);
     }
@@ -81,4 +100,58 @@ __global__ void __launch_bounds__(256) hstu_norm_mul(
         for (int i = 0; i < 8; ++i) r[i] += ob[i];
         xb[row * m_vecs + c] = pack8(r);
     }
+}
+
+// y = bf16(LayerNorm(x) * w + b): torch.nn.LayerNorm's result rounded once. One warp per row.
+__global__ void __launch_bounds__(256) hstu_layer_norm(
+    const uint4* __restrict__ x, long long x_stride_vecs, const uint4* __restrict__ w,
+    const uint4* __restrict__ b, uint4* __restrict__ y, long long rows, int m_vecs, float eps) {
+    const long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const uint4* a = x + row * x_stride_vecs;
+    float mean, rstd, f[8];
+    row_stats(a, m_vecs, eps, lane, mean, rstd);
+    for (int c = lane; c < m_vecs; c += 32) {
+        float g[8], bb[8];
+        unpack8(a[c], f), unpack8(w[c], g), unpack8(b[c], bb);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) f[i] = __fmaf_rn((f[i] - mean) * rstd, g[i], bb[i]);
+        y[row * m_vecs + c] = pack8(f);
+    }
+}
+
+// dst = bf16(SiLU(src)) for n_vecs vectors of each row of src (a column block of a wider row),
+// dst contiguous. One thread per 16-byte vector.
+__global__ void __launch_bounds__(256) hstu_silu(
+    const uint4* __restrict__ src, long long src_stride_vecs, uint4* __restrict__ dst,
+    long long rows, int n_vecs) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * n_vecs) return;
+    const long long row = i / n_vecs;
+    const int c = (int)(i - row * n_vecs);
+    float f[8];
+    unpack8(src[row * src_stride_vecs + c], f);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) f[k] = silu_bf16(f[k]);
+    dst[i] = pack8(f);
+}
+
+// out[t] = (is_action[t] ? actions[ids[t]] : items[ids[t]]) + positions[pos[t]], the bf16 add
+// rounded once as torch's. Ids are validated before a batch is built. One thread per vector.
+__global__ void __launch_bounds__(256) hstu_embed(
+    const long long* __restrict__ ids, const bool* __restrict__ is_action,
+    const long long* __restrict__ pos, const uint4* __restrict__ items,
+    const uint4* __restrict__ actions, const uint4* __restrict__ positions,
+    uint4* __restrict__ out, long long rows, int m_vecs) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * m_vecs) return;
+    const long long t = i / m_vecs;
+    const int c = (int)(i - t * m_vecs);
+    const uint4* table = is_action[t] ? actions : items;
+    float e[8], p[8];
+    unpack8(table[ids[t] * m_vecs + c], e), unpack8(positions[pos[t] * m_vecs + c], p);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) e[k] += p[k];
+    out[i] = pack8(e);
 }

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import msgspec
 import torch
@@ -106,6 +106,17 @@ class JaggedBatch:
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+class Projection(NamedTuple):
+    """A layer's u, v, q, k (u [T, H*d]; v, q, k [T, H, d], strided views). ``u_raw``: u is
+    still before its SiLU (the GPU's fused layer end applies it as it reads u)."""
+
+    u: torch.Tensor
+    v: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    u_raw: bool
+
+
 class HSTULayer(nn.Module):
     def __init__(self, cfg: HSTUConfig) -> None:
         super().__init__()
@@ -116,17 +127,28 @@ class HSTULayer(nn.Module):
         self.attn_norm = nn.LayerNorm(inner, eps=NORM_EPS)
         self.output = nn.Linear(inner, cfg.model_dim)
 
-    def project(self, x: torch.Tensor):
-        """u, v, q, k of tokens ``x`` [T, D]: u [T, H*d]; v, q, k [T, H, d]."""
-        uvqk = F.silu(self.uvqk(self.input_norm(x)))
-        u, v, q, k = uvqk.split(self.heads * self.head_dim, dim=-1)
+    def project(self, x: torch.Tensor) -> Projection:
+        """u, v, q, k of tokens ``x`` [T, D]. On the GPU the SiLU pass covers v, q, k only
+        (u's SiLU is fused into :meth:`finish`'s kernel)."""
+        inner = self.heads * self.head_dim
+        uvqk = self.uvqk(hstu_glue.layer_norm(x, self.input_norm))
+        # u stays raw where finish's kernel will take it (were it not to, finish's reference
+        # applies the SiLU: the choice is only about speed)
+        u_raw = hstu_glue.fused_ok(x, None, uvqk[:, :inner], self.attn_norm, self.output)
+        if u_raw:
+            u, vqk = uvqk[:, :inner], hstu_glue.silu(uvqk[:, inner:])
+        else:
+            uvqk = F.silu(uvqk)
+            u, vqk = uvqk[:, :inner], uvqk[:, inner:]
+        v, q, k = vqk.split(inner, dim=-1)
         shape = (x.shape[0], self.heads, self.head_dim)
-        return u, v.reshape(shape), q.reshape(shape), k.reshape(shape)
+        return Projection(u, v.reshape(shape), q.reshape(shape), k.reshape(shape), u_raw)
 
-    def finish(self, x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    def finish(self, x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor,
+               u_raw: bool = False) -> torch.Tensor:
         """``x + output(attn_norm(attn) * u)`` (one kernel and one GEMM on the GPU)."""
         attn = attn.reshape(x.shape[0], self.heads * self.head_dim)
-        return hstu_glue.finish(x, attn, u, self.attn_norm, self.output)
+        return hstu_glue.finish(x, attn, u, self.attn_norm, self.output, u_raw)
 
 
 class HSTU(nn.Module):
@@ -157,10 +179,9 @@ class HSTU(nn.Module):
         return self
 
     def embed(self, batch: JaggedBatch) -> torch.Tensor:
-        ids, act = batch.token_ids, batch.is_action
-        items = self.item_embedding(torch.where(act, 0, ids))
-        actions = self.action_embedding(torch.where(act, ids, 0))
-        return torch.where(act[:, None], actions, items) + self.position_embedding(batch.positions)
+        return hstu_glue.embed(batch.token_ids, batch.is_action, batch.positions,
+                               self.item_embedding, self.action_embedding,
+                               self.position_embedding)
 
     @torch.inference_mode()
     def forward(self, batch: JaggedBatch, attention: Attention | None = None) -> torch.Tensor:
@@ -174,10 +195,10 @@ class HSTU(nn.Module):
                                              cand_only=cfg.is_last(layer))
         x = self.embed(batch)
         for l, layer in enumerate(self.layers):
-            u, v, q, k = layer.project(x)
-            a = attention(l, q, k, v)
+            p = layer.project(x)
+            a, u = attention(l, p.q, p.k, p.v), p.u
             if cfg.is_last(l):  # from here on only the candidates' rows are read
                 c = batch.candidate_rows
                 x, a, u = x.index_select(0, c), a.index_select(0, c), u.index_select(0, c)
-            x = layer.finish(x, a, u)
-        return self.head(self.final_norm(x)).squeeze(-1).float()
+            x = layer.finish(x, a, u, p.u_raw)
+        return self.head(hstu_glue.layer_norm(x, self.final_norm)).squeeze(-1).float()

@@ -45,6 +45,9 @@ def main() -> int:
     ap.add_argument("--timeline", type=int, default=0, metavar="N",
                     help="also print the last profiled batch's timeline: its host runtime calls "
                          "and device events in time order, and the N longest device idle gaps")
+    ap.add_argument("--unsynced", action="store_true",
+                    help="profile batches as served (no device sync after each stage; the "
+                         "stage times are then host times)")
     args = ap.parse_args()
     ov = parse_set_pairs(args.overrides)
     if args.device:
@@ -72,7 +75,7 @@ def main() -> int:
         sums: dict[str, float] = {}
         for i, b in enumerate(again):  # one range per batch: the timeline finds the last one
             with torch.profiler.record_function(f"profiled_batch_{i}"):
-                r = replay_batches(eng, [b], progress=False, sync_stages=True)
+                r = replay_batches(eng, [b], progress=False, sync_stages=not args.unsynced)
                 if cuda:
                     torch.cuda.synchronize()
             for k, v in r.stages.items():
@@ -81,7 +84,7 @@ def main() -> int:
     key = "cuda_time_total" if cuda else "cpu_time_total"
     print(events.table(sort_by=key, row_limit=args.rows, max_name_column_width=70))
     stages = {k: round(v / len(again), 3) for k, v in sums.items()}
-    print(f"stages per batch (ms, synchronized): {stages}")
+    print(f"stages per batch (ms, {'host' if args.unsynced else 'synchronized'}): {stages}")
     if cuda:
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
                    and not e.key.startswith("profiled_batch_")]  # the ranges' device spans

@@ -14,9 +14,11 @@ every GPU path (cached, recompute, plans) goes through the same kernels: cached 
 still holds. The GEMM adds into ``xb`` in place (``addmm_``): the out-of-place ``addmm`` first
 copies ``xb`` into its result (a 35 us copy per layer of a recompute batch of 8 on the H200).
 
-``u`` may arrive before its SiLU (``u_raw``): the kernel then applies it as it reads ``u``
-(rounded to bf16 as ``F.silu`` rounds), and the projection's SiLU pass (:func:`silu`) covers the
-v, q, k blocks only, a quarter less traffic. The layer's input norm (:func:`layer_norm`) and the
+``u`` may arrive before its SiLU (``u_raw``): the kernel then applies it as it reads ``u``,
+and the projection's SiLU pass (:func:`silu`) covers the v, q, k blocks only, a quarter less
+traffic. Both SiLUs use the fast exponential and division (torch's exact form made the pass
+compute-bound), within a bf16 unit of ``F.silu``; every GPU path uses them, so cached scores
+still equal recompute's bit for bit. The layer's input norm (:func:`layer_norm`) and the
 token embedding (:func:`embed`: torch's where/lookup/add take seven launches and, on a slow host,
 ~0.5 ms of launch gaps per batch) are one kernel each too.
 

@@ -121,7 +121,7 @@ class CachedRankRunner(RankRunner):
                 t = self._mark(stages, "onload_submit", t)
                 users = [UserSlice(tokens[p.key][p.start:], p.start, batch[i].candidates)
                          for i, p in zip(live, plans)]
-                pb = pack_jagged(users)
+                pb = pack_jagged(users, self.staging)
                 desc, app = self._descriptor(plans, pb)
                 t = self._mark(stages, "layout", t)
                 # Batches that onload host chunks stay eager (per-layer onload events).
@@ -129,6 +129,7 @@ class CachedRankRunner(RankRunner):
                 scores = None if onloads else self._forward_planned(pb, desc, app, stages)
                 if scores is None:
                     scores = self._forward_eager(pb, desc, app, handles, stages)
+                pb.release()  # (the eager upload gave it back behind its copy already)
                 handles.done()
                 self._compute_done = s.compute.record_event(s.event())
                 host, event, pinned = self.score_buffers.read_back(scores)

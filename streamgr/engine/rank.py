@@ -102,13 +102,49 @@ class UserSlice:
 
 @dataclass
 class PackedBatch:
-    """A batch's token rows on the host (see ``build_jagged``)."""
+    """A batch's token rows on the host (see ``build_jagged``); with ``staging``, views of one
+    of its page-locked buffers (``pinned``), handed back by :meth:`release` or the upload."""
 
     packed: np.ndarray  # int64 [3, rows]: token ids, is_action, positions
     cand_rows: np.ndarray
     q_offsets: list[int]
     num_candidates: list[int]
     hist_lens: list[int]
+    pinned: torch.Tensor | None = None
+    staging: "UploadStaging | None" = None
+
+    def release(self, event=None) -> None:
+        """Hand the staging buffer back (``event``: it is reused only once that completed)."""
+        if self.pinned is not None and self.staging is not None:
+            self.staging.give_back(self.pinned, event)
+        self.pinned = None
+
+
+class UploadStaging:
+    """Page-locked int64 buffers a batch's rows are packed into (``pack_rows(out=)``) and
+    uploaded from: one host-to-device copy per batch and no ``pin_memory()``, which allocated
+    and copied the rows again on the host (1.2 MB per recompute batch of 8; ~0.35 ms before
+    its copy started on the lent H200's host, docs/benchmarks.md session 10). A buffer is taken
+    again only once the copy out of it has completed (an event recorded behind the copy)."""
+
+    KEEP = 4
+
+    def __init__(self) -> None:
+        self._free: list[tuple[torch.Tensor, object]] = []
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> torch.Tensor:
+        with self._lock:
+            for i, (buf, ev) in enumerate(self._free):
+                if buf.numel() >= n and (ev is None or ev.query()):
+                    return self._free.pop(i)[0]
+        return torch.empty(max(n + n // 4, 1 << 16), dtype=torch.int64, pin_memory=True)
+
+    def give_back(self, buf: torch.Tensor, event=None) -> None:
+        with self._lock:
+            self._free.append((buf, event))
+            if len(self._free) > self.KEEP:  # the oldest goes (freed once its copy is done)
+                self._free.pop(0)
 
 
 def build_jagged(users: list[UserSlice], device: torch.device) -> JaggedBatch:
@@ -117,19 +153,35 @@ def build_jagged(users: list[UserSlice], device: torch.device) -> JaggedBatch:
 
 
 def upload_jagged(pb: PackedBatch, device: torch.device) -> JaggedBatch:
-    t = torch.from_numpy(pb.packed)
-    rows = torch.from_numpy(pb.cand_rows)
-    if device.type == "cuda":
-        t, rows = t.pin_memory().to(device, non_blocking=True), rows.pin_memory().to(device, non_blocking=True)
+    rows, cands = pb.packed.shape[1], len(pb.cand_rows)
+    if device.type == "cuda" and pb.pinned is not None:  # one copy out of the staging buffer
+        dev = pb.pinned[:3 * rows + cands].to(device, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        pb.release(ev)
+        t, cand = dev[:3 * rows].view(3, rows), dev[3 * rows:]
+    else:
+        t, cand = torch.from_numpy(pb.packed), torch.from_numpy(pb.cand_rows)
+        if device.type == "cuda":
+            t = t.pin_memory().to(device, non_blocking=True)
+            cand = cand.pin_memory().to(device, non_blocking=True)
+        pb.release()
     return JaggedBatch(token_ids=t[0], is_action=t[1].bool(), positions=t[2],
-                       candidate_rows=rows, q_offsets=pb.q_offsets,
+                       candidate_rows=cand, q_offsets=pb.q_offsets,
                        num_candidates=pb.num_candidates, hist_lens=pb.hist_lens)
 
 
-def pack_jagged(users: list[UserSlice]) -> PackedBatch:
-    """The batch's rows on the host (``kernels.host_loops.pack_rows``: one compiled call per batch)."""
-    packed, cand_rows, q_offsets, hist = pack_rows(users)
-    return PackedBatch(packed, cand_rows, q_offsets, [len(u.candidates) for u in users], hist)
+def pack_jagged(users: list[UserSlice], staging: UploadStaging | None = None) -> PackedBatch:
+    """The batch's rows on the host (``kernels.host_loops.pack_rows``: one compiled call per
+    batch), in a page-locked buffer of ``staging`` when given."""
+    pinned = out = None
+    if staging is not None:
+        rows = sum(len(u.tokens) + len(u.candidates) for u in users)
+        pinned = staging.take(3 * rows + sum(len(u.candidates) for u in users))
+        out = pinned.numpy()
+    packed, cand_rows, q_offsets, hist = pack_rows(users, out)
+    return PackedBatch(packed, cand_rows, q_offsets, [len(u.candidates) for u in users], hist,
+                       pinned, staging)
 
 
 @dataclass
@@ -220,6 +272,7 @@ class RankRunner:
         self._meta = threading.RLock()
         self.plans = None  # RankPlans: CUDA graphs of the forward (engine.rank_plans > 0)
         self.score_buffers = ScoreBuffers()
+        self.staging = UploadStaging() if device.type == "cuda" else None
 
     def set_model(self, model: HSTU, version: str) -> None:
         self.model, self.version = model, version
@@ -282,12 +335,13 @@ class RankRunner:
         if not live:
             return InFlight(batch, resolved, live, stages, version=self.version)
         users = [UserSlice(resolved[i].tokens, 0, batch[i].candidates) for i in live]
-        pb = pack_jagged(users)
+        pb = pack_jagged(users, self.staging)
         t = self._mark(stages, "layout", t)
         scores = self._forward_planned(pb, JaggedKV.recompute(pb.q_offsets, pb.num_candidates),
                                        stages=stages)
         if scores is None:
             scores = self.model(upload_jagged(pb, self.device))
+        pb.release()  # (a plan copied the rows into its own buffer on the host)
         host, event, pinned = self.score_buffers.read_back(scores)
         self._mark(stages, "model", t)
         return InFlight(batch, resolved, live, stages, host=host, event=event, version=self.version,

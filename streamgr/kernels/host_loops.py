@@ -45,15 +45,8 @@ def _prefix_equal(buf, items, actions, n):
 
 
 @_jit_or_none
-def _pack(ids, n_tok, n_cand, start):
+def _pack_into(ids, n_tok, n_cand, start, packed, cand_rows):
     U = len(n_tok)
-    total = 0
-    n_c = 0
-    for b in range(U):
-        total += n_tok[b] + n_cand[b]
-        n_c += n_cand[b]
-    packed = np.empty((3, total), np.int64)
-    cand_rows = np.empty(n_c, np.int64)
     q_off = np.empty(U + 1, np.int64)
     hist = np.empty(U, np.int64)
     q_off[0] = 0
@@ -101,24 +94,31 @@ def prefix_equal(buf: np.ndarray, items: np.ndarray, actions: np.ndarray, n: int
                 and np.array_equal(actions[:n], buf[1:2 * n:2]))
 
 
-def pack_rows(users) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
+def pack_rows(users, out: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
     """``(packed [3, rows], candidate rows, q_offsets, hist_lens)`` of ``UserSlice``s: per user
     its new history tokens (positions ``start..``, odd positions are actions) then its
-    candidates (all at the next free position)."""
+    candidates (all at the next free position). ``out``: an int64 buffer of at least
+    ``3 * rows + candidates`` elements that ``packed`` and the candidate rows are written into
+    (a page-locked staging buffer: the batch then uploads without another host copy)."""
     n_tok = np.array([len(u.tokens) for u in users], dtype=np.int64)
     n_cand = np.array([len(u.candidates) for u in users], dtype=np.int64)
     start = np.array([u.start for u in users], dtype=np.int64)
-    if _pack is not None and len(users):
+    rows, cands = int(n_tok.sum() + n_cand.sum()), int(n_cand.sum())
+    if out is None:
+        out = np.empty(3 * rows + cands, dtype=np.int64)
+    elif out.dtype != np.int64 or out.ndim != 1 or len(out) < 3 * rows + cands:
+        raise ValueError(f"pack_rows: out must be int64 of at least {3 * rows + cands} elements")
+    packed, cand_rows = out[:3 * rows].reshape(3, rows), out[3 * rows:3 * rows + cands]
+    if _pack_into is not None and len(users):
         ids = np.concatenate([a for u in users for a in (u.tokens, u.candidates)]).astype(
             np.int64, copy=False)
-        packed, cand_rows, q_off, hist = _pack(ids, n_tok, n_cand, start)
+        _, _, q_off, hist = _pack_into(ids, n_tok, n_cand, start, packed, cand_rows)
         return packed, cand_rows, q_off.tolist(), hist.tolist()
     q_offsets, hist = [0], []
     for u in users:
         q_offsets.append(q_offsets[-1] + len(u.tokens) + len(u.candidates))
         hist.append(u.start + len(u.tokens))
-    packed = np.empty((3, q_offsets[-1]), dtype=np.int64)  # ids, is_action, position
-    cand_rows = np.empty(int(n_cand.sum()), dtype=np.int64)
     c0 = 0
     for u, q0, h in zip(users, q_offsets, hist):
         n, c = len(u.tokens), len(u.candidates)

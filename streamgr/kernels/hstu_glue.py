@@ -41,7 +41,6 @@ _EXPRS = ("hstu_norm_mul", "hstu_layer_norm", "hstu_silu", "hstu_embed")
 # STREAMGR_FUSED_FINISH=0: torch's unfused ops on the GPU too (A/B runs of whole benchmarks)
 ENABLED = os.environ.get("STREAMGR_FUSED_FINISH", "1") != "0"
 ROWS_PER_BLOCK = 8  # one warp per row, 256 threads
-THREADS = 256
 
 
 def finish_reference(x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor, norm: nn.LayerNorm,
@@ -133,10 +132,9 @@ def silu(t: torch.Tensor) -> torch.Tensor:
         return F.silu(t).contiguous()
     T, C = t.shape
     out = torch.empty((T, C), dtype=t.dtype, device=t.device)
-    n = T * (C // 8)
-    if n:
+    if T * C:
         fn = _cuda.kernel(_SRC, _EXPRS, "hstu_silu")
-        _cuda.launch(fn, (-(-n // THREADS),), (THREADS,), (
+        _cuda.launch(fn, (-(-T // ROWS_PER_BLOCK),), (32 * ROWS_PER_BLOCK,), (
             _cuda.ptr(t), np.int64(_vec_rows(t)), _cuda.ptr(out), np.int64(T),
             np.int32(C // 8)))
     return out
@@ -163,10 +161,9 @@ def embed(ids: torch.Tensor, is_action: torch.Tensor, positions: torch.Tensor,
         return embed_reference(ids, is_action, positions, items, actions, position)
     T, M = ids.shape[0], items.weight.shape[1]
     out = torch.empty((T, M), dtype=items.weight.dtype, device=ids.device)
-    n = T * (M // 8)
-    if n:
+    if T * M:
         fn = _cuda.kernel(_SRC, _EXPRS, "hstu_embed")
-        _cuda.launch(fn, (-(-n // THREADS),), (THREADS,), (
+        _cuda.launch(fn, (-(-T // ROWS_PER_BLOCK),), (32 * ROWS_PER_BLOCK,), (
             _cuda.ptr(ids), _cuda.ptr(is_action), _cuda.ptr(positions), _cuda.ptr(items.weight),
             _cuda.ptr(actions.weight), _cuda.ptr(position.weight), _cuda.ptr(out), np.int64(T),
             np.int32(M // 8)))

@@ -46,3 +46,33 @@ async def test_fp32_cuda_matches_fp32_cpu_tightly():
     cpu = await scores({"engine.device": "cpu", "model.dtype": "float32"}, reqs)
     gpu = await scores({"engine.device": "cuda", "model.dtype": "float32"}, reqs)
     torch.testing.assert_close(torch.from_numpy(gpu), torch.from_numpy(cpu), rtol=2e-3, atol=2e-3)
+
+
+def test_staged_upload_equals_the_pinned_copy_and_waits_for_its_copy():
+    """Rows packed into a page-locked staging buffer upload to the same device tensors as the
+    plain path; a buffer whose copy has not completed is not handed out again."""
+    from streamgr.engine.rank import UploadStaging, UserSlice, pack_jagged, upload_jagged
+    rng = np.random.default_rng(3)
+    dev = torch.device("cuda")
+    staging = UploadStaging()
+    for _ in range(3):
+        users = [UserSlice(rng.integers(0, 10**6, int(rng.integers(0, 900))),
+                           int(rng.integers(0, 50)), rng.integers(0, 10**6, 16))
+                 for _ in range(int(rng.integers(1, 9)))]
+        staged, plain = pack_jagged(users, staging), pack_jagged(users)
+        assert staged.pinned is not None and staged.pinned.is_pinned()
+        a, b = upload_jagged(staged, dev), upload_jagged(plain, dev)
+        assert staged.pinned is None  # handed back behind its copy
+        for x, y in ((a.token_ids, b.token_ids), (a.is_action, b.is_action),
+                     (a.positions, b.positions), (a.candidate_rows, b.candidate_rows)):
+            assert torch.equal(x, y)
+
+    class Pending:  # an event not yet complete
+        def query(self):
+            return False
+    one = UploadStaging()
+    buf = one.take(10)
+    one.give_back(buf, Pending())
+    assert one.take(10).data_ptr() != buf.data_ptr()  # a new buffer, not the busy one
+    one.give_back(buf, None)
+    assert one.take(10).data_ptr() == buf.data_ptr()  # free again: reused

@@ -17,18 +17,31 @@ def _numpy(monkeypatch, name):
 @pytest.mark.parametrize("seed", range(4))
 def test_pack_rows_compiled_equals_numpy(monkeypatch, seed):
     rng = np.random.default_rng(seed)
-    assert host_loops._pack is not None, "numba should be importable wherever the tests run"
+    assert host_loops._pack_into is not None, "numba should be importable wherever the tests run"
     for _ in range(40):
         users = [UserSlice(rng.integers(0, 10**6, rng.integers(0, 40)), int(rng.integers(0, 5000)),
                            rng.integers(0, 10**6, rng.integers(0, 260)))
                  for _ in range(int(rng.integers(1, 17)))]
         got = host_loops.pack_rows(users)
         with monkeypatch.context() as m:
-            _numpy(m, "_pack")
+            _numpy(m, "_pack_into")
             want = host_loops.pack_rows(users)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
         assert got[2] == want[2] and got[3] == want[3]
         assert got[0].dtype == got[1].dtype == np.int64
+        # into a larger staging buffer (poisoned): the same rows, as views of it
+        rows, cands = got[0].shape[1], len(got[1])
+        buf = np.full(3 * rows + cands + 7, -5, dtype=np.int64)
+        into = host_loops.pack_rows(users, out=buf)
+        assert np.shares_memory(into[0], buf) and np.shares_memory(into[1], buf) or rows == 0
+        assert np.array_equal(into[0], want[0]) and np.array_equal(into[1], want[1])
+        assert into[2] == want[2] and (buf[3 * rows + cands:] == -5).all()
+
+
+def test_pack_rows_refuses_a_short_buffer():
+    users = [UserSlice(np.arange(6), 0, np.arange(3))]
+    with pytest.raises(ValueError, match="at least 30"):
+        host_loops.pack_rows(users, out=np.zeros(29, np.int64))
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -71,6 +71,12 @@ __device__ __forceinline__ void row_stats(const uint4* a, int n_vecs, float eps,
     rstd = rsqrtf(warp_sum(q) / n + eps);
 }
 
+// One warp per row: the calling warp's row and its lane.
+__device__ __forceinline__ long long warp_row(int& lane) {
+    lane = threadIdx.x & 31;
+    return ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+}
+
 }  // namespace
 
 __global__ void __launch_bounds__(256) hstu_norm_mul(
@@ -78,8 +84,8 @@ __global__ void __launch_bounds__(256) hstu_norm_mul(
     const uint4* __restrict__ w, const uint4* __restrict__ b, const uint4* __restrict__ x,
     const uint4* __restrict__ out_bias, uint4* __restrict__ y, uint4* __restrict__ xb,
     long long rows, int n_vecs, int m_vecs, float eps, int u_silu) {
-    const long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
+    int lane;
+    const long long row = warp_row(lane);
     if (row >= rows) return;
     const uint4* a = attn + row * n_vecs;
     float mean, rstd, f[8];
@@ -109,8 +115,8 @@ __global__ void __launch_bounds__(256) hstu_norm_mul(
 __global__ void __launch_bounds__(256) hstu_layer_norm(
     const uint4* __restrict__ x, long long x_stride_vecs, const uint4* __restrict__ w,
     const uint4* __restrict__ b, uint4* __restrict__ y, long long rows, int m_vecs, float eps) {
-    const long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
+    int lane;
+    const long long row = warp_row(lane);
     if (row >= rows) return;
     const uint4* a = x + row * x_stride_vecs;
     float mean, rstd, f[8];
@@ -129,8 +135,8 @@ __global__ void __launch_bounds__(256) hstu_layer_norm(
 __global__ void __launch_bounds__(256) hstu_silu(
     const uint4* __restrict__ src, long long src_stride_vecs, uint4* __restrict__ dst,
     long long rows, int n_vecs) {
-    const long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
+    int lane;
+    const long long row = warp_row(lane);
     if (row >= rows) return;
     const uint4* s = src + row * src_stride_vecs;
     uint4* d = dst + row * n_vecs;
@@ -150,8 +156,8 @@ __global__ void __launch_bounds__(256) hstu_embed(
     const long long* __restrict__ pos, const uint4* __restrict__ items,
     const uint4* __restrict__ actions, const uint4* __restrict__ positions,
     uint4* __restrict__ out, long long rows, int m_vecs) {
-    const long long t = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
+    int lane;
+    const long long t = warp_row(lane);
     if (t >= rows) return;
     const uint4* e = (is_action[t] ? actions : items) + ids[t] * m_vecs;
     const uint4* p = positions + pos[t] * m_vecs;

@@ -18,3 +18,15 @@ def test_profile_rank_runs_on_the_cpu():
     assert p.returncode == 0, p.stderr[-2000:]
     assert "aten::" in p.stdout and "stages per batch" in p.stdout
     assert "profile_rank rank-small: 2 batches of 8" in p.stdout
+
+
+def test_probe_recompute_runs_on_the_cpu():
+    """tools/probe_recompute.py's three probes print what they measured."""
+    for probe, want in (("variants", "unsynced+devsync   n=2"), ("per-batch", "ms/rows: "),
+                        ("cprofile", "function calls")):
+        p = subprocess.run([sys.executable, str(ROOT / "tools" / "probe_recompute.py"), probe,
+                            "--spec", "rank-small", "--profile", "small", "--device", "cpu",
+                            "--users", "30", "--batches", "2"],
+                           capture_output=True, text=True, timeout=240, cwd=ROOT)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert want in p.stdout, (probe, p.stdout[-1000:])

@@ -16,6 +16,7 @@
 #     rankprof: tools/profile_rank.py on rank-ref (kernel table of cached batches of 8; no tests)
 #     reprof: the same for recompute batches of 8 (users from the middle of their trace), with
 #       the last batch's timeline: where an eager recompute batch's ~2 ms beyond its kernels go
+#       (PROF_ARGS=--unsynced: the batches as served, not stage-synced)
 #     first: rank-ref first visits one batch at a time (the first 2,400 requests of a fresh
 #       trace), FIRST_RUNS times alternating the batch order (single runs disagree; no tests)
 #     hosthit: rank-ref at batch 8 with a device tier of 8,192 pages, so that most hits come
@@ -132,7 +133,7 @@ if [ "$mode" = rankprof ]; then
 fi
 if [ "$mode" = reprof ]; then
   python3 tools/profile_rank.py --spec rank-ref --users 400 --start-frac 0.5 --batch 8 \
-    --batches 12 --profile 3 --rows 25 --timeline ${PROF_GAPS:-12} --set cache.mode=recompute \
+    --batches 12 --profile 3 --rows 25 --timeline ${PROF_GAPS:-12} ${PROF_ARGS:-} --set cache.mode=recompute \
     --set cache.host_chunks=16 2>"$out/profile_recompute.err" > "$out/profile_recompute.txt"
   grep -A 40 "^stages per batch" "$out/profile_recompute.txt" | grep -v "^ .* \(host\|dev \) "
   summary+=("$(grep '^profile_rank' "$out/profile_recompute.txt")")

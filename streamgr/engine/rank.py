@@ -120,33 +120,6 @@ class PackedBatch:
         self.pinned = None
 
 
-class UploadStaging:
-    """Page-locked int64 buffers a batch's rows are packed into (``pack_rows(out=)``) and
-    uploaded from: one host-to-device copy per batch and no ``pin_memory()``, which allocated
-    and copied the rows again on the host (1.2 MB per recompute batch of 8; ~0.35 ms before
-    its copy started on the lent H200's host, docs/benchmarks.md session 10). A buffer is taken
-    again only once the copy out of it has completed (an event recorded behind the copy)."""
-
-    KEEP = 4
-
-    def __init__(self) -> None:
-        self._free: list[tuple[torch.Tensor, object]] = []
-        self._lock = threading.Lock()
-
-    def take(self, n: int) -> torch.Tensor:
-        with self._lock:
-            for i, (buf, ev) in enumerate(self._free):
-                if buf.numel() >= n and (ev is None or ev.query()):
-                    return self._free.pop(i)[0]
-        return torch.empty(max(n + n // 4, 1 << 16), dtype=torch.int64, pin_memory=True)
-
-    def give_back(self, buf: torch.Tensor, event=None) -> None:
-        with self._lock:
-            self._free.append((buf, event))
-            if len(self._free) > self.KEEP:  # the oldest goes (freed once its copy is done)
-                self._free.pop(0)
-
-
 def build_jagged(users: list[UserSlice], device: torch.device) -> JaggedBatch:
     """One host-to-device copy of the whole batch's token ids, kinds and positions."""
     return upload_jagged(pack_jagged(users), device)
@@ -207,16 +180,41 @@ class InFlight:
         return self.host.numpy()
 
 
-class ScoreBuffers:
-    """Page-locked host buffers for batches' scores, reused: a batch takes one when its scores'
-    copy is queued and gives it back once its answers hold copies of them, so steady serving
-    allocates no pinned memory per batch."""
+class PinnedPool:
+    """Page-locked host buffers, reused: steady serving allocates no pinned memory per batch.
+    A buffer given back with an event (a copy out of or into it still queued) is handed out
+    again only once that event completed."""
 
     KEEP = 8  # buffers kept free at most (batches in flight are at most 4)
 
-    def __init__(self) -> None:
-        self._free: list[torch.Tensor] = []
+    def __init__(self, dtype: torch.dtype, min_elems: int) -> None:
+        self.dtype, self.min_elems = dtype, min_elems
+        self._free: list[tuple[torch.Tensor, object]] = []
         self._lock = threading.Lock()
+
+    def take(self, n: int, pinned: bool = True) -> torch.Tensor:
+        """The first free buffer of at least ``n`` elements whose copy is done, or a new one
+        (a quarter larger: batch sizes vary)."""
+        with self._lock:  # (by index: list.remove would compare tensors with ==)
+            i = next((i for i, (b, ev) in enumerate(self._free)
+                      if b.numel() >= n and (ev is None or ev.query())), None)
+            if i is not None:
+                return self._free.pop(i)[0]
+        return torch.empty(max(n + n // 4, self.min_elems), dtype=self.dtype, pin_memory=pinned)
+
+    def give_back(self, buf: torch.Tensor | None, event=None) -> None:
+        if buf is not None:
+            with self._lock:
+                if len(self._free) < self.KEEP:  # else dropped (torch's host allocator frees
+                    self._free.append((buf, event))  # it once its recorded copies are done)
+
+
+class ScoreBuffers(PinnedPool):
+    """Buffers for batches' scores: a batch takes one when its scores' copy is queued and gives
+    it back once its answers hold copies of them."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.float32, 4096)
 
     def read_back(self, scores: torch.Tensor):
         """(host view, event, buffer): the scores' copy queued behind the batch's work (no
@@ -231,19 +229,15 @@ class ScoreBuffers:
         event.record()
         return host, event, buf
 
-    def take(self, n: int, pinned: bool = True) -> torch.Tensor:
-        """A free buffer of at least ``n`` floats, or a new one."""
-        with self._lock:  # (by index: list.remove would compare tensors with ==)
-            i = next((i for i, b in enumerate(self._free) if b.numel() >= n), None)
-            if i is not None:
-                return self._free.pop(i)
-        return torch.empty(max(n, 4096), dtype=torch.float32, pin_memory=pinned)
 
-    def give_back(self, buf: torch.Tensor | None) -> None:
-        if buf is not None:
-            with self._lock:
-                if len(self._free) < self.KEEP:
-                    self._free.append(buf)
+class UploadStaging(PinnedPool):
+    """int64 buffers a batch's rows are packed into (``pack_rows(out=)``) and uploaded from:
+    one host-to-device copy per batch and no ``pin_memory()``, which allocated and copied the
+    rows again on the host (1.2 MB per recompute batch of 8; ~0.35 ms before its copy started
+    on the lent H200's host, docs/benchmarks.md session 10). Given back with the copy's event."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.int64, 1 << 16)
 
 
 @dataclass

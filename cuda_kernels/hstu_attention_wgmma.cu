@@ -54,6 +54,9 @@ constexpr int TPC = KC / BN;
 #ifndef HSTU_WG_QREG
 #define HSTU_WG_QREG 0
 #endif
+#ifndef HSTU_WG_FLUSH
+#define HSTU_WG_FLUSH 8  // column pairs per row loaded per round of a chunk's flush
+#endif
 constexpr int STAGES = HSTU_WG_STAGES;
 constexpr int THREADS = 384;  // warpgroup 0 produces (copies), 1 and 2 consume (64 rows each)
 static_assert(BM == 2 * 64 && TPC * BN == KC && (BN == 64 || BN == 128),
@@ -234,6 +237,40 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS,
                        ok ? 16 : 0);
         }
         cp_async_mbar_arrive(q_full);
+        if constexpr (kSwizzle<D>) {
+            if (!is_paged) {  // contiguous rows (a recompute): few instructions per copy
+                // A thread copies one 16-byte column c of every RS-th row: its shared-memory
+                // offset moves by whole rows (the swizzle's row & 7 is the same: RS % 8 == 0)
+                // and its global address by RS rows, so the address arithmetic per copy is
+                // two adds (the generic loop below spent ~15 instructions, all issued on the
+                // consumers' schedulers).
+                constexpr int RS = 128 / CH, PASSES = BN * CH / 128;
+                static_assert(RS % 8 == 0, "rows per pass keep the swizzle phase");
+                const int r0 = tid / CH, c = (tid % CH) * 8;
+                const int so = tile_off<D, BN>(r0, c);
+                const long long kstep = (long long)RS * sk, vstep = (long long)RS * sv;
+                for (int kt = kt0; kt < kt1; ++kt) {
+                    const int it = kt - kt0, stage = it % STAGES;
+                    mbar_wait(empty + stage, ((it / STAGES) & 1) ^ 1);
+                    __nv_bfloat16* kd = Ks + stage * BN * D + so;
+                    __nv_bfloat16* vd = Vs + stage * BN * D + so;
+                    const int j0 = kt * BN + r0;
+                    const __nv_bfloat16* kp = k + (krow + j0) * sk + h * D + c;
+                    const __nv_bfloat16* vp = v + (krow + j0) * sv + h * D + c;
+#pragma unroll 4
+                    for (int m = 0; m < PASSES; ++m) {
+                        const bool ok = j0 + m * RS < key_lim;  // past it zero-filled
+                        cp_async16(kd + m * RS * 64, ok ? kp : q, ok ? 16 : 0);
+                        cp_async16(vd + m * RS * 64, ok ? vp : q, ok ? 16 : 0);
+                        kp += kstep;
+                        vp += vstep;
+                    }
+                    cp_async_mbar_arrive(full + stage);
+                }
+                cp_async_wait<0>();
+                return;
+            }
+        }
         for (int kt = kt0; kt < kt1; ++kt) {
             const int it = kt - kt0, stage = it % STAGES;
             mbar_wait(empty + stage, ((it / STAGES) & 1) ^ 1);
@@ -284,27 +321,31 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS,
 
     float* w = ws + ((long long)item_slot[item] * H + h) * BM * D;
     auto flush = [&](bool first) {  // as fold_row in hstu_attention.cu: all loads, then stores
+        // In rounds of G column pairs of both of the thread's rows: each round's old values
+        // loaded before its stores (so the loads overlap: one L2 latency per round), with few
+        // registers beside the accumulators (acc, S and the next tile's P stay live here).
+        constexpr int G = D / 8 < HSTU_WG_FLUSH ? D / 8 : HSTU_WG_FLUSH;
+        float* row = w + (wrow + g) * D + 2 * t;
 #pragma unroll
-        for (int hl = 0; hl < 2; ++hl) {
-            const int r = wrow + g + hl * 8;
-            if (r >= nrows) continue;
-            float* row = w + r * D + 2 * t;
-            // In groups of 8 columns pairs: each group's old values loaded before its stores
-            // (so the loads overlap), few registers beside the accumulators.
-            constexpr int G = D / 8 < 8 ? D / 8 : 8;
+        for (int n0 = 0; n0 < D / 8; n0 += G) {
+            float2 o[2][G];
 #pragma unroll
-            for (int n0 = 0; n0 < D / 8; n0 += G) {
-                float2 o[G];
+            for (int hl = 0; hl < 2; ++hl)
 #pragma unroll
                 for (int n = 0; n < G; ++n)
-                    o[n] = (DIRECT && !first) ? *reinterpret_cast<const float2*>(row + (n0 + n) * 8)
-                                              : make_float2(0.0f, 0.0f);
+                    o[hl][n] = (DIRECT && !first && wrow + g + hl * 8 < nrows)
+                                   ? *reinterpret_cast<const float2*>(row + hl * 8 * D + (n0 + n) * 8)
+                                   : make_float2(0.0f, 0.0f);
+#pragma unroll
+            for (int hl = 0; hl < 2; ++hl) {
+                if (wrow + g + hl * 8 >= nrows) continue;
 #pragma unroll
                 for (int n = 0; n < G; ++n) {
                     const int m = n0 + n;
                     float2 x = make_float2(acc[4 * m + 2 * hl], acc[4 * m + 2 * hl + 1]);
-                    if (DIRECT) x = make_float2(__fadd_rn(o[n].x, x.x), __fadd_rn(o[n].y, x.y));
-                    *reinterpret_cast<float2*>(row + m * 8) = x;
+                    if (DIRECT)
+                        x = make_float2(__fadd_rn(o[hl][n].x, x.x), __fadd_rn(o[hl][n].y, x.y));
+                    *reinterpret_cast<float2*>(row + hl * 8 * D + m * 8) = x;
                 }
             }
         }

@@ -97,9 +97,9 @@ def test_score_buffers_are_reused_and_answers_keep_their_scores():
         pool = eng.runner.score_buffers
         first = run_batch(eng, [req(0, [1, 2, 3], [0, 1, 0], [5, 6, 7])])
         kept = [s.copy() for s, _ in first]
-        bufs = {id(b) for b in pool._free}
+        bufs = {id(b) for b, _ in pool._free}
         assert len(bufs) == 1, mode
         for u in range(1, 6):
             run_batch(eng, [req(u, [4, 5], [1, 1], [8, 9, 10, 11])])
-        assert {id(b) for b in pool._free} == bufs, mode  # the same buffer, reused
+        assert {id(b) for b, _ in pool._free} == bufs, mode  # the same buffer, reused
         assert all(np.array_equal(s, k) for (s, _), k in zip(first, kept)), mode

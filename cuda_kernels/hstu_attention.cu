@@ -115,10 +115,16 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(HSTU_FWD_PARAMS, int max
     const long long HD = (long long)H * D;
     constexpr int VEC = 8;  // bf16 per 16-byte copy
 
-    for (int i = tid; i < QR * D / VEC; i += 128) {
-        const int r = i / (D / VEC), c = (i % (D / VEC)) * VEC;
-        const bool ok = r < nrows;
-        cp_async16(Qs + r * SP + c, ok ? q + (qs + row0 + r) * sq + h * D + c : q, ok ? 16 : 0);
+    constexpr int CPR = D / VEC, RPP = 128 / CPR;  // 16-byte copies per row, rows per pass
+    {  // Q: the thread's column of every RPP-th row (the K/V loads' mapping, below)
+        const int r0 = tid / CPR, c0 = (tid % CPR) * VEC;
+        const __nv_bfloat16* qp = q + (qs + row0 + r0) * sq + h * D + c0;
+#pragma unroll 2
+        for (int r = r0; r < QR; r += RPP) {
+            const bool ok = r < nrows;
+            cp_async16(Qs + r * SP + c0, ok ? qp : q, ok ? 16 : 0);
+            qp += RPP * sq;
+        }
     }
     cp_async_commit();
 
@@ -131,28 +137,43 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(HSTU_FWD_PARAMS, int max
     const long long krow = kv_row[b];
     const int page_shift = page_shift_of(page_size);
 
+    // A thread copies the 16-byte column c of rows r0, r0 + RPP, ... of every tile (the
+    // mapping of copy i = tid + 128 m to row i / CPR, column i % CPR, with the arithmetic
+    // hoisted): per copy its shared offset and contiguous source move by fixed strides, and a
+    // paged copy costs one page-table load and one multiply. (Recomputing the row, column and
+    // 64-bit address per copy cost ~15 instructions each, issued by the warps that do the
+    // MMAs; on the wgmma kernel's producer the same change was 1.19x, session 11.)
+    constexpr int PASSES = BN * CPR / 128;
+    static_assert(BN * CPR % 128 == 0, "whole passes of 128 copies per tile");
     auto load_kv = [&](int stage, int kt) {
-        __nv_bfloat16* kd = Ks + stage * BN * SP;
-        __nv_bfloat16* vd = Vs + stage * BN * SP;
-#pragma unroll
-        for (int i = tid; i < BN * D / VEC; i += 128) {
-            const int r = i / (D / VEC), c = (i % (D / VEC)) * VEC;
-            const int j = kt * BN + r;
-            const __nv_bfloat16 *kp = q, *vp = q;
-            const bool ok = j < key_lim;
-            if (ok) {
-                if (is_paged) {
-                    const long long off = page_row(upages, j, page_size, page_shift) * HD
-                                          + h * D + c;
-                    kp = store + off;
-                    vp = store + off + (long long)page_size * HD;
-                } else {
-                    kp = k + (krow + j) * sk + h * D + c;
-                    vp = v + (krow + j) * sv + h * D + c;
-                }
+        // (per tile, not hoisted: live across the kernel they spill the D = 128 tails build)
+        const int r0 = tid / CPR, c0 = (tid % CPR) * VEC;
+        const long long col = (long long)h * D + c0;
+        const long long v_off = (long long)page_size * HD;  // a page's V rows follow its K rows
+        __nv_bfloat16* kd = Ks + stage * BN * SP + r0 * SP + c0;
+        __nv_bfloat16* vd = Vs + stage * BN * SP + r0 * SP + c0;
+        const int j0 = kt * BN + r0;
+        if (is_paged) {
+#pragma unroll 4  // (fully unrolled, the D = 128 tails build spills)
+            for (int m = 0; m < PASSES; ++m) {
+                const int j = j0 + m * RPP;
+                const bool ok = j < key_lim;  // past it zero-filled (garbage could be NaN)
+                const __nv_bfloat16* kp =
+                    ok ? store + page_row(upages, j, page_size, page_shift) * HD + col : q;
+                cp_async16(kd + m * RPP * SP, kp, ok ? 16 : 0);
+                cp_async16(vd + m * RPP * SP, ok ? kp + v_off : q, ok ? 16 : 0);
             }
-            cp_async16(kd + r * SP + c, kp, ok ? 16 : 0);
-            cp_async16(vd + r * SP + c, vp, ok ? 16 : 0);
+        } else {
+            const __nv_bfloat16* kp = k + (krow + j0) * sk + col;
+            const __nv_bfloat16* vp = v + (krow + j0) * sv + col;
+#pragma unroll
+            for (int m = 0; m < PASSES; ++m) {
+                const bool ok = j0 + m * RPP < key_lim;
+                cp_async16(kd + m * RPP * SP, ok ? kp : q, ok ? 16 : 0);
+                cp_async16(vd + m * RPP * SP, ok ? vp : q, ok ? 16 : 0);
+                kp += RPP * sk;
+                vp += RPP * sv;
+            }
         }
     };
 

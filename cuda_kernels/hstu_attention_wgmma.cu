@@ -238,70 +238,84 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS,
         }
         cp_async_mbar_arrive(q_full);
         if constexpr (kSwizzle<D>) {
-            if (!is_paged) {  // contiguous rows (a recompute): few instructions per copy
-                // A thread copies one 16-byte column c of every RS-th row: its shared-memory
-                // offset moves by whole rows (the swizzle's row & 7 is the same: RS % 8 == 0)
-                // and its global address by RS rows, so the address arithmetic per copy is
-                // two adds (the generic loop below spent ~15 instructions, all issued on the
-                // consumers' schedulers).
-                constexpr int RS = 128 / CH, PASSES = BN * CH / 128;
-                static_assert(RS % 8 == 0, "rows per pass keep the swizzle phase");
-                const int r0 = tid / CH, c = (tid % CH) * 8;
-                const int so = tile_off<D, BN>(r0, c);
-                const long long kstep = (long long)RS * sk, vstep = (long long)RS * sv;
-                for (int kt = kt0; kt < kt1; ++kt) {
-                    const int it = kt - kt0, stage = it % STAGES;
-                    mbar_wait(empty + stage, ((it / STAGES) & 1) ^ 1);
-                    __nv_bfloat16* kd = Ks + stage * BN * D + so;
-                    __nv_bfloat16* vd = Vs + stage * BN * D + so;
-                    const int j0 = kt * BN + r0;
+            // A thread copies one 16-byte column c of every RS-th row: its shared-memory offset
+            // moves by whole rows (the swizzle's row & 7 stays: RS % 8 == 0), its contiguous
+            // source by RS rows, and a paged copy costs one page-table load and one multiply.
+            // (The generic loop below recomputed row, column and a 64-bit address per copy,
+            // ~15 instructions, issued on the consumers' schedulers: recompute b8 ran at 300
+            // TFLOP/s with it, 355 without; docs/benchmarks.md, session 11.)
+            constexpr int RS = 128 / CH, PASSES = BN * CH / 128;
+            static_assert(RS % 8 == 0, "rows per pass keep the swizzle phase");
+            const int r0 = tid / CH, c = (tid % CH) * 8;
+            const int so = tile_off<D, BN>(r0, c);
+            const int page_shift = page_shift_of(page_size);
+            for (int kt = kt0; kt < kt1; ++kt) {
+                const int it = kt - kt0, stage = it % STAGES;
+                mbar_wait(empty + stage, ((it / STAGES) & 1) ^ 1);
+                __nv_bfloat16* kd = Ks + stage * BN * D + so;
+                __nv_bfloat16* vd = Vs + stage * BN * D + so;
+                const int j0 = kt * BN + r0;
+                if (is_paged) {
+                    const long long col = (long long)h * D + c;
+#pragma unroll 4
+                    for (int m = 0; m < PASSES; ++m) {
+                        const int j = j0 + m * RS;
+                        const bool ok = j < key_lim;  // past it zero-filled
+                        const __nv_bfloat16* kp =
+                            ok ? store + page_row(upages, j, page_size, page_shift) * HD + col : q;
+                        cp_async16(kd + m * RS * 64, kp, ok ? 16 : 0);
+                        cp_async16(vd + m * RS * 64, ok ? kp + (long long)page_size * HD : q,
+                                   ok ? 16 : 0);
+                    }
+                } else {
                     const __nv_bfloat16* kp = k + (krow + j0) * sk + h * D + c;
                     const __nv_bfloat16* vp = v + (krow + j0) * sv + h * D + c;
 #pragma unroll 4
                     for (int m = 0; m < PASSES; ++m) {
-                        const bool ok = j0 + m * RS < key_lim;  // past it zero-filled
+                        const bool ok = j0 + m * RS < key_lim;
                         cp_async16(kd + m * RS * 64, ok ? kp : q, ok ? 16 : 0);
                         cp_async16(vd + m * RS * 64, ok ? vp : q, ok ? 16 : 0);
-                        kp += kstep;
-                        vp += vstep;
+                        kp += RS * sk;
+                        vp += RS * sv;
                     }
-                    cp_async_mbar_arrive(full + stage);
                 }
-                cp_async_wait<0>();
-                return;
+                cp_async_mbar_arrive(full + stage);
             }
-        }
-        for (int kt = kt0; kt < kt1; ++kt) {
-            const int it = kt - kt0, stage = it % STAGES;
-            mbar_wait(empty + stage, ((it / STAGES) & 1) ^ 1);
-            __nv_bfloat16* kd = Ks + stage * BN * D;
-            __nv_bfloat16* vd = Vs + stage * BN * D;
+            cp_async_wait<0>();
+            return;
+        } else {  // D = 32 (core matrices): the copy's row and column per copy
+            for (int kt = kt0; kt < kt1; ++kt) {
+                const int it = kt - kt0, stage = it % STAGES;
+                mbar_wait(empty + stage, ((it / STAGES) & 1) ^ 1);
+                __nv_bfloat16* kd = Ks + stage * BN * D;
+                __nv_bfloat16* vd = Vs + stage * BN * D;
 #pragma unroll 4
-            for (int i = tid; i < BN * CH; i += 128) {
-                int r, c;
-                copy_rc<D>(i, r, c);
-                const int j = kt * BN + r;
-                const __nv_bfloat16 *kp = q, *vp = q;
-                const bool ok = j < key_lim;  // past it zero-filled (garbage could be NaN)
-                if (ok) {
-                    if (is_paged) {
-                        const long long pg = upages[j / page_size];
-                        const long long off = ((pg * 2) * page_size + j % page_size) * HD
-                                              + h * D + c;
-                        kp = store + off;
-                        vp = store + off + (long long)page_size * HD;
-                    } else {
-                        kp = k + (krow + j) * sk + h * D + c;
-                        vp = v + (krow + j) * sv + h * D + c;
+                for (int i = tid; i < BN * CH; i += 128) {
+                    int r, c;
+                    copy_rc<D>(i, r, c);
+                    const int j = kt * BN + r;
+                    const __nv_bfloat16 *kp = q, *vp = q;
+                    const bool ok = j < key_lim;  // past it zero-filled (garbage could be NaN)
+                    if (ok) {
+                        if (is_paged) {
+                            const long long pg = upages[j / page_size];
+                            const long long off = ((pg * 2) * page_size + j % page_size) * HD
+                                                  + h * D + c;
+                            kp = store + off;
+                            vp = store + off + (long long)page_size * HD;
+                        } else {
+                            kp = k + (krow + j) * sk + h * D + c;
+                            vp = v + (krow + j) * sv + h * D + c;
+                        }
                     }
+                    cp_async16(kd + tile_off<D, BN>(r, c), kp, ok ? 16 : 0);
+                    cp_async16(vd + tile_off<D, BN>(r, c), vp, ok ? 16 : 0);
                 }
-                cp_async16(kd + tile_off<D, BN>(r, c), kp, ok ? 16 : 0);
-                cp_async16(vd + tile_off<D, BN>(r, c), vp, ok ? 16 : 0);
+                cp_async_mbar_arrive(full + stage);
             }
-            cp_async_mbar_arrive(full + stage);
+            cp_async_wait<0>();
+            return;
         }
-        cp_async_wait<0>();
-        return;
     }
 
     // The consumers: warpgroup cw owns rows 64 cw .. 64 cw + 63 of the tile.

@@ -1,5 +1,5 @@
 // Device helpers shared by the HSTU attention kernels (hstu_attention.cu, hstu_attention_wgmma.cu):
-// cp.async copies, bf16 packing and the one-MUFU SiLU both use. Included inside their anonymous
+// cp.async copies, a paged key's row, bf16 packing and the one-MUFU SiLU both use. Included inside their anonymous
 // namespace; the loader (streamgr/kernels/_cuda.py) inlines it for NVRTC, so CuPy's compile
 // cache key covers its text.
 
@@ -15,6 +15,21 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+}
+
+// Pages of a power-of-two size (the default 32) split a key index by shift and mask: a runtime
+// division costs ~20 instructions per 16-byte copy, issued by the warps that do the MMAs.
+// page_shift_of: log2 of the page size, or -1 when it is not a power of two.
+__device__ __forceinline__ int page_shift_of(int page_size) {
+    return (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
+}
+
+// Key j's row in a layer's page store [pages, 2, page_size, H, D], in units of H * D elements
+// (its K row; V is page_size rows further): page upages[j / page_size], slot j % page_size.
+__device__ __forceinline__ long long page_row(const int* upages, int j, int page_size,
+                                              int page_shift) {
+    const int pi = page_shift >= 0 ? j >> page_shift : j / page_size;
+    return ((long long)upages[pi] * 2) * page_size + (j - pi * page_size);
 }
 
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {

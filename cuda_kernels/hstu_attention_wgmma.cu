@@ -6,8 +6,8 @@
 //     (no ldmatrix round trip through registers, the limit of the mma.sync kernel);
 //   - SiLU and the mask on S in registers, P repacked in registers as the A operand of
 //     O += P V, with V read from shared memory as an MN-major B operand (trans-b);
-//   - K/V tiles of 64 keys by cp.async, STAGES deep, in the no-swizzle "core matrix" layout
-//     wgmma reads (8 rows x 16 bytes contiguous per core matrix);
+//   - K/V tiles of BN keys (128; 64 for A/B) by cp.async, STAGES deep (3), in the 128-byte
+//     swizzled layout wgmma reads (D >= 64; core matrices of 8 rows x 16 bytes for D = 32);
 //   - warp-specialized (FlashAttention-3's structure): a third, producer warpgroup issues every
 //     copy (Q, then the K/V tiles with their page lookups) and signals each stage's arrival on
 //     an mbarrier (cp.async.mbarrier.arrive); the two consumer warpgroups only wait for full

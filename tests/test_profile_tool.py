@@ -3,6 +3,7 @@ the profiler's table, the per-batch stages)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,3 +31,17 @@ def test_probe_recompute_runs_on_the_cpu():
                            capture_output=True, text=True, timeout=240, cwd=ROOT)
         assert p.returncode == 0, p.stderr[-2000:]
         assert want in p.stdout, (probe, p.stdout[-1000:])
+
+
+def test_bench_update_refits_from_checkpoints_on_the_cpu():
+    """tools/bench_update.py --checkpoints: refits from checkpoint directories written before
+    the timed phases, every answer on a version that was active, none failed (its exit code),
+    and it says where the weights came from."""
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_update.py"), "--spec",
+                        "gen-small", "--rate", "50", "--seconds", "1.5", "--every", "0.4",
+                        "--catalog-every", "0", "--checkpoints", "2"],
+                       capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:] + p.stdout[-2000:]
+    m = re.search(r"from 2 checkpoints \((\d+) updates", p.stdout)
+    assert m and int(m.group(1)) >= 1, p.stdout[-1000:]
+    assert "unknown-version answers 0" in p.stdout and "failed 0" in p.stdout

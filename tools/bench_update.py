@@ -6,6 +6,11 @@ active, removed items answered by a version that had removed them, failed reques
 
   python tools/bench_update.py --spec gen-small --rate 200 --seconds 10          # CPU
   python tools/bench_update.py --spec gen-ref --device cuda --rate 1000          # the H200
+
+A refit's weights are an init seed by default (the engine draws them on its host, beside
+serving); ``--checkpoints N`` writes N checkpoint directories before the timed phases and refits
+from them in turn, as a deployment whose trainer publishes files does (the engine then reads
+and moves them, and draws nothing).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import argparse
 import asyncio
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,9 +60,9 @@ async def open_loop(eng, reqs, rate: float, seconds: float, rng) -> list[dict]:
 
 
 async def updates(eng, every: float, seconds: float, rng, log: list, removed: dict,
-                  catalog_every: int = 3):
-    """A weights refit every ``every`` s; every ``catalog_every``-th one (0: none) also takes
-    items down."""
+                  catalog_every: int = 3, checkpoints: list[str] | None = None):
+    """A weights refit every ``every`` s (from ``checkpoints`` in turn, else an init seed);
+    every ``catalog_every``-th one (0: none) also takes items down."""
     t_end = time.perf_counter() + seconds
     ids = eng.gen_runner.catalog_items
     pool = ids[len(ids) // 2:]  # the requests' histories use the other half
@@ -64,7 +70,8 @@ async def updates(eng, every: float, seconds: float, rng, log: list, removed: di
     n = 0
     while time.perf_counter() + every < t_end:
         await asyncio.sleep(every)
-        kw = {"weights": int(rng.integers(1, 1 << 30))}
+        kw = {"weights": checkpoints[n % len(checkpoints)] if checkpoints
+              else int(rng.integers(1, 1 << 30))}
         if catalog_every and n % catalog_every == catalog_every - 1:
             take = [int(x) for x in rng.choice(pool, 20, replace=False) if int(x) not in gone]
             kw["catalog"] = CatalogDelta(remove=take)
@@ -76,6 +83,19 @@ async def updates(eng, every: float, seconds: float, rng, log: list, removed: di
         log.append({"at": t0, "cutover_ms": (time.perf_counter() - t0) * 1e3, "version": name,
                     "catalog": "catalog" in kw})
         n += 1
+
+
+def write_checkpoints(eng, n: int, root: Path) -> list[str]:
+    """``n`` checkpoint directories of the engine's generate model with random weights (seeds
+    1..n), written now, before any timing."""
+    from streamgr.models.checkpoint import save_checkpoint
+    from streamgr.models.t5 import T5
+    from streamgr.runtime.deployment import t5_config_from_spec
+    cfg = t5_config_from_spec(eng.spec)
+    out = []
+    for i in range(n):
+        out.append(str(save_checkpoint(T5(cfg).init_random(1 + i), cfg, root / f"refit{i}")))
+    return out
 
 
 def pct(xs, q):
@@ -92,6 +112,9 @@ def main() -> int:
     ap.add_argument("--every", type=float, default=0.6, help="seconds between refits")
     ap.add_argument("--catalog-every", type=int, default=3,
                     help="every N-th update also removes items (0: weights refits only)")
+    ap.add_argument("--checkpoints", type=int, default=0,
+                    help="refit from this many checkpoint directories written before the timed "
+                         "phases (0: init seeds, drawn by the engine)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     ov = parse_set_pairs(args.overrides)
@@ -106,6 +129,8 @@ def main() -> int:
                             top_k=eng.spec.policy.top_k) for u in range(512)]
     log: list[dict] = []
     removed: dict[str, set] = {}
+    tmp = tempfile.TemporaryDirectory(prefix="streamgr-refits-")
+    ckpts = write_checkpoints(eng, args.checkpoints, Path(tmp.name))
 
     async def run():
         async with eng:
@@ -115,7 +140,8 @@ def main() -> int:
             calm = await open_loop(eng, reqs, args.rate, args.seconds, rng)
             busy, _ = await asyncio.gather(
                 open_loop(eng, reqs, args.rate, args.seconds, rng),
-                updates(eng, args.every, args.seconds, rng, log, removed, args.catalog_every))
+                updates(eng, args.every, args.seconds, rng, log, removed, args.catalog_every,
+                        ckpts))
             return first, calm, busy
     first, calm, busy = asyncio.run(run())
     known = set(removed)
@@ -126,8 +152,10 @@ def main() -> int:
     lat_calm = [r["ms"] for r in calm if "error" not in r]
     lat_busy = [r["ms"] for r in busy if "error" not in r]
     cut = [u["cutover_ms"] for u in log]
+    tmp.cleanup()
+    source = f"{len(ckpts)} checkpoints" if ckpts else "init seeds"
     print(f"spec {eng.spec.name} on {eng.device}: {args.rate:g} req/s offered, {args.seconds:g} s "
-          f"per phase, a refit every {args.every:g} s ({len(log)} updates, "
+          f"per phase, a refit every {args.every:g} s from {source} ({len(log)} updates, "
           f"{sum(u['catalog'] for u in log)} with catalog removals)")
     print(f"{'phase':<16}{'requests':>10}{'p50 ms':>10}{'p99 ms':>10}")
     print(f"{'no updates':<16}{len(calm):>10}{pct(lat_calm, 50):>10.2f}{pct(lat_calm, 99):>10.2f}")

@@ -24,6 +24,7 @@
 #     attnprof: ncu on the attention forward kernels (mma.sync and wgmma) with stall reasons and
 #       the source lines they stall on (STREAMGR_NVRTC_LINEINFO=1; no tests)
 #   env: CATALOG_EVERY (update: every N-th update also changes the catalog; 0: refits only),
+#   UPDATE_ARGS (more bench_update flags, e.g. "--checkpoints 4": refits from files, not seeds),
 #   WARMUP/WINDOW (rank bench requests), RANK_ARGS (more rank bench flags, e.g.
 #   "--stage-every 5": latency over batches without stage syncs), GEN_REQUESTS (per gen-ref run), GEN_RATES
 #   (open-loop requests/s), HF_REQUESTS (through Hugging Face), GEN_ARGS (more bench flags,
@@ -111,7 +112,7 @@ if [ "$mode" = inflight ]; then
 fi
 if [ "$mode" = update ] || [ "$mode" = verify ]; then
   python3 tools/bench_update.py --spec gen-ref --device cuda --rate ${UPDATE_RATE:-1000} \
-    --seconds ${UPDATE_SECONDS:-8} --catalog-every ${CATALOG_EVERY:-3} \
+    --seconds ${UPDATE_SECONDS:-8} --catalog-every ${CATALOG_EVERY:-3} ${UPDATE_ARGS:-} \
     2>"$out/bench_update.err" | tee "$out/bench_update.txt"
   tail -n 5 "$out/bench_update.err"
   summary+=("$(tail -n 1 "$out/bench_update.txt")")

@@ -54,9 +54,6 @@ constexpr int TPC = KC / BN;
 #ifndef HSTU_WG_QREG
 #define HSTU_WG_QREG 0
 #endif
-#ifndef HSTU_WG_FLUSH
-#define HSTU_WG_FLUSH 8  // column pairs per row loaded per round of a chunk's flush
-#endif
 constexpr int STAGES = HSTU_WG_STAGES;
 constexpr int THREADS = 384;  // warpgroup 0 produces (copies), 1 and 2 consume (64 rows each)
 static_assert(BM == 2 * 64 && TPC * BN == KC && (BN == 64 || BN == 128),
@@ -237,6 +234,7 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS,
                        ok ? 16 : 0);
         }
         cp_async_mbar_arrive(q_full);
+        const int page_shift = page_shift_of(page_size);
         if constexpr (kSwizzle<D>) {
             // A thread copies one 16-byte column c of every RS-th row: its shared-memory offset
             // moves by whole rows (the swizzle's row & 7 stays: RS % 8 == 0), its contiguous
@@ -248,7 +246,6 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS,
             static_assert(RS % 8 == 0, "rows per pass keep the swizzle phase");
             const int r0 = tid / CH, c = (tid % CH) * 8;
             const int so = tile_off<D, BN>(r0, c);
-            const int page_shift = page_shift_of(page_size);
             for (int kt = kt0; kt < kt1; ++kt) {
                 const int it = kt - kt0, stage = it % STAGES;
                 mbar_wait(empty + stage, ((it / STAGES) & 1) ^ 1);
@@ -298,9 +295,8 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS,
                     const bool ok = j < key_lim;  // past it zero-filled (garbage could be NaN)
                     if (ok) {
                         if (is_paged) {
-                            const long long pg = upages[j / page_size];
-                            const long long off = ((pg * 2) * page_size + j % page_size) * HD
-                                                  + h * D + c;
+                            const long long off =
+                                page_row(upages, j, page_size, page_shift) * HD + h * D + c;
                             kp = store + off;
                             vp = store + off + (long long)page_size * HD;
                         } else {
@@ -338,7 +334,7 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS,
         // In rounds of G column pairs of both of the thread's rows: each round's old values
         // loaded before its stores (so the loads overlap: one L2 latency per round), with few
         // registers beside the accumulators (acc, S and the next tile's P stay live here).
-        constexpr int G = D / 8 < HSTU_WG_FLUSH ? D / 8 : HSTU_WG_FLUSH;
+        constexpr int G = D / 8 < 8 ? D / 8 : 8;
         float* row = w + (wrow + g) * D + 2 * t;
 #pragma unroll
         for (int n0 = 0; n0 < D / 8; n0 += G) {

@@ -53,27 +53,27 @@ WG_SRC = "hstu_attention_wgmma.cu"
 WG_EXPRS = tuple(f"hstu_attn_fwd_wg<{d}, {f}>" for d in (32, 64, 128) for f in ("true", "false"))
 
 
-def _wg_config() -> tuple[int, int, int, int, int, int]:
-    """K/V stages, the S / P V overlap (always on), Q in registers, the consumers' ping-pong,
-    the keys per tile and the column pairs per row a chunk's flush loads per round of the
-    wgmma kernel (HSTU_WG_STAGES, HSTU_WG_OVERLAP, HSTU_WG_QREG, HSTU_WG_PINGPONG, HSTU_WG_BN,
-    HSTU_WG_FLUSH); ``STREAMGR_HSTU_WG=4x1x0x1x64x8`` picks another for A/B benchmarks. The
+def _wg_config() -> tuple[int, int, int, int, int]:
+    """K/V stages, the S / P V overlap (always on), Q in registers, the consumers' ping-pong
+    and the keys per tile of the wgmma kernel (HSTU_WG_STAGES, HSTU_WG_OVERLAP, HSTU_WG_QREG,
+    HSTU_WG_PINGPONG, HSTU_WG_BN); ``STREAMGR_HSTU_WG=4x1x0x1x64`` picks another for A/B
+    benchmarks. The
     default, 3 stages of 128-key tiles with Q in shared memory, was the fastest on the H200
     (docs/benchmarks.md, session 9); Q in registers spills the D = 128 direct build (consumers
     get 224 registers); 128-key tiles fit 3 stages at most."""
-    stages, overlap, qreg, pingpong, keys, flush = _env_ints(
-        "STREAMGR_HSTU_WG", "3x1x0x1x128x8", "STAGESxOVERLAPxQREGxPINGPONGxKEYSxFLUSH")
+    stages, overlap, qreg, pingpong, keys = _env_ints(
+        "STREAMGR_HSTU_WG", "3x1x0x1x128", "STAGESxOVERLAPxQREGxPINGPONGxKEYS")
     if stages not in (3, 4) or overlap != 1 or qreg not in (0, 1) or pingpong not in (0, 1) \
-            or keys not in (64, 128) or (keys == 128 and stages > 3) or flush not in (4, 8, 16):
+            or keys not in (64, 128) or (keys == 128 and stages > 3):
         raise StreamgrError("STREAMGR_HSTU_WG: stages 3 or 4 (3 with 128 keys), overlap 1, "
-                            "flags 0 or 1, keys 64 or 128, flush 4, 8 or 16")
-    return stages, overlap, qreg, pingpong, keys, flush
+                            "flags 0 or 1, keys 64 or 128")
+    return stages, overlap, qreg, pingpong, keys
 
 
-WG_STAGES, WG_OVERLAP, WG_QREG, WG_PINGPONG, WG_BN, WG_FLUSH = _wg_config()
+WG_STAGES, WG_OVERLAP, WG_QREG, WG_PINGPONG, WG_BN = _wg_config()
 WG_DEFINES = (f"HSTU_WG_STAGES={WG_STAGES}", f"HSTU_WG_OVERLAP={WG_OVERLAP}",
               f"HSTU_WG_QREG={WG_QREG}", f"HSTU_WG_PINGPONG={WG_PINGPONG}",
-              f"HSTU_WG_BN={WG_BN}", f"HSTU_WG_FLUSH={WG_FLUSH}", f"HSTU_KC={KC}")
+              f"HSTU_WG_BN={WG_BN}", f"HSTU_KC={KC}")
 
 
 @functools.lru_cache(maxsize=8)

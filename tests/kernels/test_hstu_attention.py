@@ -134,9 +134,8 @@ def test_padded_plan_adds_only_work_that_writes_nothing(force):
      ["64x2", "64x2x128", "16x2x16", "ax2x32"]),
     ("STREAMGR_HSTU_KC", "hstu_plan._chunk_keys", "1024", ["768", "0", "512x2", ""]),
     ("STREAMGR_HSTU_TAIL", "hstu_plan._tails", "0", ["2", "yes", "1x1"]),
-    ("STREAMGR_HSTU_WG", "hstu_attention_cuda._wg_config", "4x1x1x0x64x16",
-     ["2x1x1x1x64x8", "4x1x0x1x128x8", "3x0x0x1x128x8", "3x1x0x1x128", "4x1x0x2x64x8",
-      "3x1x0x1x96x8", "3x1x0x1x128x32"]),
+    ("STREAMGR_HSTU_WG", "hstu_attention_cuda._wg_config", "4x1x1x0x64",
+     ["2x1x1x1x64", "4x1x0x1x128", "3x0x0x1x128", "3x1x0x1", "4x1x0x2x64", "3x1x0x1x96"]),
 ])
 def test_attention_ab_knobs_parse_or_say_what_they_expect(monkeypatch, name, fn, good, bad):
     """The A/B knobs of the attention kernels: a good value parses, a bad one is a clear error

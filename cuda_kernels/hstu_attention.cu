@@ -86,8 +86,9 @@ struct IntC {
 
 #include "hstu_slots.cuh"
 
-// grid (items, H), 128 threads. DIRECT: items fold their chunks into their slot; else each
-// item (one chunk) writes its own slot.
+// grid (items, H), or (items x H) with the head fastest (block_item_head, hstu_common.cuh);
+// 128 threads. DIRECT: items fold their chunks into their slot; else each item (one chunk)
+// writes its own slot.
 template <int D, bool DIRECT, bool TAILS>
 __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(HSTU_FWD_PARAMS, int max_rows) {
     constexpr int SP = D + 8;  // padded shared row (bf16)
@@ -101,7 +102,8 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(HSTU_FWD_PARAMS, int max
     // thin tile leaves zero-filled and unused.
     __nv_bfloat16* Ps = TAILS ? Vs + STAGES * BN * SP : Qs + 16 * SP;
 
-    const int item = blockIdx.x, h = blockIdx.y;
+    int item, h;
+    block_item_head(H, item, h);
     const int b = item_user[item], row0 = item_row0[item];
     const int kt0 = item_kt0[item], kt1 = item_kt1[item];
     const int qs = q_start[b], hist = hist_len[b], nn = n_new[b], nc = n_cand[b];

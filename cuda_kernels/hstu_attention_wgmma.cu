@@ -165,8 +165,9 @@ __device__ __forceinline__ void set_max_regs_dec() {
 #include "hstu_slots.cuh"
 #endif
 
-// grid (items, H), 384 threads; arguments as hstu_attn_fwd in hstu_attention.cu. Shared
-// memory: Q, STAGES K and V tiles, then 2 STAGES + 1 mbarriers (the wrapper sizes it).
+// grid (items, H) or (items x H) (block_item_head), 384 threads; arguments as hstu_attn_fwd in
+// hstu_attention.cu. Shared memory: Q, STAGES K and V tiles, then 2 STAGES + 1 mbarriers
+// (the wrapper sizes it).
 template <int D, bool DIRECT>
 __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS,
                                                                  __nv_bfloat16* __restrict__ out) {
@@ -182,7 +183,8 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS,
     unsigned long long* q_full = empty + STAGES;
 
     // The plan's key tiles are 64 keys; this kernel's are BN (a chunk starts on one of both).
-    const int item = blockIdx.x, h = blockIdx.y;
+    int item, h;
+    block_item_head(H, item, h);
     const int b = item_user[item], row0 = item_row0[item];
     const int kt0 = item_kt0[item] * PLAN_BN / BN;
     const int kt1 = (item_kt1[item] * PLAN_BN + BN - 1) / BN;

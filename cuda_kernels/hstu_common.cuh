@@ -17,6 +17,22 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
 }
 
+// A forward block's work item and head. The wrapper picks the order by the grid's shape:
+// (items, H), item-major within a head, or (items x H, 1), the head fastest (block x = item * H
+// + h), which carries the plan's longest-first item order across all heads, so the last blocks
+// to start are the shortest. On the H200 the head fastest took the cached batch of 8 (split
+// chunks) from 0.150-0.152 to 0.149 ms, but cost the direct recompute batch of 8 3% (wgmma,
+// 363 -> 350 TFLOP/s): split plans run head-fastest, direct ones item-major (session 12).
+__device__ __forceinline__ void block_item_head(int H, int& item, int& h) {
+    if (gridDim.y > 1) {
+        item = blockIdx.x;
+        h = blockIdx.y;
+    } else {
+        item = blockIdx.x / H;
+        h = blockIdx.x - item * H;
+    }
+}
+
 // Pages of a power-of-two size (the default 32) split a key index by shift and mask: a runtime
 // division costs ~20 instructions per 16-byte copy, issued by the warps that do the MMAs.
 // page_shift_of: log2 of the page size, or -1 when it is not a power of two.

@@ -248,7 +248,10 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, desc, layer: int, alp
         extra = (np.int32(p.max_rows),)
     scal = (*strides, np.float32(alpha), np.float32(1.0 / max_len))
     if p.n_items:
-        _cuda.launch(fn, (p.n_items, H), (threads,), (
+        # split plans with the head fastest (the longest chunks first across all heads), direct
+        # ones item-major: each the faster on the H200 (block_item_head, hstu_common.cuh)
+        grid = (p.n_items * H,) if p.split else (p.n_items, H)
+        _cuda.launch(fn, grid, (threads,), (
             _cuda.ptr(q), _cuda.ptr(k), _cuda.ptr(v), _cuda.ptr(store), _cuda.ptr(ws),
             *(_cuda.ptr(t) for t in p.args), np.int32(H), np.int32(desc.page_tokens), *scal,
             *extra), shared_mem=smem)

@@ -102,6 +102,30 @@ def pct(xs, q):
     return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
+def by_phase(busy: list[dict], phases, slow_ms: float, after_s: float = 0.05) -> dict:
+    """Requests of the updates phase by the update phase their lifetime overlapped (the engine's
+    ``update_phases``: when each phase of an update ended; "after": the ``after_s`` following a
+    cutover; "none": no update running): per phase, how many, their p99, and how many were
+    slower than ``slow_ms`` (the p99 without updates). A request overlapping two phases counts
+    in both."""
+    spans = []  # (start, end, phase name)
+    for marks in phases:
+        items = sorted(marks.items(), key=lambda kv: kv[1])
+        for (_, a), (name, b) in zip(items, items[1:]):
+            spans.append((a, b, name))
+        if "cutover" in marks:
+            spans.append((marks["cutover"], marks["cutover"] + after_s, "after"))
+    out: dict[str, list[float]] = {}
+    for r in busy:
+        if "error" in r:
+            continue
+        t0, t1 = r["t"], r["t"] + r["ms"] / 1e3
+        hit = {name for a, b, name in spans if a < t1 and t0 < b} or {"none"}
+        for name in hit:
+            out.setdefault(name, []).append(r["ms"])
+    return {k: (len(v), pct(v, 99), sum(x > slow_ms for x in v)) for k, v in sorted(out.items())}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", default="gen-small")
@@ -161,6 +185,10 @@ def main() -> int:
     print(f"{'no updates':<16}{len(calm):>10}{pct(lat_calm, 50):>10.2f}{pct(lat_calm, 99):>10.2f}")
     print(f"{'updates':<16}{len(busy):>10}{pct(lat_busy, 50):>10.2f}{pct(lat_busy, 99):>10.2f}")
     print(f"update() to cutover: p50 {pct(cut, 50):.1f} ms, max {max(cut, default=float('nan')):.1f} ms")
+    slow = pct(lat_calm, 99)
+    for name, (n, p99, n_slow) in by_phase(busy, list(eng.update_phases), slow).items():
+        print(f"  during {name:<10}{n:>7} requests, p99 {p99:7.2f} ms, {n_slow:>4} over the "
+              f"no-update p99")
     c = eng.stats()["counters"]
     print(f"in place (no version built, no plan captured): {c.get('generate_refits_in_place', 0)} "
           f"of {c.get('generate_updates', 0)} updates")

@@ -193,6 +193,16 @@ class WeightsOnly:
     model: object
     weights: str
     contract: dict
+    # (slot, its tensors, the new ones in the same order), paired on the build's worker
+    # thread (``pair_with``): the executor then only queues the copies
+    pairs: tuple | None = None
+
+    def pair_with(self, slot) -> None:
+        """Pair the new tensors with ``slot``'s now, off the executor: two state dicts of
+        ~200 entries each, and the source tensors' stream bookkeeping, cost the serving
+        thread milliseconds per refit (the requests that overlapped a cutover: the p99)."""
+        src, dst = self.model.state_dict(), slot.model.state_dict()
+        self.pairs = (slot, list(dst.values()), [src[key] for key in dst])
 
 
 class GenerateRunner:
@@ -266,17 +276,24 @@ class GenerateRunner:
             self.previous = None
         a = self.active
         if new is not None or slot.weights != a.weights:
-            src = (new.model if new is not None else a.model).state_dict()
-            dst = slot.model.state_dict()
-            srcs = [src[key] for key in dst]
+            if new is not None and new.pairs is not None and new.pairs[0] is slot:
+                _, dsts, srcs = new.pairs
+            else:
+                src = (new.model if new is not None else a.model).state_dict()
+                dst = slot.model.state_dict()
+                dsts, srcs = list(dst.values()), [src[key] for key in dst]
             with torch.no_grad():  # one multi-tensor launch, not one per parameter (~200)
-                torch._foreach_copy_(list(dst.values()), srcs, non_blocking=True)
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)
             if new is not None:
                 # Made on a build stream (streams.off_stream): their memory must not go back
                 # to that stream's pool before the copies queued here have read it.
+                cur = {}
                 for t in srcs:
                     if t.is_cuda:
-                        t.record_stream(torch.cuda.current_stream(t.device))
+                        s = cur.get(t.device)
+                        if s is None:  # (one lookup per device, not one per tensor)
+                            s = cur[t.device] = torch.cuda.current_stream(t.device)
+                        t.record_stream(s)
                 self._refit_source = new.model  # kept until the next refit, a second guard
         if cat is not None or not slot.trie.same_catalog(a.trie):
             if cat is None:  # the active catalog's tables, device to device

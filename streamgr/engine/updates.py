@@ -28,6 +28,7 @@ view. Here:
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -84,6 +85,12 @@ def same_contract(old: dict, new: dict) -> None:
                                     f"serves {value!r}")
 
 
+def _marked(marks: dict, name: str, fn, *args):
+    """``fn(*args)`` after marking when it started (``name``: the wait before it ended)."""
+    marks[name] = time.perf_counter()
+    return fn(*args)
+
+
 class Updates:
     """Mixed into ``Engine``: ``update``, ``rollback``, ``versions`` (and ``update_weights``)."""
 
@@ -137,8 +144,13 @@ class Updates:
         runner = self.gen_runner
         keys = runner.active.plan_keys()
         cat = None
+        # When each phase ended (perf_counter s), kept in ``update_phases`` for benchmarks that
+        # attribute slow requests to the phase they overlapped (tools/bench_update.py).
+        marks = {"start": time.perf_counter()}
+        self.update_phases.append(marks)
         if catalog is not None and policy is None:  # the catalog first: a slot may take it
             cat = await self._off_executor(self._build_catalog, catalog)
+            marks["catalog"] = time.perf_counter()
         slot = runner.refit_slot(cat.trie if cat else None) if policy is None else None
         if slot is not None:
             # In place: the new weights (no version build) and catalog tables written into a
@@ -147,6 +159,7 @@ class Updates:
             new = None
             if weights is not None:
                 new = await self._off_executor(self._build_weights, weights, slot)
+                marks["weights"] = time.perf_counter()
             elif cat is not None:  # a catalog alone: the version's name is new too
                 self._build.versions += 1
                 cat.name = f"g{self._build.versions}"
@@ -154,17 +167,23 @@ class Updates:
             missing = [k for k in keys if k not in have]
             if missing:
                 await self._off_executor(slot.warm_up, missing)
-            await self._on_executor(runner.refit, slot, new, keep_previous, cat)
+                marks["capture"] = time.perf_counter()
+            await self._on_executor(_marked, marks, "queued", runner.refit, slot, new,
+                                    keep_previous, cat)
+            marks["cutover"] = time.perf_counter()
             self.metrics.count("generate_refits_in_place")
             return
         new = await self._off_executor(self._build_generate, weights, catalog, policy, cat)
+        marks["build"] = time.perf_counter()
         # Its plans before it serves: the shapes the traffic uses (or the defaults), captured
         # on a worker thread while the executor keeps serving. A capture is thread-local
         # (plans.py) into the new version's own memory pool, so the executor's replays go on
         # beside it; on the executor, each capture (an eager search, then the graph) stalled
         # every queued request (the p99 under updates: docs/benchmarks.md).
         await self._off_executor(new.warm_up, keys or None)
-        await self._on_executor(runner.activate, new, keep_previous)
+        marks["capture"] = time.perf_counter()
+        await self._on_executor(_marked, marks, "queued", runner.activate, new, keep_previous)
+        marks["cutover"] = time.perf_counter()
 
     def _build_weights(self, weights, slot):
         """New weights of the active version's catalog and policy, for a refit into ``slot``:
@@ -178,6 +197,7 @@ class Updates:
         if new.model.cfg != slot.model.cfg:  # the contract binds shapes; this binds the rest
             raise ContractError(f"model: new weights have architecture {new.model.cfg}, the "
                                 f"engine serves {slot.model.cfg}")
+        new.pair_with(slot)
         return new
 
     def _catalog_of(self, catalog) -> tuple:

@@ -45,7 +45,10 @@ def self_attend_reference(q, k_new, v_new, K, V, step: int, bias) -> torch.Tenso
 @functools.lru_cache(maxsize=None)
 def _numba_cuda() -> bool:
     try:
-        from numba import cuda
+        from numba import config, cuda
+        # Small grids are by design here (a few requests' rows): Numba's per-launch
+        # low-occupancy warning only floods a server's log.
+        config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
         return cuda.is_available()
     except Exception:  # not installed, or its numpy is not one it supports
         return False

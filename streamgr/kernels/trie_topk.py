@@ -107,7 +107,10 @@ def usable(t: torch.Tensor) -> bool:
 @functools.lru_cache(maxsize=None)
 def _numba_cuda():
     try:
-        from numba import cuda
+        from numba import config, cuda
+        # Small grids are by design here (a few requests' rows): Numba's per-launch
+        # low-occupancy warning only floods a server's log.
+        config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
         return cuda if cuda.is_available() else None
     except Exception:  # not installed, or its numpy is not one it supports
         return None

@@ -5,6 +5,7 @@ updates build a new version; a batch in flight on the reused version keeps its o
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from streamgr import Engine
 from tests.engine.test_updates import GEN, answers, requests
@@ -134,3 +135,32 @@ async def test_a_spare_with_rollback_kept():
         assert _items(await answers(eng, reqs)) == await _fresh(72, reqs)
         await eng.rollback()
         assert _items(await answers(eng, reqs)) == base
+
+
+async def test_refit_pairs_are_made_off_the_executor_and_phases_are_marked():
+    """The weights' tensors are paired with the slot's on the build thread (the executor only
+    queues the copies); a pairing made for another slot is not trusted; every update leaves
+    its phases' end times, in order, for the benchmark that attributes slow requests."""
+    eng = Engine.from_spec("gen-small", GEN)
+    reqs = requests(eng, 4)
+    runner = eng.gen_runner
+    async with eng:
+        await eng.update(weights=31, keep_previous=False)  # a built version; the spare follows
+        slot = runner.refit_slot()
+        new = eng._build_weights(32, slot)
+        assert new.pairs[0] is slot
+        dsts = list(slot.model.state_dict().values())
+        assert [t.data_ptr() for t in new.pairs[1]] == [t.data_ptr() for t in dsts]
+        # Paired with the active version instead: used, it would overwrite the weights serving.
+        old = runner.active
+        before = [t.clone() for t in old.model.state_dict().values()]
+        new.pairs = (old, list(old.model.state_dict().values()), new.pairs[2])
+        runner.refit(slot, new, False)
+        assert runner.active is slot
+        assert all(torch.equal(a, b) for a, b in zip(before, old.model.state_dict().values()))
+        assert _items(await answers(eng, reqs)) == await _fresh(32, reqs)
+        await eng.update(weights=33, keep_previous=False)  # in place, through its own pairs
+        assert _items(await answers(eng, reqs)) == await _fresh(33, reqs)
+        marks = eng.update_phases[-1]
+        assert list(marks) == ["start", "weights", "queued", "cutover"]
+        assert sorted(marks.values()) == list(marks.values())

@@ -9,12 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..errors import ContractError
 from ..models.t5 import T5, T5Config
 
 
 def weight_bindings(cfg: T5Config) -> dict[str, list[int]]:
-    return {name: list(t.shape) for name, t in T5(cfg).to("meta").state_dict().items()}
+    # Built on the meta device: shapes only. (Built on the host and then moved, every contract
+    # (each live catalog or policy update) drew ~340 MB of random fp32 weights for nothing.)
+    with torch.device("meta"):
+        model = T5(cfg)
+    return {name: list(t.shape) for name, t in model.state_dict().items()}
 
 
 def build_contract(cfg: T5Config, spec, dtype: str) -> dict[str, Any]:

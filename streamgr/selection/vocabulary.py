@@ -25,10 +25,20 @@ from ..errors import ContractError
 class Catalog:
     item_ids: np.ndarray  # [n] int64, catalog order
     sids: np.ndarray  # [n, depth] int64 codes
+    # The rows in stable lexicographic SID order, once computed (``sid_order``): a catalog
+    # derived by removals takes it from its parent instead of sorting again.
+    _sid_order: np.ndarray | None = None
 
     @property
     def depth(self) -> int:
         return self.sids.shape[1]
+
+    def sid_order(self) -> np.ndarray:
+        """Row indices in stable lexicographic order of the SIDs (items with one SID stay in
+        catalog order): ~0.3 s for a million items, kept."""
+        if self._sid_order is None:
+            self._sid_order = np.lexsort(self.sids.T[::-1])
+        return self._sid_order
 
 
 def load_catalog(path: str | Path, codebook_sizes: list[int]) -> Catalog:
@@ -74,7 +84,7 @@ class SidTrie:
         self.depth = cat.depth
         self.codebook_sizes = list(codebook_sizes)
         self.level_offset = [token_offset + sum(codebook_sizes[:l]) for l in range(self.depth)]
-        order = np.lexsort(cat.sids.T[::-1])  # stable: items with one SID stay in catalog order
+        order = cat.sid_order()
         s = cat.sids[order]
         self.ptr: list[np.ndarray] = []
         self.codes: list[np.ndarray] = []
@@ -185,7 +195,7 @@ class CatalogDelta(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 def apply_delta(cat: Catalog, delta: CatalogDelta, codebook_sizes: list[int]) -> Catalog:
     """``cat`` with ``delta`` applied (a new Catalog; ``cat`` is left as it is). Removing an
     item the catalog lacks is a ContractError naming it (a typo must not pass silently)."""
-    ids, sids = cat.item_ids, cat.sids
+    ids, sids, order = cat.item_ids, cat.sids, None
     if delta.remove:
         rm = np.asarray(delta.remove, dtype=np.int64)
         # (not np.setdiff1d: it hashes the whole catalog, 0.65 s for a million items, holding
@@ -195,6 +205,12 @@ def apply_delta(cat: Catalog, delta: CatalogDelta, codebook_sizes: list[int]) ->
             raise ContractError(f"catalog.remove: item {int(missing[0])} is not in the catalog")
         keep = ~np.isin(ids, rm)
         ids, sids = ids[keep], sids[keep]
+        if not delta.add and cat._sid_order is not None:
+            # Removal keeps the survivors' relative order, and a stable sort of a subsequence
+            # is the subsequence of the stable sort: no new sort (the build of an update that
+            # takes items down, beside serving).
+            o = cat._sid_order
+            order = (np.cumsum(keep) - 1)[o[keep[o]]]
     if delta.add:
         new_ids = np.fromiter(delta.add.keys(), dtype=np.int64, count=len(delta.add))
         try:
@@ -207,7 +223,7 @@ def apply_delta(cat: Catalog, delta: CatalogDelta, codebook_sizes: list[int]) ->
         keep = ~np.isin(ids, new_ids)  # re-assigned items leave their old place
         ids = np.concatenate([ids[keep], new_ids])
         sids = np.concatenate([sids[keep], new_sids])
-    out = Catalog(ids, sids)
+    out = Catalog(ids, sids, None if delta.add else order)
     check_catalog(out, codebook_sizes)
     return out
 

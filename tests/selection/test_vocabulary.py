@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from streamgr.kernels.trie_topk import trie_topk_reference
-from streamgr.selection.vocabulary import Catalog, ItemIndex, SidTrie, random_catalog
+from streamgr.selection.vocabulary import (Catalog, CatalogDelta, ItemIndex, SidTrie, apply_delta,
+                                          random_catalog)
 
 
 def prefix_children(cat: Catalog) -> dict[tuple, list[int]]:
@@ -114,3 +115,29 @@ def test_item_index_equals_binary_search(ids):
     assert bad.tolist() == np.nonzero(~known)[0].tolist()
     assert (ids[pos[known]] == probe[known]).all()
     assert len(idx.rows(np.zeros(0, np.int64))[1]) == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_removal_reuses_its_parents_sort_and_builds_the_same_trie(seed):
+    """A catalog derived by removals takes its SID order from its parent's (no new sort); the
+    order and the trie equal those of the same catalog sorted afresh, with duplicate SIDs
+    (stable ties), removals of none but one item, and chains of removals."""
+    rng = np.random.default_rng(seed)
+    n = 400
+    sids = rng.integers(0, 4, size=(n, 3))  # many items share a SID
+    cat = Catalog(rng.permutation(np.arange(5000, 5000 + n)).astype(np.int64), sids)
+    SidTrie(cat, [4, 4, 4], 3)  # the parent's order computed (as a serving version's is)
+    for size in (1, 37, -1):  # -1: all but one
+        size = size if size > 0 else len(cat.item_ids) - 1
+        gone = rng.choice(cat.item_ids, size, replace=False).tolist()
+        child = apply_delta(cat, CatalogDelta(remove=gone), [4, 4, 4])
+        assert child._sid_order is not None
+        fresh = Catalog(child.item_ids.copy(), child.sids.copy())
+        np.testing.assert_array_equal(child.sid_order(), fresh.sid_order())
+        a, b = SidTrie(child, [4, 4, 4], 3), SidTrie(fresh, [4, 4, 4], 3)
+        for x, y in zip(a.ptr + a.codes + [a.leaf_ptr, a.leaf_items, a.leaf_sids],
+                        b.ptr + b.codes + [b.leaf_ptr, b.leaf_items, b.leaf_sids]):
+            np.testing.assert_array_equal(x, y)
+        cat = child  # the next removal derives from this one
+    added = apply_delta(cat, CatalogDelta(add={1: [0, 0, 0]}), [4, 4, 4])
+    assert added._sid_order is None  # additions sort afresh

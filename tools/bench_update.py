@@ -10,7 +10,10 @@ active, removed items answered by a version that had removed them, failed reques
 A refit's weights are an init seed by default (the engine draws them on its host, beside
 serving); ``--checkpoints N`` writes N checkpoint directories before the timed phases and refits
 from them in turn, as a deployment whose trainer publishes files does (the engine then reads
-and moves them, and draws nothing).
+and moves them, and draws nothing). Per update phase (the engine's ``update_phases``: catalog
+build, weights build, captures, waiting for the executor, the cutover, the 50 ms after it), the
+requests whose lifetime overlapped it: how many, their p99, how many were slower than the p99
+without updates.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ and the forward replaced by zeros, so what is timed is the host work a GPU batch
 with ``--top N``, cProfile's N most expensive functions.
 
     python3 tools/profile_rank_host.py [--mode gpu-only|hierarchical] [--users 200] [--top 20]
+    python3 tools/profile_rank_host.py --first --users 1000 --requests 2400   # first visits
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--top", type=int, default=0, help="print cProfile's top N functions")
+    ap.add_argument("--first", action="store_true",
+                    help="users' first visits: the trace from its start, nothing loaded before")
     args = ap.parse_args()
     spec = load_spec("rank-ref", {
         "engine.device": "cpu", "model.num_layers": 1, "model.model_dim": 32,
@@ -41,12 +44,13 @@ def main() -> int:
         "cache.host_chunks": 3000, "cache.mode": args.mode})
     trace = synth_trace("kuairand-1k", 0, args.users)
     tl = Timeline(trace)
-    s0 = len(trace) // 2
+    s0 = 0 if args.first else len(trace) // 2
     order = list(range(s0, min(len(trace), s0 + args.requests)))
     batches = list(batches_of_distinct_users((tl.request(n) for n in order), args.batch))
     eng = Engine(spec)
-    replay_batches(eng, tl.prefill(s0, order, max(args.batch, 8)), measure=[], progress=False)
-    drain_background(eng)
+    if not args.first:
+        replay_batches(eng, tl.prefill(s0, order, max(args.batch, 8)), measure=[], progress=False)
+        drain_background(eng)
     # The model is not what is timed here: a stand-in returns zero scores at once.
     CachedRankRunner._forward_eager = lambda self, pb, desc, app, handles, stages: torch.zeros(
         int(sum(pb.num_candidates)))

@@ -10,7 +10,6 @@ requests and the engine keeps serving, except a CUDA fault, which marks the engi
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 import logging
 from pathlib import Path
 from typing import Any, Mapping
@@ -50,9 +49,7 @@ class Engine(Updates):
         self._inflight = 0
         self._dead: BaseException | None = None
         self._closing = False
-        self._updating = asyncio.Lock()  # live updates, one at a time (updates.py)
-        # the last updates' phase end times (perf_counter s; updates.py), for benchmarks
-        self.update_phases: deque = deque(maxlen=64)
+        self._init_updates()  # updates.py
         self._rank_previous = None  # (model, version) kept for a rank rollback
 
     @property

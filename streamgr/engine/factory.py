@@ -88,6 +88,16 @@ class Builder:
         self.versions += 1
         return WeightsOnly(f"g{self.versions}", model, f"{self.loads}:{source}", contract)
 
+    def generate_tensors(self, spec, like: GenerateVersion, into) -> WeightsOnly:
+        """A checkpoint's weights for a refit into the model ``into``: its tensors on the
+        device, checked against the contract and ``like``'s trie, without building a model."""
+        from ..runtime.deployment import refit_tensors
+        tensors, source, contract = refit_tensors(spec, self.device, self.dtype, into, like.trie)
+        self.loads += 1
+        self.versions += 1
+        return WeightsOnly(f"g{self.versions}", None, f"{self.loads}:{source}", contract,
+                           tensors=tensors)
+
     def generate_runner(self) -> GenerateRunner:
         runner = GenerateRunner(self.generate_version(self.spec))
         if self.spec.engine.refit_spare:

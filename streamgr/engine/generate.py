@@ -187,21 +187,25 @@ class CatalogRefit:
 @dataclass
 class WeightsOnly:
     """What a weights refit in place brings (``GenerateRunner.refit``): the version name, the
-    new model (its tensors are copied into a retired version's), its source and contract."""
+    new weights (a model, or a checkpoint's tensors by state-dict name: ``state()``), their
+    source and contract. They are copied into a retired version's tensors."""
 
     name: str
-    model: object
+    model: object | None
     weights: str
     contract: dict
+    tensors: dict | None = None  # a checkpoint's, on the device, when no model was built
     # (slot, its tensors, the new ones in the same order), paired on the build's worker
     # thread (``pair_with``): the executor then only queues the copies
     pairs: tuple | None = None
 
+    def state(self) -> dict:
+        return self.tensors if self.model is None else self.model.state_dict()
+
     def pair_with(self, slot) -> None:
-        """Pair the new tensors with ``slot``'s now, off the executor: two state dicts of
-        ~200 entries each, and the source tensors' stream bookkeeping, cost the serving
-        thread milliseconds per refit (the requests that overlapped a cutover: the p99)."""
-        src, dst = self.model.state_dict(), slot.model.state_dict()
+        """Pair the new tensors with ``slot``'s now, off the executor (two state dicts of ~200
+        entries each, on the serving thread, for every refit)."""
+        src, dst = self.state(), slot.model.state_dict()
         self.pairs = (slot, list(dst.values()), [src[key] for key in dst])
 
 
@@ -279,7 +283,7 @@ class GenerateRunner:
             if new is not None and new.pairs is not None and new.pairs[0] is slot:
                 _, dsts, srcs = new.pairs
             else:
-                src = (new.model if new is not None else a.model).state_dict()
+                src = new.state() if new is not None else a.model.state_dict()
                 dst = slot.model.state_dict()
                 dsts, srcs = list(dst.values()), [src[key] for key in dst]
             with torch.no_grad():  # one multi-tensor launch, not one per parameter (~200)
@@ -294,7 +298,7 @@ class GenerateRunner:
                         if s is None:  # (one lookup per device, not one per tensor)
                             s = cur[t.device] = torch.cuda.current_stream(t.device)
                         t.record_stream(s)
-                self._refit_source = new.model  # kept until the next refit, a second guard
+                self._refit_source = new  # kept until the next refit, a second guard
         if cat is not None or not slot.trie.same_catalog(a.trie):
             if cat is None:  # the active catalog's tables, device to device
                 cat = CatalogRefit(slot.name, a.catalog, a.catalog_name, a.trie.view(),

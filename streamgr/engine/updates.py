@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,6 +37,7 @@ import msgspec
 
 from ..errors import ContractError, StreamgrError, UnsupportedRequest
 from ..selection.vocabulary import Catalog, CatalogDelta, apply_delta, load_catalog
+from ..runtime.contract import same_architecture
 from ..runtime.deployment import build_generator
 from ..streams import off_stream
 from .generate import MAX_BEAM, CatalogRefit, catalog_views
@@ -93,6 +95,11 @@ def _marked(marks: dict, name: str, fn, *args):
 
 class Updates:
     """Mixed into ``Engine``: ``update``, ``rollback``, ``versions`` (and ``update_weights``)."""
+
+    def _init_updates(self) -> None:
+        self._updating = asyncio.Lock()  # live updates, one at a time
+        # the last updates' phase end times (perf_counter s), for benchmarks
+        self.update_phases: deque = deque(maxlen=64)
 
     def _target(self, target: Target, generate_only: bool) -> str:
         if target not in ("auto", "rank", "generate"):
@@ -192,11 +199,13 @@ class Updates:
         ms = _weights_spec(spec.generate_model, weights)
         spec = msgspec.structs.replace(spec, **{"model" if spec.model.family == "t5"
                                                 else "generator": ms}, policy=act.policy)
-        new = self._build.generate_weights(spec, act)
-        same_contract(act.contract, new.contract)
-        if new.model.cfg != slot.model.cfg:  # the contract binds shapes; this binds the rest
-            raise ContractError(f"model: new weights have architecture {new.model.cfg}, the "
-                                f"engine serves {slot.model.cfg}")
+        if ms.checkpoint is not None:  # a checkpoint's tensors only: no model is built
+            new = self._build.generate_tensors(spec, act, slot.model)
+            same_contract(act.contract, new.contract)
+        else:
+            new = self._build.generate_weights(spec, act)
+            same_contract(act.contract, new.contract)
+            same_architecture(new.model.cfg, slot.model.cfg)
         new.pair_with(slot)
         return new
 

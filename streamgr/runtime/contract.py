@@ -9,18 +9,36 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import torch
 
 from ..errors import ContractError
 from ..models.t5 import T5, T5Config
 
 
+_BINDINGS: dict[tuple, dict[str, list[int]]] = {}
+
+
 def weight_bindings(cfg: T5Config) -> dict[str, list[int]]:
-    # Built on the meta device: shapes only. (Built on the host and then moved, every contract
-    # (each live catalog or policy update) drew ~340 MB of random fp32 weights for nothing.)
-    with torch.device("meta"):
-        model = T5(cfg)
-    return {name: list(t.shape) for name, t in model.state_dict().items()}
+    # Once per architecture, from a model on the meta device: shapes only. (Built on the host
+    # and then moved, every contract (each live update) drew ~340 MB of random fp32 weights
+    # for nothing; on the meta device the module tree still costs ~25 ms of Python.)
+    key = msgspec.structs.astuple(cfg)
+    if key not in _BINDINGS:
+        with torch.device("meta"):
+            model = T5(cfg)
+        _BINDINGS[key] = {name: list(t.shape) for name, t in model.state_dict().items()}
+    return {name: list(shape) for name, shape in _BINDINGS[key].items()}
+
+
+def same_architecture(new: T5Config, serving: T5Config) -> None:
+    """Refuse weights of another architecture, naming the first field that differs (the
+    contract binds shapes; this binds the rest, e.g. the activation)."""
+    for field in T5Config.__struct_fields__:
+        a, b = getattr(new, field), getattr(serving, field)
+        if a != b:
+            raise ContractError(f"model.{field}: the new weights have {a!r}, the engine serves "
+                                f"{b!r}")
 
 
 def build_contract(cfg: T5Config, spec, dtype: str) -> dict[str, Any]:

@@ -4,10 +4,14 @@ updates build a new version; a batch in flight on the reused version keeps its o
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
+import pytest
+import safetensors.torch
 import torch
 
 from streamgr import Engine
+from streamgr.errors import ContractError
 from tests.engine.test_updates import GEN, answers, requests
 
 
@@ -164,3 +168,49 @@ async def test_refit_pairs_are_made_off_the_executor_and_phases_are_marked():
         marks = eng.update_phases[-1]
         assert list(marks) == ["start", "weights", "queued", "cutover"]
         assert sorted(marks.values()) == list(marks.values())
+
+
+def _checkpoint(eng, seed, root, change=None):
+    """A checkpoint directory of the engine's generate architecture with init seed ``seed``
+    (``change``: edits its tensors dict or config first)."""
+    from streamgr.models.checkpoint import save_checkpoint
+    from streamgr.models.t5 import T5
+    from streamgr.runtime.deployment import t5_config_from_spec
+    cfg = t5_config_from_spec(eng.spec)
+    if change is not None and "d_ff" in change:
+        cfg = msgspec.structs.replace(cfg, d_ff=change["d_ff"])
+    model = T5(cfg).init_random(seed)
+    out = save_checkpoint(model, cfg, root / f"ckpt{seed}")
+    if change is not None and "drop" in change:
+        path = out / "model.safetensors"
+        state = safetensors.torch.load_file(str(path))
+        del state[change["drop"]]
+        safetensors.torch.save_file(state, str(path))
+    return str(out)
+
+
+async def test_checkpoint_refits_load_tensors_only_and_answer_as_fresh_weights(tmp_path):
+    """A refit from a checkpoint directory moves its tensors into the retired version without
+    building a model, and answers as an engine initialized with those weights; a checkpoint
+    that lacks a tensor or has another architecture is refused naming what, while the active
+    version keeps serving."""
+    eng = Engine.from_spec("gen-small", GEN)
+    reqs = requests(eng, 4, seed=7)
+    runner = eng.gen_runner
+    async with eng:
+        await eng.update(weights=_checkpoint(eng, 41, tmp_path), keep_previous=False)
+        assert runner.refits_in_place == 0  # nothing retired yet: a version is built
+        assert _items(await answers(eng, reqs)) == await _fresh(41, reqs)
+        await eng.update(weights=_checkpoint(eng, 42, tmp_path), keep_previous=False)
+        assert runner.refits_in_place == 1
+        assert runner._refit_source.model is None and runner._refit_source.tensors
+        now = _items(await answers(eng, reqs))
+        assert now == await _fresh(42, reqs)
+        name = runner.version
+        bad = [(_checkpoint(eng, 43, tmp_path, {"drop": "decoder.final_layer_norm.weight"}),
+                "weights.decoder.final_layer_norm.weight: missing"),
+               (_checkpoint(eng, 44, tmp_path, {"d_ff": 96}), "model.d_ff: the new weights have 96")]
+        for path, field in bad:
+            with pytest.raises(ContractError, match=field):
+                await eng.update(weights=path, keep_previous=False)
+            assert runner.version == name and _items(await answers(eng, reqs)) == now

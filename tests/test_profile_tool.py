@@ -34,14 +34,19 @@ def test_probe_recompute_runs_on_the_cpu():
 
 
 def test_bench_update_refits_from_checkpoints_on_the_cpu():
-    """tools/bench_update.py --checkpoints: refits from checkpoint directories written before
-    the timed phases, every answer on a version that was active, none failed (its exit code),
-    and it says where the weights came from."""
+    """tools/bench_update.py --checkpoints --rounds 2: refits from checkpoint directories
+    written before the timed phases, in two rounds of both phases (items taken down in the
+    first stay down in the second), every answer on a version that was active, none failed
+    (its exit code); it says where the weights came from, the ratio of each round and which
+    update phase the requests overlapped."""
     p = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_update.py"), "--spec",
                         "gen-small", "--rate", "50", "--seconds", "1.5", "--every", "0.4",
-                        "--catalog-every", "0", "--checkpoints", "2"],
+                        "--catalog-every", "2", "--checkpoints", "2", "--rounds", "2"],
                        capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:] + p.stdout[-2000:]
-    m = re.search(r"from 2 checkpoints \((\d+) updates", p.stdout)
-    assert m and int(m.group(1)) >= 1, p.stdout[-1000:]
+    m = re.search(r"from 2 checkpoints \((\d+) updates, (\d+) with catalog", p.stdout)
+    assert m and int(m.group(1)) >= 2 and int(m.group(2)) >= 1, p.stdout[-1000:]
+    assert re.search(r"p99 ratio per round: [\d.]+x, [\d.]+x\n", p.stdout), p.stdout[-1000:]
+    assert re.search(r"during weights +\d+ requests", p.stdout), p.stdout[-1000:]
     assert "unknown-version answers 0" in p.stdout and "failed 0" in p.stdout
+    assert "removed items answered 0" in p.stdout

@@ -63,14 +63,19 @@ async def open_loop(eng, reqs, rate: float, seconds: float, rng) -> list[dict]:
 
 
 async def updates(eng, every: float, seconds: float, rng, log: list, removed: dict,
-                  catalog_every: int = 3, checkpoints: list[str] | None = None):
+                  catalog_every: int = 3, checkpoints: list[str] | None = None,
+                  state: dict | None = None):
     """A weights refit every ``every`` s (from ``checkpoints`` in turn, else an init seed);
-    every ``catalog_every``-th one (0: none) also takes items down."""
+    every ``catalog_every``-th one (0: none) also takes items down. ``state`` (the count and
+    the items taken down) carries over between rounds."""
     t_end = time.perf_counter() + seconds
-    ids = eng.gen_runner.catalog_items
-    pool = ids[len(ids) // 2:]  # the requests' histories use the other half
-    gone: set[int] = set()
-    n = 0
+    state = {"n": 0, "gone": set()} if state is None else state
+    if "pool" not in state:  # the catalog's second half (as it was before any removal): the
+        ids = eng.gen_runner.catalog_items  # requests' histories use the first half
+        state["pool"] = ids[len(ids) // 2:]
+    pool = state["pool"]
+    gone: set[int] = state["gone"]
+    n = state["n"]
     while time.perf_counter() + every < t_end:
         await asyncio.sleep(every)
         kw = {"weights": checkpoints[n % len(checkpoints)] if checkpoints
@@ -86,6 +91,7 @@ async def updates(eng, every: float, seconds: float, rng, log: list, removed: di
         log.append({"at": t0, "cutover_ms": (time.perf_counter() - t0) * 1e3, "version": name,
                     "catalog": "catalog" in kw})
         n += 1
+        state["n"] = n
 
 
 def write_checkpoints(eng, n: int, root: Path) -> list[str]:
@@ -142,6 +148,10 @@ def main() -> int:
     ap.add_argument("--checkpoints", type=int, default=0,
                     help="refit from this many checkpoint directories written before the timed "
                          "phases (0: init seeds, drawn by the engine)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="alternate the two phases this many times (calm, updates, calm, ...): "
+                         "the p99s pool every round's requests, so a host's drift over the run "
+                         "falls on both phases alike")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     ov = parse_set_pairs(args.overrides)
@@ -164,12 +174,18 @@ def main() -> int:
             first = eng.gen_runner.version
             removed[first] = set()
             await open_loop(eng, reqs[:64], args.rate, 1.0, rng)  # warm-up
-            calm = await open_loop(eng, reqs, args.rate, args.seconds, rng)
-            busy, _ = await asyncio.gather(
-                open_loop(eng, reqs, args.rate, args.seconds, rng),
-                updates(eng, args.every, args.seconds, rng, log, removed, args.catalog_every,
-                        ckpts))
+            calm, busy, state = [], [], {"n": 0, "gone": set()}
+            for _ in range(args.rounds):
+                c = await open_loop(eng, reqs, args.rate, args.seconds, rng)
+                b, _ = await asyncio.gather(
+                    open_loop(eng, reqs, args.rate, args.seconds, rng),
+                    updates(eng, args.every, args.seconds, rng, log, removed,
+                            args.catalog_every, ckpts, state))
+                rounds.append((c, b))
+                calm += c
+                busy += b
             return first, calm, busy
+    rounds: list = []
     first, calm, busy = asyncio.run(run())
     known = set(removed)
     errors = sum("error" in r for r in calm + busy)
@@ -182,12 +198,17 @@ def main() -> int:
     tmp.cleanup()
     source = f"{len(ckpts)} checkpoints" if ckpts else "init seeds"
     print(f"spec {eng.spec.name} on {eng.device}: {args.rate:g} req/s offered, {args.seconds:g} s "
-          f"per phase, a refit every {args.every:g} s from {source} ({len(log)} updates, "
+          f"per phase x {args.rounds} round(s), a refit every {args.every:g} s from {source} "
+          f"({len(log)} updates, "
           f"{sum(u['catalog'] for u in log)} with catalog removals)")
     print(f"{'phase':<16}{'requests':>10}{'p50 ms':>10}{'p99 ms':>10}")
     print(f"{'no updates':<16}{len(calm):>10}{pct(lat_calm, 50):>10.2f}{pct(lat_calm, 99):>10.2f}")
     print(f"{'updates':<16}{len(busy):>10}{pct(lat_busy, 50):>10.2f}{pct(lat_busy, 99):>10.2f}")
     print(f"update() to cutover: p50 {pct(cut, 50):.1f} ms, max {max(cut, default=float('nan')):.1f} ms")
+    if len(rounds) > 1:
+        each = [pct([r["ms"] for r in b if "error" not in r], 99)
+                / pct([r["ms"] for r in c if "error" not in r], 99) for c, b in rounds]
+        print("p99 ratio per round: " + ", ".join(f"{x:.2f}x" for x in each))
     slow = pct(lat_calm, 99)
     for name, (n, p99, n_slow) in by_phase(busy, list(eng.update_phases), slow).items():
         print(f"  during {name:<10}{n:>7} requests, p99 {p99:7.2f} ms, {n_slow:>4} over the "

@@ -35,6 +35,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--top", type=int, default=0, help="print cProfile's top N functions")
+    ap.add_argument("--sort", default="tottime", help="cProfile's order (tottime, cumtime)")
     ap.add_argument("--first", action="store_true",
                     help="users' first visits: the trace from its start, nothing loaded before")
     args = ap.parse_args()
@@ -69,7 +70,7 @@ def main() -> int:
           f"{(time.perf_counter() - t) / n * 1e3:.3f} ms per batch (run_batch + background)")
     print("stages (ms per batch):", stages)
     if prof:
-        pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+        pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
     eng.close_offline()
     return 0
 

@@ -88,3 +88,23 @@ async def test_a_catalog_change_in_place_replays_the_spares_plans():
         await ref.update(catalog=delta)
         assert ref.gen_runner.refits_in_place == 0
         assert _items(got) == _items(await answers(ref, reqs))
+
+
+async def test_checkpoint_refits_on_cuda_replay_plans_that_answer_as_fresh_weights(tmp_path):
+    """A refit from checkpoint files moves only the checkpoint's tensors to the device (no
+    model built) into the spare, whose plans then answer as a fresh engine of those weights."""
+    from tests.engine.test_refits import _checkpoint
+    eng = Engine.from_spec("gen-small", {**CUDA, "engine.refit_spare": True})
+    reqs = requests(eng, 8)
+    runner = eng.gen_runner
+    async with eng:
+        spare = runner.spare
+        captured = spare.search.plans.captures
+        await eng.update(weights=_checkpoint(eng, 45, tmp_path), keep_previous=False)
+        assert runner.active is spare and spare.search.plans.captures == captured
+        assert runner._refit_source.model is None
+        assert all(t.is_cuda for t in runner._refit_source.tensors.values())
+        got = await answers(eng, reqs)
+        async with Engine.from_spec("gen-small", {**CUDA, "model.init_seed": 45}) as fresh:
+            want = _items(await answers(fresh, reqs))
+        assert _items(got) == want

@@ -169,6 +169,17 @@ def catalog_views(trie) -> tuple:
     return item_ids, ItemIndex(item_ids), tokens
 
 
+def views_after_removal(views: tuple, removed) -> tuple:
+    """:func:`catalog_views` of a catalog that lost the items ``removed`` (nothing added), from
+    the views of the catalog before: every row of a removed id goes and the rest keep their
+    order (by id, ties in SID order), so nothing is sorted again (~0.3 s for a million items,
+    in the build of an update beside serving)."""
+    ids, _, tokens = views
+    keep = ~np.isin(ids, np.asarray(removed, dtype=np.int64))
+    ids = ids[keep]
+    return ids, ItemIndex(ids), tokens[keep]
+
+
 @dataclass
 class CatalogRefit:
     """What a catalog update in place brings (``GenerateRunner.refit``): the catalog, its trie

@@ -40,7 +40,7 @@ from ..selection.vocabulary import Catalog, CatalogDelta, apply_delta, load_cata
 from ..runtime.contract import same_architecture
 from ..runtime.deployment import build_generator
 from ..streams import off_stream
-from .generate import MAX_BEAM, CatalogRefit, catalog_views
+from .generate import MAX_BEAM, CatalogRefit, catalog_views, views_after_removal
 
 Target = Literal["auto", "rank", "generate"]
 
@@ -210,12 +210,13 @@ class Updates:
         return new
 
     def _catalog_of(self, catalog) -> tuple:
-        """(Catalog, its name) of an update's ``catalog`` argument."""
+        """(Catalog, its name, the CatalogDelta it applied or None) of an update's ``catalog``
+        argument."""
         act, sizes = self.gen_runner.active, self.spec.catalog.codebook_sizes
         if isinstance(catalog, (str, Path)):
-            return load_catalog(catalog, sizes), f"file:{catalog}"
+            return load_catalog(catalog, sizes), f"file:{catalog}", None
         if isinstance(catalog, Catalog):
-            return catalog, f"object:{len(catalog.item_ids)}"
+            return catalog, f"object:{len(catalog.item_ids)}", None
         try:
             delta = msgspec.convert(catalog, CatalogDelta, strict=False) \
                 if isinstance(catalog, dict) else catalog
@@ -224,7 +225,7 @@ class Updates:
         if not isinstance(delta, CatalogDelta):
             raise StreamgrError("catalog: a file, a Catalog or a CatalogDelta")
         return (apply_delta(act.catalog, delta, sizes),
-                f"{act.catalog_name}+{len(delta.add)}-{len(delta.remove)}")
+                f"{act.catalog_name}+{len(delta.add)}-{len(delta.remove)}", delta)
 
     def _build_catalog(self, catalog) -> CatalogRefit:
         """A new catalog for the active weights and policy (worker thread): its trie, checked
@@ -232,12 +233,14 @@ class Updates:
         the device for a retired version's to take in place (~3 arrays a level; a version
         built instead when none fits uploads its own)."""
         act = self.gen_runner.active
-        cat, cname = self._catalog_of(catalog)
+        cat, cname, delta = self._catalog_of(catalog)
         spec = msgspec.structs.replace(self.spec, policy=act.policy)
         _, _, trie, contract, cat = build_generator(spec, self._build.device, self._build.dtype,
                                                     model=act.model, catalog=cat)
         same_contract(act.contract, contract)
-        return CatalogRefit("", cat, cname, trie, catalog_views(trie),
+        views = (views_after_removal((act.item_ids, act.index, act._tokens), delta.remove)
+                 if delta is not None and not delta.add else catalog_views(trie))
+        return CatalogRefit("", cat, cname, trie, views,
                             trie.staged(act.model.shared.weight.device), contract)
 
     def _build_generate(self, weights, catalog, policy, cat: CatalogRefit | None = None):
@@ -252,7 +255,8 @@ class Updates:
         if cat is not None:  # built already (no slot took it)
             c, trie, cname = cat.catalog, cat.trie, cat.catalog_name
         elif catalog is not None:
-            (c, cname), trie = self._catalog_of(catalog), None
+            c, cname, _ = self._catalog_of(catalog)
+            trie = None
         pol, pname = act.policy, act.policy_name
         if policy is not None:
             pol = merged_policy(act.policy, policy, act.trie.depth)

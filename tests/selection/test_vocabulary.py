@@ -141,3 +141,26 @@ def test_a_removal_reuses_its_parents_sort_and_builds_the_same_trie(seed):
         cat = child  # the next removal derives from this one
     added = apply_delta(cat, CatalogDelta(add={1: [0, 0, 0]}), [4, 4, 4])
     assert added._sid_order is None  # additions sort afresh
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_views_after_a_removal_equal_views_built_afresh(seed):
+    """The request-side views of a catalog that lost some items (sorted ids, their index, their
+    SID tokens), filtered from the views before instead of sorted again, equal those built from
+    the new trie; with duplicate SIDs and an id that appears twice."""
+    from streamgr.engine.generate import catalog_views, views_after_removal
+    rng = np.random.default_rng(seed)
+    n = 300
+    ids = rng.permutation(np.arange(100, 100 + n)).astype(np.int64)
+    ids[7] = ids[8]  # one id named twice, under two SIDs
+    cat = Catalog(ids, rng.integers(0, 5, size=(n, 3)))
+    before = catalog_views(SidTrie(cat, [5, 5, 5], 3))
+    gone = [int(ids[8])] + rng.choice(ids[10:], 40, replace=False).tolist()
+    after = apply_delta(cat, CatalogDelta(remove=gone), [5, 5, 5])
+    want = catalog_views(SidTrie(after, [5, 5, 5], 3))
+    got = views_after_removal(before, gone)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[2], want[2])
+    probe = np.concatenate([ids, [-1, 10**6]])
+    for a, b in zip(got[1].rows(probe), want[1].rows(probe)):
+        np.testing.assert_array_equal(a, b)

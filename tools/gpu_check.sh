@@ -18,8 +18,9 @@
 #       the last batch's timeline: where an eager recompute batch's ~2 ms beyond its kernels go
 #       (PROF_ARGS=--unsynced: the batches as served, not stage-synced)
 #     first: rank-ref first visits one batch at a time (the first 2,400 requests of a fresh
-#       trace), FIRST_RUNS times alternating the batch and mode orders (single runs disagree;
-#       no tests)
+#       trace), FIRST_RUNS times alternating the batch and mode orders, each mode's engine
+#       first warmed by FIRST_WARM (4) untimed batches of other users (FIRST_WARM=0: the method
+#       of sessions 5-12); single runs disagree; no tests
 #     hosthit: rank-ref at batch 8 with a device tier of 8,192 pages, so that most hits come
 #       from host chunks (issue 12's host-hit target; no tests)
 #     attnprof: ncu on the attention forward kernels (mma.sync and wgmma) with stall reasons and
@@ -125,7 +126,8 @@ if [ "$mode" = first ]; then
     order="8 1"; modes="recompute gpu-only hierarchical"
     [ $((i % 2)) -eq 0 ] && order="1 8" && modes="hierarchical gpu-only recompute"
     python3 tools/bench_rank.py --spec rank-ref --profile kuairand-1k --users 1000 --limit 2400 \
-      --warmup-frac 0 --batch $order --mode-order $modes --set cache.host_chunks=3600 \
+      --warmup-frac 0 --batch $order --mode-order $modes --warm-batches ${FIRST_WARM:-4} \
+      --set cache.host_chunks=3600 \
       --json "$out/bench_first$i.json" \
       2>"$out/bench_first$i.err" | tee "$out/bench_first$i.txt" | grep "^BS=\|median"
     summary+=("first visits run $i: $(grep '^Latency median' "$out/bench_first$i.txt")")

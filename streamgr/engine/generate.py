@@ -39,6 +39,11 @@ class PreparedGenerate:
     version: "GenerateVersion | None" = None
     exclude: np.ndarray | None = None  # sorted item ids never answered
     max_per_prefix: int = 0
+    # What it was prepared against: the catalog (its trie's item array) and the policy. A
+    # version's storage may take another catalog in place (``GenerateRunner.refit``), so the
+    # version object alone does not say the preparation still holds.
+    catalog: object = None
+    policy: object = None
 
 
 MAX_EXCLUDE = 4096  # items in one request's deny list
@@ -123,7 +128,8 @@ class GenerateVersion:
             tokens = np.append(tokens, self.model.cfg.eos_token_id)
         if tokens.size == 0:  # an empty context still needs one encoder position
             tokens = np.array([self.model.cfg.eos_token_id])
-        return PreparedGenerate(req.user_id, tokens, req.top_k, widths, req, self, exclude, mpp)
+        return PreparedGenerate(req.user_id, tokens, req.top_k, widths, req, self, exclude, mpp,
+                                self.trie.leaf_items, pol)
 
     def _widths(self, req: GenerateRequest, bw: int | None) -> list[int]:
         depth = self.trie.depth
@@ -167,6 +173,17 @@ def catalog_views(trie) -> tuple:
     leaf_of_item = np.repeat(np.arange(len(trie.leaf_ptr) - 1), np.diff(trie.leaf_ptr))
     tokens = (trie.leaf_sids[leaf_of_item] + np.asarray(trie.level_offset))[order]
     return item_ids, ItemIndex(item_ids), tokens
+
+
+def _still_prepared(p: PreparedGenerate, v: "GenerateVersion") -> bool:
+    """``v`` would prepare ``p``'s request as it is: the same catalog (a trie over the same
+    item array: the same request views) and policy (the end-of-sequence token is the
+    architecture's, fixed for the engine's life). After a weights refit the requests queued at
+    the cutover (tens at 1,000 requests/s) are then not prepared again on the serving thread;
+    after a catalog change they are, even where the version object is the one they were
+    prepared on (a refit in place wrote the catalog into it), so an item taken out fails its
+    request."""
+    return p.catalog is v.trie.leaf_items and p.policy == v.policy
 
 
 def views_after_removal(views: tuple, removed) -> tuple:
@@ -337,7 +354,7 @@ class GenerateRunner:
         v = self.active
         fresh: list[PreparedGenerate | Exception] = []
         for p in batch:
-            if p.version is v or p.request is None:
+            if p.request is None or _still_prepared(p, v):
                 fresh.append(p)
                 continue
             try:

@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 
 from streamgr import Engine
-from streamgr.errors import ContractError
+from streamgr.errors import ContractError, IdOutOfRange
 from tests.engine.test_updates import GEN, answers, requests
 
 
@@ -214,3 +214,28 @@ async def test_checkpoint_refits_load_tensors_only_and_answer_as_fresh_weights(t
             with pytest.raises(ContractError, match=field):
                 await eng.update(weights=path, keep_previous=False)
             assert runner.version == name and _items(await answers(eng, reqs)) == now
+
+
+async def test_queued_requests_are_prepared_again_only_when_the_catalog_or_policy_changed():
+    """A request prepared before a weights cutover runs as prepared (one catalog, one policy:
+    the same preparation); after a catalog change it is prepared again, so an item taken out
+    fails its request alone."""
+    eng = Engine.from_spec("gen-small", GEN)
+    runner = eng.gen_runner
+    req = requests(eng, 1, seed=5)[0]
+    async with eng:
+        p = runner.active.prepare(req)
+        await eng.update(weights=51, keep_previous=False)
+        fresh, *_ = handle = runner.submit([p])
+        runner.finish(handle)
+        assert fresh[0] is p
+        gone = [int(req.history[-1])]  # (the context keeps the latest items)
+        await eng.update(catalog={"remove": gone}, keep_previous=False)
+        fresh, *_ = handle = runner.submit([p])
+        runner.finish(handle)
+        assert isinstance(fresh[0], IdOutOfRange) and str(gone[0]) in str(fresh[0])
+        q = runner.active.prepare(requests(eng, 1, seed=6)[0])
+        await eng.update(policy={"max_per_prefix": 3})
+        fresh, *_ = handle = runner.submit([q])
+        runner.finish(handle)
+        assert fresh[0] is not q and fresh[0].version is runner.active

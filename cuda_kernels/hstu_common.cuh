@@ -1,7 +1,7 @@
-// Device helpers shared by the HSTU attention kernels (hstu_attention.cu, hstu_attention_wgmma.cu):
-// cp.async copies, a paged key's row, bf16 packing and the one-MUFU SiLU both use. Included inside their anonymous
-// namespace; the loader (streamgr/kernels/_cuda.py) inlines it for NVRTC, so CuPy's compile
-// cache key covers its text.
+// Device helpers shared by the HSTU attention kernels (hstu_attention.cu,
+// hstu_attention_wgmma.cu): cp.async copies, a block's work item and head, a paged key's row,
+// bf16 packing and the one-MUFU SiLU. Included inside their anonymous namespace; the loader
+// (streamgr/kernels/_cuda.py) inlines it for NVRTC, so CuPy's compile cache key covers its text.
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));

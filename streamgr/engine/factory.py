@@ -77,25 +77,24 @@ class Builder:
                                      page_tokens, self.device)
         return runner
 
-    def generate_weights(self, spec, like: GenerateVersion) -> WeightsOnly:
-        """New weights for a refit in place: the model of ``spec`` checked against ``like``'s
-        catalog and trie (reused), and a new version name, without building a whole version
-        (its item index over the catalog is ``like``'s)."""
-        from ..runtime.deployment import build_generator
-        model, source, _, contract, _ = build_generator(
-            spec, self.device, self.dtype, catalog=like.catalog, trie=like.trie)
+    def generate_weights(self, spec, like: GenerateVersion, into) -> WeightsOnly:
+        """New weights for a refit in place into the model ``into`` (same architecture, else
+        ``ContractError``), checked against ``like``'s catalog and trie (reused), with a new
+        version name, without building a whole version. From a checkpoint: its tensors on the
+        device, no model built; from an init seed: a model."""
+        from ..runtime.contract import same_architecture
+        from ..runtime.deployment import build_generator, refit_tensors
+        model = tensors = None
+        if spec.generate_model.checkpoint is not None:
+            tensors, source, contract = refit_tensors(spec, self.device, self.dtype, into,
+                                                      like.trie)
+        else:
+            model, source, _, contract, _ = build_generator(
+                spec, self.device, self.dtype, catalog=like.catalog, trie=like.trie)
+            same_architecture(model.cfg, into.cfg)
         self.loads += 1
         self.versions += 1
-        return WeightsOnly(f"g{self.versions}", model, f"{self.loads}:{source}", contract)
-
-    def generate_tensors(self, spec, like: GenerateVersion, into) -> WeightsOnly:
-        """A checkpoint's weights for a refit into the model ``into``: its tensors on the
-        device, checked against the contract and ``like``'s trie, without building a model."""
-        from ..runtime.deployment import refit_tensors
-        tensors, source, contract = refit_tensors(spec, self.device, self.dtype, into, like.trie)
-        self.loads += 1
-        self.versions += 1
-        return WeightsOnly(f"g{self.versions}", None, f"{self.loads}:{source}", contract,
+        return WeightsOnly(f"g{self.versions}", model, f"{self.loads}:{source}", contract,
                            tensors=tensors)
 
     def generate_runner(self) -> GenerateRunner:

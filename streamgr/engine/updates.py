@@ -37,7 +37,6 @@ import msgspec
 
 from ..errors import ContractError, StreamgrError, UnsupportedRequest
 from ..selection.vocabulary import Catalog, CatalogDelta, apply_delta, load_catalog
-from ..runtime.contract import same_architecture
 from ..runtime.deployment import build_generator
 from ..streams import off_stream
 from .generate import MAX_BEAM, CatalogRefit, catalog_views, views_after_removal
@@ -199,13 +198,8 @@ class Updates:
         ms = _weights_spec(spec.generate_model, weights)
         spec = msgspec.structs.replace(spec, **{"model" if spec.model.family == "t5"
                                                 else "generator": ms}, policy=act.policy)
-        if ms.checkpoint is not None:  # a checkpoint's tensors only: no model is built
-            new = self._build.generate_tensors(spec, act, slot.model)
-            same_contract(act.contract, new.contract)
-        else:
-            new = self._build.generate_weights(spec, act)
-            same_contract(act.contract, new.contract)
-            same_architecture(new.model.cfg, slot.model.cfg)
+        new = self._build.generate_weights(spec, act, slot.model)
+        same_contract(act.contract, new.contract)
         new.pair_with(slot)
         return new
 

@@ -57,10 +57,9 @@ def _wg_config() -> tuple[int, int, int, int, int]:
     """K/V stages, the S / P V overlap (always on), Q in registers, the consumers' ping-pong
     and the keys per tile of the wgmma kernel (HSTU_WG_STAGES, HSTU_WG_OVERLAP, HSTU_WG_QREG,
     HSTU_WG_PINGPONG, HSTU_WG_BN); ``STREAMGR_HSTU_WG=4x1x0x1x64`` picks another for A/B
-    benchmarks. The
-    default, 3 stages of 128-key tiles with Q in shared memory, was the fastest on the H200
-    (docs/benchmarks.md, session 9); Q in registers spills the D = 128 direct build (consumers
-    get 224 registers); 128-key tiles fit 3 stages at most."""
+    benchmarks. The default, 3 stages of 128-key tiles with Q in shared memory, was the
+    fastest on the H200 (docs/benchmarks.md, session 9); Q in registers spills the D = 128
+    direct build (consumers get 224 registers); 128-key tiles fit 3 stages at most."""
     stages, overlap, qreg, pingpong, keys = _env_ints(
         "STREAMGR_HSTU_WG", "3x1x0x1x128", "STAGESxOVERLAPxQREGxPINGPONGxKEYS")
     if stages not in (3, 4) or overlap != 1 or qreg not in (0, 1) or pingpong not in (0, 1) \

@@ -58,21 +58,33 @@ def _vec_rows(t: torch.Tensor) -> int | None:
     return t.stride(0) // 8
 
 
+def _params_ok(*params: torch.Tensor | None) -> bool:
+    """Weights the kernels read as 16-byte vectors: present, bf16, contiguous and aligned."""
+    return all(p is not None and p.dtype == torch.bfloat16 and p.is_contiguous()
+               and p.data_ptr() % 16 == 0 for p in params)
+
+
+def _bf16_rows(*ts: torch.Tensor) -> bool:
+    """The kernels can read/write these [T, C] tensors in place (bf16, GPU, 16-byte rows)."""
+    return (ENABLED and all(t.dtype == torch.bfloat16 for t in ts) and _cuda.usable(*ts)
+            and all(_vec_rows(t) is not None for t in ts))
+
+
+def _launch_rows(name: str, rows: int, args: tuple) -> None:
+    """One of the kernels over ``rows`` rows, a warp per row."""
+    if rows:
+        _cuda.launch(_cuda.kernel(_SRC, _EXPRS, name), (-(-rows // ROWS_PER_BLOCK),),
+                     (32 * ROWS_PER_BLOCK,), args)
+
+
 def fused_ok(x: torch.Tensor, attn: torch.Tensor | None, u: torch.Tensor, norm: nn.LayerNorm,
              output: nn.Linear) -> bool:
     """Whether :func:`finish` runs the kernel here: bf16 on a GPU with CuPy, an affine norm and
     a biased projection, 16-byte aligned rows of widths that are multiples of 8 (``attn``
     None: the attention's contiguous output, checked when it exists)."""
-    params = (norm.weight, norm.bias, output.weight, output.bias)
-    if not ENABLED or any(p is None or p.dtype != torch.bfloat16 for p in params):
-        return False
     ts = (x, u) if attn is None else (x, attn, u)
-    if any(t.dtype != torch.bfloat16 for t in ts) or not _cuda.usable(*ts):
-        return False
-    if attn is not None and (not attn.is_contiguous() or _vec_rows(attn) is None):
-        return False
-    return (x.is_contiguous() and _vec_rows(x) is not None and _vec_rows(u) is not None
-            and all(p.is_contiguous() and p.data_ptr() % 16 == 0 for p in params))
+    return (_params_ok(norm.weight, norm.bias, output.weight, output.bias) and _bf16_rows(*ts)
+            and x.is_contiguous() and (attn is None or attn.is_contiguous()))
 
 
 def norm_mul(x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor, norm: nn.LayerNorm,
@@ -83,13 +95,11 @@ def norm_mul(x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor, norm: nn.Laye
     M = x.shape[1]
     y = torch.empty((T, N), dtype=attn.dtype, device=attn.device)
     xb = torch.empty_like(x)
-    if T:
-        fn = _cuda.kernel(_SRC, _EXPRS, _EXPRS[0])
-        _cuda.launch(fn, (-(-T // ROWS_PER_BLOCK),), (32 * ROWS_PER_BLOCK,), (
-            _cuda.ptr(attn), _cuda.ptr(u), np.int64(_vec_rows(u)), _cuda.ptr(norm.weight),
-            _cuda.ptr(norm.bias), _cuda.ptr(x), _cuda.ptr(out_bias), _cuda.ptr(y),
-            _cuda.ptr(xb), np.int64(T), np.int32(N // 8), np.int32(M // 8),
-            np.float32(norm.eps), np.int32(1 if u_raw else 0)))
+    _launch_rows("hstu_norm_mul", T, (
+        _cuda.ptr(attn), _cuda.ptr(u), np.int64(_vec_rows(u)), _cuda.ptr(norm.weight),
+        _cuda.ptr(norm.bias), _cuda.ptr(x), _cuda.ptr(out_bias), _cuda.ptr(y), _cuda.ptr(xb),
+        np.int64(T), np.int32(N // 8), np.int32(M // 8), np.float32(norm.eps),
+        np.int32(1 if u_raw else 0)))
     return y, xb
 
 
@@ -103,25 +113,15 @@ def finish(x: torch.Tensor, attn: torch.Tensor, u: torch.Tensor, norm: nn.LayerN
     return xb.addmm_(y, output.weight.t())
 
 
-def _bf16_rows(*ts: torch.Tensor) -> bool:
-    """The kernels can read/write these [T, C] tensors in place (bf16, GPU, 16-byte rows)."""
-    return (ENABLED and all(t.dtype == torch.bfloat16 for t in ts) and _cuda.usable(*ts)
-            and all(_vec_rows(t) is not None for t in ts))
-
-
 def layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
     """``norm(x)`` for ``x`` [T, M] (one kernel on the GPU, torch's ``LayerNorm`` otherwise)."""
-    params = (norm.weight, norm.bias)
-    if (x.dim() != 2 or not _bf16_rows(x) or any(p is None or p.dtype != torch.bfloat16
-                                                  or p.data_ptr() % 16 for p in params)):
+    if x.dim() != 2 or not _bf16_rows(x) or not _params_ok(norm.weight, norm.bias):
         return norm(x)
     T, M = x.shape
     y = torch.empty((T, M), dtype=x.dtype, device=x.device)
-    if T:
-        fn = _cuda.kernel(_SRC, _EXPRS, "hstu_layer_norm")
-        _cuda.launch(fn, (-(-T // ROWS_PER_BLOCK),), (32 * ROWS_PER_BLOCK,), (
-            _cuda.ptr(x), np.int64(_vec_rows(x)), _cuda.ptr(norm.weight), _cuda.ptr(norm.bias),
-            _cuda.ptr(y), np.int64(T), np.int32(M // 8), np.float32(norm.eps)))
+    _launch_rows("hstu_layer_norm", T, (
+        _cuda.ptr(x), np.int64(_vec_rows(x)), _cuda.ptr(norm.weight), _cuda.ptr(norm.bias),
+        _cuda.ptr(y), np.int64(T), np.int32(M // 8), np.float32(norm.eps)))
     return y
 
 
@@ -132,11 +132,9 @@ def silu(t: torch.Tensor) -> torch.Tensor:
         return F.silu(t).contiguous()
     T, C = t.shape
     out = torch.empty((T, C), dtype=t.dtype, device=t.device)
-    if T * C:
-        fn = _cuda.kernel(_SRC, _EXPRS, "hstu_silu")
-        _cuda.launch(fn, (-(-T // ROWS_PER_BLOCK),), (32 * ROWS_PER_BLOCK,), (
-            _cuda.ptr(t), np.int64(_vec_rows(t)), _cuda.ptr(out), np.int64(T),
-            np.int32(C // 8)))
+    if C:
+        _launch_rows("hstu_silu", T, (_cuda.ptr(t), np.int64(_vec_rows(t)), _cuda.ptr(out),
+                                      np.int64(T), np.int32(C // 8)))
     return out
 
 
@@ -154,16 +152,14 @@ def embed(ids: torch.Tensor, is_action: torch.Tensor, positions: torch.Tensor,
     """:func:`embed_reference` in one kernel on the GPU (bit for bit the same: a select and one
     bf16 add); ``ids`` and ``positions`` int64, ``is_action`` bool, all [T]."""
     tables = (items.weight, actions.weight, position.weight)
-    if (not _bf16_rows(*tables) or any(not t.is_contiguous() for t in tables)
-            or ids.dtype != torch.int64 or positions.dtype != torch.int64
-            or is_action.dtype != torch.bool or not _cuda.usable(ids, is_action, positions)
+    if (not _bf16_rows(*tables) or not _params_ok(*tables) or ids.dtype != torch.int64
+            or positions.dtype != torch.int64 or is_action.dtype != torch.bool or not _cuda.usable(ids, is_action, positions)
             or any(t.dim() != 1 or t.stride(0) != 1 for t in (ids, is_action, positions))):
         return embed_reference(ids, is_action, positions, items, actions, position)
     T, M = ids.shape[0], items.weight.shape[1]
     out = torch.empty((T, M), dtype=items.weight.dtype, device=ids.device)
-    if T * M:
-        fn = _cuda.kernel(_SRC, _EXPRS, "hstu_embed")
-        _cuda.launch(fn, (-(-T // ROWS_PER_BLOCK),), (32 * ROWS_PER_BLOCK,), (
+    if M:
+        _launch_rows("hstu_embed", T, (
             _cuda.ptr(ids), _cuda.ptr(is_action), _cuda.ptr(positions), _cuda.ptr(items.weight),
             _cuda.ptr(actions.weight), _cuda.ptr(position.weight), _cuda.ptr(out), np.int64(T),
             np.int32(M // 8)))

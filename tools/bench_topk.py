@@ -2,7 +2,10 @@
 ``torch.topk`` over the same candidate grid and against the torch reference step, on gen-ref's
 per-step shapes (16 requests; fan-outs 8,192 / 177 / 3; beams 256 and 1,024) and one request's
 flat [1, 256 x 8,192]. Each row first checks the kernels equal the reference (bit for bit), then
-times CUDA-graph replays (20 per graph, median of rounds).
+times CUDA-graph replays (20 per graph, median of rounds). The last two columns are bf16
+serving's step as it runs (the log-probabilities a lazy ``LogProbs`` over bf16 logits, as the
+head leaves them): the whole selection by the Numba kernels, which read the logits in place,
+against the torch step the engine serves with by default (gathers, then ``torch.topk``).
 
     python tools/bench_topk.py
 """
@@ -38,8 +41,10 @@ def main() -> None:
               ("flat one request", 1, 256, 8192, 1024), ("step 2, beams 1024", 16, 1024, 177, 1024),
               ("step 3, beams 1024", 16, 1024, 3, 1024)]
     print(f"{'shape':>22} {'R':>3} {'B':>5} {'F':>5} {'k':>5} {'numba ms':>9} {'topk ms':>8} "
-          f"{'ref ms':>8} {'x topk':>7} {'x ref':>6} {'GB/s':>6} equal")
-    worst = []
+          f"{'ref ms':>8} {'x topk':>7} {'x ref':>6} {'GB/s':>6} equal {'bf16 nb':>8} "
+          f"{'bf16 torch':>10} {'x':>5}")
+    from streamgr.kernels.head_lse import head_log_probs
+    worst, serving = [], []
     for name, R, B, F, k in shapes:
         case = level(R, B, F, seed=R + B + F + k)
         cap = torch.full((R,), k, device=DEV)
@@ -52,10 +57,20 @@ def main() -> None:
         t_ref = graph_ms(lambda: _torch_step(case, k, cap))
         gbs = R * B * F * 4 / t_nb / 1e6
         worst.append(t_topk / t_nb)
+        lg = case[2].to(torch.bfloat16)
+        lazy = (*case[:2], head_log_probs(lg, lg.shape[1]), *case[3:])
+        got = tt.trie_topk(*lazy, k, cap, impl="numba")
+        ref = tt.trie_topk_reference(*lazy, k, cap)
+        equal = equal and all(torch.equal(a, b) for a, b in zip(got, ref))
+        t_lnb = graph_ms(lambda: tt.trie_topk(*lazy, k, cap, impl="numba"))
+        t_ltorch = graph_ms(lambda: tt.trie_topk(*lazy, k, cap, impl="topk"))
+        serving.append(t_ltorch / t_lnb)
         print(f"{name:>22} {R:>3} {B:>5} {F:>5} {k:>5} {t_nb:>9.4f} {t_topk:>8.4f} {t_ref:>8.4f} "
-              f"{t_topk / t_nb:>7.2f} {t_ref / t_nb:>6.2f} {gbs:>6.0f} {equal}", flush=True)
+              f"{t_topk / t_nb:>7.2f} {t_ref / t_nb:>6.2f} {gbs:>6.0f} {equal!s:>5} "
+              f"{t_lnb:>8.4f} {t_ltorch:>10.4f} {t_ltorch / t_lnb:>5.2f}", flush=True)
     print(f"bench_topk: numba selection vs torch.topk {min(worst):.2f}x-{max(worst):.2f}x "
-          f"(target >= 5x)")
+          f"(target >= 5x); bf16 serving step, numba vs the torch step "
+          f"{min(serving):.2f}x-{max(serving):.2f}x")
 
 
 def _torch_step(case, k, cap):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import sys
 import tempfile
@@ -92,6 +93,40 @@ async def updates(eng, every: float, seconds: float, rng, log: list, removed: di
                     "catalog": "catalog" in kw})
         n += 1
         state["n"] = n
+
+
+async def loop_stalls(stop: asyncio.Event, out: list, every: float = 0.001,
+                      over: float = 0.004) -> None:
+    """(start s, length s) of every time the event loop woke more than ``over`` late: the
+    loop (or the GIL) held by something, which every request waits behind."""
+    while not stop.is_set():
+        t = time.perf_counter()
+        await asyncio.sleep(every)
+        lag = time.perf_counter() - t - every
+        if lag > over:
+            out.append((t + every, lag))
+
+
+def gc_timer(out: list):
+    """A ``gc.callbacks`` hook appending (start s, length s, generation) of every collection."""
+    began = {}
+
+    def hook(phase, info):
+        if phase == "start":
+            began["t"] = time.perf_counter()
+        elif "t" in began:
+            out.append((began["t"], time.perf_counter() - began.pop("t"), info["generation"]))
+    return hook
+
+
+def phase_ms(phases) -> dict[str, list[float]]:
+    """How long each update phase took (ms), by phase name, over ``update_phases``."""
+    out: dict[str, list[float]] = {}
+    for marks in phases:
+        items = sorted(marks.items(), key=lambda kv: kv[1])
+        for (_, a), (name, b) in zip(items, items[1:]):
+            out.setdefault(name, []).append((b - a) * 1e3)
+    return out
 
 
 def write_checkpoints(eng, n: int, root: Path) -> list[str]:
@@ -175,6 +210,9 @@ def main() -> int:
             removed[first] = set()
             await open_loop(eng, reqs[:64], args.rate, 1.0, rng)  # warm-up
             calm, busy, state = [], [], {"n": 0, "gone": set()}
+            stop = asyncio.Event()
+            probe = asyncio.create_task(loop_stalls(stop, stalls))
+            gc.callbacks.append(gc_timer(collections))  # the timed phases' collections
             for _ in range(args.rounds):
                 c = await open_loop(eng, reqs, args.rate, args.seconds, rng)
                 b, _ = await asyncio.gather(
@@ -184,8 +222,13 @@ def main() -> int:
                 rounds.append((c, b))
                 calm += c
                 busy += b
+            stop.set()
+            await probe
+            gc.callbacks.pop()
             return first, calm, busy
     rounds: list = []
+    stalls: list = []
+    collections: list = []
     first, calm, busy = asyncio.run(run())
     known = set(removed)
     errors = sum("error" in r for r in calm + busy)
@@ -213,6 +256,19 @@ def main() -> int:
     for name, (n, p99, n_slow) in by_phase(busy, list(eng.update_phases), slow).items():
         print(f"  during {name:<10}{n:>7} requests, p99 {p99:7.2f} ms, {n_slow:>4} over the "
               f"no-update p99")
+    phases = list(eng.update_phases)
+    print("phase durations ms (p50 / max): " + ", ".join(
+        f"{k} {pct(v, 50):.1f} / {max(v):.1f}" for k, v in phase_ms(phases).items()))
+    st = by_phase([{"t": t, "ms": lag * 1e3} for t, lag in stalls], phases, 0.0)
+    print("event-loop stalls > 4 ms by phase (count, p99 ms): " + ", ".join(
+        f"{k} {n} {p:.1f}" for k, (n, p, _) in st.items()))
+    for gen in sorted({g for _, _, g in collections}):
+        ms = [d * 1e3 for _, d, g in collections if g == gen]
+        print(f"gc generation {gen}: {len(ms)} collections, max {max(ms):.1f} ms, total "
+              f"{sum(ms):.0f} ms")
+    in_gc = sum(any(a - 0.001 < t + lag and t < a + d + 0.001 for a, d, _ in collections)
+                for t, lag in stalls)
+    print(f"event-loop stalls overlapping a collection: {in_gc} of {len(stalls)}")
     c = eng.stats()["counters"]
     print(f"in place (no version built, no plan captured): {c.get('generate_refits_in_place', 0)} "
           f"of {c.get('generate_updates', 0)} updates")

@@ -34,6 +34,16 @@ class LogProbs:
         self.logits, self.vocab = logits, vocab
         self.row_max, self.row_logsum = row_max, row_logsum
 
+    def table(self) -> torch.Tensor:
+        """[2, rows] fp32: the row maxima, then the log-sums (the selection kernels read
+        both from one array); no copy when they are the two rows of one (``row_lse``)."""
+        m, s = self.row_max, self.row_logsum
+        base = m._base
+        if base is not None and base is s._base and base.dim() == 2 and base.shape[0] == 2 \
+                and m.data_ptr() == base.data_ptr() and s.data_ptr() == base[1].data_ptr():
+            return base
+        return torch.stack([m, s]).float()
+
     @property
     def shape(self) -> tuple[int, int]:
         return (self.logits.shape[0], self.vocab)
@@ -75,8 +85,8 @@ def row_lse(logits: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tenso
     if (logits.dtype != torch.bfloat16 or logits.stride(1) != 1 or rows == 0
             or not _cuda.usable(logits)):
         return row_lse_reference(logits, vocab)
-    m = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    s = torch.empty_like(m)
+    m, s = torch.empty(2, rows, dtype=torch.float32, device=logits.device)  # one array: see
+    # ``LogProbs.table``
     smem = vocab * 2
     use_smem = smem <= _SMEM_MAX and logits.data_ptr() % 16 == 0 and logits.stride(0) % 8 == 0
     fn = _cuda.kernel(_SRC, _EXPR, _EXPR[0])

@@ -33,7 +33,7 @@ import os
 import torch
 
 from ..errors import StreamgrError
-from .head_lse import LogProbs, gather_log_probs
+from .head_lse import gather_log_probs
 
 NEG_INF = float("-inf")
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
@@ -90,10 +90,13 @@ def _check(scores, nodes, logp, k, fanout):
         raise StreamgrError(f"trie_topk: k = {k} outside 1..min({MAX_K}, beams x fan-out)")
 
 
-# STREAMGR_SELECTION=numba serves with the Numba kernels. Not the default: on the H200 they
-# ran at 0.77x-1.95x torch.topk's speed over gen-ref's step shapes (slower at beams of 1,024;
-# docs/benchmarks.md, session 7), too close to be worth trading torch.topk's tie order for.
-DEFAULT_IMPL = os.environ.get("STREAMGR_SELECTION", "topk").lower()
+# The Numba kernels serve by default on CUDA (STREAMGR_SELECTION=topk: the torch step). Against
+# torch.topk alone they run at 0.57x-1.78x over gen-ref's step shapes, but the torch step also
+# gathers each candidate's log-probability out of the bf16 logits first; the kernels read them
+# in place: the whole bf16 step 1.82x-4.31x faster, gen-ref's GPU time per batch of 32 6.92 ms
+# against 7.18 (docs/benchmarks.md, session 13). Their ties go to the lower candidate index on
+# every device; the CPU keeps torch.topk's.
+DEFAULT_IMPL = os.environ.get("STREAMGR_SELECTION", "numba").lower()
 
 
 def usable(t: torch.Tensor) -> bool:
@@ -119,15 +122,14 @@ def _numba_cuda():
 def trie_topk(scores: torch.Tensor, nodes: torch.Tensor, logp: torch.Tensor, ptr: torch.Tensor,
               codes: torch.Tensor, off: int, fanout: int, k: int, cap: torch.Tensor,
               impl: str | None = None):
-    """``impl``: ``"topk"`` (the default, ``STREAMGR_SELECTION``): the reference over
-    ``torch.topk``; ``"numba"``: the Numba kernels (CUDA; the CPU under
-    ``NUMBA_ENABLE_CUDASIM=1``), stable ties; ``"stable"``: the reference with stable ties."""
+    """``impl`` (default ``STREAMGR_SELECTION``, else ``"numba"``): ``"numba"``: the Numba
+    kernels, stable ties (CUDA; the CPU under ``NUMBA_ENABLE_CUDASIM=1`` only when asked by
+    name; elsewhere the reference over ``torch.topk``); ``"topk"``: the reference over
+    ``torch.topk``; ``"stable"``: the reference with stable ties."""
     _check(scores, nodes, logp, k, fanout)
-    impl = impl or DEFAULT_IMPL
-    if impl != "numba" or not (SIMULATED or usable(scores)):
+    asked, impl = impl, impl or DEFAULT_IMPL
+    if impl != "numba" or not (usable(scores) or SIMULATED and asked == "numba"):
         return trie_topk_reference(scores, nodes, logp, ptr, codes, off, fanout, k, cap,
                                    stable=impl == "stable")
     from . import trie_topk_numba as nb
-    if isinstance(logp, LogProbs):  # the Numba kernels read a dense matrix
-        logp = logp.dense()
     return nb.run(scores, nodes, logp, ptr, codes, off, max(fanout, 1), k, cap)

@@ -27,17 +27,17 @@ NB2 = 1 << DIGIT2
 
 
 @cuda.jit
-def _keys(N, F, B, scores, nodes, logp, ptr, codes, off, kbuf):
+def _keys(N, F, B, scores, nodes, logp, lse, sh, ptr, codes, off, kbuf):
     """kbuf[r, c] = candidate c's key, one thread per candidate (grid: ceil(N / threads), R)."""
     r = cuda.blockIdx.y
     c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if c < N:
-        kbuf[r, c] = _key(r, c, F, B, scores, nodes, logp, ptr, codes, off)
+        kbuf[r, c] = _key(r, c, F, B, scores, nodes, logp, lse, sh, ptr, codes, off)
 
 
 @cuda.jit
-def _select_block(N, k, KP, F, B, scores, nodes, logp, ptr, codes, off, kbuf, cap, top, parent,
-                  child, code):
+def _select_block(N, k, KP, F, B, scores, nodes, logp, lse, sh, ptr, codes, off, kbuf, cap, top,
+                  parent, child, code):
     """Request r's ``k`` largest keys of ``kbuf[r, :N]`` (distinct), sorted and decoded."""
     r = cuda.blockIdx.x
     tid = cuda.threadIdx.x
@@ -50,13 +50,13 @@ def _select_block(N, k, KP, F, B, scores, nodes, logp, ptr, codes, off, kbuf, ca
     for i in range(tid, KP, nt):
         srt[i] = ZERO
     _radix_select(kbuf[r], N, k, srt, 0, hist, NB2, DIGIT2, True, csum, res, st)
-    _emit(srt, k, KP, r, F, B, scores, nodes, logp, ptr, codes, off, cap, top, parent, child,
-          code)
+    _emit(srt, k, KP, r, F, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
+          child, code)
 
 
 def run_block(launch, N, k, KP, F, B, sc, nd, lp, trie, outs, R, dev, arr, tpb):
     """The two launches (``launch(fn, grid, threads)``) for R requests of N candidates."""
     import torch
     kbuf = torch.empty(R, N, dtype=torch.uint64, device=dev)
-    launch(_keys, ((N + tpb - 1) // tpb, R), tpb)(N, F, B, sc, nd, lp, *trie, arr(kbuf))
-    launch(_select_block, (R,), TPB2)(N, k, KP, F, B, sc, nd, lp, *trie, arr(kbuf), *outs)
+    launch(_keys, ((N + tpb - 1) // tpb, R), tpb)(N, F, B, sc, nd, *lp, *trie, arr(kbuf))
+    launch(_select_block, (R,), TPB2)(N, k, KP, F, B, sc, nd, *lp, *trie, arr(kbuf), *outs)

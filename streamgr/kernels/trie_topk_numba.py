@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from numba import cuda, float32, int32, int64, uint64
 
+from .head_lse import LogProbs
 from .trie_topk import CH, DIGIT, MAX_K, MID, S, SIMULATED, TPB, TS
 from .trie_topk_radix import ZERO, _pick, _select
 
@@ -32,15 +33,32 @@ W_H2, W_SURE, W_BUF, W_BUF2 = NB, 2 * NB, 2 * NB + 1, 2 * NB + 2
 W_LEN = 2 * NB + 4
 
 
-if SIMULATED:  # kernels are Python there: the bits of a numpy float32 scalar
+if SIMULATED:  # kernels are Python there: the bits of a numpy float32 scalar, and back
     def _bits(x):
         return np.float32(x).view(np.int32)
+
+    def _float(bits):
+        return np.int32(bits).view(np.float32)
 else:
     from numba.cuda import libdevice
 
     @cuda.jit(device=True, inline=True)
     def _bits(x):
         return libdevice.float_as_int(x)
+
+    @cuda.jit(device=True, inline=True)
+    def _float(bits):
+        return libdevice.int_as_float(bits)
+
+
+@cuda.jit(device=True, inline=True)
+def _log_prob(logp, lse, sh, row, col):
+    """Column ``col`` of row ``row``'s log-probabilities: ``logp`` holds raw bits, fp32 ones
+    (int32, ``sh`` 0) or bf16 logits (int16, ``sh`` 16: the upper half of an fp32), and
+    ``lse`` [2, rows] each row's max and log-sum-exp (zeros for fp32 log-probabilities): the
+    fp32 ``(x - max) - logsum`` of ``LogProbs.gather``, bit for bit."""
+    x = _float(int32(logp[row, col]) << sh)
+    return (x - lse[0, row]) - lse[1, row]
 
 
 @cuda.jit(device=True, inline=True)
@@ -52,7 +70,7 @@ def _compose(bits, c):
 
 
 @cuda.jit(device=True, inline=True)
-def _score(r, c, F, B, scores, nodes, logp, ptr, codes, off):
+def _score(r, c, F, B, scores, nodes, logp, lse, sh, ptr, codes, off):
     """Candidate c of request r: (its score, -inf where no child; its child node, its code)."""
     b = c // F
     j = c - b * F
@@ -63,19 +81,19 @@ def _score(r, c, F, B, scores, nodes, logp, ptr, codes, off):
         if j < ptr[n + 1] - lo:
             ch = lo + j
             cd = codes[ch]
-            return s + logp[r * B + b, off + cd], ch, cd
+            return s + _log_prob(logp, lse, sh, r * B + b, off + cd), ch, cd
     return NEG_INF, int64(0), int64(0)
 
 
 @cuda.jit(device=True, inline=True)
-def _key(r, c, F, B, scores, nodes, logp, ptr, codes, off):
-    val, _, _ = _score(r, c, F, B, scores, nodes, logp, ptr, codes, off)
+def _key(r, c, F, B, scores, nodes, logp, lse, sh, ptr, codes, off):
+    val, _, _ = _score(r, c, F, B, scores, nodes, logp, lse, sh, ptr, codes, off)
     return _compose(_bits(val + float32(0.0)), c)  # -0.0 keys as +0.0: they compare equal
 
 
 @cuda.jit(device=True)
-def _emit(srt, k, KP, r, F, B, scores, nodes, logp, ptr, codes, off, cap, top, parent, child,
-          code):
+def _emit(srt, k, KP, r, F, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
+          child, code):
     """Sort ``srt[:KP]`` (shared; zeros past k) descending (bitonic), then decode the first
     ``k``: their scores (recomputed, the same fp32 add), parent beams, child nodes, codes.
     Any block size (the grid passes' last block and the one-block select differ)."""
@@ -99,7 +117,7 @@ def _emit(srt, k, KP, r, F, B, scores, nodes, logp, ptr, codes, off, cap, top, p
         size *= 2
     for i in range(tid, k, nt):
         c = int64(LOW ^ (srt[i] & LOW))
-        val, ch, cd = _score(r, c, F, B, scores, nodes, logp, ptr, codes, off)
+        val, ch, cd = _score(r, c, F, B, scores, nodes, logp, lse, sh, ptr, codes, off)
         top[r, i] = val if i < cap[r] else NEG_INF
         parent[r, i] = c // F
         child[r, i] = ch
@@ -107,14 +125,15 @@ def _emit(srt, k, KP, r, F, B, scores, nodes, logp, ptr, codes, off, cap, top, p
 
 
 @cuda.jit
-def _small(N, k, KP, F, B, scores, nodes, logp, ptr, codes, off, cap, top, parent, child, code):
+def _small(N, k, KP, F, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
+           child, code):
     """A request of at most ``S`` candidates, in one block: keys, select, sort, decode."""
     r = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     sm = cuda.shared.array(S, uint64)
     srt = cuda.shared.array(MAX_K, uint64)
     for i in range(tid, N, TPB):
-        sm[i] = _key(r, i, F, B, scores, nodes, logp, ptr, codes, off)
+        sm[i] = _key(r, i, F, B, scores, nodes, logp, lse, sh, ptr, codes, off)
     for i in range(tid, KP, TPB):
         srt[i] = ZERO
     cuda.syncthreads()
@@ -124,8 +143,8 @@ def _small(N, k, KP, F, B, scores, nodes, logp, ptr, codes, off, cap, top, paren
         cuda.syncthreads()
     else:
         _select(sm, N, k, srt, 0)
-    _emit(srt, k, KP, r, F, B, scores, nodes, logp, ptr, codes, off, cap, top, parent, child,
-          code)
+    _emit(srt, k, KP, r, F, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
+          child, code)
 
 
 @cuda.jit(device=True)
@@ -151,7 +170,7 @@ def _flush(h, ws, r, lo):
 
 
 @cuda.jit
-def _hist1(N, F, B, scores, nodes, logp, ptr, codes, off, ws):
+def _hist1(N, F, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws):
     """Grid pass 1: the histogram of every candidate key's top digit, per request."""
     r = cuda.blockIdx.y
     tid = cuda.threadIdx.x
@@ -160,14 +179,14 @@ def _hist1(N, F, B, scores, nodes, logp, ptr, codes, off, ws):
         h[i] = 0
     cuda.syncthreads()
     for c in range(cuda.blockIdx.x * CH + tid, min(N, (cuda.blockIdx.x + 1) * CH), TPB):
-        key = _key(r, c, F, B, scores, nodes, logp, ptr, codes, off)
+        key = _key(r, c, F, B, scores, nodes, logp, lse, sh, ptr, codes, off)
         cuda.atomic.add(h, int32(key >> SH1), 1)
     cuda.syncthreads()
     _flush(h, ws, r, 0)
 
 
 @cuda.jit
-def _filter1(N, k, F, B, scores, nodes, logp, ptr, codes, off, ws, sure, buf):
+def _filter1(N, k, F, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws, sure, buf):
     """Grid pass 2: keys above the k-th key's top digit to the result, those sharing it to the
     buffer (with the histogram of their next digit)."""
     r = cuda.blockIdx.y
@@ -179,7 +198,7 @@ def _filter1(N, k, F, B, scores, nodes, logp, ptr, codes, off, ws, sure, buf):
         h[i] = 0
     cuda.syncthreads()
     for c in range(cuda.blockIdx.x * CH + tid, min(N, (cuda.blockIdx.x + 1) * CH), TPB):
-        key = _key(r, c, F, B, scores, nodes, logp, ptr, codes, off)
+        key = _key(r, c, F, B, scores, nodes, logp, lse, sh, ptr, codes, off)
         d = key >> SH1
         if d > t1 or (d == t1 and all_in):
             sure[r, cuda.atomic.add(ws, (r, W_SURE), 1)] = key
@@ -213,7 +232,7 @@ def _filter2(k, ws, sure, buf, buf2):
 
 
 @cuda.jit
-def _final(k, KP, F, B, scores, nodes, logp, ptr, codes, off, ws, sure, buf2, cap, top,
+def _final(k, KP, F, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws, sure, buf2, cap, top,
            parent, child, code):
     """Per request: the result's keys plus the wanted ones of the keys left tied (selected in
     shared memory, or from the global buffer when more than ``TS`` are tied), sorted, decoded."""
@@ -238,8 +257,8 @@ def _final(k, KP, F, B, scores, nodes, logp, ptr, codes, off, ws, sure, buf2, ca
             else:
                 _select(buf2[r], n2, need2, srt, n_sure)
     cuda.syncthreads()
-    _emit(srt, k, KP, r, F, B, scores, nodes, logp, ptr, codes, off, cap, top, parent, child,
-          code)
+    _emit(srt, k, KP, r, F, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
+          child, code)
 
 
 @functools.lru_cache(maxsize=64)
@@ -249,6 +268,20 @@ def _stream(handle: int):
 
 def _arr(t: torch.Tensor):
     return t.numpy() if SIMULATED else cuda.as_cuda_array(t, sync=False)
+
+
+def _log_probs(logp, a) -> tuple:
+    """(bits, [2, rows] max and log-sum, shift) of ``_log_prob`` for a ``LogProbs`` (bf16
+    logits, read in place: no [rows, vocab] fp32 matrix) or a dense matrix (fp32)."""
+    if isinstance(logp, LogProbs) and logp.logits.dtype == torch.bfloat16:
+        return a(logp.logits.view(torch.int16)), a(logp.table()), 16
+    if isinstance(logp, LogProbs):
+        logp = logp.dense()
+    logp = logp.float()
+    if logp.stride(-1) != 1:
+        logp = logp.contiguous()
+    zeros = torch.zeros(2, logp.shape[0], dtype=torch.float32, device=logp.device)
+    return a(logp.view(torch.int32)), a(zeros), 0
 
 
 def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
@@ -264,12 +297,12 @@ def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
         launch = lambda fn, grid: fn[grid, TPB, stream]  # noqa: E731
     a = _arr
     sc, nd = a(scores.float().contiguous()), a(nodes.contiguous())
-    lp = a(logp if logp.dtype == torch.float32 else logp.float())
+    lp = _log_probs(logp, a)
     trie = (a(ptr), a(codes), off)
     outs = (a(cap.contiguous()), a(top), a(parent), a(child), a(code))
     KP = 1 << max(0, (k - 1).bit_length())
     if N <= S:
-        launch(_small, (R,))(N, k, KP, F, B, sc, nd, lp, *trie, *outs)
+        launch(_small, (R,))(N, k, KP, F, B, sc, nd, *lp, *trie, *outs)
         return top, parent, child, code
     if N <= MID:  # one block per request over a key buffer (trie_topk_block)
         from .trie_topk_block import run_block
@@ -281,10 +314,10 @@ def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
     sure = torch.empty(R, k, dtype=torch.uint64, device=dev)
     buf, buf2 = (torch.empty(R, N, dtype=torch.uint64, device=dev) for _ in range(2))
     grid = (math.ceil(N / CH), R)
-    launch(_hist1, grid)(N, F, B, sc, nd, lp, *trie, a(ws))
-    launch(_filter1, grid)(N, k, F, B, sc, nd, lp, *trie, a(ws), a(sure), a(buf))
+    launch(_hist1, grid)(N, F, B, sc, nd, *lp, *trie, a(ws))
+    launch(_filter1, grid)(N, k, F, B, sc, nd, *lp, *trie, a(ws), a(sure), a(buf))
     # The buffer is a fraction of the candidates, unknown here: a grid of at most F2_BLOCKS
     # blocks strides over it (each block's prologue reads two histograms).
     launch(_filter2, (min(grid[0], F2_BLOCKS), R))(k, a(ws), a(sure), a(buf), a(buf2))
-    launch(_final, (R,))(k, KP, F, B, sc, nd, lp, *trie, a(ws), a(sure), a(buf2), *outs)
+    launch(_final, (R,))(k, KP, F, B, sc, nd, *lp, *trie, a(ws), a(sure), a(buf2), *outs)
     return top, parent, child, code

@@ -170,8 +170,8 @@ def random_users(rng):
         paged = bool(rng.integers(0, 2)) and hist > 0
         new = int(rng.integers(0, min(hist, 40) + 1)) if paged else hist
         users.append((hist, new, int(rng.choice([0, 1, int(rng.integers(1, 300))])), paged))
-    if all(h + c == 0 for h, _, c, _ in users):
-        users.append((3, 3, 1, False))
+    if all(n + c == 0 for _, n, c, _ in users):  # no query rows at all (a paged history with
+        users.append((3, 3, 1, False))            # no new tokens or candidates has none)
     P = int(rng.choice([1, 4, 16, 24, 32, 128]))  # page index by shift (powers of two) or division
     return users, P
 

@@ -63,3 +63,24 @@ def test_trie_topk_inside_a_cuda_graph():
     ref = tt.trie_topk_reference(*case, 256, cap)
     for a, b in zip(out, ref):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("R,B,fan,k", [(3, 1, 8192, 256), (16, 256, 177, 256), (16, 256, 3, 256),
+                                       (1, 256, 8192, 1024), (4, 1024, 40, 1024)])
+def test_trie_topk_reads_bf16_logits_in_place(R, B, fan, k):
+    """bf16 serving's lazy head (``LogProbs``: bf16 logits, each row's max and log-sum from the
+    ``row_lse`` kernel): the kernels read the logits in place, equal bit for bit to the
+    reference's ``LogProbs.gather``, on every path (one block, key buffer, grid passes)."""
+    from streamgr.kernels.head_lse import head_log_probs
+    case = list(level(R, B, fan, V=max(fan, 64) * 2, seed=R + B + fan))
+    wide = torch.zeros(case[2].shape[0], case[2].shape[1] + 9, device=DEV, dtype=torch.bfloat16)
+    logits = wide[:, 1:case[2].shape[1] + 1]  # an unaligned slice of a wider (padded) head
+    logits.copy_(case[2] * 4)
+    case[2] = head_log_probs(logits, logits.shape[1])
+    assert type(case[2]).__name__ == "LogProbs"
+    k = min(k, B * case[-1])
+    cap = torch.full((R,), k, device=DEV)
+    ref = tt.trie_topk_reference(*case, k, cap)
+    got = tt.trie_topk(*case, k, cap, impl="numba")
+    for name, a, b in zip(("top", "parent", "child", "code"), got, ref):
+        assert torch.equal(a, b), name

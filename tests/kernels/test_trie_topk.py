@@ -77,6 +77,7 @@ SIM = textwrap.dedent("""
     import numpy as np, torch, sys
     sys.path.insert(0, {root!r})
     from tests.kernels.test_trie_topk import random_case
+    from streamgr.kernels.head_lse import LogProbs, row_lse_reference
     from streamgr.kernels.trie_topk import trie_topk, trie_topk_reference
     n = 0
     for seed, ties, B, fan, k in {cases!r}:
@@ -84,10 +85,19 @@ SIM = textwrap.dedent("""
         scores, nodes, logp, ptr, codes, off, F = case
         k = min(k, B * F)
         cap = torch.tensor([k, max(1, k // 2)])
-        ref = trie_topk_reference(*case, k, cap)
-        got = trie_topk(*case, k, cap, impl="numba")
-        for a, b in zip(got, ref):
-            assert torch.equal(a, b), (seed, ties, B, fan, k, a, b)
+        # bf16 logits read in place with each row's max and log-sum (the lazy head of
+        # bf16 serving), on one case of each path (the simulator is slow): the two as rows
+        # of one array (no copy) and as two arrays
+        lg = (logp * 3).to(torch.bfloat16)
+        table = torch.stack(row_lse_reference(lg, lg.shape[1]))
+        m, s = table if seed % 2 else (table[0].clone(), table[1].clone())
+        lazy = [LogProbs(lg, lg.shape[1], m, s)] if seed in (1, 2, 3) else []
+        for lp in [logp] + lazy:
+            case = (scores, nodes, lp, ptr, codes, off, F)
+            ref = trie_topk_reference(*case, k, cap)
+            got = trie_topk(*case, k, cap, impl="numba")
+            for a, b in zip(got, ref):
+                assert torch.equal(a, b), (seed, ties, B, fan, k, type(lp), a, b)
         n += 1
     print("ok", n)
 """)

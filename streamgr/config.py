@@ -89,6 +89,10 @@ class EngineSpec(_Section, kw_only=True):
     # the collector runs dozens of times per batch, each time walking the answers still being
     # built (docs/benchmarks.md, session 3). 0 keeps the interpreter's threshold.
     gc_gen0: int = 50_000
+    # The thread switch interval while serving (ms; 0 keeps Python's 5 ms). The event loop and
+    # the engine's threads share one GIL: a thread that lets it go inside a numpy call may wait
+    # a whole interval to get it back (docs/benchmarks.md, session 13).
+    switch_interval_ms: float = 0.0
     # Generate: at start, build a spare version (a copy of the weights with its own decode
     # plans) for weights refits to write into, so the first refit is in place too; without it
     # the first refit builds a whole version and captures its plans beside live traffic (the
@@ -109,6 +113,8 @@ class EngineSpec(_Section, kw_only=True):
             raise ValueError("`decode_plans` and `rank_plans` must be >= 0")
         if self.gc_gen0 < 0:
             raise ValueError("`gc_gen0` must be >= 0")
+        if not (math.isfinite(self.switch_interval_ms) and 0 <= self.switch_interval_ms <= 100):
+            raise ValueError("`switch_interval_ms` must be a number in 0..100 (0: Python's)")
         if not 1 <= self.rank_in_flight <= 4:
             raise ValueError("`rank_in_flight` must be 1..4")
 

@@ -49,6 +49,9 @@ MEANING = {
     "engine.gc_gen0": "with gc_freeze: allocations between young-generation collections while "
                       "serving (Python's default 700; answers allocate ~24,000 lists per gen-ref "
                       "batch); 0 keeps the interpreter's",
+    "engine.switch_interval_ms": "the interpreter's thread switch interval while serving, ms "
+                                 "(0 keeps Python's 5 ms): how long a thread waits for the "
+                                 "GIL back from another running Python",
     "engine.refit_spare": "generate: build a spare version (weights copy, own decode plans) at "
                           "start, so the first weights refit is written in place too",
     "cache.mode": "`recompute` (no cache), `gpu-only` (device pages), `hierarchical` (device "

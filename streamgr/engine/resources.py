@@ -1,13 +1,15 @@
 """What a started engine owns: its batchers, the executor and completion threads, and one
 ``BatchLoop`` task per runner. ``Engine.start`` creates an ``EngineResources``; its ``aclose``
 drains, stops and joins everything, is idempotent, and never blocks the event loop (threads are
-joined on a worker thread). ``serving_gc``/``restore_gc``: the collector's settings while an
-engine serves (``engine.gc_freeze``, ``engine.gc_gen0``)."""
+joined on a worker thread). ``serving_gc``/``restore_gc``: the collector's and the thread
+switch interval's settings while an engine serves (``engine.gc_freeze``, ``engine.gc_gen0``,
+``engine.switch_interval_ms``)."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,26 +24,32 @@ GEN_IN_FLIGHT = 2  # generate batches submitted to the device but not yet answer
 
 
 _GC_LOCK = threading.Lock()
-_GC_STATE = {"engines": 0, "threshold": None}  # engines serving with gc_freeze; what to restore
+# engines serving with gc_freeze or a switch interval; the interpreter's settings to restore
+_GC_STATE = {"engines": 0, "threshold": None, "switch": None}
 
 
 def serving_gc(spec) -> bool:
     """With ``spec.gc_freeze``: freeze what is alive now (a full collection would otherwise
     walk torch's and the models' objects, 100+ ms stalls) and raise the young generation's
-    threshold to ``spec.gc_gen0``. Process-wide settings, so counted: the first engine to
-    start saves the interpreter's threshold, the last to close (``restore_gc``) puts it back
-    and unfreezes. Returns whether this engine took part."""
-    if not spec.gc_freeze:
+    threshold to ``spec.gc_gen0``; with ``spec.switch_interval_ms``, that switch interval (the
+    shortest any serving engine asks for). Process-wide settings, so counted: the first engine
+    to start saves the interpreter's, the last to close (``restore_gc``) puts them back and
+    unfreezes. Returns whether this engine took part."""
+    if not spec.gc_freeze and not spec.switch_interval_ms:
         return False
     with _GC_LOCK:
-        gc.collect()
-        gc.freeze()
         if _GC_STATE["engines"] == 0:
             _GC_STATE["threshold"] = gc.get_threshold()
+            _GC_STATE["switch"] = sys.getswitchinterval()
         _GC_STATE["engines"] += 1
-        before = _GC_STATE["threshold"]
-        if spec.gc_gen0:
-            gc.set_threshold(max(spec.gc_gen0, gc.get_threshold()[0]), *before[1:])
+        if spec.switch_interval_ms:
+            sys.setswitchinterval(min(spec.switch_interval_ms / 1e3, sys.getswitchinterval()))
+        if spec.gc_freeze:
+            gc.collect()
+            gc.freeze()
+            before = _GC_STATE["threshold"]
+            if spec.gc_gen0:
+                gc.set_threshold(max(spec.gc_gen0, gc.get_threshold()[0]), *before[1:])
     return True
 
 
@@ -55,6 +63,7 @@ def restore_gc(took_part: bool) -> None:
         if _GC_STATE["engines"] == 0:
             gc.unfreeze()
             gc.set_threshold(*_GC_STATE["threshold"])
+            sys.setswitchinterval(_GC_STATE["switch"])
 
 
 class EngineResources:

@@ -69,3 +69,18 @@ def save_checkpoint(model: nn.Module, config: msgspec.Struct, directory: str | P
     save_file(state, str(out / WEIGHTS_FILE))
     return out
 
+
+def hf_state_dict(tensors: dict, cfg) -> dict:
+    """A Hugging Face T5 checkpoint's tensors under ``models.t5``'s names (tied embeddings may be
+    saved as ``shared``, ``encoder.embed_tokens`` or ``decoder.embed_tokens``)."""
+    out = dict(tensors)
+    if "shared.weight" not in out:
+        for alt in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
+            if alt in out:
+                out["shared.weight"] = out[alt]
+                break
+    for alt in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
+        out.pop(alt, None)
+    if cfg.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out

@@ -25,6 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..kernels.decoder_attention import self_attend
 from ..kernels.encoder_bias import encoder_bias
+from ..kernels.t5_attention import encoder_attention, kernel_applies
 from ..kernels.head_lse import head_log_probs
 
 
@@ -312,16 +313,25 @@ class T5(nn.Module):
     def encode(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``tokens`` [R, S] (right-padded), ``mask`` [R, S] True on real tokens -> [R, S, D]."""
         x = self.shared(tokens)
-        S = tokens.shape[1]
+        R, S = tokens.shape
+        H, d = self.cfg.num_heads, self.cfg.d_kv
         first = self.encoder.block[0].layer[0].SelfAttention
-        bt = bias_dtype(x)
-        bias = encoder_bias(self._encoder_bias(first, S, tokens.device), mask, bt)  # [R, H, S, S]
+        table = self._encoder_bias(first, S, tokens.device)  # [H, 2S - 1] fp32
+        # bf16 CUDA: the bias from the table inside the attention kernel (kernels/t5_attention);
+        # else one dense [R, H, S, S] bias for the fused attention (or the reference).
+        inner = fused(x) and kernel_applies(x, d)
+        bias = None if inner else encoder_bias(table, mask, bias_dtype(x))
         for blk in self.encoder.block:
             sa, ff = blk.layer[0], blk.layer[1]
             h = sa.layer_norm(x)
             a = sa.SelfAttention
-            o = attend(a.heads(a.q(h)), a.heads(a.k(h)), a.heads(a.v(h)), bias)
-            x = residual_linear(x, o.transpose(-3, -2).reshape(x.shape[0], S, -1), a.o)
+            if inner:
+                o = encoder_attention(a.q(h).view(R, S, H, d), a.k(h).view(R, S, H, d),
+                                      a.v(h).view(R, S, H, d), table, mask)
+                x = residual_linear(x, o.view(R, S, -1), a.o)
+            else:
+                o = attend(a.heads(a.q(h)), a.heads(a.k(h)), a.heads(a.v(h)), bias)
+                x = residual_linear(x, o.transpose(-3, -2).reshape(R, S, -1), a.o)
             x = ff.DenseReluDense(ff.layer_norm(x), residual=x)
         return self.encoder.final_layer_norm(x)
 
@@ -382,18 +392,3 @@ class T5(nn.Module):
             y = y * cfg.d_model ** -0.5
         return head_log_probs(self.head_logits(y), cfg.vocab_size)
 
-
-def hf_state_dict(tensors: dict[str, torch.Tensor], cfg: T5Config) -> dict[str, torch.Tensor]:
-    """A Hugging Face checkpoint's tensors under this module's names (tied embeddings may be
-    saved as ``shared``, ``encoder.embed_tokens`` or ``decoder.embed_tokens``)."""
-    out = dict(tensors)
-    if "shared.weight" not in out:
-        for alt in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
-            if alt in out:
-                out["shared.weight"] = out[alt]
-                break
-    for alt in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
-        out.pop(alt, None)
-    if cfg.tie_word_embeddings:
-        out.pop("lm_head.weight", None)
-    return out

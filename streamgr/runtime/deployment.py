@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError, ContractError
-from ..models.checkpoint import WEIGHTS_FILE, decode_config, read_config
-from ..models.t5 import T5, T5Config, hf_state_dict
+from ..models.checkpoint import WEIGHTS_FILE, decode_config, hf_state_dict, read_config
+from ..models.t5 import T5, T5Config
 from ..selection.vocabulary import SidTrie, check_catalog, load_catalog, random_catalog
 from .contract import build_contract, check, same_architecture
 

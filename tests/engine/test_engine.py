@@ -175,6 +175,22 @@ async def test_gc_settings_last_until_the_last_engine_closes():
     assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
 
 
+async def test_switch_interval_while_serving():
+    """engine.switch_interval_ms sets the interpreter's thread switch interval while the engine
+    serves (with or without gc_freeze) and puts the interpreter's back at close; an invalid
+    one is refused at configuration."""
+    import sys
+    before = sys.getswitchinterval()
+    eng = Engine.from_spec("rank-small", small_overrides(**{"engine.switch_interval_ms": 0.5,
+                                                             "engine.gc_freeze": False}))
+    async with eng:
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        assert len((await eng.rank(req(np.random.default_rng(5), 1, 10))).scores) == 5
+    assert sys.getswitchinterval() == before
+    with pytest.raises(Exception, match="switch_interval_ms"):
+        Engine.from_spec("rank-small", small_overrides(**{"engine.switch_interval_ms": -1}))
+
+
 async def test_close_mid_flight_settles_every_rank_request():
     """A close that does not wait: each admitted request gets its scores or EngineClosed,
     including those of the batch the engine holds when it stops."""

@@ -1,0 +1,93 @@
+"""The T5 encoder's self-attention with its relative-position bias computed inside the kernel.
+
+``softmax(q k^T + bias) v`` per (request, head), T5's way (no 1/sqrt(d), fp32 softmax), where
+``bias[h, i, j] = table[h, j - i + S - 1]`` (a [heads, 2S - 1] table of distances) on real keys
+and -inf on a request's padding. ``encoder_attention_reference`` is the torch expression (the
+judge); ``encoder_attention`` runs ``cuda_kernels/t5_attention.cu`` (FlashAttention-2 on
+mma.sync, the bias read from the table) for bf16 on CUDA with head dims 32 and 64, and the
+reference elsewhere. The dense [R, H, S, S] bias that cuDNN needed cost the encoder ~0.17 ms to
+write per gen-ref batch and cuDNN ~120 us per layer to read (docs/benchmarks.md, session 13).
+
+Inputs are [R, S, H, d] views (the projections' outputs, any request and token strides, unit
+head and column strides); the output is [R, S, H, d] contiguous, the layout the output
+projection reads. The table is rounded to the activations' dtype first, as the dense bias was.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from ..errors import StreamgrError
+from . import _cuda
+
+_SRC = "t5_attention.cu"
+_DIMS = (32, 64)
+_EXPRS = tuple(f"t5_attn_fwd<{d}>" for d in _DIMS)
+_BM, _BN, _STAGES = 128, 64, 2
+# STREAMGR_T5_ENCODER=cudnn keeps the encoder on cuDNN with the dense bias (A/B runs).
+ENABLED = os.environ.get("STREAMGR_T5_ENCODER", "kernel") != "cudnn"
+
+
+def _check(q, k, v, table, keep) -> tuple[int, int, int, int]:
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise StreamgrError(f"encoder_attention: q, k, v must be [R, S, H, d] alike, got "
+                            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    R, S, H, d = q.shape
+    if table.shape != (H, 2 * S - 1) or keep.shape != (R, S):
+        raise StreamgrError(f"encoder_attention: table [{H}, {2 * S - 1}] and keep [{R}, {S}] "
+                            f"expected, got {tuple(table.shape)}, {tuple(keep.shape)}")
+    return R, S, H, d
+
+
+def encoder_attention_reference(q, k, v, table, keep) -> torch.Tensor:
+    """[R, S, H, d] in ``q``'s dtype; the products and softmax in fp32."""
+    R, S, H, d = _check(q, k, v, table, keep)
+    idx = torch.arange(S, device=q.device)
+    bias = table.to(q.dtype).float()[:, idx[None, :] - idx[:, None] + S - 1]  # [H, S, S]
+    s = torch.einsum("rihd,rjhd->rhij", q.float(), k.float()) + bias[None]
+    s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a request with no real key: zeros
+    return torch.einsum("rhij,rjhd->rihd", p, v.float()).to(q.dtype)
+
+
+def kernel_applies(x: torch.Tensor, d: int) -> bool:
+    """The CUDA kernel runs for activations like ``x`` with head dim ``d`` (bf16 CUDA, head
+    dim 32 or 64; the views' strides are checked per call)."""
+    return (ENABLED and x.is_cuda and x.dtype == torch.bfloat16 and d in _DIMS
+            and _cuda.usable(x))
+
+
+def smem_bytes(S: int, d: int) -> int:
+    sr = -(-S // _BN) * _BN
+    return (_BM + 2 * _STAGES * _BN) * (d + 8) * 2 + (_BM + 2 * sr) * 4
+
+
+def encoder_attention(q, k, v, table, keep, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``encoder_attention_reference`` by the CUDA kernel where it applies, else by the
+    reference. ``out``: an optional [R, S, H, d] contiguous destination."""
+    R, S, H, d = _check(q, k, v, table, keep)
+    ok = kernel_applies(q, d) and all(
+        t.dtype == q.dtype and t.stride(-1) == 1 and t.stride(-2) == d
+        and t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0
+        for t in (q, k, v)) and keep.is_cuda and table.is_cuda and R < 65536 and H < 65536
+    if not ok or R == 0 or S == 0:
+        ref = encoder_attention_reference(q, k, v, table, keep)
+        return ref if out is None else out.copy_(ref)
+    if out is None:
+        out = torch.empty(R, S, H, d, dtype=q.dtype, device=q.device)
+    elif out.shape != (R, S, H, d) or not out.is_contiguous() or out.dtype != q.dtype:
+        raise StreamgrError(f"encoder_attention: out must be a contiguous [{R}, {S}, {H}, {d}] "
+                            f"{q.dtype}")
+    tab = table.to(q.dtype).float().contiguous()  # rounded as the dense bias was
+    kp = keep.contiguous().view(torch.uint8)
+    fn = _cuda.kernel(_SRC, _EXPRS, _EXPRS[_DIMS.index(d)])
+    _cuda.launch(fn, (-(-S // _BM), H, R), (128,), (
+        _cuda.ptr(q), _cuda.ptr(k), _cuda.ptr(v),
+        np.int64(q.stride(0)), np.int64(q.stride(1)), np.int64(k.stride(0)),
+        np.int64(k.stride(1)), np.int64(v.stride(0)), np.int64(v.stride(1)),
+        _cuda.ptr(tab), _cuda.ptr(kp), np.int32(S), np.int32(H), _cuda.ptr(out)),
+        shared_mem=smem_bytes(S, d))
+    return out

@@ -1,0 +1,102 @@
+"""The T5 encoder's attention with the bias inside: the torch reference against the dense-bias
+expression it replaces (CPU), and the CUDA kernel against the reference on the GPU (random
+shapes, boundary lengths, padding, strided views of one fused projection, graph replays, and a
+whole encoder against the cuDNN dense-bias path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamgr.errors import StreamgrError
+from streamgr.kernels import t5_attention as ta
+from streamgr.kernels.encoder_bias import encoder_bias_reference
+
+
+def _inputs(R, S, H, d, seed, device="cpu", dtype=torch.float32, fused=False):
+    g = torch.Generator().manual_seed(seed)
+    if fused:  # q, k, v as views of one [R, S, 3, H, d] projection (strided rows)
+        qkv = torch.randn(R, S, 3, H, d, generator=g).to(device=device, dtype=dtype)
+        q, k, v = qkv.unbind(2)
+    else:
+        q, k, v = (torch.randn(R, S, H, d, generator=g).to(device=device, dtype=dtype)
+                   for _ in range(3))
+    table = (torch.randn(H, 2 * S - 1, generator=g) * 2).to(device)
+    lens = torch.randint(1, S + 1, (R,), generator=g)
+    lens[0] = S  # one request without padding
+    keep = (torch.arange(S)[None, :] < lens[:, None]).to(device)
+    return q, k, v, table, keep
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_is_softmax_over_the_dense_bias(dtype):
+    """The same numbers as attention over ``encoder_bias_reference``'s dense bias (the path
+    the kernel replaces): real rows equal within fp32 rounding."""
+    R, S, H, d = 3, 9, 2, 8
+    q, k, v, table, keep = _inputs(R, S, H, d, 0, dtype=dtype)
+    got = ta.encoder_attention_reference(q, k, v, table, keep)
+    bias = encoder_bias_reference(table, keep, dtype).float()  # [R, H, S, S]
+    s = torch.einsum("rihd,rjhd->rhij", q.float(), k.float()) + bias
+    want = torch.einsum("rhij,rjhd->rihd", torch.softmax(s, -1), v.float()).to(dtype)
+    assert got.shape == (R, S, H, d) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-5)
+    assert ta.encoder_attention(q, k, v, table, keep).equal(got)  # the CPU takes the reference
+
+
+def test_bad_shapes_are_refused():
+    q, k, v, table, keep = _inputs(2, 8, 2, 8, 1)
+    with pytest.raises(StreamgrError, match="table"):
+        ta.encoder_attention(q, k, v, table[:, :-1], keep)
+    with pytest.raises(StreamgrError, match="alike"):
+        ta.encoder_attention(q, k[:, :-1], v, table, keep)
+
+
+def _close(got, want):
+    scale = want.float().abs().amax() + 1e-6
+    err = ((got.float() - want.float()).abs() / scale).amax().item()
+    assert err < 2e-2, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,S,H,d,fused", [
+    (1, 1, 1, 64, False), (2, 5, 3, 32, False), (3, 64, 2, 64, True), (2, 127, 4, 64, False),
+    (2, 128, 2, 32, True), (4, 200, 8, 64, False), (32, 784, 8, 64, True), (1, 1000, 1, 64, False)])
+def test_kernel_matches_reference(R, S, H, d, fused):
+    q, k, v, table, keep = _inputs(R, S, H, d, R * S + d, "cuda", torch.bfloat16, fused)
+    assert ta.kernel_applies(q, d)
+    got = ta.encoder_attention(q, k, v, table, keep)
+    want = ta.encoder_attention_reference(q, k, v, table, keep)
+    assert got.shape == want.shape and got.is_contiguous() and not got.isnan().any()
+    _close(got, want)
+
+
+@pytest.mark.gpu
+def test_kernel_replays_from_a_cuda_graph():
+    q, k, v, table, keep = _inputs(4, 100, 2, 64, 7, "cuda", torch.bfloat16)
+    out = ta.encoder_attention(q, k, v, table, keep)  # compiles outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ta.encoder_attention(q, k, v, table, keep)
+    q.normal_()
+    keep[1, 50:] = False
+    g.replay()
+    torch.cuda.synchronize()
+    _close(out, ta.encoder_attention_reference(q, k, v, table, keep))
+
+
+@pytest.mark.gpu
+def test_encoder_with_the_kernel_matches_the_dense_bias_path(monkeypatch):
+    """A random bf16 T5's encoder output with the kernel and with cuDNN's dense bias."""
+    from streamgr.models.t5 import T5, T5Config
+    cfg = T5Config(vocab_size=300, d_model=128, d_kv=64, d_ff=256, num_layers=2,
+                   num_decoder_layers=1, num_heads=2)
+    model = T5(cfg).init_random(3).to("cuda", torch.bfloat16).eval()
+    tokens = torch.randint(1, 300, (3, 96), device="cuda")
+    mask = torch.ones(3, 96, dtype=torch.bool, device="cuda")
+    mask[1, 40:] = False
+    mask[2, 95:] = False
+    with_kernel = model.encode(tokens, mask)
+    monkeypatch.setattr(ta, "ENABLED", False)
+    dense = model.encode(tokens, mask)
+    real = mask[:, :, None].expand_as(dense)
+    _close(with_kernel[real], dense[real])

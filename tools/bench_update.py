@@ -35,6 +35,7 @@ from streamgr import Engine  # noqa: E402
 from streamgr.api import GenerateRequest  # noqa: E402
 from streamgr.config import parse_set_pairs  # noqa: E402
 from streamgr.selection.vocabulary import CatalogDelta  # noqa: E402
+from stall_watch import StallWatch  # noqa: E402  (tools/, the script's own folder)
 
 
 async def open_loop(eng, reqs, rate: float, seconds: float, rng) -> list[dict]:
@@ -46,8 +47,11 @@ async def open_loop(eng, reqs, rate: float, seconds: float, rng) -> list[dict]:
         rec = {"t": t0}
         try:
             res = await eng.generate(r)
+            # The items as an array, not the answer's list: a list of ints per record kept
+            # the young generation full of tracked containers, and the collections that
+            # walked them stalled the loop 44-59 ms (docs/benchmarks.md, session 13).
             rec.update(ms=(time.perf_counter() - t0) * 1e3, version=res.stats.version,
-                       items=res.items)
+                       items=np.asarray(res.items, dtype=np.int64))
         except Exception as err:  # counted: must be zero
             rec.update(ms=(time.perf_counter() - t0) * 1e3, error=repr(err))
         out.append(rec)
@@ -95,13 +99,16 @@ async def updates(eng, every: float, seconds: float, rng, log: list, removed: di
         state["n"] = n
 
 
-async def loop_stalls(stop: asyncio.Event, out: list, every: float = 0.001,
+async def loop_stalls(stop: asyncio.Event, out: list, watch=None, every: float = 0.001,
                       over: float = 0.004) -> None:
     """(start s, length s) of every time the event loop woke more than ``over`` late: the
-    loop (or the GIL) held by something, which every request waits behind."""
+    loop (or the GIL) held by something, which every request waits behind. ``watch``: a
+    ``StallWatch`` to beat."""
     while not stop.is_set():
         t = time.perf_counter()
         await asyncio.sleep(every)
+        if watch is not None:
+            watch.beat()
         lag = time.perf_counter() - t - every
         if lag > over:
             out.append((t + every, lag))
@@ -211,7 +218,7 @@ def main() -> int:
             await open_loop(eng, reqs[:64], args.rate, 1.0, rng)  # warm-up
             calm, busy, state = [], [], {"n": 0, "gone": set()}
             stop = asyncio.Event()
-            probe = asyncio.create_task(loop_stalls(stop, stalls))
+            probe = asyncio.create_task(loop_stalls(stop, stalls, watch))
             gc.callbacks.append(gc_timer(collections))  # the timed phases' collections
             for _ in range(args.rounds):
                 c = await open_loop(eng, reqs, args.rate, args.seconds, rng)
@@ -229,11 +236,12 @@ def main() -> int:
     rounds: list = []
     stalls: list = []
     collections: list = []
-    first, calm, busy = asyncio.run(run())
+    with StallWatch() as watch:
+        first, calm, busy = asyncio.run(run())
     known = set(removed)
     errors = sum("error" in r for r in calm + busy)
     unknown = sum(r.get("version") not in known for r in calm + busy if "error" not in r)
-    leaked = sum(bool(set(r["items"]) & removed.get(r["version"], set()))
+    leaked = sum(bool(set(r["items"].tolist()) & removed.get(r["version"], set()))
                  for r in busy if "error" not in r)
     lat_calm = [r["ms"] for r in calm if "error" not in r]
     lat_busy = [r["ms"] for r in busy if "error" not in r]
@@ -269,6 +277,7 @@ def main() -> int:
     in_gc = sum(any(a - 0.001 < t + lag and t < a + d + 0.001 for a, d, _ in collections)
                 for t, lag in stalls)
     print(f"event-loop stalls overlapping a collection: {in_gc} of {len(stalls)}")
+    print(watch.report(stalls))
     c = eng.stats()["counters"]
     print(f"in place (no version built, no plan captured): {c.get('generate_refits_in_place', 0)} "
           f"of {c.get('generate_updates', 0)} updates")
@@ -277,8 +286,9 @@ def main() -> int:
           f"unknown-version answers {unknown}, removed items answered {leaked}, failed {errors} "
           f"(targets 0)")
     if args.json:
+        plain = lambda o: o.tolist() if hasattr(o, "tolist") else list(o)  # noqa: E731
         Path(args.json).write_text(json.dumps({"calm": calm, "busy": busy, "updates": log},
-                                              default=list))
+                                              default=plain))
     return 0 if unknown == leaked == errors == 0 else 1
 
 

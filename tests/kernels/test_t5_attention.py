@@ -99,4 +99,8 @@ def test_encoder_with_the_kernel_matches_the_dense_bias_path(monkeypatch):
     monkeypatch.setattr(ta, "ENABLED", False)
     dense = model.encode(tokens, mask)
     real = mask[:, :, None].expand_as(dense)
-    _close(with_kernel[real], dense[real])
+    a, b = with_kernel[real].float(), dense[real].float()
+    # Two bf16 paths through two layers and a norm (P rounded to bf16 in one, not in the
+    # other): close in norm, and no element far off (a single layer's tolerance is tighter).
+    assert ((a - b).norm() / b.norm()).item() < 1e-2
+    assert ((a - b).abs().max() / b.abs().max()).item() < 5e-2

@@ -123,9 +123,12 @@ class GenerateVersion:
         if bad.size:
             raise IdOutOfRange(f"`history` holds item {hist[bad[0]]}, not in the catalog "
                                f"(version {self.name})")
-        tokens = self._tokens[pos].reshape(-1)
+        # The context: each item's SID tokens, then EOS, written into one array (no append copy)
+        n, depth = len(pos), self._tokens.shape[1]
+        tokens = np.empty(n * depth + bool(pol.append_eos), dtype=self._tokens.dtype)
+        self._tokens.take(pos, axis=0, out=tokens[:n * depth].reshape(n, depth))
         if pol.append_eos:
-            tokens = np.append(tokens, self.model.cfg.eos_token_id)
+            tokens[-1] = self.model.cfg.eos_token_id
         if tokens.size == 0:  # an empty context still needs one encoder position
             tokens = np.array([self.model.cfg.eos_token_id])
         return PreparedGenerate(req.user_id, tokens, req.top_k, widths, req, self, exclude, mpp,

@@ -115,6 +115,14 @@ def test_item_index_equals_binary_search(ids):
     assert bad.tolist() == np.nonzero(~known)[0].tolist()
     assert (ids[pos[known]] == probe[known]).all()
     assert len(idx.rows(np.zeros(0, np.int64))[1]) == 0
+    if len(ids):  # ids all in the catalog (the table's fast path), then with gaps in range
+        inside = rng.choice(ids, size=40)
+        pos, bad = idx.rows(inside)
+        assert len(bad) == 0 and (ids[pos] == inside).all()
+        gaps = np.setdiff1d(np.arange(ids[0], min(ids[-1], ids[0] + 10**4) + 1), ids)[:3]
+        pos, bad = idx.rows(np.concatenate([inside[:5], gaps]))
+        assert bad.tolist() == list(range(5, 5 + len(gaps)))
+        assert (ids[pos[:5]] == inside[:5]).all()
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -53,11 +53,15 @@ def encoder_attention_reference(q, k, v, table, keep) -> torch.Tensor:
     return torch.einsum("rhij,rjhd->rihd", p, v.float()).to(q.dtype)
 
 
-def kernel_applies(x: torch.Tensor, d: int) -> bool:
-    """The CUDA kernel runs for activations like ``x`` with head dim ``d`` (bf16 CUDA, head
-    dim 32 or 64; the views' strides are checked per call)."""
+_SMEM_MAX = 200 * 1024  # the distances and key mask grow with S: ~18,600 positions at most
+
+
+def kernel_applies(x: torch.Tensor, d: int, S: int) -> bool:
+    """The CUDA kernel runs for activations like ``x`` with head dim ``d`` and ``S`` positions
+    (bf16 CUDA, head dim 32 or 64, its shared memory within bounds; the views' strides are
+    checked per call)."""
     return (ENABLED and x.is_cuda and x.dtype == torch.bfloat16 and d in _DIMS
-            and _cuda.usable(x))
+            and smem_bytes(S, d) <= _SMEM_MAX and _cuda.usable(x))
 
 
 def smem_bytes(S: int, d: int) -> int:
@@ -69,7 +73,7 @@ def encoder_attention(q, k, v, table, keep, out: torch.Tensor | None = None) -> 
     """``encoder_attention_reference`` by the CUDA kernel where it applies, else by the
     reference. ``out``: an optional [R, S, H, d] contiguous destination."""
     R, S, H, d = _check(q, k, v, table, keep)
-    ok = kernel_applies(q, d) and all(
+    ok = kernel_applies(q, d, S) and all(
         t.dtype == q.dtype and t.stride(-1) == 1 and t.stride(-2) == d
         and t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0
         for t in (q, k, v)) and keep.is_cuda and table.is_cuda and R < 65536 and H < 65536

@@ -319,7 +319,7 @@ class T5(nn.Module):
         table = self._encoder_bias(first, S, tokens.device)  # [H, 2S - 1] fp32
         # bf16 CUDA: the bias from the table inside the attention kernel (kernels/t5_attention);
         # else one dense [R, H, S, S] bias for the fused attention (or the reference).
-        inner = fused(x) and kernel_applies(x, d)
+        inner = fused(x) and kernel_applies(x, d, S)
         bias = None if inner else encoder_bias(table, mask, bias_dtype(x))
         for blk in self.encoder.block:
             sa, ff = blk.layer[0], blk.layer[1]

@@ -51,6 +51,16 @@ def test_bad_shapes_are_refused():
         ta.encoder_attention(q, k[:, :-1], v, table, keep)
 
 
+@pytest.mark.gpu
+def test_long_contexts_leave_the_kernel_to_the_dense_path():
+    """Past what the kernel's shared memory holds (~18,600 positions) the model keeps the
+    dense bias (cuDNN)."""
+    x = torch.zeros(1, device="cuda", dtype=torch.bfloat16)
+    assert ta.smem_bytes(784, 64) < ta._SMEM_MAX < ta.smem_bytes(30_000, 64)
+    assert ta.kernel_applies(x, 64, 784) and not ta.kernel_applies(x, 64, 30_000)
+    assert not ta.kernel_applies(x, 128, 784)  # head dims 32 and 64 only
+
+
 def _close(got, want):
     scale = want.float().abs().amax() + 1e-6
     err = ((got.float() - want.float()).abs() / scale).amax().item()
@@ -63,7 +73,7 @@ def _close(got, want):
     (2, 128, 2, 32, True), (4, 200, 8, 64, False), (32, 784, 8, 64, True), (1, 1000, 1, 64, False)])
 def test_kernel_matches_reference(R, S, H, d, fused):
     q, k, v, table, keep = _inputs(R, S, H, d, R * S + d, "cuda", torch.bfloat16, fused)
-    assert ta.kernel_applies(q, d)
+    assert ta.kernel_applies(q, d, S)
     got = ta.encoder_attention(q, k, v, table, keep)
     want = ta.encoder_attention_reference(q, k, v, table, keep)
     assert got.shape == want.shape and got.is_contiguous() and not got.isnan().any()

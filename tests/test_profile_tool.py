@@ -50,3 +50,34 @@ def test_bench_update_refits_from_checkpoints_on_the_cpu():
     assert re.search(r"during weights +\d+ requests", p.stdout), p.stdout[-1000:]
     assert "unknown-version answers 0" in p.stdout and "failed 0" in p.stdout
     assert "removed items answered 0" in p.stdout
+    assert re.search(r"phase durations ms \(p50 / max\): .*weights [\d.]+ / [\d.]+", p.stdout)
+    assert "event-loop stalls > 4 ms by phase" in p.stdout
+    assert re.search(r"event-loop stalls overlapping a collection: \d+ of \d+", p.stdout)
+
+
+def test_stall_watch_names_each_threads_place_during_a_stall():
+    """tools/stall_watch.py: while the heartbeat is late the watchdog snapshots every thread;
+    the report names the stall's length and each thread's most common place in it."""
+    import threading
+    import time
+    sys.path.insert(0, str(ROOT / "tools"))
+    from stall_watch import StallWatch
+
+    def spin(stop):  # a second thread, somewhere in Python
+        while not stop.is_set():
+            time.sleep(0.001)
+    stop = threading.Event()
+    other = threading.Thread(target=spin, args=(stop,), name="spinner")
+    other.start()
+    with StallWatch(over=0.005) as watch:
+        time.sleep(0.02)  # the watch's thread starts its heartbeat
+        watch.beat()
+        t0 = time.perf_counter()
+        time.sleep(0.06)  # no beat: a stall
+        lag = time.perf_counter() - t0
+    stop.set()
+    other.join()
+    report = watch.report([(t0, lag), (t0 + 10, 0.001)], top=1)
+    assert re.match(r"stall \d+\.\d ms, (\d+) snapshots:", report), report
+    assert int(re.match(r"stall [\d.]+ ms, (\d+)", report).group(1)) >= 5, report
+    assert "MainThread" in report and "spinner" in report and "spin (test_profile_tool.py" in report

@@ -19,23 +19,33 @@ _WAITS = {"wait", "_wait_for_tstate_lock", "select", "poll", "get", "synchronize
           "sleep", "_worker"}  # _worker: an idle pool thread, in SimpleQueue.get (C)
 
 
-class HostSampler:
-    def __init__(self, interval: float = 0.001) -> None:
-        self.interval = interval
-        self.leaf: collections.Counter = collections.Counter()
-        self.inclusive: collections.Counter = collections.Counter()
-        self.threads: collections.Counter = collections.Counter()
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="host-sampler", daemon=True)
+class DaemonSampler:
+    """A daemon thread running ``self._run`` from ``with`` until its end (``_stop`` set)."""
 
-    def __enter__(self) -> "HostSampler":
+    def __init__(self, name: str) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+
+
+class HostSampler(DaemonSampler):
+    def __init__(self, interval: float = 0.001) -> None:
+        super().__init__("host-sampler")
+        self.interval = interval
+        self.leaf: collections.Counter = collections.Counter()
+        self.inclusive: collections.Counter = collections.Counter()
+        self.threads: collections.Counter = collections.Counter()
+        self.samples = 0
 
     def _run(self) -> None:
         me = threading.get_ident()

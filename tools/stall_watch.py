@@ -15,6 +15,8 @@ import sys
 import threading
 import time
 
+from host_sampler import DaemonSampler  # tools/, beside this file
+
 
 def _where(frame) -> str:
     inner = f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})"
@@ -26,26 +28,17 @@ def _where(frame) -> str:
     return f"{inner} < {f.f_code.co_name} ({f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno})"
 
 
-class StallWatch:
+class StallWatch(DaemonSampler):
     def __init__(self, over: float = 0.008) -> None:
+        super().__init__("stall-watch")
         self.over, self.snaps = over, []  # (time, {thread name: place})
         self._beat = time.perf_counter()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="stall-watch", daemon=True)
 
     def beat(self) -> None:
         self._beat = time.perf_counter()
 
-    def __enter__(self) -> "StallWatch":
-        self.beat()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
     def _run(self) -> None:
+        self.beat()  # (a watch built long before its ``with`` starts from now)
         me = threading.get_ident()
         while not self._stop.wait(0.001):
             now = time.perf_counter()

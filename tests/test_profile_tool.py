@@ -81,3 +81,15 @@ def test_stall_watch_names_each_threads_place_during_a_stall():
     assert re.match(r"stall \d+\.\d ms, (\d+) snapshots:", report), report
     assert int(re.match(r"stall [\d.]+ ms, (\d+)", report).group(1)) >= 5, report
     assert "MainThread" in report and "spinner" in report and "spin (test_profile_tool.py" in report
+
+
+def test_probe_gen_host_runs_the_engine_with_the_device_stubbed():
+    """tools/probe_gen_host.py: gen-ref's requests through a started engine whose device work
+    is canned beams; it prints the rate and the event loop's time per request."""
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "probe_gen_host.py"), "--requests",
+                        "256", "--concurrency", "32"],
+                       capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    m = re.search(r"probe_gen_host gen-ref: ([\d,]+) requests/s closed loop \(x32\) with the "
+                  r"device work stubbed; event loop CPU (\d+) us per request", p.stdout)
+    assert m and int(m.group(1).replace(",", "")) > 0 and int(m.group(2)) > 0, p.stdout

@@ -23,7 +23,7 @@ from ..api import GenerateRequest
 from ..errors import IdOutOfRange, InvalidRequest, StreamgrError
 from ..runtime.beam import BeamRequest, BeamSearch
 from ..runtime.plans import PlanCache, bucket_rows
-from ..selection.vocabulary import ItemIndex
+from ..selection.vocabulary import ItemIndex, gather_rows
 from .rank import BatchOutcome
 
 MAX_BEAM = 4096
@@ -126,7 +126,7 @@ class GenerateVersion:
         # The context: each item's SID tokens, then EOS, written into one array (no append copy)
         n, depth = len(pos), self._tokens.shape[1]
         tokens = np.empty(n * depth + bool(pol.append_eos), dtype=self._tokens.dtype)
-        self._tokens.take(pos, axis=0, out=tokens[:n * depth].reshape(n, depth))
+        tokens[:n * depth] = gather_rows(self._tokens, pos).reshape(-1)  # keeps the GIL
         if pol.append_eos:
             tokens[-1] = self.model.cfg.eos_token_id
         if tokens.size == 0:  # an empty context still needs one encoder position

@@ -253,6 +253,19 @@ def save_catalog(cat: Catalog, path: str | Path) -> None:
                delimiter=",", header=header, comments="")
 
 
+def gather_rows(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``a[idx]`` for a C-contiguous 2D ``a``, as a 1D gather of whole rows (each row one
+    element of a void dtype). On the event loop this matters: numpy's 2D fancy indexing and
+    every ``take`` let the GIL go, and getting it back waits for whichever thread runs Python
+    then, up to the 5 ms switch interval (a 256-row gather took 3.7 ms instead of 2 us beside
+    one busy thread: docs/benchmarks.md, session 13); small 1D gathers, copies and reductions
+    keep it."""
+    if a.ndim != 2 or not a.flags.c_contiguous or a.shape[1] == 0:
+        return a[idx]
+    rows = a.view(np.dtype((np.void, a.shape[1] * a.itemsize))).reshape(-1)
+    return rows[idx].view(a.dtype).reshape(len(idx), a.shape[1])
+
+
 class ItemIndex:
     """Item id -> its row in the sorted catalog ids, for a request's history on the host.
 
@@ -273,12 +286,12 @@ class ItemIndex:
         """(row of each item, positions in ``items`` of those not in the catalog); an unknown
         item's row is a valid row number, meaningless: callers check the second array first."""
         if self.table is not None:
-            # Fast path (every id in the table's range and in the catalog): one take and two
-            # reductions, ~2 us for a 256-item history against ~8 for the masked path.
+            # Fast path (every id in the table's range and in the catalog): one gather and
+            # three reductions, ~3 us for a 256-item history against ~8 for the masked path.
             if items.size == 0:
                 return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64)
             if items.min() >= 0 and items.max() < len(self.table):
-                pos = self.table.take(items)
+                pos = self.table[items]  # (not ``take``: see ``gather_rows``)
                 if pos.min() >= 0:
                     return pos, np.zeros(0, dtype=np.int64)
             inside = (items >= 0) & (items < len(self.table))

@@ -172,3 +172,19 @@ def test_views_after_a_removal_equal_views_built_afresh(seed):
     probe = np.concatenate([ids, [-1, 10**6]])
     for a, b in zip(got[1].rows(probe), want[1].rows(probe)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_gather_rows_equals_fancy_indexing():
+    """``gather_rows`` (a 1D gather of whole rows, which keeps the GIL) equals ``a[idx]`` for
+    int32 and int64 indices, repeats, an empty index, and falls back for other layouts."""
+    from streamgr.selection.vocabulary import gather_rows
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 1 << 40, size=(1000, 3))
+    for idx in (rng.integers(0, 1000, 256).astype(np.int32), np.array([5, 5, 999, 0]),
+                np.zeros(0, dtype=np.int64)):
+        got = gather_rows(a, idx)
+        assert got.shape == (len(idx), 3) and got.dtype == a.dtype
+        assert np.array_equal(got, a[idx])
+    t = np.asfortranarray(a)  # not C-contiguous: the plain gather
+    assert np.array_equal(gather_rows(t, np.array([3, 1])), a[[3, 1]])
+    assert gather_rows(np.zeros((4, 0), np.int64), np.array([1, 2])).shape == (2, 0)

@@ -1,8 +1,11 @@
 """The SID decoder's self-attention: one query per beam over its few own keys (<= depth).
 
 Step ``t`` of the beam search: each beam's new K/V are written at position ``t`` of the
-step's self-K/V buffer and its query attends positions ``0..t`` with T5's relative-position
-bias (no 1/sqrt(d), fp32 softmax). A batched GEMM of [1, d] x [d, <= depth] per row and head
+self-K/V buffer and its query attends positions ``0..t`` with T5's relative-position bias (no
+1/sqrt(d), fp32 softmax). The buffer keeps every position's rows where the step that wrote
+them left them; ``anc[p, i]`` names the row at position ``p`` of beam ``i``'s ancestor (parent
+pointers), so the survivors of a step are never copied (the compaction that copied each
+position's K/V for them cost ~0.24 ms per gen-ref batch of 32). A batched GEMM of [1, d] x [d, <= depth] per row and head
 runs slow tensor-core tiles, and the torch reference below costs a dozen elementwise kernels
 (strided fp32 casts of K and V among them). The Numba CUDA kernel
 (``decoder_attention_numba``: a warp per beam and head, pairs of bf16 per 32-bit load) does
@@ -34,12 +37,19 @@ def attend_few(q, k, v, bias) -> torch.Tensor:
     return (p[..., None] * v.float()).sum(0).to(v.dtype)
 
 
-def self_attend_reference(q, k_new, v_new, K, V, step: int, bias) -> torch.Tensor:
-    """Write ``k_new``/``v_new`` [N, H, d] at ``K[step]``/``V[step]`` ([T, N, H, d] views),
-    then ``attend_few`` over positions ``0..step``."""
-    K[step] = k_new
-    V[step] = v_new
-    return attend_few(q, K[:step + 1], V[:step + 1], bias)
+def self_attend_reference(q, k_new, v_new, K, V, step: int, bias, anc=None) -> torch.Tensor:
+    """Write ``k_new``/``v_new`` [N, H, d] at rows ``0..N-1`` of ``K[step]``/``V[step]`` ([T,
+    >= N, H, d] views), then ``attend_few`` over positions ``0..step``, position ``p < step`` of
+    row ``i`` at row ``anc[p, i]`` (``anc`` [>= step, >= N] integers; None: row ``i``)."""
+    N = q.shape[0]
+    K[step, :N] = k_new
+    V[step, :N] = v_new
+    if anc is None:
+        return attend_few(q, K[:step + 1, :N], V[:step + 1, :N], bias)
+    rows = [anc[p, :N] for p in range(step)]
+    keys = torch.stack([K[p, r] for p, r in enumerate(rows)] + [k_new])
+    vals = torch.stack([V[p, r] for p, r in enumerate(rows)] + [v_new])
+    return attend_few(q, keys, vals, bias)
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,19 +71,20 @@ def usable(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda and t.dtype == torch.bfloat16 for t in tensors) and _numba_cuda()
 
 
-def self_attend(q, k_new, v_new, K, V, step: int, bias, impl: str | None = None):
+def self_attend(q, k_new, v_new, K, V, step: int, bias, anc=None, impl: str | None = None):
     """``self_attend_reference`` by the Numba kernel where it applies (``impl="numba"`` forces
     it, e.g. under the simulator; ``"torch"`` the reference)."""
-    T = K.shape[0]
-    if q.dim() != 3 or K.dim() != 4 or K.shape[1:] != q.shape or V.shape != K.shape \
-            or k_new.shape != q.shape or v_new.shape != q.shape or not 0 <= step < T \
-            or bias.shape[0] < step + 1:
-        raise StreamgrError(f"self_attend: q/k_new/v_new [N, H, d], K/V [T, N, H, d] with "
-                            f"step < T, bias [>= step+1, H]; got q {tuple(q.shape)}, "
-                            f"K {tuple(K.shape)}, step {step}")
+    T, N = K.shape[0], q.shape[0]
+    if q.dim() != 3 or K.dim() != 4 or K.shape[2:] != q.shape[1:] or K.shape[1] < N \
+            or V.shape != K.shape or k_new.shape != q.shape or v_new.shape != q.shape \
+            or not 0 <= step < T or bias.shape[0] < step + 1 or (anc is not None and (
+                anc.dim() != 2 or anc.shape[0] < step or anc.shape[1] < N)):
+        raise StreamgrError(f"self_attend: q/k_new/v_new [N, H, d], K/V [T, >= N, H, d] with "
+                            f"step < T, bias [>= step+1, H], anc [>= step, >= N]; got q "
+                            f"{tuple(q.shape)}, K {tuple(K.shape)}, step {step}")
     use = impl == "numba" or (impl is None and usable(q, k_new, v_new, K, V))
     if not use or step + 1 > MAX_T or q.shape[-1] % 2 or q.dtype != torch.bfloat16 \
             or not (K[0].is_contiguous() and V[0].is_contiguous()):
-        return self_attend_reference(q, k_new, v_new, K, V, step, bias)
+        return self_attend_reference(q, k_new, v_new, K, V, step, bias, anc)
     from . import decoder_attention_numba as nb
-    return nb.run(q, k_new, v_new, K, V, step, bias)
+    return nb.run(q, k_new, v_new, K, V, step, bias, anc)

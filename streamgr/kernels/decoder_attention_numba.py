@@ -97,8 +97,9 @@ def _make_kernel(T: int):
     step = T - 1
 
     @cuda.jit(**_JIT)
-    def kernel(q, kn, vn, K, V, bias, H, out):
-        """q, kn, vn, out: [rows, P] int32 pairs (row = beam * H + head); K, V: [>= T, rows, P]."""
+    def kernel(q, kn, vn, K, V, anc, bias, H, out):
+        """q, kn, vn, out: [rows, P] int32 pairs (row = beam * H + head); K, V: [>= T, >= rows,
+        P]; anc [>= step, >= beams]: position p of beam b lies at row anc[p, b] * H + head."""
         red = cuda.shared.array((ROWS, 32), float32)
         lane = cuda.threadIdx.x % 32
         r = cuda.threadIdx.x // 32
@@ -107,9 +108,13 @@ def _make_kernel(T: int):
         # instructions each, and they dominated a kernel this small). Loops step by hand for
         # the same reason (a range with a step divides for its trip count).
         h = cuda.blockIdx.y
-        i = (cuda.blockIdx.x * ROWS + r) * H + h
+        beam = cuda.blockIdx.x * ROWS + r
+        i = beam * H + h
         active = i < rows  # no early return: the simulator's reduction has block barriers
         s = cuda.local.array(T, float32)
+        src = cuda.local.array(T, int64)  # each earlier position's row (parent pointers)
+        for t in range(step):
+            src[t] = anc[t, beam] * H + h if active else 0
         # This lane's partial of every score first: the loads are independent, so they are
         # all in flight at once (a load, then a reduction, per key was latency-bound).
         for t in range(T):
@@ -124,7 +129,7 @@ def _make_kernel(T: int):
                         K[step, i, j] = b
                         V[step, i, j] = vn[i, j]
                     else:
-                        b = K[t, i, j]
+                        b = K[t, src[t], j]
                     s[t] += _lo(a) * _lo(b) + _hi(a) * _hi(b)
                 j += 32
         for t in range(T):
@@ -145,7 +150,7 @@ def _make_kernel(T: int):
             o0 = float32(0.0)
             o1 = float32(0.0)
             for t in range(T):
-                v = vn[i, j] if t == step else V[t, i, j]
+                v = vn[i, j] if t == step else V[t, src[t], j]
                 o0 += s[t] * _lo(v)
                 o1 += s[t] * _hi(v)
             out[i, j] = _pack(o0, o1)
@@ -170,23 +175,26 @@ def _pairs(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
 
-def run(q, k_new, v_new, K, V, step: int, bias):
+def run(q, k_new, v_new, K, V, step: int, bias, anc=None):
     N, H, d = q.shape
-    T = K.shape[0]
+    T, M = K.shape[0], K.shape[1]
     out = torch.empty(N, H, d, dtype=q.dtype, device=q.device)
-    # Rows (beam, head) flat: [N, H, d] slabs are contiguous inside each position.
+    # Rows (beam, head) flat: [M, H, d] slabs are contiguous inside each position.
     args = [_pairs(x.contiguous().view(N * H, d)) for x in (q, k_new, v_new)]
-    args += [_pairs(x.view(T, N * H, d)) for x in (K, V)]  # a view (writes land), or raises
+    args += [_pairs(x.view(T, M * H, d)) for x in (K, V)]  # a view (writes land), or raises
+    if anc is None:  # every position's row is the beam's own
+        anc = torch.arange(N, device=q.device).expand(max(step, 1), N)
+    a = anc[:max(step, 1)].long().contiguous()
     b = bias.float().contiguous()
     o = _pairs(out.view(N * H, d))
     grid = (max(1, math.ceil(N / ROWS)), H)
     if SIMULATED:  # the simulator moves only contiguous arrays: K/V go through copies
         kc, vc = args[3].contiguous(), args[4].contiguous()
-        _kernel(step + 1)[grid, TPB](*(_arr(x) for x in args[:3] + [kc, vc]), _arr(b), H,
+        _kernel(step + 1)[grid, TPB](*(_arr(x) for x in args[:3] + [kc, vc, a]), _arr(b), H,
                                      _arr(o))
         args[3].copy_(kc)
         args[4].copy_(vc)
         return out
     fn = _kernel(step + 1)[grid, TPB, _stream(torch.cuda.current_stream(q.device).cuda_stream)]
-    fn(*(_arr(x) for x in args), _arr(b), H, _arr(o))
+    fn(*(_arr(x) for x in args + [a]), _arr(b), H, _arr(o))
     return out

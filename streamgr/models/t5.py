@@ -347,13 +347,15 @@ class T5(nn.Module):
     @torch.inference_mode()
     def decode_step(self, tokens: torch.Tensor, step: int, self_k: torch.Tensor,
                     self_v: torch.Tensor, cross: list, enc_mask: torch.Tensor,
-                    beams: int) -> torch.Tensor:
+                    beams: int, anc: torch.Tensor | None = None) -> torch.Tensor:
         """One decoder step for ``R * beams`` rows (row = request * beams + beam).
 
-        ``tokens`` [R*beams] this step's input token; ``self_k/v`` [T, layers, R*beams, H, d]
-        (T > ``step``; each position one contiguous slab, so compaction is a row gather of
-        whole slabs and this step's write is contiguous) with positions ``< step`` filled
-        (this step's K/V are written at ``step``); ``cross`` per layer [R, H, S, d];
+        ``tokens`` [R*beams] this step's input token; ``self_k/v`` [T, layers, >= R*beams, H,
+        d] (T > ``step``; each position one contiguous slab, this step's write contiguous) with
+        positions ``< step`` filled where earlier steps wrote them: row ``i``'s position ``p``
+        at row ``anc[p, i]`` (parent pointers, ``anc`` [>= step, >= R*beams]; None: row ``i``),
+        and this step's K/V written at rows ``0..R*beams-1`` of ``step``; ``cross`` per layer
+        [R, H, S, d];
         ``enc_mask`` [R, S]. Returns log-probabilities over the full vocabulary
         [R*beams, vocab] (fp32): dense, or for bf16 on CUDA a lazy ``LogProbs`` (per-row
         log-sum-exp; ``gather`` the columns needed).
@@ -375,7 +377,7 @@ class T5(nn.Module):
             a = sa.SelfAttention
             # This step's K/V written into the buffer and attended in one kernel (bf16 CUDA).
             o = self_attend(a.q(h).view(N, H, d), a.k(h).view(N, H, d), a.v(h).view(N, H, d),
-                            self_k[:, li], self_v[:, li], step, sbias)
+                            self_k[:, li], self_v[:, li], step, sbias, anc)
             x = residual_linear(x, o.reshape(N, 1, -1), a.o)
             h = ca.layer_norm(x)
             c = ca.EncDecAttention

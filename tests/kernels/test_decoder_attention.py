@@ -29,8 +29,12 @@ CASES = textwrap.dedent("""
                      for _ in range(3))
         bias = torch.randn(step + 1, H, generator=g).to(device)
         li = seed % L
-        out = self_attend(q, kn, vn, K[:, li], V[:, li], step, bias, impl=impl)
-        ref = self_attend_reference(q, kn, vn, K2[:, li], V2[:, li], step, bias)
+        # parent pointers (odd seeds): each earlier position's row drawn from the buffer's
+        # rows, repeats included; rows past the beams stay unread
+        anc = torch.randint(0, N, (max(step, 1), N), generator=g).to(device) if seed % 2 \
+            else None
+        out = self_attend(q, kn, vn, K[:, li], V[:, li], step, bias, anc, impl=impl)
+        ref = self_attend_reference(q, kn, vn, K2[:, li], V2[:, li], step, bias, anc)
         # the write lands where the reference puts it and nowhere else
         assert torch.equal(K, K2) and torch.equal(V, V2), (T, N, H, d, step)
         err = (out.float() - ref.float()).abs().max().item()
@@ -66,8 +70,13 @@ def test_bad_shapes_are_refused():
     with pytest.raises(StreamgrError):
         self_attend(q, q, q, K, K, 3, torch.zeros(4, 2))  # step past the buffer
     with pytest.raises(StreamgrError):
-        self_attend(q, q, q, torch.zeros(3, 5, 2, 8), torch.zeros(3, 5, 2, 8), 0,
-                    torch.zeros(1, 2))  # rows differ
+        self_attend(q, q, q, torch.zeros(3, 3, 2, 8), torch.zeros(3, 3, 2, 8), 0,
+                    torch.zeros(1, 2))  # fewer buffer rows than beams
+    with pytest.raises(StreamgrError):
+        self_attend(q, q, q, K, K, 2, torch.zeros(3, 2), torch.zeros(1, 4, dtype=torch.long))
+    # more buffer rows than beams: the pool a search keeps for its widest step
+    assert self_attend(q, q, q, torch.zeros(3, 6, 2, 8), torch.zeros(3, 6, 2, 8), 1,
+                       torch.zeros(2, 2), torch.zeros(1, 4, dtype=torch.long)).shape == q.shape
     with pytest.raises(StreamgrError):
         self_attend(q, q, q, K, K, 2, torch.zeros(2, 2))  # bias shorter than step + 1
 

@@ -9,6 +9,7 @@ same code runs: streams are no-op contexts and events are always complete.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -82,16 +83,26 @@ def threaded_transfers(streams: "StreamSet") -> bool:
     return streams.cuda if flag not in ("0", "1") else flag == "1"
 
 
+@functools.lru_cache(maxsize=None)
+def _build_stream(index: int) -> "torch.cuda.Stream":
+    return torch.cuda.Stream(device=index)
+
+
 def off_stream(device, fn, *args):
     """``fn(*args)`` with its device work on a side stream of its own, finished before this
     returns: for builds on a worker thread beside serving (a live update's weights moved to
     the GPU, a trie's tables, its plans' warm-up searches). On the legacy default stream, which
     the executor's batches use, each of those copies (hundreds of MB, pageable) and searches
     would queue between two batches and hold up every request behind them.
-    ``STREAMGR_BUILD_STREAM=0`` keeps them on the default stream (A/B benchmarks)."""
+    ``STREAMGR_BUILD_STREAM=0`` keeps them on the default stream (A/B benchmarks). One side
+    stream per device for every build: memory a build allocated returns, once freed, to that
+    stream's pool in the caching allocator, where the next build (the next refit's weights)
+    takes it again; a new stream per build (torch hands out 32 in turn) left each refit's
+    freed ~170 MB (gen-ref) in another stream's pool and allocated afresh."""
     if getattr(device, "type", "cpu") != "cuda" or os.environ.get("STREAMGR_BUILD_STREAM") == "0":
         return fn(*args)
-    side = torch.cuda.Stream(device=device)
+    side = _build_stream(torch.device(device).index if torch.device(device).index is not None
+                         else torch.cuda.current_device())
     with torch.cuda.stream(side):
         out = fn(*args)
     side.synchronize()  # this (worker) thread waits; the batches' stream never does

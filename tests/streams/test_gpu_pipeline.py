@@ -71,3 +71,21 @@ def test_off_stream_leaves_the_batches_stream_alone():
     assert torch.cuda.current_stream(dev) == batches
     assert float(out[-1]) == 2.0 * ((1 << 20) - 1)
     busy.synchronize()
+
+
+def test_builds_share_one_side_stream_and_reuse_its_memory():
+    """Every build on a device runs on the same side stream, so what one build freed (the last
+    refit's weights) serves the next from the caching allocator: nothing reserved anew."""
+    from streamgr.streams import off_stream
+    dev = torch.device("cuda")
+    seen = []
+
+    def build():
+        seen.append(torch.cuda.current_stream(dev))
+        return torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    first = off_stream(dev, build)
+    del first
+    reserved = torch.cuda.memory_reserved(dev)
+    second = off_stream(dev, build)
+    assert seen[0] == seen[1] != torch.cuda.current_stream(dev)
+    assert torch.cuda.memory_reserved(dev) == reserved and second.numel() == 256 << 20

@@ -232,12 +232,17 @@ def main() -> int:
             split, bsz = await profiled(eng, reqs[:4 * eng.spec.engine.max_batch])
             results = [await eng.generate(r) for r in reqs[:args.hf_requests]]  # for agreement
             sampler = HostSampler() if args.host_profile else contextlib.nullcontext()
+            busy0 = eng.stats()["counters"].get("generate_gpu_us", 0)
             with sampler:
                 recs, wall, errs = await drive(eng.generate, reqs, args.concurrency, None,
                                                f"closed loop x{args.concurrency}", True, "closed")
             if args.host_profile:
                 print(sampler.table(), file=sys.stderr)
             runs = [summarize("closed", recs, wall, errs, {"concurrency": args.concurrency})]
+            # The device's busy share of the closed loop (CUDA; the batches' summed spans on
+            # their stream): near 100%, the GPU bounds the run; well under, the host does.
+            runs[0]["gpu_busy"] = (eng.stats()["counters"].get("generate_gpu_us", 0)
+                                   - busy0) / 1e6 / wall
             for rate in args.rates:
                 recs, wall, errs = await drive(eng.generate, reqs, 0, rate, f"open loop {rate:g}/s",
                                                True, "open")
@@ -277,6 +282,9 @@ def main() -> int:
                               f"{x['compute_ms']:.1f}, {x['batch_size']}" for x in r["slowest"]))
     if plans is not None:
         print(f"decode plans: {plans}")
+    if runs[0].get("gpu_busy"):
+        print(f"GPU busy {runs[0]['gpu_busy']:.1%} of the closed loop's wall time (each batch's "
+              f"span on its stream, summed)")
     print(f"garbage collection during the runs: {pauses.summary()}")
     print(f"per batch of {bsz:.1f} (stages synchronized), ms: "
           + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))

@@ -28,6 +28,9 @@ def answer_rank(metrics: EngineMetrics, batch: list[Pending], outcome, t_start: 
 
 def answer_generate(metrics: EngineMetrics, batch: list[Pending], outcome, t_start: float,
                     t_done: float) -> None:
+    # The device's busy time (CUDA: each batch's span on its stream), summed over batches:
+    # against wall time it says whether the GPU or the host bounds a run.
+    metrics.count("generate_gpu_us", int(outcome.stages.get("gpu", 0.0) * 1e3))
     for p, res in zip(batch, outcome.results):
         if p.future.done():
             continue

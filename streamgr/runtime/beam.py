@@ -53,11 +53,13 @@ class BeamResult:
 @dataclass
 class Submitted:
     """A batch on its way: final beams (scores, trie nodes, codes) on the host, valid once
-    ``event`` has completed (``None``: already valid)."""
+    ``event`` has completed (``None``: already valid); ``start``: an event recorded before
+    the batch's device work (CUDA), for its GPU time."""
     reqs: list[BeamRequest]
     beams: tuple
     event: object
     stages: dict
+    start: object = None
 
 
 class BeamSearch:
@@ -177,7 +179,10 @@ class BeamSearch:
         stages: dict[str, float] = {}
         w_steps = self.step_widths([r.widths for r in reqs])
         t0 = time.perf_counter()
-        out = None
+        out = start = None
+        if dev.type == "cuda":  # the batch's GPU time: from here to ``event`` (its stream
+            start = torch.cuda.Event(enable_timing=True)  # reaches it after the batch before)
+            start.record()
         if self.plans is not None and dev.type == "cuda" and not self.sync:
             out = self.plans.run(self, reqs, w_steps)
             self._tick(stages, "plan", t0, dev)
@@ -189,10 +194,10 @@ class BeamSearch:
             host = tuple(torch.empty(x.shape, dtype=x.dtype, pin_memory=True) for x in out)
             for h, x in zip(host, out):
                 h.copy_(x, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=True)
             event.record()
             out = host
-        return Submitted(reqs, out, event, stages)
+        return Submitted(reqs, out, event, stages, start)
 
     def finish(self, sub: "Submitted") -> list[BeamResult]:
         """Wait for a submitted batch's beams (its event only, not later batches' work) and
@@ -200,6 +205,8 @@ class BeamSearch:
         t0 = time.perf_counter()
         if sub.event is not None:
             sub.event.synchronize()
+            if sub.start is not None:
+                sub.stages["gpu"] = sub.start.elapsed_time(sub.event)
         scores_h, nodes_h, codes_h = (x.numpy() for x in sub.beams)
         stages = sub.stages
         t0 = self._tick(stages, "readback", t0, torch.device("cpu"))

@@ -56,6 +56,22 @@ def test_bf16_topk_agrees_with_fp32_cpu():
     overlap = np.mean([len(set(a.items) & set(b.items)) / 10 for a, b in zip(cpu, gpu)])
     print(f"bf16 (CUDA) vs fp32 (CPU) top-10 overlap: {overlap:.3f}")
     assert overlap > 0.7
+    # Each CUDA batch's GPU time (its span on the stream) in its answers' stages, none on the
+    # CPU; the engine sums it per batch (the busy share bench_generate prints).
+    assert all(r.stats.steps.get("gpu", 0) > 0 for r in gpu)
+    assert all("gpu" not in r.stats.steps for r in cpu)
+
+
+def test_gpu_busy_time_is_counted_per_batch():
+    reqs = [GenerateRequest(user_id=u, history=[1, 2, 3], top_k=5) for u in range(40)]
+
+    async def go():
+        async with Engine.from_spec("gen-small", {"engine.device": "cuda"}) as e:
+            res = await asyncio.gather(*(e.generate(r) for r in reqs))
+            return res, e.stats()["counters"]["generate_gpu_us"]
+    res, busy_us = asyncio.run(go())
+    spans = {id(r.stats.steps): r.stats.steps["gpu"] for r in res}  # one dict per batch
+    assert busy_us == pytest.approx(sum(int(v * 1e3) for v in spans.values()), abs=len(spans))
 
 
 @pytest.mark.parametrize("R,Q,S", [(3, 1, 16), (4, 256, 784), (2, 37, 48)])

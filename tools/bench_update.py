@@ -11,7 +11,8 @@ A refit's weights are an init seed by default (the engine draws them on its host
 serving); ``--checkpoints N`` writes N checkpoint directories before the timed phases and refits
 from them in turn, as a deployment whose trainer publishes files does (the engine then reads
 and moves them, and draws nothing). Per update phase (the engine's ``update_phases``: catalog
-build, weights build, captures, waiting for the executor, the cutover, the 50 ms after it), the
+build, a checkpoint's read ("read"), its move to the device or a seed's build ("weights"),
+captures, waiting for the executor, the cutover, the 50 ms after it), the
 requests whose lifetime overlapped it: how many, their p99, how many were slower than the p99
 without updates.
 """

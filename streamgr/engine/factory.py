@@ -77,17 +77,18 @@ class Builder:
                                      page_tokens, self.device)
         return runner
 
-    def generate_weights(self, spec, like: GenerateVersion, into) -> WeightsOnly:
+    def generate_weights(self, spec, like: GenerateVersion, into, on_read=None) -> WeightsOnly:
         """New weights for a refit in place into the model ``into`` (same architecture, else
         ``ContractError``), checked against ``like``'s catalog and trie (reused), with a new
         version name, without building a whole version. From a checkpoint: its tensors on the
-        device, no model built; from an init seed: a model."""
+        device, no model built (``on_read()`` once it is read, before they move); from an init
+        seed: a model."""
         from ..runtime.contract import same_architecture
         from ..runtime.deployment import build_generator, refit_tensors
         model = tensors = None
         if spec.generate_model.checkpoint is not None:
             tensors, source, contract = refit_tensors(spec, self.device, self.dtype, into,
-                                                      like.trie)
+                                                      like.trie, on_read)
         else:
             model, source, _, contract, _ = build_generator(
                 spec, self.device, self.dtype, catalog=like.catalog, trie=like.trie)

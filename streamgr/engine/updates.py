@@ -163,8 +163,8 @@ class Updates:
             # retired version's tensors, whose decode plans stay valid; only shapes it never
             # captured are captured (worker thread).
             new = None
-            if weights is not None:
-                new = await self._off_executor(self._build_weights, weights, slot)
+            if weights is not None:  # ("read": a checkpoint read; "weights": moved too)
+                new = await self._off_executor(self._build_weights, weights, slot, marks)
                 marks["weights"] = time.perf_counter()
             elif cat is not None:  # a catalog alone: the version's name is new too
                 self._build.versions += 1
@@ -191,14 +191,17 @@ class Updates:
         await self._on_executor(_marked, marks, "queued", runner.activate, new, keep_previous)
         marks["cutover"] = time.perf_counter()
 
-    def _build_weights(self, weights, slot):
+    def _build_weights(self, weights, slot, marks: dict | None = None):
         """New weights of the active version's catalog and policy, for a refit into ``slot``:
-        contract-checked, with the slot's architecture (else the update is refused)."""
+        contract-checked, with the slot's architecture (else the update is refused).
+        ``marks``: gets "read" when a checkpoint has been read, before its tensors move."""
         act, spec = self.gen_runner.active, self.spec
         ms = _weights_spec(spec.generate_model, weights)
         spec = msgspec.structs.replace(spec, **{"model" if spec.model.family == "t5"
                                                 else "generator": ms}, policy=act.policy)
-        new = self._build.generate_weights(spec, act, slot.model)
+        on_read = None if marks is None else (
+            lambda: marks.__setitem__("read", time.perf_counter()))
+        new = self._build.generate_weights(spec, act, slot.model, on_read)
         same_contract(act.contract, new.contract)
         new.pair_with(slot)
         return new

@@ -54,15 +54,18 @@ def read_checkpoint(directory, spec, dname: str, trie) -> tuple[T5Config, dict, 
     return cfg, contract, tensors
 
 
-def refit_tensors(spec, device: torch.device, dtype: torch.dtype, into, trie):
+def refit_tensors(spec, device: torch.device, dtype: torch.dtype, into, trie, on_read=None):
     """(tensors, source, contract) of the spec's checkpoint for a refit into the model
     ``into``: each tensor moved to ``device`` in the dtype of ``into``'s, and nothing else. No
     model is built (constructing a T5, loading its state dict and converting it cost a refit
-    ~0.26 s of host time on the CPU machine, beside serving, against ~0.1 s for this)."""
+    ~0.26 s of host time on the CPU machine, beside serving, against ~0.1 s for this).
+    ``on_read()``: called once the checkpoint is read and checked, before the moves."""
     directory = spec.generate_model.checkpoint
     cfg, contract, tensors = read_checkpoint(directory, spec,
                                              str(dtype).replace("torch.", ""), trie)
     same_architecture(cfg, into.cfg)
+    if on_read is not None:
+        on_read()
     dst = into.state_dict()
     out = {k: tensors[k].to(device=device, dtype=t.dtype) for k, t in dst.items()}
     return out, f"ckpt:{directory}", contract

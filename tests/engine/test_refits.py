@@ -204,6 +204,9 @@ async def test_checkpoint_refits_load_tensors_only_and_answer_as_fresh_weights(t
         await eng.update(weights=_checkpoint(eng, 42, tmp_path), keep_previous=False)
         assert runner.refits_in_place == 1
         assert runner._refit_source.model is None and runner._refit_source.tensors
+        marks = eng.update_phases[-1]  # the read apart from the move (bench_update's phases)
+        assert list(marks) == ["start", "read", "weights", "queued", "cutover"]
+        assert sorted(marks.values()) == list(marks.values())
         now = _items(await answers(eng, reqs))
         assert now == await _fresh(42, reqs)
         name = runner.version

@@ -73,6 +73,10 @@ def encoder_attention(q, k, v, table, keep, out: torch.Tensor | None = None) -> 
     """``encoder_attention_reference`` by the CUDA kernel where it applies, else by the
     reference. ``out``: an optional [R, S, H, d] contiguous destination."""
     R, S, H, d = _check(q, k, v, table, keep)
+    if out is not None and (out.shape != (R, S, H, d) or not out.is_contiguous()
+                            or out.dtype != q.dtype):
+        raise StreamgrError(f"encoder_attention: out must be a contiguous [{R}, {S}, {H}, {d}] "
+                            f"{q.dtype}")
     ok = kernel_applies(q, d, S) and all(
         t.dtype == q.dtype and t.stride(-1) == 1 and t.stride(-2) == d
         and t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0
@@ -82,9 +86,6 @@ def encoder_attention(q, k, v, table, keep, out: torch.Tensor | None = None) -> 
         return ref if out is None else out.copy_(ref)
     if out is None:
         out = torch.empty(R, S, H, d, dtype=q.dtype, device=q.device)
-    elif out.shape != (R, S, H, d) or not out.is_contiguous() or out.dtype != q.dtype:
-        raise StreamgrError(f"encoder_attention: out must be a contiguous [{R}, {S}, {H}, {d}] "
-                            f"{q.dtype}")
     tab = table.to(q.dtype).float().contiguous()  # rounded as the dense bias was
     kp = keep.contiguous().view(torch.uint8)
     fn = _cuda.kernel(_SRC, _EXPRS, _EXPRS[_DIMS.index(d)])

@@ -49,6 +49,11 @@ def test_bad_shapes_are_refused():
         ta.encoder_attention(q, k, v, table[:, :-1], keep)
     with pytest.raises(StreamgrError, match="alike"):
         ta.encoder_attention(q, k[:, :-1], v, table, keep)
+    with pytest.raises(StreamgrError, match="out must be"):
+        ta.encoder_attention(q, k, v, table, keep, out=torch.empty(2, 8, 2, 4))
+    out = torch.empty_like(q)  # a destination of the right shape takes the answer
+    assert ta.encoder_attention(q, k, v, table, keep, out=out) is out
+    assert out.equal(ta.encoder_attention_reference(q, k, v, table, keep))
 
 
 @pytest.mark.gpu

@@ -119,3 +119,18 @@ def test_encoder_with_the_kernel_matches_the_dense_bias_path(monkeypatch):
     # other): close in norm, and no element far off (a single layer's tolerance is tighter).
     assert ((a - b).norm() / b.norm()).item() < 1e-2
     assert ((a - b).abs().max() / b.abs().max()).item() < 5e-2
+
+
+@pytest.mark.gpu
+def test_unaligned_views_and_a_poisoned_out():
+    """A view the kernel cannot read (rows one element off 16 bytes) takes the reference and
+    gives the same answer; a NaN-poisoned destination is written everywhere."""
+    q, k, v, table, keep = _inputs(3, 77, 2, 64, 5, "cuda", torch.bfloat16)
+    want = ta.encoder_attention_reference(q, k, v, table, keep)
+    wide = torch.zeros(3, 77, 2, 65, device="cuda", dtype=torch.bfloat16)
+    wide[..., 1:] = q
+    _close(ta.encoder_attention(wide[..., 1:], k, v, table, keep), want)
+    out = torch.full_like(q, float("nan"))
+    assert ta.encoder_attention(q, k, v, table, keep, out=out) is out
+    assert not out.isnan().any()
+    _close(out, want)

@@ -77,17 +77,17 @@ class EngineSpec(_Section, kw_only=True):
     # Rank on CUDA: batch shapes whose whole forward is captured as a CUDA graph and replayed
     # (engine/rank_plans.py), kept in an LRU; 0 runs every batch eagerly.
     rank_plans: int = 32
-    # Rank batches between submit and answer: 2 prepares batch n+1 (plan, pack, queue) while
-    # batch n computes; a user in a batch in flight waits for a later batch. 2 served a
-    # rank-ref trace several times faster than 1 on the H200 (docs/benchmarks.md).
+    # Rank (generate) batches between submit and answer: 2 prepares batch n+1 (plan, pack,
+    # queue) while batch n computes (rank: a user in a batch in flight waits for a later one).
+    # 2 served a rank-ref trace several times faster than 1 on the H200 (docs/benchmarks.md).
     rank_in_flight: int = 2
+    gen_in_flight: int = 2
     # At start, move every object alive then out of the collector's reach (gc.freeze): a full
     # collection otherwise walks torch's and the models' objects, 100+ ms of stalled serving.
     gc_freeze: bool = True
     # With gc_freeze: allocations between young-generation collections (Python's default is
-    # 700). A gen-ref answer builds tens of thousands of short-lived lists per batch: at 700
-    # the collector runs dozens of times per batch, each time walking the answers still being
-    # built (docs/benchmarks.md, session 3). 0 keeps the interpreter's threshold.
+    # 700: with a gen-ref answer's ~24,000 lists per batch the collector ran dozens of times a
+    # batch; docs/benchmarks.md, session 3). 0 keeps the interpreter's threshold.
     gc_gen0: int = 50_000
     # The thread switch interval while serving (ms; 0 keeps Python's 5 ms). The event loop and
     # the engine's threads share one GIL: a thread that lets it go inside a numpy call may wait
@@ -115,8 +115,8 @@ class EngineSpec(_Section, kw_only=True):
             raise ValueError("`gc_gen0` must be >= 0")
         if not (math.isfinite(self.switch_interval_ms) and 0 <= self.switch_interval_ms <= 100):
             raise ValueError("`switch_interval_ms` must be a number in 0..100 (0: Python's)")
-        if not 1 <= self.rank_in_flight <= 4:
-            raise ValueError("`rank_in_flight` must be 1..4")
+        if not (1 <= self.rank_in_flight <= 4 and 1 <= self.gen_in_flight <= 4):
+            raise ValueError("`rank_in_flight` and `gen_in_flight` must be 1..4")
 
 
 class CacheSpec(_Section, kw_only=True):

@@ -44,6 +44,8 @@ MEANING = {
                          "(LRU); 0: eager",
     "engine.rank_in_flight": "rank batches between submit and answer (1..4): 2 prepares the "
                              "next batch while one computes (a user in flight waits)",
+    "engine.gen_in_flight": "generate batches between submit and answer (1..4): 2 packs and "
+                            "queues the next batch while one runs on the device",
     "engine.gc_freeze": "freeze the objects alive at start out of the garbage collector's "
                         "reach (full collections stalled serving 57-155 ms)",
     "engine.gc_gen0": "with gc_freeze: allocations between young-generation collections while "

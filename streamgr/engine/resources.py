@@ -20,9 +20,6 @@ from .answers import answer_generate, answer_rank
 from .batcher import Batcher
 from .loop import BatchLoop
 
-GEN_IN_FLIGHT = 2  # generate batches submitted to the device but not yet answered
-
-
 _GC_LOCK = threading.Lock()
 # engines serving with gc_freeze or a switch interval; the interpreter's settings to restore
 _GC_STATE = {"engines": 0, "threshold": None, "switch": None}
@@ -91,7 +88,7 @@ class EngineResources:
                                    count_bg))
         if engine.gen_runner is not None:
             loops.append(BatchLoop("generate", self.gen_batcher, engine.gen_runner,
-                                   self.executor, self.finisher, GEN_IN_FLIGHT,
+                                   self.executor, self.finisher, engine.spec.engine.gen_in_flight,
                                    partial(answer_generate, engine.metrics),
                                    engine._on_batch_error, count_bg))
         loop = asyncio.get_running_loop()

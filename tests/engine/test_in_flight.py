@@ -118,3 +118,21 @@ def test_score_buffers_hand_out_a_free_buffer_that_fits_and_keep_a_few():
     for _ in range(2 * ScoreBuffers.KEEP):
         pool.give_back(torch.zeros(1))
     assert len(pool._free) == ScoreBuffers.KEEP
+
+
+async def test_generate_batches_in_flight_answer_as_one_at_a_time():
+    """``engine.gen_in_flight`` 1, 2 and 3 give every generate request the same answer (a
+    deeper pipeline changes when batches are answered, not what); 0 is refused."""
+    from streamgr.api import GenerateRequest
+    rng = np.random.default_rng(8)
+    reqs = [GenerateRequest(user_id=u, history=rng.integers(500, size=int(rng.integers(1, 30)))
+                            .tolist(), top_k=5) for u in range(24)]
+    got = []
+    for n in (1, 2, 3):
+        ov = {"engine.device": "cpu", "engine.max_batch": 4, "engine.gen_in_flight": n}
+        async with Engine.from_spec("gen-small", ov) as eng:
+            res = await asyncio.gather(*(eng.generate(r) for r in reqs))
+        got.append([(r.items, r.sids) for r in res])
+    assert got[0] == got[1] == got[2]
+    with pytest.raises(Exception, match="gen_in_flight"):
+        Engine.from_spec("gen-small", {"engine.device": "cpu", "engine.gen_in_flight": 0})

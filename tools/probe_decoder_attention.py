@@ -1,6 +1,8 @@
 """Times the decoder self-attention kernel (Numba) against its torch reference on gen-ref's
-step shapes (4,096 beams x 8 heads x 64, positions 1..3), CUDA-graph replays; run under
-``ncu --kernel-name regex:kernel`` to see why it runs as it does."""
+step shapes (4,096 beams x 8 heads x 64, positions 1..3), CUDA-graph replays, with earlier
+positions read through random parent pointers as the search serves them (``--aligned``: each
+row's own, the layout before parent pointers); run under ``ncu --kernel-name regex:kernel`` to
+see why it runs as it does."""
 
 from __future__ import annotations
 
@@ -22,11 +24,12 @@ def main() -> int:
     V = torch.randn_like(K)
     q, kn, vn = (torch.randn(N, H, d, device=dev).to(bf) for _ in range(3))
     bias = torch.randn(T, H, device=dev)
+    anc = None if "--aligned" in sys.argv else torch.randint(0, N, (T - 1, N), device=dev)
     for step in range(T):
         row = []
         for impl in ("numba", "torch"):
             ms = graph_ms(lambda: self_attend(q, kn, vn, K[:, 1], V[:, 1], step,
-                                              bias[:step + 1], impl=impl), reps=10)
+                                              bias[:step + 1], anc, impl=impl), reps=10)
             row.append(ms)
         byts = (2 * (step + 1) + 3) * N * H * d * 2
         print(f"step {step}: numba {row[0] * 1e3:.1f} us ({byts / row[0] / 1e6:.0f} GB/s), "

@@ -2,8 +2,8 @@
 // bias) v per (request, head), no 1/sqrt(d) (T5 folds it into its weights), fp32 softmax, bf16
 // in and out (streamgr/kernels/t5_attention.py holds the torch reference).
 //
-// bias(i, j) = table[h, j - i + S - 1] (a [H, 2S - 1] fp32 table of distances, already rounded
-// to bf16 by the caller, as the dense bias it replaces was), and -inf where key j of the
+// bias(i, j) = bf16(table[h, j - i + S - 1]) (a [H, 2S - 1] fp32 table of distances, rounded
+// to bf16 as it is read, as the dense bias it replaces was), and -inf where key j of the
 // request is padding. cuDNN's fused attention took that bias only as a dense [R, H, S, S]
 // tensor: 260 us per gen-ref layer ([32, 8, 784, 64]) plus 174 us per batch to write it,
 // against 141 us with no bias at all (docs/benchmarks.md, session 13). Here the block reads
@@ -77,7 +77,8 @@ __global__ void __launch_bounds__(128, 2) t5_attn_fwd(
     const int base = S - q0 - BM;  // table index of tb[0]
     for (int x = tid; x < BM + SR; x += 128) {
         const int ti = x + base;
-        tb[x] = (ti >= 0 && ti < 2 * S - 1) ? th[ti] : 0.0f;
+        tb[x] = (ti >= 0 && ti < 2 * S - 1) ? __bfloat162float(__float2bfloat16_rn(th[ti]))
+                                            : 0.0f;
     }
     for (int j = tid; j < SR; j += 128)
         kadd[j] = (j < S && keep[(long long)r * S + j]) ? 0.0f : neg_inf();

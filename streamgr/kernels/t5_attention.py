@@ -10,7 +10,8 @@ write per gen-ref batch and cuDNN ~120 us per layer to read (docs/benchmarks.md,
 
 Inputs are [R, S, H, d] views (the projections' outputs, any request and token strides, unit
 head and column strides); the output is [R, S, H, d] contiguous, the layout the output
-projection reads. The table is rounded to the activations' dtype first, as the dense bias was.
+projection reads. The table is rounded to the activations' dtype (bf16) as the dense bias was
+(the kernel rounds as it reads, so a batch's four layers launch nothing else).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def encoder_attention(q, k, v, table, keep, out: torch.Tensor | None = None) -> 
         return ref if out is None else out.copy_(ref)
     if out is None:
         out = torch.empty(R, S, H, d, dtype=q.dtype, device=q.device)
-    tab = table.to(q.dtype).float().contiguous()  # rounded as the dense bias was
+    tab = table.float().contiguous()  # (the kernel rounds it to bf16 as it reads it)
     kp = keep.contiguous().view(torch.uint8)
     fn = _cuda.kernel(_SRC, _EXPRS, _EXPRS[_DIMS.index(d)])
     _cuda.launch(fn, (-(-S // _BM), H, R), (128,), (

@@ -316,7 +316,7 @@ class T5(nn.Module):
         R, S = tokens.shape
         H, d = self.cfg.num_heads, self.cfg.d_kv
         first = self.encoder.block[0].layer[0].SelfAttention
-        table = self._encoder_bias(first, S, tokens.device)  # [H, 2S - 1] fp32
+        table = self._encoder_bias(first, S, tokens.device).contiguous()  # [H, 2S - 1] fp32
         # bf16 CUDA: the bias from the table inside the attention kernel (kernels/t5_attention);
         # else one dense [R, H, S, S] bias for the fused attention (or the reference).
         inner = fused(x) and kernel_applies(x, d, S)

@@ -20,14 +20,11 @@ _WAITS = {"wait", "_wait_for_tstate_lock", "select", "poll", "get", "synchronize
 
 
 class DaemonSampler:
-    """A daemon thread running ``self._run`` from ``with`` until its end (``_stop`` set)."""
+    """A daemon thread running ``body`` from ``with`` until the block ends (``_stop`` set)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, body) -> None:
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    def _run(self) -> None:
-        raise NotImplementedError
+        self._thread = threading.Thread(target=body, name=name, daemon=True)
 
     def __enter__(self):
         self._thread.start()
@@ -40,7 +37,7 @@ class DaemonSampler:
 
 class HostSampler(DaemonSampler):
     def __init__(self, interval: float = 0.001) -> None:
-        super().__init__("host-sampler")
+        super().__init__("host-sampler", self._run)
         self.interval = interval
         self.leaf: collections.Counter = collections.Counter()
         self.inclusive: collections.Counter = collections.Counter()

@@ -30,7 +30,7 @@ def _where(frame) -> str:
 
 class StallWatch(DaemonSampler):
     def __init__(self, over: float = 0.008) -> None:
-        super().__init__("stall-watch")
+        super().__init__("stall-watch", self._run)
         self.over, self.snaps = over, []  # (time, {thread name: place})
         self._beat = time.perf_counter()
 

@@ -29,20 +29,13 @@ class LogProbs:
     """``log_softmax(logits[:, :vocab])`` without the dense matrix: ``gather(index)`` gives the
     fp32 log-probabilities of those columns (``index`` [rows, n], columns < ``vocab``)."""
 
-    def __init__(self, logits: torch.Tensor, vocab: int, row_max: torch.Tensor,
-                 row_logsum: torch.Tensor) -> None:
-        self.logits, self.vocab = logits, vocab
-        self.row_max, self.row_logsum = row_max, row_logsum
+    def __init__(self, logits: torch.Tensor, vocab: int, stats: torch.Tensor) -> None:
+        """``stats`` [2, rows] fp32: each row's max, then its log-sum-exp (``row_lse``); one
+        array, which the selection kernels read as it is."""
+        self.logits, self.vocab, self.stats = logits, vocab, stats
 
-    def table(self) -> torch.Tensor:
-        """[2, rows] fp32: the row maxima, then the log-sums (the selection kernels read
-        both from one array); no copy when they are the two rows of one (``row_lse``)."""
-        m, s = self.row_max, self.row_logsum
-        base = m._base
-        if base is not None and base is s._base and base.dim() == 2 and base.shape[0] == 2 \
-                and m.data_ptr() == base.data_ptr() and s.data_ptr() == base[1].data_ptr():
-            return base
-        return torch.stack([m, s]).float()
+    row_max = property(lambda self: self.stats[0])
+    row_logsum = property(lambda self: self.stats[1])
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -68,14 +61,15 @@ def gather_log_probs(logp: "torch.Tensor | LogProbs", index: torch.Tensor) -> to
     return logp.float().gather(1, index)
 
 
-def row_lse_reference(logits: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row max, log(sum(exp(x - max)))) over the first ``vocab`` columns, in fp32."""
+def row_lse_reference(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[2, rows] fp32: each row's max, then log(sum(exp(x - max))), over the first ``vocab``
+    columns."""
     x = logits[:, :vocab].float()
     m = x.max(dim=1).values
-    return m, torch.log(torch.exp(x - m[:, None]).sum(dim=1))
+    return torch.stack([m, torch.log(torch.exp(x - m[:, None]).sum(dim=1))])
 
 
-def row_lse(logits: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def row_lse(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     """``row_lse_reference`` by the CUDA kernel where it applies (bf16 CUDA logits with unit
     column stride), else by the reference."""
     if logits.dim() != 2 or not 1 <= vocab <= logits.shape[1]:
@@ -85,15 +79,15 @@ def row_lse(logits: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tenso
     if (logits.dtype != torch.bfloat16 or logits.stride(1) != 1 or rows == 0
             or not _cuda.usable(logits)):
         return row_lse_reference(logits, vocab)
-    m, s = torch.empty(2, rows, dtype=torch.float32, device=logits.device)  # one array: see
-    # ``LogProbs.table``
+    stats = torch.empty(2, rows, dtype=torch.float32, device=logits.device)
+    m, s = stats
     smem = vocab * 2
     use_smem = smem <= _SMEM_MAX and logits.data_ptr() % 16 == 0 and logits.stride(0) % 8 == 0
     fn = _cuda.kernel(_SRC, _EXPR, _EXPR[0])
     _cuda.launch(fn, (rows,), (_THREADS,), (
         _cuda.ptr(logits), np.int64(logits.stride(0)), np.int32(vocab), np.int32(use_smem),
         _cuda.ptr(m), _cuda.ptr(s)), shared_mem=smem if use_smem else 0)
-    return m, s
+    return stats
 
 
 def head_log_probs(logits: torch.Tensor, vocab: int) -> "torch.Tensor | LogProbs":
@@ -101,6 +95,5 @@ def head_log_probs(logits: torch.Tensor, vocab: int) -> "torch.Tensor | LogProbs
     a ``LogProbs`` for bf16 CUDA logits, else the dense fp32 ``F.log_softmax``."""
     if logits.is_cuda and logits.dtype == torch.bfloat16 and not _cuda.FORCE_TORCH \
             and _cuda.usable(logits):
-        m, s = row_lse(logits, vocab)
-        return LogProbs(logits, vocab, m, s)
+        return LogProbs(logits, vocab, row_lse(logits, vocab))
     return F.log_softmax(logits[:, :vocab], dim=-1, dtype=torch.float32)

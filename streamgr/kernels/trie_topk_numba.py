@@ -274,7 +274,7 @@ def _log_probs(logp, a) -> tuple:
     """(bits, [2, rows] max and log-sum, shift) of ``_log_prob`` for a ``LogProbs`` (bf16
     logits, read in place: no [rows, vocab] fp32 matrix) or a dense matrix (fp32)."""
     if isinstance(logp, LogProbs) and logp.logits.dtype == torch.bfloat16:
-        return a(logp.logits.view(torch.int16)), a(logp.table()), 16
+        return a(logp.logits.view(torch.int16)), a(logp.stats), 16
     if isinstance(logp, LogProbs):
         logp = logp.dense()
     logp = logp.float()

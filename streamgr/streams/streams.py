@@ -101,8 +101,8 @@ def off_stream(device, fn, *args):
     freed ~170 MB (gen-ref) in another stream's pool and allocated afresh."""
     if getattr(device, "type", "cpu") != "cuda" or os.environ.get("STREAMGR_BUILD_STREAM") == "0":
         return fn(*args)
-    side = _build_stream(torch.device(device).index if torch.device(device).index is not None
-                         else torch.cuda.current_device())
+    index = torch.device(device).index
+    side = _build_stream(torch.cuda.current_device() if index is None else index)
     with torch.cuda.stream(side):
         out = fn(*args)
     side.synchronize()  # this (worker) thread waits; the batches' stream never does

@@ -258,8 +258,11 @@ def gather_rows(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
     element of a void dtype). On the event loop this matters: numpy's 2D fancy indexing and
     every ``take`` let the GIL go, and getting it back waits for whichever thread runs Python
     then, up to the 5 ms switch interval (a 256-row gather took 3.7 ms instead of 2 us beside
-    one busy thread: docs/benchmarks.md, session 13); small 1D gathers, copies and reductions
-    keep it."""
+    one busy thread: docs/benchmarks.md, session 13); small 1D gathers by an intp index, copies
+    and reductions keep it. An index of another dtype is cast first: numpy gathers by one
+    through a casting iterator, which lets the GIL go (session 14)."""
+    if idx.dtype != np.intp:
+        idx = idx.astype(np.intp)
     if a.ndim != 2 or not a.flags.c_contiguous or a.shape[1] == 0:
         return a[idx]
     rows = a.view(np.dtype((np.void, a.shape[1] * a.itemsize))).reshape(-1)
@@ -279,8 +282,12 @@ class ItemIndex:
         n = len(sorted_ids)
         self.table = None
         if n and sorted_ids[0] >= 0 and sorted_ids[-1] < max(4 * n, 1 << 20):
-            self.table = np.full(int(sorted_ids[-1]) + 1, -1, dtype=np.int32)
-            self.table[sorted_ids] = np.arange(n, dtype=np.int32)
+            # intp, not int32: the rows index ``gather_rows``, and numpy gathers with an index
+            # of another dtype through a casting iterator that lets the GIL go (a 256-row
+            # gather: 4 us alone, 316 us mean beside one busy thread; docs/benchmarks.md,
+            # session 14).
+            self.table = np.full(int(sorted_ids[-1]) + 1, -1, dtype=np.intp)
+            self.table[sorted_ids] = np.arange(n, dtype=np.intp)
 
     def rows(self, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(row of each item, positions in ``items`` of those not in the catalog); an unknown
@@ -289,7 +296,7 @@ class ItemIndex:
             # Fast path (every id in the table's range and in the catalog): one gather and
             # three reductions, ~3 us for a 256-item history against ~8 for the masked path.
             if items.size == 0:
-                return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64)
+                return np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.int64)
             if items.min() >= 0 and items.max() < len(self.table):
                 pos = self.table[items]  # (not ``take``: see ``gather_rows``)
                 if pos.min() >= 0:

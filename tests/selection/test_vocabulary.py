@@ -188,3 +188,41 @@ def test_gather_rows_equals_fancy_indexing():
     t = np.asfortranarray(a)  # not C-contiguous: the plain gather
     assert np.array_equal(gather_rows(t, np.array([3, 1])), a[[3, 1]])
     assert gather_rows(np.zeros((4, 0), np.int64), np.array([1, 2])).shape == (2, 0)
+
+
+def test_history_lookup_and_row_gather_keep_the_gil():
+    """What ``prepare`` runs on the event loop for a history (the id lookup, then the SID
+    rows' gather) never lets the GIL go: numpy gathers by an index of a dtype other than
+    intp through a casting iterator that releases it, and getting it back beside a thread
+    running Python waits up to the switch interval (the int32 row index did this in every
+    request, session 14). A thread counting in Python only advances while the GIL is free."""
+    import sys
+    import threading
+    from streamgr.selection.vocabulary import gather_rows
+    rng = np.random.default_rng(3)
+    ids = np.sort(rng.choice(1 << 20, size=200_000, replace=False)).astype(np.int64)
+    index, tokens = ItemIndex(ids), rng.integers(0, 8192, size=(len(ids), 3))
+    hist = rng.choice(ids, size=256)
+    count, stop = [0], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            count[0] += 1
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    th = threading.Thread(target=spin)
+    th.start()
+    try:
+        advanced = []
+        for _ in range(5):
+            c0 = count[0]
+            for _ in range(20):
+                pos, bad = index.rows(hist)
+                rows = gather_rows(tokens, pos)
+            advanced.append(count[0] - c0)
+    finally:
+        stop.set()
+        th.join()
+        sys.setswitchinterval(old)
+    assert pos.dtype == np.intp and len(bad) == 0 and np.array_equal(rows, tokens[pos])
+    assert min(advanced) == 0, advanced

@@ -10,6 +10,7 @@ from ..cache import HistoryStore, KVCacheManager
 from ..cache.store import KVStores
 from ..errors import StreamgrError
 from ..models import build_ranker
+from ..models.checkpoint import HostStaging
 from .cached_rank import CachedRankRunner
 from .generate import GenerateRunner, GenerateVersion, WeightsOnly
 from .preflight import check_cache_memory
@@ -36,6 +37,7 @@ class Builder:
 
     def __init__(self, spec, device: torch.device, dtype: torch.dtype) -> None:
         self.spec, self.device, self.dtype = spec, device, dtype
+        self.staging = None  # the host buffer checkpoint refits read into (the first makes it)
         self.loads = 0
         self.versions = 0  # generate versions built (g1, g2, ...)
 
@@ -87,8 +89,10 @@ class Builder:
         from ..runtime.deployment import build_generator, refit_tensors
         model = tensors = None
         if spec.generate_model.checkpoint is not None:
+            if self.staging is None:
+                self.staging = HostStaging(pin=self.device.type == "cuda")
             tensors, source, contract = refit_tensors(spec, self.device, self.dtype, into,
-                                                      like.trie, on_read)
+                                                      like.trie, on_read, self.staging)
         else:
             model, source, _, contract, _ = build_generator(
                 spec, self.device, self.dtype, catalog=like.catalog, trie=like.trie)

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from ..errors import CheckpointError, ContractError
-from ..models.checkpoint import WEIGHTS_FILE, decode_config, hf_state_dict, read_config
+from ..models.checkpoint import (WEIGHTS_FILE, decode_config, device_copies, hf_state_dict,
+                                 read_config, read_safetensors)
 from ..models.t5 import T5, T5Config
 from ..selection.vocabulary import SidTrie, check_catalog, load_catalog, random_catalog
 from .contract import build_contract, check, same_architecture
@@ -32,9 +32,11 @@ def build_catalog(spec):
     return random_catalog(cat.random_items, cat.codebook_sizes, cat.random_seed)
 
 
-def read_checkpoint(directory, spec, dname: str, trie) -> tuple[T5Config, dict, dict]:
-    """(config, contract, tensors under this module's names) of a checkpoint directory, held to
-    the contract (every bound tensor with its shape, nothing unbound) and to ``trie``."""
+def read_checkpoint(directory, spec, dname: str, trie, staging=None):
+    """(config, contract, tensors under this module's names, their host buffer) of a
+    checkpoint directory, held to the contract (every bound tensor with its shape, nothing
+    unbound) and to ``trie``; the tensors are views of one host buffer (``staging``'s: see
+    ``models.checkpoint.read_safetensors``)."""
     raw = read_config(directory)
     if raw.get("model_type", "t5") != "t5" and raw.get("family") != "t5":
         raise CheckpointError(f"{directory}: model_type {raw.get('model_type')!r}, not t5")
@@ -44,31 +46,32 @@ def read_checkpoint(directory, spec, dname: str, trie) -> tuple[T5Config, dict, 
     path = Path(directory) / WEIGHTS_FILE
     if not path.is_file():
         raise CheckpointError(f"{directory}: no {WEIGHTS_FILE}")
-    with safe_open(str(path), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors, buf = read_safetensors(path, staging)
     tensors = hf_state_dict(tensors, cfg)
     check(contract, {k: t.shape for k, t in tensors.items()}, trie)
     extra = sorted(set(tensors) - set(contract["weights"]))
     if extra:
         raise ContractError(f"weights.{extra[0]}: not bound by the contract")
-    return cfg, contract, tensors
+    return cfg, contract, tensors, buf
 
 
-def refit_tensors(spec, device: torch.device, dtype: torch.dtype, into, trie, on_read=None):
+def refit_tensors(spec, device: torch.device, dtype: torch.dtype, into, trie, on_read=None,
+                  staging=None):
     """(tensors, source, contract) of the spec's checkpoint for a refit into the model
     ``into``: each tensor moved to ``device`` in the dtype of ``into``'s, and nothing else. No
     model is built (constructing a T5, loading its state dict and converting it cost a refit
     ~0.26 s of host time on the CPU machine, beside serving, against ~0.1 s for this).
-    ``on_read()``: called once the checkpoint is read and checked, before the moves."""
+    ``on_read()``: called once the checkpoint is read and checked, before the moves. The
+    checkpoint crosses as one copy of its bytes (``models.checkpoint.device_copies``; from
+    ``staging``'s pinned buffer, asynchronously) instead of ~200 pageable per-tensor copies."""
     directory = spec.generate_model.checkpoint
-    cfg, contract, tensors = read_checkpoint(directory, spec,
-                                             str(dtype).replace("torch.", ""), trie)
+    cfg, contract, tensors, buf = read_checkpoint(directory, spec,
+                                                  str(dtype).replace("torch.", ""), trie, staging)
     same_architecture(cfg, into.cfg)
     if on_read is not None:
         on_read()
-    dst = into.state_dict()
-    out = {k: tensors[k].to(device=device, dtype=t.dtype) for k, t in dst.items()}
-    return out, f"ckpt:{directory}", contract
+    dtypes = {k: t.dtype for k, t in into.state_dict().items()}
+    return device_copies(tensors, buf, device, dtypes), f"ckpt:{directory}", contract
 
 
 def build_generator(spec, device: torch.device, dtype: torch.dtype, model=None, catalog=None,
@@ -89,7 +92,7 @@ def build_generator(spec, device: torch.device, dtype: torch.dtype, model=None, 
         check(contract, {k: t.shape for k, t in model.state_dict().items()}, trie)
         return model, "reused", trie, contract, catalog
     if m.checkpoint is not None:
-        cfg, contract, tensors = read_checkpoint(m.checkpoint, spec, dname, trie)
+        cfg, contract, tensors, _ = read_checkpoint(m.checkpoint, spec, dname, trie)
         model = T5.uninitialized(cfg)  # every parameter comes from the strict load below
         model.load_state_dict(tensors)
         source = f"ckpt:{m.checkpoint}"

@@ -1,0 +1,115 @@
+"""The checkpoint reader the live refits use (``models.checkpoint.read_safetensors``: one host
+buffer filled by ``readinto``, the tensors views of it) against the safetensors library's own
+loader, on every dtype, unaligned offsets and broken files; and ``device_copies`` (the buffer
+moved as one copy, then viewed and converted) against per-tensor ``.to``."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from streamgr.errors import CheckpointError
+from streamgr.models.checkpoint import HostStaging, device_copies, read_safetensors
+
+
+def _tensors(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(7, 5, generator=g),
+            "b": torch.randn(3, generator=g).to(torch.bfloat16),
+            "c": torch.randn(2, 3, 4, generator=g).to(torch.float16),
+            "d": torch.randint(-9, 9, (5,), generator=g),
+            "e": torch.randint(0, 2, (4,), generator=g).bool(),
+            "scalar": torch.tensor(2.5, dtype=torch.float64),
+            "empty": torch.zeros(0, 4)}
+
+
+def _raw_file(path, entries: dict, data: bytes) -> None:
+    """A safetensors file written by hand (the library keeps every tensor aligned)."""
+    head = json.dumps(entries).encode()
+    path.write_bytes(struct.pack("<Q", len(head)) + head + data)
+
+
+def test_reads_equal_the_safetensors_loader(tmp_path):
+    staging = HostStaging(pin=False)
+    for seed in (0, 1):
+        want = _tensors(seed)
+        save_file(want, str(tmp_path / f"{seed}.safetensors"), metadata={"format": "pt"})
+        ref = load_file(str(tmp_path / f"{seed}.safetensors"))
+        got, buf = read_safetensors(tmp_path / f"{seed}.safetensors", staging)
+        assert set(got) == set(ref)
+        for k, t in ref.items():
+            assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(got[k], t)
+        assert buf.data_ptr() == staging._buf.data_ptr()  # the staging buffer, reused
+
+
+def test_unaligned_offsets_are_copied_not_misread(tmp_path):
+    """An fp32 tensor at an odd byte offset (legal in the format) reads as its values."""
+    x, y = torch.arange(3, dtype=torch.uint8), torch.tensor([1.5, -2.25], dtype=torch.float32)
+    _raw_file(tmp_path / "u.safetensors",
+              {"x": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+               "y": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]}},
+              x.numpy().tobytes() + y.numpy().tobytes())
+    got, _ = read_safetensors(tmp_path / "u.safetensors")
+    assert torch.equal(got["x"], x) and torch.equal(got["y"], y)
+
+
+@pytest.mark.parametrize("case", ["truncated", "header_past_end", "offsets_past_end",
+                                  "shape_mismatch", "unknown_dtype", "not_json", "not_object",
+                                  "empty_file"])
+def test_broken_files_raise_checkpoint_errors(tmp_path, case):
+    p = tmp_path / "w.safetensors"
+    good = {"y": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    data = bytes(8)
+    if case == "truncated":
+        _raw_file(p, good, data)
+        p.write_bytes(p.read_bytes()[:-3])
+        good = None
+    elif case == "header_past_end":
+        p.write_bytes(struct.pack("<Q", 1 << 30) + b"{}")
+    elif case == "offsets_past_end":
+        _raw_file(p, {"y": {"dtype": "F32", "shape": [2], "data_offsets": [0, 16]}}, data)
+    elif case == "shape_mismatch":
+        _raw_file(p, {"y": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, data)
+    elif case == "unknown_dtype":
+        _raw_file(p, {"y": {"dtype": "F8_E9", "shape": [2], "data_offsets": [0, 8]}}, data)
+    elif case == "not_json":
+        p.write_bytes(struct.pack("<Q", 4) + b"{{{{" + data)
+    elif case == "not_object":
+        p.write_bytes(struct.pack("<Q", 2) + b"[]" + data)
+    else:
+        p.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="w.safetensors"):
+        read_safetensors(p)
+
+
+def _check_device_copies(tmp_path, device, pin: bool):
+    want = _tensors(3)
+    save_file(want, str(tmp_path / "m.safetensors"))
+    got, buf = read_safetensors(tmp_path / "m.safetensors", HostStaging(pin=pin))
+    dtypes = {k: (torch.bfloat16 if t.is_floating_point() else t.dtype) for k, t in want.items()}
+    moved = device_copies(got, buf, device, dtypes)
+    torch.cuda.synchronize() if device.type == "cuda" else None
+    for k, t in want.items():
+        ref = t.to(device=device, dtype=dtypes[k])
+        assert moved[k].device == ref.device and moved[k].dtype == ref.dtype
+        assert torch.equal(moved[k], ref), k
+    # a tensor that is not a view of the buffer moves on its own
+    lone = dict(got, extra=torch.ones(3))
+    assert torch.equal(device_copies(lone, buf, device, {"extra": torch.float16})["extra"],
+                       torch.ones(3, dtype=torch.float16, device=device))
+
+
+def test_device_copies_equal_per_tensor_moves_cpu(tmp_path):
+    _check_device_copies(tmp_path, torch.device("cpu"), pin=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_copies_equal_per_tensor_moves_cuda_from_pinned(tmp_path):
+    stream = torch.cuda.Stream()  # off the default stream, as a refit's build runs
+    with torch.cuda.stream(stream):
+        _check_device_copies(tmp_path, torch.device("cuda"), pin=True)

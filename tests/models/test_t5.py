@@ -39,6 +39,13 @@ def test_fused_glue_equals_the_two_step_path(gated, monkeypatch):
     x, h, res = (torch.randn(3, 5, 32, generator=g) for _ in range(3))
     want_ff, want_o = res + ff(x), res + attn.o(h)
     monkeypatch.setattr(t5, "fused", lambda _: True)
-    torch.testing.assert_close(ff(x, residual=res), want_ff)
-    torch.testing.assert_close(t5.residual_linear(res, h, attn.o), want_o)
-    assert ff(x, residual=res).shape == (3, 5, 32)
+    torch.testing.assert_close(ff(x, residual=res.clone()), want_ff)
+    # The fused path writes over its residual (the caller rebinds it), contiguous or not.
+    r = res.clone()
+    out = t5.residual_linear(r, h, attn.o)
+    torch.testing.assert_close(out, want_o)
+    assert out.data_ptr() == r.data_ptr()
+    strided = res.clone().transpose(0, 1)
+    torch.testing.assert_close(t5.residual_linear(strided, h.transpose(0, 1), attn.o),
+                               want_o.transpose(0, 1))
+    assert ff(x, residual=res.clone()).shape == (3, 5, 32)

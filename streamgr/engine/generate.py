@@ -23,7 +23,7 @@ from ..api import GenerateRequest
 from ..errors import IdOutOfRange, InvalidRequest, StreamgrError
 from ..runtime.beam import BeamRequest, BeamSearch
 from ..runtime.plans import PlanCache, bucket_rows
-from ..selection.vocabulary import ItemIndex, gather_rows
+from ..selection.vocabulary import ItemIndex
 from .rank import BatchOutcome
 
 MAX_BEAM = 4096
@@ -119,18 +119,12 @@ class GenerateVersion:
         if hist.ndim != 1 or (hist.size and hist.dtype.kind not in "iu"):
             raise InvalidRequest("`history` must be a flat list of integers")
         hist = hist.astype(np.int64)[-pol.max_context_items:]
-        pos, bad = self.index.rows(hist)
+        sids, bad = self.index.context(hist)  # each item's SID tokens (keeps the GIL)
         if bad.size:
             raise IdOutOfRange(f"`history` holds item {hist[bad[0]]}, not in the catalog "
                                f"(version {self.name})")
-        # The context: each item's SID tokens, then EOS, written into one array (no append copy)
-        n, depth = len(pos), self._tokens.shape[1]
-        tokens = np.empty(n * depth + bool(pol.append_eos), dtype=self._tokens.dtype)
-        tokens[:n * depth] = gather_rows(self._tokens, pos).reshape(-1)  # keeps the GIL
-        if pol.append_eos:
-            tokens[-1] = self.model.cfg.eos_token_id
-        if tokens.size == 0:  # an empty context still needs one encoder position
-            tokens = np.array([self.model.cfg.eos_token_id])
+        eos = np.array([self.model.cfg.eos_token_id])
+        tokens = np.concatenate([sids, eos]) if pol.append_eos or not sids.size else sids
         return PreparedGenerate(req.user_id, tokens, req.top_k, widths, req, self, exclude, mpp,
                                 self.trie.leaf_items, pol)
 
@@ -175,7 +169,7 @@ def catalog_views(trie) -> tuple:
     item_ids = ids[order]
     leaf_of_item = np.repeat(np.arange(len(trie.leaf_ptr) - 1), np.diff(trie.leaf_ptr))
     tokens = (trie.leaf_sids[leaf_of_item] + np.asarray(trie.level_offset))[order]
-    return item_ids, ItemIndex(item_ids), tokens
+    return item_ids, ItemIndex(item_ids, tokens), tokens
 
 
 def _still_prepared(p: PreparedGenerate, v: "GenerateVersion") -> bool:
@@ -197,7 +191,8 @@ def views_after_removal(views: tuple, removed) -> tuple:
     ids, _, tokens = views
     keep = ~np.isin(ids, np.asarray(removed, dtype=np.int64))
     ids = ids[keep]
-    return ids, ItemIndex(ids), tokens[keep]
+    tokens = tokens[keep]
+    return ids, ItemIndex(ids, tokens), tokens
 
 
 @dataclass

@@ -201,7 +201,8 @@ def test_history_lookup_and_row_gather_keep_the_gil():
     from streamgr.selection.vocabulary import gather_rows
     rng = np.random.default_rng(3)
     ids = np.sort(rng.choice(1 << 20, size=200_000, replace=False)).astype(np.int64)
-    index, tokens = ItemIndex(ids), rng.integers(0, 8192, size=(len(ids), 3))
+    tokens = rng.integers(0, 8192, size=(len(ids), 3))
+    index = ItemIndex(ids, tokens)
     hist = rng.choice(ids, size=256)
     count, stop = [0], threading.Event()
 
@@ -219,10 +220,36 @@ def test_history_lookup_and_row_gather_keep_the_gil():
             for _ in range(20):
                 pos, bad = index.rows(hist)
                 rows = gather_rows(tokens, pos)
+                sids, _ = index.context(hist)  # what prepare calls
             advanced.append(count[0] - c0)
     finally:
         stop.set()
         th.join()
         sys.setswitchinterval(old)
     assert pos.dtype == np.intp and len(bad) == 0 and np.array_equal(rows, tokens[pos])
-    assert min(advanced) == 0, advanced
+    assert np.array_equal(sids, rows.reshape(-1))
+    # Only a forced switch (the other thread waited a whole interval) may interleave, once.
+    assert sum(1 for a in advanced if a) <= 1, advanced
+
+
+@pytest.mark.parametrize("depth,high", [(3, 24_640), (1, 9), (2, 0xFFFF), (4, 100), (3, 1 << 20)])
+def test_item_context_equals_row_gather(depth, high):
+    """``ItemIndex.context`` (one gather from the packed id -> tokens table where it applies:
+    dense ids, depth <= 3, tokens <= 0xFFFF) returns the SID tokens ``rows`` + a row gather
+    give, and flags the same unknown items; deeper or wider tokens take the row gather."""
+    rng = np.random.default_rng(depth)
+    ids = np.sort(rng.choice(50_000, size=20_000, replace=False)).astype(np.int64)
+    tokens = rng.integers(0, high + 1, size=(len(ids), depth))
+    tokens[0] = high  # the largest token present
+    idx = ItemIndex(ids, tokens)
+    assert (idx.packed is not None) == (depth <= 3 and high <= 0xFFFF)
+    known = rng.choice(ids, size=256)
+    got, bad = idx.context(known)
+    pos = np.searchsorted(ids, known)
+    assert got.dtype == np.int64 and len(bad) == 0
+    assert np.array_equal(got, tokens[pos].reshape(-1))
+    gaps = np.setdiff1d(np.arange(50_000), ids)[:2]
+    probe = np.concatenate([known[:5], gaps, [-3, 10**9]])
+    assert idx.context(probe)[1].tolist() == [5, 6, 7, 8]
+    assert len(idx.context(np.zeros(0, np.int64))[0]) == 0
+    assert np.array_equal(ItemIndex(ids).rows(known)[0], pos)  # without tokens: rows only

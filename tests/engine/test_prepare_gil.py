@@ -6,13 +6,11 @@ is free, so its count across a run of ``prepare`` calls says whether any of them
 
 from __future__ import annotations
 
-import sys
-import threading
-
 import numpy as np
 
 from streamgr import Engine
 from streamgr.api import GenerateRequest
+from tests.gil import assert_keeps_the_gil, rounds_that_let_the_gil_go
 
 
 # gen-ref's catalog (a million items) and 256-item histories, a model too small to matter: numpy
@@ -30,26 +28,11 @@ def test_prepare_never_lets_the_gil_go():
     n = min(256, v.policy.max_context_items)
     reqs = [GenerateRequest(user_id=u, history=rng.choice(v.item_ids, n).tolist(), top_k=4)
             for u in range(200)]
-    count, stop = [0], threading.Event()
+    last = []
 
-    def spin():
-        while not stop.is_set():
-            count[0] += 1
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(0.1)  # no forced switch within the ~10-50 ms measured (a release: one)
-    th = threading.Thread(target=spin)
-    th.start()
-    try:
-        advanced = []
-        for k in range(10):
-            c0 = count[0]
-            for r in reqs[k * 20:(k + 1) * 20]:
-                p = v.prepare(r)
-            advanced.append(count[0] - c0)
-    finally:
-        stop.set()
-        th.join()
-        sys.setswitchinterval(old)
-    assert len(p.context) == n * v.trie.depth + 1
-    # Only a forced switch (the other thread waited a whole interval) may interleave, once.
-    assert sum(1 for a in advanced if a) <= 1, advanced
+    def prepare_20(k):
+        for r in reqs[k * 20:(k + 1) * 20]:
+            last[:] = [v.prepare(r)]
+    advanced = rounds_that_let_the_gil_go(prepare_20, 10)
+    assert len(last[0].context) == n * v.trie.depth + 1
+    assert_keeps_the_gil(advanced)

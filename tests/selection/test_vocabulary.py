@@ -196,40 +196,25 @@ def test_history_lookup_and_row_gather_keep_the_gil():
     intp through a casting iterator that releases it, and getting it back beside a thread
     running Python waits up to the switch interval (the int32 row index did this in every
     request, session 14). A thread counting in Python only advances while the GIL is free."""
-    import sys
-    import threading
     from streamgr.selection.vocabulary import gather_rows
+    from tests.gil import assert_keeps_the_gil, rounds_that_let_the_gil_go
     rng = np.random.default_rng(3)
     ids = np.sort(rng.choice(1 << 20, size=200_000, replace=False)).astype(np.int64)
     tokens = rng.integers(0, 8192, size=(len(ids), 3))
     index = ItemIndex(ids, tokens)
     hist = rng.choice(ids, size=256)
-    count, stop = [0], threading.Event()
+    got = {}
 
-    def spin():
-        while not stop.is_set():
-            count[0] += 1
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(0.1)  # no forced switch within the ~10-50 ms measured (a release: one)
-    th = threading.Thread(target=spin)
-    th.start()
-    try:
-        advanced = []
-        for _ in range(5):
-            c0 = count[0]
-            for _ in range(20):
-                pos, bad = index.rows(hist)
-                rows = gather_rows(tokens, pos)
-                sids, _ = index.context(hist)  # what prepare calls
-            advanced.append(count[0] - c0)
-    finally:
-        stop.set()
-        th.join()
-        sys.setswitchinterval(old)
-    assert pos.dtype == np.intp and len(bad) == 0 and np.array_equal(rows, tokens[pos])
-    assert np.array_equal(sids, rows.reshape(-1))
-    # Only a forced switch (the other thread waited a whole interval) may interleave, once.
-    assert sum(1 for a in advanced if a) <= 1, advanced
+    def lookups(_):
+        for _ in range(20):
+            got["pos"], got["bad"] = index.rows(hist)
+            got["rows"] = gather_rows(tokens, got["pos"])
+            got["sids"], _ = index.context(hist)  # what prepare calls
+    advanced = rounds_that_let_the_gil_go(lookups, 5)
+    pos, rows = got["pos"], got["rows"]
+    assert pos.dtype == np.intp and len(got["bad"]) == 0 and np.array_equal(rows, tokens[pos])
+    assert np.array_equal(got["sids"], rows.reshape(-1))
+    assert_keeps_the_gil(advanced)
 
 
 @pytest.mark.parametrize("depth,high", [(3, 24_640), (1, 9), (2, 0xFFFF), (4, 100), (3, 1 << 20)])

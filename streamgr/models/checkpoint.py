@@ -99,14 +99,24 @@ _MAX_HEADER = 100 << 20  # the format's own limit on the JSON header
 class HostStaging:
     """One host buffer that every checkpoint read of an engine reuses: pinned where CUDA is
     present, so a refit's whole checkpoint crosses to the GPU as one asynchronous copy.
-    Pinning ~200 MB costs tens of ms, once; reads are serialized by the engine's update lock,
-    and each build waits for its stream before it returns (``streams.off_stream``), so the
-    buffer is free again when the next read starts."""
+    Pinning ~200 MB costs tens of ms, once. Reads are serialized by the engine's update lock;
+    a copy out of the buffer leaves its event (``copied``), and ``take`` waits for it, so a read
+    never overwrites bytes still crossing to the GPU (builds also wait for their stream,
+    ``streams.off_stream``, unless ``STREAMGR_BUILD_STREAM=0``)."""
 
     def __init__(self, pin: bool) -> None:
-        self.pin, self._buf = pin, None
+        self.pin, self._buf, self._event = pin, None, None
+
+    def copied(self) -> None:
+        """The buffer's last asynchronous copy is queued on the current CUDA stream."""
+        if self.pin and torch.cuda.is_available():
+            self._event = torch.cuda.Event()
+            self._event.record()
 
     def take(self, nbytes: int) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
         if self._buf is None or self._buf.numel() < nbytes:
             self._buf = None  # the old one first: two of them at once double the pinned memory
             self._buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=self.pin)
@@ -160,13 +170,16 @@ def read_safetensors(path: str | Path, staging: HostStaging | None = None):
     return tensors, buf
 
 
-def device_copies(tensors: dict, buf: torch.Tensor, device, dtypes: dict) -> dict:
-    """``tensors`` (views of the host ``buf``) on ``device`` in ``dtypes[name]``: ``buf``
-    crosses as one copy (asynchronous from pinned memory), then each tensor is a view of the
-    device bytes, converted on the device where its dtype differs. Tensors that are not views
-    of ``buf`` move one by one."""
+def device_copies(tensors: dict, buf: torch.Tensor, device, dtypes: dict,
+                  staging: HostStaging | None = None) -> dict:
+    """``tensors`` (views of the host ``buf``, ``staging``'s if given) on ``device`` in
+    ``dtypes[name]``: ``buf`` crosses as one copy (asynchronous from pinned memory), then each
+    tensor is a view of the device bytes, converted on the device where its dtype differs.
+    Tensors that are not views of ``buf`` move one by one."""
     dev = torch.empty(buf.shape, dtype=torch.uint8, device=device)
     dev.copy_(buf, non_blocking=buf.is_pinned())
+    if staging is not None and dev.is_cuda:
+        staging.copied()
     base, out = buf.data_ptr(), {}
     for name, want in dtypes.items():
         t = tensors[name]

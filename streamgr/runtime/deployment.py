@@ -71,7 +71,8 @@ def refit_tensors(spec, device: torch.device, dtype: torch.dtype, into, trie, on
     if on_read is not None:
         on_read()
     dtypes = {k: t.dtype for k, t in into.state_dict().items()}
-    return device_copies(tensors, buf, device, dtypes), f"ckpt:{directory}", contract
+    return (device_copies(tensors, buf, device, dtypes, staging), f"ckpt:{directory}",
+            contract)
 
 
 def build_generator(spec, device: torch.device, dtype: torch.dtype, model=None, catalog=None,

@@ -89,9 +89,13 @@ def test_broken_files_raise_checkpoint_errors(tmp_path, case):
 def _check_device_copies(tmp_path, device, pin: bool):
     want = _tensors(3)
     save_file(want, str(tmp_path / "m.safetensors"))
-    got, buf = read_safetensors(tmp_path / "m.safetensors", HostStaging(pin=pin))
+    staging = HostStaging(pin=pin)
+    got, buf = read_safetensors(tmp_path / "m.safetensors", staging)
     dtypes = {k: (torch.bfloat16 if t.is_floating_point() else t.dtype) for k, t in want.items()}
-    moved = device_copies(got, buf, device, dtypes)
+    moved = device_copies(got, buf, device, dtypes, staging)
+    # the next read waits for the copy out of the buffer (an event on CUDA), then reuses it
+    again, buf2 = read_safetensors(tmp_path / "m.safetensors", staging)
+    assert buf2.data_ptr() == buf.data_ptr() and staging._event is None
     torch.cuda.synchronize() if device.type == "cuda" else None
     for k, t in want.items():
         ref = t.to(device=device, dtype=dtypes[k])

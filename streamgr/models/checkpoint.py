@@ -160,7 +160,10 @@ def read_safetensors(path: str | Path, staging: HostStaging | None = None):
             raise CheckpointError(f"{path}: tensor `{name}`: a bad header entry {meta!r}") \
                 from None
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        if not 0 <= begin <= end <= len(buf) or end - begin != math.prod(shape) * itemsize:
+        if end > len(buf):
+            raise CheckpointError(f"{path}: truncated: tensor `{name}` ends at byte {end} of "
+                                  f"a {len(buf)}-byte data section")
+        if not 0 <= begin <= end or end - begin != math.prod(shape) * itemsize:
             raise CheckpointError(f"{path}: tensor `{name}`: bytes {begin}..{end} do not hold "
                                   f"{meta['dtype']}{shape} inside the {len(buf)}-byte data")
         raw = buf[begin:end]

@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 
 from streamgr import Engine
-from streamgr.errors import ContractError, IdOutOfRange
+from streamgr.errors import CheckpointError, ContractError, IdOutOfRange
 from tests.engine.test_updates import GEN, answers, requests
 
 
@@ -181,6 +181,9 @@ def _checkpoint(eng, seed, root, change=None):
         cfg = msgspec.structs.replace(cfg, d_ff=change["d_ff"])
     model = T5(cfg).init_random(seed)
     out = save_checkpoint(model, cfg, root / f"ckpt{seed}")
+    if change is not None and "cut" in change:  # the weights file loses its last bytes
+        path = out / "model.safetensors"
+        path.write_bytes(path.read_bytes()[:-change["cut"]])
     if change is not None and "drop" in change:
         path = out / "model.safetensors"
         state = safetensors.torch.load_file(str(path))
@@ -217,6 +220,11 @@ async def test_checkpoint_refits_load_tensors_only_and_answer_as_fresh_weights(t
             with pytest.raises(ContractError, match=field):
                 await eng.update(weights=path, keep_previous=False)
             assert runner.version == name and _items(await answers(eng, reqs)) == now
+        # a weights file cut short (the reader fills its buffer with readinto): refused too
+        with pytest.raises(CheckpointError, match="model.safetensors: truncated"):
+            await eng.update(weights=_checkpoint(eng, 45, tmp_path, {"cut": 5}),
+                             keep_previous=False)
+        assert runner.version == name and _items(await answers(eng, reqs)) == now
 
 
 async def test_queued_requests_are_prepared_again_only_when_the_catalog_or_policy_changed():

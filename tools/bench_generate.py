@@ -33,7 +33,8 @@ from streamgr.api import GenerateRequest  # noqa: E402
 from streamgr.config import parse_set_pairs  # noqa: E402
 from streamgr.trace.run import drive, summarize  # noqa: E402
 
-from host_sampler import HostSampler  # noqa: E402  (tools/, the script's directory)
+from host_probe import probe_ms  # noqa: E402  (tools/, the script's directory)
+from host_sampler import HostSampler  # noqa: E402
 
 
 def hf_model(engine):
@@ -269,7 +270,9 @@ def main() -> int:
 
     print(f"spec {eng.spec.name} on {eng.device}/{str(eng.dtype).replace('torch.', '')}: "
           f"history {n_hist} items, beam widths {pol.beam_widths}, top_k {pol.top_k}, "
-          f"max_batch {eng.spec.engine.max_batch}, {args.requests} requests per run")
+          f"max_batch {eng.spec.engine.max_batch}, {args.requests} requests per run; "
+          f"host probe {probe_ms():.0f} ms (tools/host_probe.py: the host's Python speed, "
+          f"which moved gen-ref's closed loop 4,237-4,984 req/s in session 14)")
     print(f"{'run':<24}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'errors':>8}")
     for r in runs:
         name = f"closed x{r['concurrency']}" if r["mode"] == "closed" else f"open {r['rate']:g}/s"

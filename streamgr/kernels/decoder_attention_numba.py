@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import numpy as np
 import torch
@@ -20,8 +21,12 @@ from numba import cuda, float32, int32, int64
 from .decoder_attention import SIMULATED
 
 TPB = 64 if SIMULATED else 256
-# 40 registers: Numba's own choice (128) held the kernel to a quarter of the SM's warps.
-_JIT = {} if SIMULATED else {"max_registers": 40}
+# 40 registers: Numba's own choice (128) held the kernel to a quarter of the SM's warps. At 40,
+# ptxas spills 56-116 bytes a thread (T = 2, 3; it needs 56 unbounded, which allows 32 warps an
+# SM against 48): in the plans the kernel moves 1.5-1.7 TB/s (session 14's profile), so
+# STREAMGR_DECODER_ATTN_REGS (read when a kernel is first built) is there to A/B 40 and 56.
+_JIT = {} if SIMULATED else {"max_registers": int(os.environ.get("STREAMGR_DECODER_ATTN_REGS",
+                                                                 "40"))}
 ROWS = TPB // 32  # (beam, head) rows per block: a warp each, lanes over the pairs of d
 
 if SIMULATED:  # kernels are Python there: bit casts through numpy

@@ -8,7 +8,7 @@ pointers), so the survivors of a step are never copied (the compaction that copi
 position's K/V for them cost ~0.24 ms per gen-ref batch of 32). A batched GEMM of [1, d] x [d, <= depth] per row and head
 runs slow tensor-core tiles, and the torch reference below costs a dozen elementwise kernels
 (strided fp32 casts of K and V among them). The Numba CUDA kernel
-(``decoder_attention_numba``: a warp per beam and head, pairs of bf16 per 32-bit load) does
+(``decoder_attention_numba``: a half-warp per beam and head, 4 bf16 per 64-bit load) does
 the write and the attention in one launch per layer and step, on torch's stream, inside the
 decode plans' CUDA graphs. bf16 CUDA tensors take it; everything else (fp32, whose results stay
 bit-equal to Hugging Face's, and the CPU) takes the reference. ``NUMBA_ENABLE_CUDASIM=1`` runs
@@ -83,8 +83,9 @@ def self_attend(q, k_new, v_new, K, V, step: int, bias, anc=None, impl: str | No
                             f"step < T, bias [>= step+1, H], anc [>= step, >= N]; got q "
                             f"{tuple(q.shape)}, K {tuple(K.shape)}, step {step}")
     use = impl == "numba" or (impl is None and usable(q, k_new, v_new, K, V))
-    if not use or step + 1 > MAX_T or q.shape[-1] % 2 or q.dtype != torch.bfloat16 \
-            or not (K[0].is_contiguous() and V[0].is_contiguous()):
+    if not use or step + 1 > MAX_T or q.shape[-1] % 4 or q.dtype != torch.bfloat16 \
+            or not (K[0].is_contiguous() and V[0].is_contiguous()) \
+            or any(x.stride(0) % 4 or x.storage_offset() % 4 for x in (K, V)):  # 8-byte loads
         return self_attend_reference(q, k_new, v_new, K, V, step, bias, anc)
     from . import decoder_attention_numba as nb
     return nb.run(q, k_new, v_new, K, V, step, bias, anc)

@@ -1,18 +1,18 @@
 """Numba CUDA kernel of ``decoder_attention.self_attend`` (its module docstring says what).
 
-One warp per (beam, head), its lanes over the pairs of ``d`` (coalesced rows): it copies the
-step's new K/V row into the buffer, forms the ``step + 1`` scores (fp32 partials summed through
-shared memory: the simulator has no warp shuffles), the softmax, and the weighted sum of the
-values, reading bf16 as 32-bit pairs (bf16 -> fp32 is a 16-bit shift; fp32 -> bf16 rounds to nearest even, as
-torch does). Arrays come from torch without copies (``__cuda_array_interface__``, no stream
-sync, so a CUDA graph captures the launch); the kernel runs on torch's current stream.
+A half-warp per (beam, head), two to a warp, its lanes over the quads of ``d`` (4 bf16 in one
+64-bit load; coalesced rows): it copies the step's new K/V row into the buffer, forms the
+``step + 1`` scores (fp32 partials summed by shuffles within the half-warp; through shared
+memory in the simulator, which has no shuffles), the softmax, and the weighted sum of the
+values (bf16 -> fp32 is a 16-bit shift; fp32 -> bf16 rounds to nearest even, as torch does).
+Arrays come from torch without copies (``__cuda_array_interface__``, no stream sync, so a CUDA
+graph captures the launch); the kernel runs on torch's current stream.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 
 import numpy as np
 import torch
@@ -21,13 +21,13 @@ from numba import cuda, float32, int32, int64
 from .decoder_attention import SIMULATED
 
 TPB = 64 if SIMULATED else 256
-# 40 registers: Numba's own choice (128) held the kernel to a quarter of the SM's warps. At 40,
-# ptxas spills 56-116 bytes a thread (T = 2, 3; it needs 56 unbounded, which allows 32 warps an
-# SM against 48): in the plans the kernel moves 1.5-1.7 TB/s (session 14's profile), so
-# STREAMGR_DECODER_ATTN_REGS (read when a kernel is first built) is there to A/B 40 and 56.
-_JIT = {} if SIMULATED else {"max_registers": int(os.environ.get("STREAMGR_DECODER_ATTN_REGS",
-                                                                 "40"))}
-ROWS = TPB // 32  # (beam, head) rows per block: a warp each, lanes over the pairs of d
+# 40 registers: Numba's own choice (128) held the kernel to a quarter of the SM's warps. This
+# kernel needs 32-40 (steps 0-2; ptxas for sm_90), so the cap spills nothing; the one before it
+# (a warp a row, 4-byte loads) needed 56 and spilled up to 116 bytes a thread at 40.
+_JIT = {} if SIMULATED else {"max_registers": 40}
+ROWS = TPB // 32  # warps per block: each serves two (beam, head) rows
+HALF = 16  # lanes per row, each over the quads (4 bf16) of d
+SLOTS = 2 * ROWS  # rows per block (a shared-memory shape must be a literal constant)
 
 if SIMULATED:  # kernels are Python there: bit casts through numpy
     def _as_float(bits):
@@ -48,16 +48,6 @@ else:
 
 
 @cuda.jit(device=True, inline=True)
-def _lo(pair):  # the first bf16 of a 32-bit pair (little-endian), as fp32
-    return _as_float((int64(pair) & 0xFFFF) << 16)
-
-
-@cuda.jit(device=True, inline=True)
-def _hi(pair):
-    return _as_float(int64(pair) & 0xFFFF0000)
-
-
-@cuda.jit(device=True, inline=True)
 def _bf16(x):  # fp32 -> bf16 bits, round to nearest even (finite inputs)
     u = _as_bits(x)
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
@@ -69,12 +59,12 @@ def _pack(a, b):
     return int32(v - (1 << 32) if v >= (1 << 31) else v)
 
 
-if SIMULATED:  # no warp shuffles in the simulator: the row's 32 partials through shared memory
+if SIMULATED:  # no warp shuffles in the simulator: the row's 16 partials through shared memory
     @cuda.jit(device=True)
     def _row_sum(x, red, r, lane):
         red[r, lane] = x
         cuda.syncthreads()
-        w = 16
+        w = HALF // 2
         while w > 0:
             if lane < w:
                 red[r, lane] += red[r, lane + w]
@@ -85,13 +75,25 @@ if SIMULATED:  # no warp shuffles in the simulator: the row's 32 partials throug
         return total
 else:
     @cuda.jit(device=True, inline=True)
-    def _row_sum(x, red, r, lane):  # butterfly over the warp: every lane gets the sum
-        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 16)
+    def _row_sum(x, red, r, lane):  # butterfly within the half-warp: its lanes get the sum
         x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 8)
         x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 4)
         x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 2)
         x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 1)
         return x
+
+
+@cuda.jit(device=True, inline=True)
+def _bf(quad, k):  # the k-th bf16 of a 64-bit quad (little-endian), as fp32
+    if k == 0:
+        return _as_float((int64(quad) & 0xFFFF) << 16)
+    return _as_float((int64(quad) >> (16 * k - 16)) & 0xFFFF0000)
+
+
+@cuda.jit(device=True, inline=True)
+def _dot4(a, b):
+    return _bf(a, 0) * _bf(b, 0) + _bf(a, 1) * _bf(b, 1) + _bf(a, 2) * _bf(b, 2) \
+        + _bf(a, 3) * _bf(b, 3)
 
 
 def _make_kernel(T: int):
@@ -102,41 +104,43 @@ def _make_kernel(T: int):
     step = T - 1
 
     @cuda.jit(**_JIT)
-    def kernel(q, kn, vn, K, V, anc, bias, H, out):
-        """q, kn, vn, out: [rows, P] int32 pairs (row = beam * H + head); K, V: [>= T, >= rows,
-        P]; anc [>= step, >= beams]: position p of beam b lies at row anc[p, b] * H + head."""
-        red = cuda.shared.array((ROWS, 32), float32)
-        lane = cuda.threadIdx.x % 32
-        r = cuda.threadIdx.x // 32
-        rows, P = q.shape[0], q.shape[1]
-        # Grid (beams / ROWS, heads): no integer division anywhere (Numba's are 64-bit, ~100
-        # instructions each, and they dominated a kernel this small). Loops step by hand for
-        # the same reason (a range with a step divides for its trip count).
+    def kernel(q, kn, vn, K, V, anc, bias, H, N, Q, out):
+        """q, kn, vn: [rows * Q] int64 quads of bf16 (row = beam * H + head, Q = d / 4); out:
+        [rows * 2Q] int32 pairs; K, V: [>= T, >= rows * Q] quads; anc [>= step, >= N]:
+        position p of beam b lies at row anc[p, b] * H + head. A half-warp per row: a warp
+        serves beams 2w and 2w + 1 of one head, each lane a quad. (With a warp a row and
+        4-byte loads, ~580 instructions a lane and row bounded it, by an estimate from its
+        PTX; this one issues ~480 a lane for two rows: docs/benchmarks.md, session 14.)"""
+        red = cuda.shared.array((SLOTS, HALF), float32)
+        # Bit operations, no integer division anywhere (Numba's are 64-bit, ~100 instructions
+        # each, and they dominated a kernel this small); loops step by hand for the same reason.
+        lane = cuda.threadIdx.x & (HALF - 1)
+        r = cuda.threadIdx.x >> 4  # this half-warp's row slot in the block
         h = cuda.blockIdx.y
-        beam = cuda.blockIdx.x * ROWS + r
-        i = beam * H + h
-        active = i < rows  # no early return: the simulator's reduction has block barriers
+        beam = cuda.blockIdx.x * SLOTS + r
+        active = beam < N  # no early return: the simulator's reduction has block barriers
+        base = (beam * H + h) * Q
         s = cuda.local.array(T, float32)
-        src = cuda.local.array(T, int64)  # each earlier position's row (parent pointers)
+        src = cuda.local.array(T, int64)  # each earlier position's row offset (parent pointers)
         for t in range(step):
-            src[t] = anc[t, beam] * H + h if active else 0
+            src[t] = (anc[t, beam] * H + h) * Q if active else 0
         # This lane's partial of every score first: the loads are independent, so they are
         # all in flight at once (a load, then a reduction, per key was latency-bound).
         for t in range(T):
             s[t] = float32(0.0)
         if active:
             j = lane
-            while j < P:
-                a = q[i, j]
+            while j < Q:
+                a = q[base + j]
                 for t in range(T):
                     if t == step:  # the new key: into the buffer as it is read
-                        b = kn[i, j]
-                        K[step, i, j] = b
-                        V[step, i, j] = vn[i, j]
+                        b = kn[base + j]
+                        K[step, base + j] = b
+                        V[step, base + j] = vn[base + j]
                     else:
-                        b = K[t, src[t], j]
-                    s[t] += _lo(a) * _lo(b) + _hi(a) * _hi(b)
-                j += 32
+                        b = K[t, src[t] + j]
+                    s[t] += _dot4(a, b)
+                j += HALF
         for t in range(T):
             s[t] = _row_sum(s[t], red, r, lane) + (bias[t, h] if active else float32(0.0))
         if not active:
@@ -148,18 +152,24 @@ def _make_kernel(T: int):
         for t in range(T):
             s[t] = math.exp(s[t] - m)
             z += s[t]
+        z = float32(1.0) / z  # one division, not T (a full-precision division is ~20 of them)
         for t in range(T):
-            s[t] = s[t] / z
+            s[t] = s[t] * z
         j = lane
-        while j < P:
+        while j < Q:
             o0 = float32(0.0)
             o1 = float32(0.0)
+            o2 = float32(0.0)
+            o3 = float32(0.0)
             for t in range(T):
-                v = vn[i, j] if t == step else V[t, src[t], j]
-                o0 += s[t] * _lo(v)
-                o1 += s[t] * _hi(v)
-            out[i, j] = _pack(o0, o1)
-            j += 32
+                v = vn[base + j] if t == step else V[t, src[t] + j]
+                o0 += s[t] * _bf(v, 0)
+                o1 += s[t] * _bf(v, 1)
+                o2 += s[t] * _bf(v, 2)
+                o3 += s[t] * _bf(v, 3)
+            out[2 * (base + j)] = _pack(o0, o1)
+            out[2 * (base + j) + 1] = _pack(o2, o3)
+            j += HALF
     return kernel
 
 
@@ -175,31 +185,28 @@ def _arr(t: torch.Tensor):
     return t.numpy() if SIMULATED else cuda.as_cuda_array(t, sync=False)
 
 
-def _pairs(t: torch.Tensor) -> torch.Tensor:
-    """A bf16 tensor (unit stride last) as int32 pairs of its last dimension."""
-    return t.view(torch.int32)
-
-
 def run(q, k_new, v_new, K, V, step: int, bias, anc=None):
+    """``self_attend_reference`` by the kernel: bf16, ``d % 4 == 0``, each position's K/V slab
+    contiguous (``decoder_attention.self_attend`` checks)."""
     N, H, d = q.shape
     T, M = K.shape[0], K.shape[1]
     out = torch.empty(N, H, d, dtype=q.dtype, device=q.device)
     # Rows (beam, head) flat: [M, H, d] slabs are contiguous inside each position.
-    args = [_pairs(x.contiguous().view(N * H, d)) for x in (q, k_new, v_new)]
-    args += [_pairs(x.view(T, M * H, d)) for x in (K, V)]  # a view (writes land), or raises
+    args = [x.contiguous().view(N * H * d).view(torch.int64) for x in (q, k_new, v_new)]
+    args += [x.view(T, M * H * d).view(torch.int64) for x in (K, V)]  # views: writes land
     if anc is None:  # every position's row is the beam's own
         anc = torch.arange(N, device=q.device).expand(max(step, 1), N)
     a = anc[:max(step, 1)].long().contiguous()
     b = bias.float().contiguous()
-    o = _pairs(out.view(N * H, d))
-    grid = (max(1, math.ceil(N / ROWS)), H)
+    o = out.view(N * H * d).view(torch.int32)
+    grid = (max(1, math.ceil(N / SLOTS)), H)
     if SIMULATED:  # the simulator moves only contiguous arrays: K/V go through copies
         kc, vc = args[3].contiguous(), args[4].contiguous()
         _kernel(step + 1)[grid, TPB](*(_arr(x) for x in args[:3] + [kc, vc, a]), _arr(b), H,
-                                     _arr(o))
+                                     N, d // 4, _arr(o))
         args[3].copy_(kc)
         args[4].copy_(vc)
         return out
     fn = _kernel(step + 1)[grid, TPB, _stream(torch.cuda.current_stream(q.device).cuda_stream)]
-    fn(*(_arr(x) for x in args + [a]), _arr(b), H, _arr(o))
+    fn(*(_arr(x) for x in args + [a]), _arr(b), H, N, d // 4, _arr(o))
     return out

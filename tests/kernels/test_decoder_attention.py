@@ -56,7 +56,7 @@ def test_numba_kernel_under_the_simulator():
     # (T, layers, rows, heads, d, step, seed): first/middle/last step, rows not a multiple of
     # the block (nor even: a half-warp idle), d of 3 quads (lanes idle), one head.
     cases = [(3, 2, 3, 3, 8, 0, 0), (3, 2, 3, 3, 8, 2, 1), (4, 1, 9, 1, 12, 1, 2),
-             (5, 3, 3, 1, 64, 4, 3)]
+             (5, 3, 3, 1, 64, 4, 3), (3, 1, 5, 2, 128, 1, 5)]  # d = 128: two quads a lane
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     p = subprocess.run([sys.executable, "-c", SIM.format(cases=cases)], env=env,
                        capture_output=True, text=True, timeout=600, cwd=root)

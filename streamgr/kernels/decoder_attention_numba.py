@@ -14,10 +14,11 @@ from __future__ import annotations
 import functools
 import math
 
-import numpy as np
 import torch
-from numba import cuda, float32, int32, int64
+from numba import cuda, float32, int64
 
+from .bf16_bits import pack as _pack
+from .bf16_bits import quad_bf as _bf
 from .decoder_attention import SIMULATED
 
 TPB = 64 if SIMULATED else 256
@@ -28,36 +29,6 @@ _JIT = {} if SIMULATED else {"max_registers": 40}
 ROWS = TPB // 32  # warps per block: each serves two (beam, head) rows
 HALF = 16  # lanes per row, each over the quads (4 bf16) of d
 SLOTS = 2 * ROWS  # rows per block (a shared-memory shape must be a literal constant)
-
-if SIMULATED:  # kernels are Python there: bit casts through numpy
-    def _as_float(bits):
-        return np.array([int(bits) & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0]
-
-    def _as_bits(x):
-        return int(np.array([x], dtype=np.float32).view(np.uint32)[0])
-else:
-    from numba.cuda import libdevice
-
-    @cuda.jit(device=True, inline=True)
-    def _as_float(bits):
-        return libdevice.int_as_float(int32(bits))
-
-    @cuda.jit(device=True, inline=True)
-    def _as_bits(x):
-        return int64(libdevice.float_as_int(x)) & 0xFFFFFFFF
-
-
-@cuda.jit(device=True, inline=True)
-def _bf16(x):  # fp32 -> bf16 bits, round to nearest even (finite inputs)
-    u = _as_bits(x)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-
-
-@cuda.jit(device=True, inline=True)
-def _pack(a, b):
-    v = (_bf16(b) << 16) | _bf16(a)
-    return int32(v - (1 << 32) if v >= (1 << 31) else v)
-
 
 if SIMULATED:  # no warp shuffles in the simulator: the row's 16 partials through shared memory
     @cuda.jit(device=True)
@@ -81,13 +52,6 @@ else:
         x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 2)
         x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 1)
         return x
-
-
-@cuda.jit(device=True, inline=True)
-def _bf(quad, k):  # the k-th bf16 of a 64-bit quad (little-endian), as fp32
-    if k == 0:
-        return _as_float((int64(quad) & 0xFFFF) << 16)
-    return _as_float((int64(quad) >> (16 * k - 16)) & 0xFFFF0000)
 
 
 @cuda.jit(device=True, inline=True)

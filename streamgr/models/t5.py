@@ -27,6 +27,7 @@ from ..kernels.decoder_attention import self_attend
 from ..kernels.encoder_bias import encoder_bias
 from ..kernels.t5_attention import encoder_attention, kernel_applies
 from ..kernels.head_lse import head_log_probs
+from ..kernels.rms_norm import rms_norm
 
 
 class T5Config(msgspec.Struct, kw_only=True):
@@ -90,8 +91,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused(x):  # one kernel; fp32 inside, rounded once
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if fused(x):  # one kernel; fp32 inside, rounded once (kernels/rms_norm.py)
+            return rms_norm(x, self.weight, self.eps)
         var = x.float().pow(2).mean(-1, keepdim=True)
         y = x.float() * torch.rsqrt(var + self.eps)
         return (self.weight * y.to(self.weight.dtype)) if self.weight.dtype != torch.float32 \
@@ -197,11 +198,10 @@ class FeedForward(nn.Module):
 
 
 def residual_linear(x: torch.Tensor, inp: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
-    """``x + lin(inp)``. Half precision on CUDA: one GEMM whose epilogue adds ``x`` (cuBLAS,
-    beta = 1; rounded once, from the fp32 accumulator), not a GEMM and an add kernel, written
-    over ``x`` (callers rebind it; out of place, ``addmm`` first copies ``x`` to its output: 32
-    D2D copies of ~7.6 us per gen-ref batch, session 14). fp32 and the CPU keep the two steps
-    (fp32 stays bit-equal to Hugging Face's)."""
+    """``x + lin(inp)``. Half precision on CUDA: one GEMM adding ``x`` in its epilogue (beta 1,
+    rounded once), written over ``x`` (callers rebind it; out of place ``addmm`` first copies
+    ``x``: 32 D2D copies of ~7.6 us a gen-ref batch, session 14). fp32 and the CPU keep the
+    two steps (fp32 stays bit-equal to Hugging Face's)."""
     if not fused(x):
         return x + lin(inp)
     inp2, w = inp.reshape(-1, inp.shape[-1]), lin.weight.t()

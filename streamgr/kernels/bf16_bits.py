@@ -1,0 +1,57 @@
+"""bf16 <-> fp32 by bits, for Numba CUDA kernels that read bf16 tensors as 32- or 64-bit words
+(torch's bf16 has no Numba type): bf16 -> fp32 is a 16-bit shift, fp32 -> bf16 rounds to
+nearest even as torch does. Under the simulator (``NUMBA_ENABLE_CUDASIM=1``) kernels run as
+Python, and the bit casts go through numpy."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from numba import cuda, int32, int64
+
+SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+if SIMULATED:
+    def as_float(bits):
+        return np.array([int(bits) & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0]
+
+    def as_bits(x):
+        return int(np.array([x], dtype=np.float32).view(np.uint32)[0])
+
+    def rsqrt(x):
+        return np.float32(1.0) / np.sqrt(np.float32(x))
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, inline=True)
+    def as_float(bits):
+        return libdevice.int_as_float(int32(bits))
+
+    @cuda.jit(device=True, inline=True)
+    def as_bits(x):
+        return int64(libdevice.float_as_int(x)) & 0xFFFFFFFF
+
+    @cuda.jit(device=True, inline=True)
+    def rsqrt(x):
+        return libdevice.rsqrtf(x)
+
+
+@cuda.jit(device=True, inline=True)
+def bf16(x):  # fp32 -> bf16 bits, round to nearest even (finite inputs)
+    u = as_bits(x)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+
+@cuda.jit(device=True, inline=True)
+def pack(a, b):
+    """Two fp32 as the int32 of their bf16 pair (``a`` the low half)."""
+    v = (bf16(b) << 16) | bf16(a)
+    return int32(v - (1 << 32) if v >= (1 << 31) else v)
+
+
+@cuda.jit(device=True, inline=True)
+def quad_bf(quad, k):  # the k-th bf16 of a 64-bit quad (little-endian), as fp32
+    if k == 0:
+        return as_float((int64(quad) & 0xFFFF) << 16)
+    return as_float((int64(quad) >> (16 * k - 16)) & 0xFFFF0000)

@@ -1,0 +1,42 @@
+"""T5's RMS norm for half-precision CUDA activations: ``x * rsqrt(mean(x^2) + eps) * w`` in
+fp32, rounded once. torch's fused ``F.rms_norm`` serves by default; ``STREAMGR_RMS_NORM=numba``
+takes the Numba CUDA kernel (``rms_norm_numba``: a warp a row, 4 bf16 per 64-bit load) for
+bf16 rows of a multiple of 4, to A/B the two: in gen-ref's plans torch's moved ~2.0-2.2 TB/s
+(48 launches, 0.445 ms a batch of 32; session 14). The reference below is the arithmetic both
+are held to.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import StreamgrError
+from .decoder_attention import SIMULATED, _numba_cuda
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    return (weight.float() * x.float() * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def numba_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and x.shape[-1] % 4 == 0 and weight.shape == x.shape[-1:]
+            and (SIMULATED or (x.is_cuda and weight.is_cuda and _numba_cuda())))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             impl: str | None = None) -> torch.Tensor:
+    """The fused path's norm: ``F.rms_norm``, or the Numba kernel where ``impl="numba"`` (or
+    ``STREAMGR_RMS_NORM=numba``) asks and it applies."""
+    if weight.shape != x.shape[-1:]:
+        raise StreamgrError(f"rms_norm: weight {tuple(weight.shape)} for rows of "
+                            f"{x.shape[-1]}")
+    impl = impl or os.environ.get("STREAMGR_RMS_NORM", "torch").lower()
+    if impl == "numba" and numba_applies(x, weight):
+        from . import rms_norm_numba as nb
+        return nb.run(x, weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)

@@ -1,0 +1,105 @@
+"""Numba CUDA kernel of ``rms_norm.rms_norm`` (its module docstring says when it runs).
+
+A warp per row, its lanes over the row's quads (4 bf16 in one 64-bit load): the sum of squares
+in fp32 (shuffles across the warp; shared memory in the simulator), one ``rsqrt``, then each
+element as ``w * x * rstd`` (the order of torch's layer-norm kernel) rounded to bf16 once. The
+row is read twice; the second read mostly hits L1. Runs on torch's current stream, no sync, so
+a CUDA graph captures it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from numba import cuda, float32
+
+from .bf16_bits import pack, quad_bf, rsqrt
+from .decoder_attention import SIMULATED
+
+TPB = 64 if SIMULATED else 256
+WARPS = TPB // 32  # rows per block
+_JIT = {} if SIMULATED else {"max_registers": 32}
+
+if SIMULATED:  # no warp shuffles in the simulator: the 32 partials through shared memory
+    @cuda.jit(device=True)
+    def _warp_sum(x, red, r, lane):
+        red[r, lane] = x
+        cuda.syncthreads()
+        w = 16
+        while w > 0:
+            if lane < w:
+                red[r, lane] += red[r, lane + w]
+            cuda.syncthreads()
+            w //= 2
+        total = red[r, 0]
+        cuda.syncthreads()
+        return total
+else:
+    @cuda.jit(device=True, inline=True)
+    def _warp_sum(x, red, r, lane):
+        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 16)
+        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 8)
+        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 4)
+        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 2)
+        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 1)
+        return x
+
+
+@cuda.jit(**_JIT)
+def _rms(x, w, eps, inv_d, rows, Q, out):
+    """x: [rows * Q] int64 quads of bf16; w: [Q] quads; out: [rows * 2Q] int32 pairs."""
+    red = cuda.shared.array((WARPS, 32), float32)
+    lane = cuda.threadIdx.x & 31
+    r = cuda.threadIdx.x >> 5
+    row = cuda.blockIdx.x * WARPS + r
+    active = row < rows  # no early return before the reduction (the simulator's barriers)
+    base = row * Q
+    ss = float32(0.0)
+    if active:
+        j = lane
+        while j < Q:
+            v = x[base + j]
+            a0, a1, a2, a3 = quad_bf(v, 0), quad_bf(v, 1), quad_bf(v, 2), quad_bf(v, 3)
+            ss += a0 * a0 + a1 * a1 + a2 * a2 + a3 * a3
+            j += 32
+    ss = _warp_sum(ss, red, r, lane)
+    if not active:
+        return
+    rstd = rsqrt(ss * inv_d + eps)
+    j = lane
+    while j < Q:
+        v, g = x[base + j], w[j]
+        out[2 * (base + j)] = pack(quad_bf(g, 0) * quad_bf(v, 0) * rstd,
+                                   quad_bf(g, 1) * quad_bf(v, 1) * rstd)
+        out[2 * (base + j) + 1] = pack(quad_bf(g, 2) * quad_bf(v, 2) * rstd,
+                                       quad_bf(g, 3) * quad_bf(v, 3) * rstd)
+        j += 32
+
+
+@functools.lru_cache(maxsize=64)
+def _stream(handle: int):
+    return cuda.external_stream(handle)
+
+
+def _arr(t: torch.Tensor):
+    return t.numpy() if SIMULATED else cuda.as_cuda_array(t, sync=False)
+
+
+def run(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    d = x.shape[-1]
+    rows = x.numel() // d if d else 0
+    xc = x.contiguous()
+    out = torch.empty_like(xc)
+    if rows == 0:
+        return out
+    args = (_arr(xc.view(-1).view(torch.int64)), _arr(weight.contiguous().view(torch.int64)),
+            float32(eps), float32(1.0 / d), rows, d // 4,
+            _arr(out.view(-1).view(torch.int32)))
+    grid = max(1, math.ceil(rows / WARPS))
+    if SIMULATED:
+        _rms[grid, TPB](*args)
+    else:
+        _rms[grid, TPB, _stream(torch.cuda.current_stream(x.device).cuda_stream)](*args)
+    return out

@@ -1,7 +1,8 @@
-"""bf16 <-> fp32 by bits, for Numba CUDA kernels that read bf16 tensors as 32- or 64-bit words
-(torch's bf16 has no Numba type): bf16 -> fp32 is a 16-bit shift, fp32 -> bf16 rounds to
-nearest even as torch does. Under the simulator (``NUMBA_ENABLE_CUDASIM=1``) kernels run as
-Python, and the bit casts go through numpy."""
+"""Device helpers of the Numba CUDA kernels that read bf16 tensors as 32- or 64-bit words
+(torch's bf16 has no Numba type): bf16 <-> fp32 by bits (a 16-bit shift one way, round to
+nearest even the other, as torch does) and sums across a row's lanes. Under the simulator
+(``NUMBA_ENABLE_CUDASIM=1``) kernels run as Python: bit casts go through numpy, and the sums
+through shared memory (it has no warp shuffles)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,34 @@ def quad_bf(quad, k):  # the k-th bf16 of a 64-bit quad (little-endian), as fp32
     if k == 0:
         return as_float((int64(quad) & 0xFFFF) << 16)
     return as_float((int64(quad) >> (16 * k - 16)) & 0xFFFF0000)
+
+
+def lane_sum(width: int):
+    """A device function ``(x, red, r, lane)``: the sum of ``x`` over the ``width`` (16 or
+    32) lanes of row slot ``r``, in every one of them. Shuffles within the row's lanes on the
+    GPU; through ``red[r, :width]`` (shared, fp32) with block barriers in the simulator, so
+    every thread of the block must call it (no early return before)."""
+    if SIMULATED:
+        @cuda.jit(device=True)
+        def total(x, red, r, lane):
+            red[r, lane] = x
+            cuda.syncthreads()
+            w = width // 2
+            while w > 0:
+                if lane < w:
+                    red[r, lane] += red[r, lane + w]
+                cuda.syncthreads()
+                w //= 2
+            out = red[r, 0]
+            cuda.syncthreads()  # all have read it before the next call overwrites it
+            return out
+        return total
+
+    @cuda.jit(device=True, inline=True)
+    def total(x, red, r, lane):  # a butterfly: every lane of the row gets the sum
+        w = width // 2
+        while w > 0:
+            x += cuda.shfl_xor_sync(0xFFFFFFFF, x, w)
+            w //= 2
+        return x
+    return total

@@ -17,6 +17,7 @@ import math
 import torch
 from numba import cuda, float32, int64
 
+from .bf16_bits import lane_sum
 from .bf16_bits import pack as _pack
 from .bf16_bits import quad_bf as _bf
 from .decoder_attention import SIMULATED
@@ -30,28 +31,7 @@ ROWS = TPB // 32  # warps per block: each serves two (beam, head) rows
 HALF = 16  # lanes per row, each over the quads (4 bf16) of d
 SLOTS = 2 * ROWS  # rows per block (a shared-memory shape must be a literal constant)
 
-if SIMULATED:  # no warp shuffles in the simulator: the row's 16 partials through shared memory
-    @cuda.jit(device=True)
-    def _row_sum(x, red, r, lane):
-        red[r, lane] = x
-        cuda.syncthreads()
-        w = HALF // 2
-        while w > 0:
-            if lane < w:
-                red[r, lane] += red[r, lane + w]
-            cuda.syncthreads()
-            w //= 2
-        total = red[r, 0]
-        cuda.syncthreads()  # all have read it before the next call overwrites it
-        return total
-else:
-    @cuda.jit(device=True, inline=True)
-    def _row_sum(x, red, r, lane):  # butterfly within the half-warp: its lanes get the sum
-        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 8)
-        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 4)
-        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 2)
-        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 1)
-        return x
+_row_sum = lane_sum(HALF)  # a row's 16 lanes
 
 
 @cuda.jit(device=True, inline=True)

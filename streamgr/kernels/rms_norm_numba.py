@@ -15,36 +15,14 @@ import math
 import torch
 from numba import cuda, float32
 
-from .bf16_bits import pack, quad_bf, rsqrt
+from .bf16_bits import lane_sum, pack, quad_bf, rsqrt
 from .decoder_attention import SIMULATED
 
 TPB = 64 if SIMULATED else 256
 WARPS = TPB // 32  # rows per block
 _JIT = {} if SIMULATED else {"max_registers": 32}
 
-if SIMULATED:  # no warp shuffles in the simulator: the 32 partials through shared memory
-    @cuda.jit(device=True)
-    def _warp_sum(x, red, r, lane):
-        red[r, lane] = x
-        cuda.syncthreads()
-        w = 16
-        while w > 0:
-            if lane < w:
-                red[r, lane] += red[r, lane + w]
-            cuda.syncthreads()
-            w //= 2
-        total = red[r, 0]
-        cuda.syncthreads()
-        return total
-else:
-    @cuda.jit(device=True, inline=True)
-    def _warp_sum(x, red, r, lane):
-        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 16)
-        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 8)
-        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 4)
-        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 2)
-        x += cuda.shfl_xor_sync(0xFFFFFFFF, x, 1)
-        return x
+_warp_sum = lane_sum(32)
 
 
 @cuda.jit(**_JIT)

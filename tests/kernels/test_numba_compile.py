@@ -1,0 +1,66 @@
+"""The Numba CUDA kernels built of inline device functions compile for sm_90 at the argument
+types they are launched with (NVRTC through ``cuda.compile_ptx``; nothing runs): the decoder
+self-attention and the RMS norm. The simulator tests check the kernels' logic, but the
+simulator runs Python: a kernel can pass there and not compile for the GPU (a shared-memory
+shape that is not a literal constant did, session 14). Where ``ptxas`` is on the PATH, their
+register caps are held to spilling nothing. (The selection kernels call non-inline device
+functions, which Numba links through the driver: they compile on a GPU machine only.)"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+cuda = pytest.importorskip("numba.cuda")
+from numba import types  # noqa: E402
+
+
+def _nvrtc_installed() -> bool:
+    """The test extra's NVRTC wheel is here: then a failure to compile fails, never skips."""
+    try:
+        importlib.metadata.version("nvidia-cuda-nvrtc")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+pytestmark = [
+    pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", reason="simulator"),
+    pytest.mark.skipif(not _nvrtc_installed(), reason="no NVRTC: pip install -e '.[test]'"),
+]
+A = lambda dt, nd, lay="C": types.Array(dt, nd, lay)  # noqa: E731
+i32, i64, f32 = types.int32, types.int64, types.float32
+
+
+def _ptxas_spills(ptx: str, tmp_path, max_registers: int) -> int | None:
+    """Bytes a thread spills per ptxas for sm_90 (None: no ptxas here)."""
+    if shutil.which("ptxas") is None:
+        return None
+    src = tmp_path / "k.ptx"
+    src.write_text(ptx)
+    p = subprocess.run(["ptxas", "-arch=sm_90", "-v", f"--maxrregcount={max_registers}",
+                        str(src), "-o", str(tmp_path / "k.cubin")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", p.stderr))
+
+
+@pytest.mark.parametrize("T", [1, 2, 3])
+def test_decoder_attention(T, tmp_path):
+    from streamgr.kernels import decoder_attention_numba as da
+    sig = (A(i64, 1), A(i64, 1), A(i64, 1), A(i64, 2, "A"), A(i64, 2, "A"), A(i64, 2),
+           A(f32, 2), i64, i64, i64, A(i32, 1))
+    ptx, _ = cuda.compile_ptx(da._make_kernel(T).py_func, sig, cc=(9, 0))
+    assert _ptxas_spills(ptx, tmp_path, da._JIT["max_registers"]) in (0, None)
+
+
+def test_rms_norm(tmp_path):
+    from streamgr.kernels import rms_norm_numba as rn
+    sig = (A(i64, 1), A(i64, 1), f32, f32, i64, i64, A(i32, 1))
+    ptx, _ = cuda.compile_ptx(rn._rms.py_func, sig, cc=(9, 0))
+    assert _ptxas_spills(ptx, tmp_path, rn._JIT["max_registers"]) in (0, None)

@@ -105,11 +105,12 @@ class Builder:
         runner = GenerateRunner(self.generate_version(self.spec))
         if self.spec.engine.refit_spare:
             runner.spare = self.spare_of(runner.active)
+        if self.spec.engine.refit_spare and self.staging.pin:
             # Pinned now, before serving, for an fp32 checkpoint of this model: pinning its
             # ~200 MB at the first refit held the driver ~150 ms beside serving (one
             # request's p99 12x, session 14). A larger checkpoint grows it then.
-            nbytes = sum(t.numel() for t in runner.active.model.state_dict().values()) * 4
-            self.staging.take(nbytes if self.device.type == "cuda" else 0)
+            state = runner.active.model.state_dict().values()
+            self.staging.take(4 * sum(t.numel() for t in state))
         return runner
 
     def spare_of(self, act: GenerateVersion) -> GenerateVersion:

@@ -82,6 +82,7 @@ class GenerateVersion:
                               max_length=self.max_context)
         self.search = BeamSearch(model, trie, spec.catalog.sid_policy, plans)
         self.item_ids, self.index, self._tokens = catalog_views(trie)
+        self._eos = np.array([model.cfg.eos_token_id])  # what ends each context
 
     def adopt_catalog(self, catalog, catalog_name: str, trie, views) -> None:
         """A catalog whose device tables were just written into this version's (``refit``)."""
@@ -123,8 +124,7 @@ class GenerateVersion:
         if bad.size:
             raise IdOutOfRange(f"`history` holds item {hist[bad[0]]}, not in the catalog "
                                f"(version {self.name})")
-        eos = np.array([self.model.cfg.eos_token_id])
-        tokens = np.concatenate([sids, eos]) if pol.append_eos or not sids.size else sids
+        tokens = np.concatenate([sids, self._eos]) if pol.append_eos or not sids.size else sids
         return PreparedGenerate(req.user_id, tokens, req.top_k, widths, req, self, exclude, mpp,
                                 self.trie.leaf_items, pol)
 

@@ -53,7 +53,7 @@ def self_attend_reference(q, k_new, v_new, K, V, step: int, bias, anc=None) -> t
 
 
 @functools.lru_cache(maxsize=None)
-def _numba_cuda() -> bool:
+def numba_cuda_available() -> bool:
     try:
         from numba import config, cuda
         # Small grids are by design here (a few requests' rows): Numba's per-launch
@@ -68,7 +68,8 @@ def usable(*tensors: torch.Tensor) -> bool:
     """The Numba kernel serves these tensors: bf16 on CUDA (or the simulator when asked)."""
     if os.environ.get("STREAMGR_KERNELS", "").lower() == "torch":
         return False
-    return all(t.is_cuda and t.dtype == torch.bfloat16 for t in tensors) and _numba_cuda()
+    return (all(t.is_cuda and t.dtype == torch.bfloat16 for t in tensors)
+            and numba_cuda_available())
 
 
 def self_attend(q, k_new, v_new, K, V, step: int, bias, anc=None, impl: str | None = None):

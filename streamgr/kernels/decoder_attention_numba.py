@@ -17,9 +17,10 @@ import math
 import torch
 from numba import cuda, float32, int64
 
-from .bf16_bits import lane_sum
-from .bf16_bits import pack as _pack
-from .bf16_bits import quad_bf as _bf
+from .numba_common import as_array as _arr
+from .numba_common import lane_sum, torch_stream
+from .numba_common import pack as _pack
+from .numba_common import quad_bf as _bf
 from .decoder_attention import SIMULATED
 
 TPB = 64 if SIMULATED else 256
@@ -120,13 +121,6 @@ def _make_kernel(T: int):
 _kernel = functools.lru_cache(maxsize=None)(_make_kernel)  # one compiled kernel per key count
 
 
-@functools.lru_cache(maxsize=64)
-def _stream(handle: int):
-    return cuda.external_stream(handle)
-
-
-def _arr(t: torch.Tensor):
-    return t.numpy() if SIMULATED else cuda.as_cuda_array(t, sync=False)
 
 
 def run(q, k_new, v_new, K, V, step: int, bias, anc=None):
@@ -151,6 +145,6 @@ def run(q, k_new, v_new, K, V, step: int, bias, anc=None):
         args[3].copy_(kc)
         args[4].copy_(vc)
         return out
-    fn = _kernel(step + 1)[grid, TPB, _stream(torch.cuda.current_stream(q.device).cuda_stream)]
+    fn = _kernel(step + 1)[grid, TPB, torch_stream(q.device)]
     fn(*(_arr(x) for x in args + [a]), _arr(b), H, N, d // 4, _arr(o))
     return out

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import StreamgrError
-from .decoder_attention import SIMULATED, _numba_cuda
+from .decoder_attention import SIMULATED, numba_cuda_available
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,7 +25,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 def numba_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
             and x.shape[-1] % 4 == 0 and weight.shape == x.shape[-1:]
-            and (SIMULATED or (x.is_cuda and weight.is_cuda and _numba_cuda())))
+            and (SIMULATED or (x.is_cuda and weight.is_cuda and numba_cuda_available())))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

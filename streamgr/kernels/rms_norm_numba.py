@@ -9,14 +9,12 @@ a CUDA graph captures it.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 from numba import cuda, float32
 
-from .bf16_bits import lane_sum, pack, quad_bf, rsqrt
-from .decoder_attention import SIMULATED
+from .numba_common import SIMULATED, as_array, lane_sum, pack, quad_bf, rsqrt, torch_stream
 
 TPB = 64 if SIMULATED else 256
 WARPS = TPB // 32  # rows per block
@@ -56,13 +54,6 @@ def _rms(x, w, eps, inv_d, rows, Q, out):
         j += 32
 
 
-@functools.lru_cache(maxsize=64)
-def _stream(handle: int):
-    return cuda.external_stream(handle)
-
-
-def _arr(t: torch.Tensor):
-    return t.numpy() if SIMULATED else cuda.as_cuda_array(t, sync=False)
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -72,12 +63,12 @@ def run(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(xc)
     if rows == 0:
         return out
-    args = (_arr(xc.view(-1).view(torch.int64)), _arr(weight.contiguous().view(torch.int64)),
-            float32(eps), float32(1.0 / d), rows, d // 4,
-            _arr(out.view(-1).view(torch.int32)))
+    quads = (as_array(t.view(-1).view(torch.int64)) for t in (xc, weight.contiguous()))
+    args = (*quads, float32(eps), float32(1.0 / d), rows, d // 4,
+            as_array(out.view(-1).view(torch.int32)))
     grid = max(1, math.ceil(rows / WARPS))
     if SIMULATED:
         _rms[grid, TPB](*args)
     else:
-        _rms[grid, TPB, _stream(torch.cuda.current_stream(x.device).cuda_stream)](*args)
+        _rms[grid, TPB, torch_stream(x.device)](*args)
     return out

@@ -8,7 +8,6 @@ radix select and its digit picks are in ``trie_topk_radix``.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -16,6 +15,7 @@ import torch
 from numba import cuda, float32, int32, int64, uint64
 
 from .head_lse import LogProbs
+from .numba_common import as_array, torch_stream
 from .trie_topk import CH, DIGIT, MAX_K, MID, S, SIMULATED, TPB, TS
 from .trie_topk_radix import ZERO, _pick, _select
 
@@ -261,13 +261,6 @@ def _final(k, KP, F, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws, sure,
           child, code)
 
 
-@functools.lru_cache(maxsize=64)
-def _stream(handle: int):
-    return cuda.external_stream(handle)
-
-
-def _arr(t: torch.Tensor):
-    return t.numpy() if SIMULATED else cuda.as_cuda_array(t, sync=False)
 
 
 def _log_probs(logp, a) -> tuple:
@@ -293,9 +286,9 @@ def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
     if SIMULATED:
         launch = lambda fn, grid: fn[grid, TPB]  # noqa: E731
     else:
-        stream = _stream(torch.cuda.current_stream(dev).cuda_stream)
+        stream = torch_stream(dev)
         launch = lambda fn, grid: fn[grid, TPB, stream]  # noqa: E731
-    a = _arr
+    a = as_array
     sc, nd = a(scores.float().contiguous()), a(nodes.contiguous())
     lp = _log_probs(logp, a)
     trie = (a(ptr), a(codes), off)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from streamgr.errors import StreamgrError
-from streamgr.kernels.rms_norm import rms_norm, rms_norm_reference
+from streamgr.kernels.rms_norm import rms_norm
 
 CASES = textwrap.dedent("""
     import torch
@@ -61,7 +61,6 @@ def test_what_the_kernel_does_not_take_goes_to_torch():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_numba_kernel_on_the_gpu_and_in_a_graph():
     ns: dict = {}
     exec(CASES, ns)

@@ -112,7 +112,6 @@ def test_device_copies_equal_per_tensor_moves_cpu(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_copies_equal_per_tensor_moves_cuda_from_pinned(tmp_path):
     stream = torch.cuda.Stream()  # off the default stream, as a refit's build runs
     with torch.cuda.stream(stream):

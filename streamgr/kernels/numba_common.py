@@ -1,17 +1,35 @@
-"""Device helpers of the Numba CUDA kernels that read bf16 tensors as 32- or 64-bit words
-(torch's bf16 has no Numba type): bf16 <-> fp32 by bits (a 16-bit shift one way, round to
-nearest even the other, as torch does) and sums across a row's lanes. Under the simulator
-(``NUMBA_ENABLE_CUDASIM=1``) kernels run as Python: bit casts go through numpy, and the sums
-through shared memory (it has no warp shuffles)."""
+"""What the Numba CUDA kernels share. On the host: torch tensors as Numba arrays without copies
+(``__cuda_array_interface__``, no stream sync, so a CUDA graph captures the launch) and torch's
+current stream as a Numba stream. On the device, for kernels that read bf16 tensors as 32- or
+64-bit words (torch's bf16 has no Numba type): bf16 <-> fp32 by bits (a 16-bit shift one way,
+round to nearest even the other, as torch does) and sums across a row's lanes. Under the
+simulator (``NUMBA_ENABLE_CUDASIM=1``) kernels run as Python: arrays are numpy's, bit casts go
+through numpy, and the sums through shared memory (it has no warp shuffles)."""
 
 from __future__ import annotations
 
-import os
+import functools
 
 import numpy as np
+import torch
 from numba import cuda, int32, int64
 
-SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+from .decoder_attention import SIMULATED
+
+
+def as_array(t: torch.Tensor):
+    """``t`` as the kernels' argument: a Numba device array view (numpy under the simulator)."""
+    return t.numpy() if SIMULATED else cuda.as_cuda_array(t, sync=False)
+
+
+@functools.lru_cache(maxsize=64)
+def _external(handle: int):
+    return cuda.external_stream(handle)
+
+
+def torch_stream(device):
+    """torch's current stream on ``device`` as a Numba stream (cached per handle)."""
+    return _external(torch.cuda.current_stream(device).cuda_stream)
 
 if SIMULATED:
     def as_float(bits):

@@ -97,7 +97,8 @@ class EngineSpec(_Section, kw_only=True):
     # plans) for weights refits to write into, so the first refit is in place too; without it
     # the first refit builds a whole version and captures its plans beside live traffic (the
     # p99 of a refit phase on the H200: docs/benchmarks.md). Costs a second copy of the
-    # weights and of the plans' memory.
+    # weights and of the plans' memory. Rank and generate: pins the host buffer checkpoint
+    # refits read into at start (CUDA), sized for an fp32 checkpoint.
     refit_spare: bool = False
 
     def __post_init__(self) -> None:

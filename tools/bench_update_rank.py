@@ -3,10 +3,13 @@ returning with growing histories, so the K/V cache is hot) while new weights arr
 ``--every`` s, against the same traffic with no refits. Reports p50/p99 with and without, the
 time from ``update()`` to cutover, and checks that cached K/V of older weights are never served:
 a sample of results is recomputed from scratch on the weights version stamped in each result
-and must match.
+and must match. ``--checkpoints N`` refits from N checkpoint directories (the engine's weights
+with noise, written before any timing) as production does; else each refit is an init seed
+(for rank-ref a seeded init is ~5-9 s of CPU random draws). An untimed warm-up phase first
+(rank plans captured, the cache filled).
 
   python tools/bench_update_rank.py --spec rank-small --rate 150 --seconds 10       # CPU
-  python tools/bench_update_rank.py --spec rank-ref --device cuda --rate 1000        # GPU
+  python tools/bench_update_rank.py --spec rank-ref --device cuda --rate 1000 --checkpoints 3
 """
 
 from __future__ import annotations
@@ -55,14 +58,35 @@ async def open_loop(eng, reqs, start: int, rate: float, seconds: float, rng) -> 
     return out
 
 
-async def refits(eng, every: float, seconds: float, rng, log: list) -> None:
+async def refits(eng, every: float, seconds: float, rng, log: list,
+                 checkpoints: list[str]) -> None:
+    """A refit every ``every`` s while the phase lasts (one that ends after it still counts)."""
     t_end = time.perf_counter() + seconds
     while time.perf_counter() + every < t_end:
         await asyncio.sleep(every)
         t0 = time.perf_counter()
-        vs = await eng.update(weights=int(rng.integers(1, 1 << 30)), keep_previous=False)
+        w = (checkpoints[len(log) % len(checkpoints)] if checkpoints
+             else int(rng.integers(1, 1 << 30)))
+        vs = await eng.update(weights=w, keep_previous=False)
         log.append({"cutover_ms": (time.perf_counter() - t0) * 1e3,
-                    "version": vs["rank"]["active"]})
+                    "version": vs["rank"]["active"], "in_phase": time.perf_counter() < t_end})
+
+
+def write_checkpoints(model, n: int, root: Path) -> list[str]:
+    """``n`` checkpoints of ``model``'s weights plus 5% noise (drawn on its device), written
+    before any timing."""
+    import torch
+    from streamgr.models.checkpoint import save_checkpoint
+    out = []
+    for i in range(n):
+        gen = torch.Generator(device=model.item_embedding.weight.device).manual_seed(1 + i)
+        state = {}
+        for k, v in model.state_dict().items():
+            f = v.float()
+            noise = torch.randn(f.shape, generator=gen, device=f.device, dtype=f.dtype)
+            state[k] = (f + 0.05 * (f.std() if f.numel() > 1 else 1.0) * noise).to(v.dtype)
+        out.append(str(save_checkpoint(state, model.cfg, root / f"refit{i}")))
+    return out
 
 
 def main() -> int:
@@ -76,6 +100,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=10.0, help="per phase")
     ap.add_argument("--every", type=float, default=0.6)
     ap.add_argument("--check", type=int, default=200, help="results recomputed and compared")
+    ap.add_argument("--checkpoints", type=int, default=0,
+                    help="refit from this many checkpoint directories (0: init seeds)")
     args = ap.parse_args()
     ov = parse_set_pairs(args.overrides)
     if args.device:
@@ -91,13 +117,19 @@ def main() -> int:
     eng = Engine.from_spec(args.spec, ov)
     log: list[dict] = []
 
+    tmp = tempfile.TemporaryDirectory()
+    ckpts = write_checkpoints(eng.runner.model, args.checkpoints, Path(tmp.name))
+
     async def run():
         async with eng:
             first = eng.versions()["rank"]["active"]
-            n = int(args.rate * args.seconds * 1.2)
-            calm = await open_loop(eng, reqs, 0, args.rate, args.seconds, rng)
+            warm = min(2.0, args.seconds)
+            n = int(args.rate * warm * 1.2)
+            await open_loop(eng, reqs, 0, args.rate, warm, rng)
+            calm = await open_loop(eng, reqs, n, args.rate, args.seconds, rng)
+            n += int(args.rate * args.seconds * 1.2)
             busy, _ = await asyncio.gather(open_loop(eng, reqs, n, args.rate, args.seconds, rng),
-                                           refits(eng, args.every, args.seconds, rng, log))
+                                           refits(eng, args.every, args.seconds, rng, log, ckpts))
             return first, calm, busy
     first, calm, busy = asyncio.run(run())
     known = {first} | {u["version"] for u in log}
@@ -114,13 +146,16 @@ def main() -> int:
     async def recompute():
         nonlocal mismatched
         for version, rs in by_version.items():
-            seed = int(re.search(r"seed:(\d+)", version).group(1))
-            async with Engine.from_spec(args.spec, {**ov, "model.init_seed": seed,
+            m = re.search(r"seed:(\d+)|ckpt:(.+)$", version)
+            weights = ({"model.init_seed": int(m.group(1))} if m.group(1) else
+                       {"model.checkpoint": m.group(2), "model.init_seed": None})
+            async with Engine.from_spec(args.spec, {**ov, **weights,
                                                     "cache.mode": "recompute"}) as ref:
                 for r in rs:
                     want = (await ref.rank(reqs[r["i"]])).scores
                     mismatched += not np.allclose(r["scores"], want, rtol=2e-3, atol=2e-4)
     asyncio.run(recompute())
+    tmp.cleanup()
     def hit_ratio(rs):
         return sum(r["gpu"] + r["host"] for r in rs) / max(sum(r["hist"] for r in rs), 1)
     hit = hit_ratio(ok)
@@ -129,7 +164,9 @@ def main() -> int:
     lat_b = [r["ms"] for r in ok]
     cut = [u["cutover_ms"] for u in log]
     print(f"spec {args.spec} on {eng.device}: {args.rate:g} req/s offered, {args.seconds:g} s per "
-          f"phase, a refit every {args.every:g} s ({len(log)} refits)")
+          f"phase, a refit every {args.every:g} s from "
+          f"{f'{len(ckpts)} checkpoints' if ckpts else 'init seeds'} ({len(log)} refits, "
+          f"{sum(u['in_phase'] for u in log)} cut over inside the phase)")
     print(f"{'phase':<12}{'requests':>10}{'p50 ms':>10}{'p99 ms':>10}")
     print(f"{'no refits':<12}{len(calm):>10}{pct(lat_c, 50):>10.2f}{pct(lat_c, 99):>10.2f}")
     print(f"{'refits':<12}{len(busy):>10}{pct(lat_b, 50):>10.2f}{pct(lat_b, 99):>10.2f}")

@@ -43,7 +43,9 @@ class Builder:
         self.versions = 0  # generate versions built (g1, g2, ...)
 
     def ranker(self, model_spec):
-        model, source = build_ranker(model_spec, self.device, self.dtype)
+        model, source = build_ranker(model_spec, self.device, self.dtype, self.staging)
+        if self.loads == 0 and self.spec.engine.refit_spare:
+            self._pin_for(model)
         self.loads += 1
         return model, f"{self.loads}:{source}"
 
@@ -105,13 +107,16 @@ class Builder:
         runner = GenerateRunner(self.generate_version(self.spec))
         if self.spec.engine.refit_spare:
             runner.spare = self.spare_of(runner.active)
-        if self.spec.engine.refit_spare and self.staging.pin:
-            # Pinned now, before serving, for an fp32 checkpoint of this model: pinning its
-            # ~200 MB at the first refit held the driver ~150 ms beside serving (one
-            # request's p99 12x, session 14). A larger checkpoint grows it then.
-            state = runner.active.model.state_dict().values()
-            self.staging.take(4 * sum(t.numel() for t in state))
+        if self.spec.engine.refit_spare:
+            self._pin_for(runner.active.model)
         return runner
+
+    def _pin_for(self, model) -> None:
+        """Pin the refit buffer now, before serving, for an fp32 checkpoint of ``model``:
+        pinning gen-ref's ~200 MB at the first refit held the driver ~150 ms beside serving
+        (one request's p99 12x, session 14). A larger checkpoint grows it then."""
+        if self.staging.pin:
+            self.staging.take(4 * sum(t.numel() for t in model.state_dict().values()))
 
     def spare_of(self, act: GenerateVersion) -> GenerateVersion:
         """A version sharing ``act``'s catalog, trie and policy with its own copy of the

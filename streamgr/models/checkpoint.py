@@ -13,7 +13,7 @@ from pathlib import Path
 
 import msgspec
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import CheckpointError
@@ -39,14 +39,17 @@ def decode_config(raw: dict, cls: type, source: str):
         raise CheckpointError(f"{source}: {err}") from None
 
 
-def load_weights(model: nn.Module, directory: str | Path) -> nn.Module:
+def load_weights(model: nn.Module, directory: str | Path, device=None, dtype=None,
+                 staging: HostStaging | None = None) -> nn.Module:
+    """``directory``'s weights into ``model``, each tensor's name and shape checked against it
+    (the first mismatch named). Without ``device``: copied into ``model``'s parameters. With
+    ``device`` (``model`` may then live on the meta device, never initialized): the file's
+    bytes cross as one copy (``device_copies``, from ``staging``'s pinned buffer) and the
+    parameters become those tensors, in ``dtype`` (default: the file's)."""
     path = Path(directory) / WEIGHTS_FILE
     if not path.is_file():
         raise CheckpointError(f"{directory}: no {WEIGHTS_FILE}")
-    try:
-        tensors = load_file(str(path))
-    except Exception as err:  # safetensors raises its own error types for corrupt files
-        raise CheckpointError(f"{path}: unreadable: {err}") from None
+    tensors, buf = read_safetensors(path, staging)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors))
     if missing:
@@ -60,15 +63,23 @@ def load_weights(model: nn.Module, directory: str | Path) -> nn.Module:
         if tuple(got.shape) != tuple(want.shape):
             raise CheckpointError(f"{path}: tensor `{name}` has shape {tuple(got.shape)}, "
                                   f"config.json implies {tuple(want.shape)}")
-    model.load_state_dict(tensors)
+    if device is None:
+        model.load_state_dict(tensors)
+    else:
+        dtypes = {k: dtype or t.dtype for k, t in tensors.items()}
+        model.load_state_dict(device_copies(tensors, buf, device, dtypes, staging), assign=True)
     return model
 
 
-def save_checkpoint(model: nn.Module, config: msgspec.Struct, directory: str | Path) -> Path:
+def save_checkpoint(model: nn.Module | dict, config: msgspec.Struct,
+                    directory: str | Path) -> Path:
+    """``model`` (a module or its state dict, on any device) and its config as a checkpoint
+    directory."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(json.dumps(msgspec.to_builtins(config), indent=2) + "\n")
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    tensors = model if isinstance(model, dict) else model.state_dict()
+    state = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     save_file(state, str(out / WEIGHTS_FILE))
     return out
 

@@ -124,3 +124,34 @@ def test_checkpoint_roundtrip_and_errors(tmp_path):
         load_weights(bigger, tmp_path / "m")
     with pytest.raises(CheckpointError, match="no model.safetensors"):
         load_weights(fresh, tmp_path)
+
+
+def test_build_ranker_from_checkpoint_never_aliases_the_refit_buffer(tmp_path):
+    """A checkpoint read into the engine's reused staging buffer becomes the model's own
+    tensors: a later read into that buffer leaves the first model's weights as they were."""
+    from streamgr.config import ModelSpec
+    from streamgr.models import build_ranker
+    from streamgr.models.checkpoint import HostStaging
+    sizes = {k: getattr(CFG, k) for k in ("num_layers", "model_dim", "num_heads", "head_dim",
+                                          "num_items", "num_actions", "max_history",
+                                          "max_candidates")}
+    for seed in (4, 5):
+        save_checkpoint(HSTU(CFG).init_random(seed), CFG, tmp_path / f"m{seed}")
+    staging = HostStaging(pin=False)
+    dev = torch.device("cpu")
+    a, va = build_ranker(ModelSpec(checkpoint=str(tmp_path / "m4"), init_seed=None, **sizes),
+                         dev, torch.bfloat16, staging)
+    b, _ = build_ranker(ModelSpec(checkpoint=str(tmp_path / "m5"), init_seed=None, **sizes),
+                        dev, torch.bfloat16, staging)
+    seeded, vs = build_ranker(ModelSpec(init_seed=4, **sizes), dev, torch.bfloat16)
+    assert va.startswith("ckpt:") and vs == "seed:4"
+    for (name, p), q, r in zip(a.state_dict().items(), seeded.state_dict().values(),
+                               b.state_dict().values()):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, q), name
+        assert not torch.equal(p, r), name
+    # a truncated file is a CheckpointError naming where it ends
+    f = tmp_path / "m5" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="truncated"):
+        build_ranker(ModelSpec(checkpoint=str(tmp_path / "m5"), init_seed=None, **sizes), dev,
+                     torch.bfloat16, staging)

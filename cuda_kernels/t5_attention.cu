@@ -12,7 +12,8 @@
 // FlashAttention-2's forward, on mma.sync m16n8k16 (the fragment code of hstu_attention.cu):
 // a block owns BM = 128 query rows of one (request, head), 4 warps x 2 m-tiles of 16 rows;
 // K/V tiles of BN = 64 keys arrive by cp.async, two stages deep, into padded shared rows; S
-// stays in registers, the online softmax runs there in the log2 domain (one exp2 per score),
+// stays in registers, the online softmax runs there in the log2 domain (one exp2 per score;
+// the distances are stored pre-scaled, so a score costs one FMA before its max),
 // P is repacked in registers as the A operand of O += P V. Each row's sum of P stays a
 // per-thread partial until the end. The output is written as [R, S, H, D] rows, the layout the
 // output projection reads, so no transpose copy follows.
@@ -77,8 +78,8 @@ __global__ void __launch_bounds__(128, 2) t5_attn_fwd(
     const int base = S - q0 - BM;  // table index of tb[0]
     for (int x = tid; x < BM + SR; x += 128) {
         const int ti = x + base;
-        tb[x] = (ti >= 0 && ti < 2 * S - 1) ? __bfloat162float(__float2bfloat16_rn(th[ti]))
-                                            : 0.0f;
+        tb[x] = (ti >= 0 && ti < 2 * S - 1)
+                    ? __bfloat162float(__float2bfloat16_rn(th[ti])) * LOG2E : 0.0f;
     }
     for (int j = tid; j < SR; j += 128)
         kadd[j] = (j < S && keep[(long long)r * S + j]) ? 0.0f : neg_inf();
@@ -142,20 +143,33 @@ __global__ void __launch_bounds__(128, 2) t5_attn_fwd(
             }
         }
         // Bias, mask, online softmax (log2 domain) per row half hl (rows g and g + 8).
+        // Score (li, j) needs tb[j - li + BM - 1]; for this thread j - li = B0 + 8 a + e with
+        // a = n - 2 m - hl in [-(2 MT - 1), BN / 8 - 1] and e in {0, 1}: 2 (BN / 8 + 2 MT - 1)
+        // distinct distances per tile (22), read once, not once per score (64: the shared
+        // loads outnumbered the MMAs). The key mask is per column: BN / 4 values.
         const int kb = kt * BN;
+        constexpr int NA = BN / 8 + 2 * MT - 1;
+        const int B0 = kb + 2 * t - wrow - g + BM - 1 - 8 * (2 * MT - 1);
+        float bias[NA][2], madd[BN / 8][2];
+#pragma unroll
+        for (int a = 0; a < NA; ++a) bias[a][0] = tb[B0 + 8 * a], bias[a][1] = tb[B0 + 8 * a + 1];
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) {
+            const float2 kv = *reinterpret_cast<const float2*>(kadd + kb + n * 8 + 2 * t);
+            madd[n][0] = kv.x, madd[n][1] = kv.y;
+        }
 #pragma unroll
         for (int m = 0; m < MT; ++m)
 #pragma unroll
             for (int hl = 0; hl < 2; ++hl) {
-                const int li = wrow + m * 16 + g + hl * 8;  // local row
                 float mx = neg_inf();
 #pragma unroll
                 for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int j = kb + n * 8 + 2 * t + e;
-                        const float s = (Sc[m][n][hl * 2 + e] + tb[j - li + BM - 1] + kadd[j])
-                                        * LOG2E;
+                        // distances are pre-scaled by log2(e) (tb below)
+                        const float s = fmaf(Sc[m][n][hl * 2 + e], LOG2E,
+                                             bias[n - 2 * m - hl + 2 * MT - 1][e] + madd[n][e]);
                         Sc[m][n][hl * 2 + e] = s;
                         mx = fmaxf(mx, s);
                     }

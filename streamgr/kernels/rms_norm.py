@@ -17,6 +17,9 @@ from ..errors import StreamgrError
 from .decoder_attention import SIMULATED, numba_cuda_available
 
 
+MAX_D = 1024  # the Numba kernel holds a row in its warp's registers: 8 quads a lane at most
+
+
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     var = x.float().pow(2).mean(-1, keepdim=True)
     return (weight.float() * x.float() * torch.rsqrt(var + eps)).to(x.dtype)
@@ -24,7 +27,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 def numba_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-            and x.shape[-1] % 4 == 0 and weight.shape == x.shape[-1:]
+            and x.shape[-1] % 4 == 0 and x.shape[-1] <= MAX_D and weight.shape == x.shape[-1:]
             and (SIMULATED or (x.is_cuda and weight.is_cuda and numba_cuda_available())))
 
 

@@ -61,6 +61,8 @@ def test_decoder_attention(T, tmp_path):
 
 def test_rms_norm(tmp_path):
     from streamgr.kernels import rms_norm_numba as rn
-    sig = (A(i64, 1), A(i64, 1), f32, f32, i64, i64, A(i32, 1))
-    ptx, _ = cuda.compile_ptx(rn._rms.py_func, sig, cc=(9, 0))
-    assert _ptxas_spills(ptx, tmp_path, rn._JIT["max_registers"]) in (0, None)
+    sig = (A(i64, 1), A(i64, 1), f32, f32, i64, i64, A(i64, 1))
+    for qpl in (1, 4, 8):  # gen-ref's rows of 512 are 4 quads a lane
+        ptx, _ = cuda.compile_ptx(rn._make_kernel(qpl).py_func, sig, cc=(9, 0))
+        assert ".local" not in ptx  # the held quads are registers, not local memory
+        assert _ptxas_spills(ptx, tmp_path, rn._JIT["max_registers"]) in (0, None)

@@ -45,7 +45,7 @@ def test_numba_kernel_under_the_simulator():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # (rows, d, seed): rows not a multiple of a block's warps, one quad a row, several quads a
     # lane (d past 4 x 32)
-    cases = [(3, 8, 0), (5, 4, 1), (2, 144, 2)]
+    cases = [(3, 8, 0), (5, 4, 1), (2, 144, 2), (9, 512, 3)]
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     p = subprocess.run([sys.executable, "-c", SIM.format(cases=cases)], env=env,
                        capture_output=True, text=True, timeout=600, cwd=root)

@@ -141,7 +141,7 @@ def main() -> int:
     by_version: dict[str, list] = {}
     for r in sample:
         by_version.setdefault(r["version"], []).append(r)
-    mismatched = 0
+    mismatched, worst = 0, []
 
     async def recompute():
         nonlocal mismatched
@@ -153,7 +153,11 @@ def main() -> int:
                                                     "cache.mode": "recompute"}) as ref:
                 for r in rs:
                     want = (await ref.rank(reqs[r["i"]])).scores
-                    mismatched += not np.allclose(r["scores"], want, rtol=2e-3, atol=2e-4)
+                    bad = not np.allclose(r["scores"], want, rtol=2e-3, atol=2e-4)
+                    mismatched += bad
+                    if bad and len(worst) < 5:  # what a mismatch looks like, to tell causes
+                        worst.append(f"{version} hit {r['gpu'] + r['host']}/{r['hist']}: "
+                                     f"max |diff| {np.abs(np.asarray(r['scores']) - want).max():.3g}")
     asyncio.run(recompute())
     tmp.cleanup()
     def hit_ratio(rs):
@@ -177,6 +181,8 @@ def main() -> int:
           f" without (target <= 1.2); {len(sample)} results recomputed on their stamped version: "
           f"{mismatched} mismatched; unknown-version answers {unknown}; failed {errors} "
           f"(targets 0)")
+    for w in worst:
+        print(f"  mismatched: {w}")
     return 0 if mismatched == unknown == errors == 0 else 1
 
 

@@ -153,6 +153,9 @@ class RankPlans:
         self.entries.clear()
         self._broken.clear()
         self._ws.clear()
+        # The dropped graphs released their pool; capturing into its id again failed an
+        # allocator assert (use_count > 0) on the first capture after each rank refit.
+        self.pool = None
         if model is not None:
             self.model = model
 

@@ -1,9 +1,10 @@
 """T5's RMS norm for half-precision CUDA activations: ``x * rsqrt(mean(x^2) + eps) * w`` in
-fp32, rounded once. torch's fused ``F.rms_norm`` serves by default; ``STREAMGR_RMS_NORM=numba``
-takes the Numba CUDA kernel (``rms_norm_numba``: a warp a row, 4 bf16 per 64-bit load) for
-bf16 rows of a multiple of 4, to A/B the two: in gen-ref's plans torch's moved ~2.0-2.2 TB/s
-(48 launches, 0.445 ms a batch of 32; session 14). The reference below is the arithmetic both
-are held to.
+fp32, rounded once. The Numba CUDA kernel (``rms_norm_numba``: a warp a row, 4 bf16 per 64-bit
+load, the row held in registers) serves bf16 rows of a multiple of 4 up to ``MAX_D``; torch's
+fused ``F.rms_norm`` everything else, or all of it with ``STREAMGR_RMS_NORM=torch`` (A/B runs).
+In gen-ref's plans the 48 norms of a batch of 32 took 0.445 ms with torch's kernel and 0.337 ms
+with this one (session 15, docs/benchmarks.md). The reference below is the arithmetic both are
+held to.
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ def numba_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              impl: str | None = None) -> torch.Tensor:
-    """The fused path's norm: ``F.rms_norm``, or the Numba kernel where ``impl="numba"`` (or
-    ``STREAMGR_RMS_NORM=numba``) asks and it applies."""
+    """The fused path's norm: the Numba kernel where it applies (``impl`` or
+    ``STREAMGR_RMS_NORM``: "numba", the default, or "torch"), else ``F.rms_norm``."""
     if weight.shape != x.shape[-1:]:
         raise StreamgrError(f"rms_norm: weight {tuple(weight.shape)} for rows of "
                             f"{x.shape[-1]}")
-    impl = impl or os.environ.get("STREAMGR_RMS_NORM", "torch").lower()
+    impl = impl or os.environ.get("STREAMGR_RMS_NORM", "numba").lower()
     if impl == "numba" and numba_applies(x, weight):
         from . import rms_norm_numba as nb
         return nb.run(x, weight, eps)

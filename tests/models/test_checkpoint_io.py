@@ -57,6 +57,29 @@ def test_unaligned_offsets_are_copied_not_misread(tmp_path):
     assert torch.equal(got["x"], x) and torch.equal(got["y"], y)
 
 
+def test_tensors_start_aligned_in_the_buffer(tmp_path):
+    """The format packs tensors back to back: after a one-element bf16 (rank's head bias)
+    every later tensor sits 2 bytes off 16 in the file. In the buffer each starts at a
+    multiple of ``ALIGN`` (the GPU kernels' vector loads need 16), with its values."""
+    from streamgr.models.checkpoint import ALIGN
+    want = {"a.bias": torch.tensor([0.5], dtype=torch.bfloat16),
+            "b.weight": torch.randn(3, 8).to(torch.bfloat16),
+            "c.weight": torch.randn(5).to(torch.bfloat16), "d": torch.randn(4, 4)}
+    save_file(want, str(tmp_path / "m.safetensors"))
+    got, buf = read_safetensors(tmp_path / "m.safetensors", HostStaging(pin=False))
+    for k, t in want.items():
+        assert (got[k].data_ptr() - buf.data_ptr()) % ALIGN == 0, k
+        assert torch.equal(got[k], t), k
+
+
+def test_overlapping_tensors_are_refused(tmp_path):
+    _raw_file(tmp_path / "o.safetensors",
+              {"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+               "y": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8))
+    with pytest.raises(CheckpointError, match="overlaps"):
+        read_safetensors(tmp_path / "o.safetensors")
+
+
 @pytest.mark.parametrize("case", ["truncated", "header_past_end", "offsets_past_end",
                                   "shape_mismatch", "unknown_dtype", "not_json", "not_object",
                                   "empty_file"])

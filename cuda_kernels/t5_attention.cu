@@ -11,7 +11,7 @@
 //
 // FlashAttention-2's forward, on mma.sync m16n8k16 (the fragment code of hstu_attention.cu):
 // a block owns BM = 128 query rows of one (request, head), 4 warps x 2 m-tiles of 16 rows;
-// K/V tiles of BN = 64 keys arrive by cp.async, two stages deep, into padded shared rows; S
+// K/V tiles of BN = 64 keys arrive by cp.async, T5_STAGES deep, into padded shared rows; S
 // stays in registers, the online softmax runs there in the log2 domain (one exp2 per score;
 // the distances are stored pre-scaled, so a score costs one FMA before its max),
 // P is repacked in registers as the A operand of O += P V. Each row's sum of P stays a
@@ -31,7 +31,11 @@ constexpr int MT = 2;                // 16-row m-tiles per warp
 constexpr int WARPS = 4;
 constexpr int BM = 16 * MT * WARPS;  // query rows per block
 constexpr int BN = 64;               // keys per tile
-constexpr int STAGES = 2;
+#ifndef T5_STAGES
+#define T5_STAGES 2
+#endif
+constexpr int STAGES = T5_STAGES;    // K/V tiles in flight (2 or 3; the wrapper's smem_bytes)
+static_assert(STAGES == 2 || STAGES == 3, "two or three K/V stages");
 constexpr float LOG2E = 1.4426950408889634f;
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -220,12 +224,18 @@ __global__ void __launch_bounds__(128, 2) t5_attn_fwd(
     };
 
     const int ntiles = SR / BN;
-    load_kv(0, 0);
-    cp_async_commit();
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {  // tiles 0 .. STAGES - 2 in flight
+        if (st < ntiles) load_kv(st, st);
+        cp_async_commit();
+    }
     for (int kt = 0; kt < ntiles; ++kt) {
         cp_async_wait<STAGES - 2>();
-        __syncthreads();  // tile kt (and Q, the distances, the mask) landed for all
-        if (kt + 1 < ntiles) load_kv((kt + 1) % STAGES, kt + 1);
+        // tile kt (and Q, the distances, the mask) landed for all, and every warp is done
+        // with tile kt - 1, whose stage the load below refills
+        __syncthreads();
+        const int nk = kt + STAGES - 1;
+        if (nk < ntiles) load_kv(nk % STAGES, nk);
         cp_async_commit();
         if (active) tile_step(Ks + (kt % STAGES) * BN * SP, Vs + (kt % STAGES) * BN * SP, kt);
     }

@@ -10,7 +10,7 @@ from ..cache import HistoryStore, KVCacheManager
 from ..cache.store import KVStores
 from ..errors import StreamgrError
 from ..models import build_ranker
-from ..models.checkpoint import HostStaging
+from ..models.checkpoint import HostStaging, fp32_checkpoint_bytes
 from .cached_rank import CachedRankRunner
 from .generate import GenerateRunner, GenerateVersion, WeightsOnly
 from .preflight import check_cache_memory
@@ -116,7 +116,7 @@ class Builder:
         pinning gen-ref's ~200 MB at the first refit held the driver ~150 ms beside serving
         (one request's p99 12x, session 14). A larger checkpoint grows it then."""
         if self.staging.pin:
-            self.staging.take(4 * sum(t.numel() for t in model.state_dict().values()))
+            self.staging.take(fp32_checkpoint_bytes(model.state_dict().values()))
 
     def spare_of(self, act: GenerateVersion) -> GenerateVersion:
         """A version sharing ``act``'s catalog, trie and policy with its own copy of the

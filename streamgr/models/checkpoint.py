@@ -137,6 +137,13 @@ class HostStaging:
 ALIGN = 256  # bytes: every tensor's start in the host buffer (and so on the device)
 
 
+def fp32_checkpoint_bytes(tensors) -> int:
+    """The buffer ``read_safetensors`` fills for an fp32 checkpoint of ``tensors`` (each
+    tensor's bytes rounded up to ``ALIGN``): what a refit buffer pinned ahead must hold, or
+    the first refit pins a new one beside serving."""
+    return sum(-(-4 * t.numel() // ALIGN) * ALIGN for t in tensors)
+
+
 def read_safetensors(path: str | Path, staging: HostStaging | None = None):
     """(tensors, buffer) of a ``.safetensors`` file: every tensor a view of one host byte
     buffer (``staging``'s, else a new one) filled by ``readinto``, which lets the GIL go for

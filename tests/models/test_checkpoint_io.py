@@ -139,3 +139,18 @@ def test_device_copies_equal_per_tensor_moves_cuda_from_pinned(tmp_path):
     stream = torch.cuda.Stream()  # off the default stream, as a refit's build runs
     with torch.cuda.stream(stream):
         _check_device_copies(tmp_path, torch.device("cuda"), pin=True)
+
+
+def test_a_buffer_sized_ahead_holds_an_fp32_checkpoint(tmp_path):
+    """The refit buffer an engine pins at start (``fp32_checkpoint_bytes``) holds an fp32
+    checkpoint of its model as ``read_safetensors`` lays it out (each tensor at an ``ALIGN``
+    boundary): the first refit reads into it instead of pinning a bigger one beside serving
+    (session 15: sized by the file's bytes alone, it was 0.3% short and re-pinned)."""
+    from streamgr.models.checkpoint import fp32_checkpoint_bytes
+    want = {k: t.float() for k, t in _tensors(5).items() if t.is_floating_point()}
+    want.update({"one": torch.tensor([1.0]), "odd": torch.randn(3, 7)})
+    save_file(want, str(tmp_path / "m.safetensors"))
+    staging = HostStaging(pin=False)
+    ahead = staging.take(fp32_checkpoint_bytes(want.values()))
+    _, buf = read_safetensors(tmp_path / "m.safetensors", staging)
+    assert buf.data_ptr() == ahead.data_ptr() and staging._buf.numel() == ahead.numel()

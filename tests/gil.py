@@ -5,6 +5,7 @@ interval per release; docs/benchmarks.md, sessions 13-14)."""
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 
@@ -16,6 +17,12 @@ def rounds_that_let_the_gil_go(call, rounds: int) -> list[int]:
     (at 0.1 s, CI's parallel workers stretched them past it); a release still lets it run at
     once, and costs up to the interval to get the GIL back, so rounds stop after two did."""
     count, stop = [0], threading.Event()
+    # Earlier tests' garbage (engines with threads, sockets) collected during a round runs
+    # finalizers that let the GIL go (a join, a close): collected now, and no collection
+    # while the rounds run (a suite run failed on two such rounds, session 15).
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
 
     def spin():
         while not stop.is_set():
@@ -36,6 +43,8 @@ def rounds_that_let_the_gil_go(call, rounds: int) -> list[int]:
         stop.set()
         th.join()
         sys.setswitchinterval(old)
+        if was_enabled:
+            gc.enable()
     return advanced
 
 

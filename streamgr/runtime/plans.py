@@ -7,8 +7,8 @@ the device; so ``BeamSearch.search`` is captured whole, per shape, and a batch c
 its inputs, one graph launch and a read-back. In eager mode the same batch is ~1,000 kernel
 launches from Python, which made the host, not the device, the bound (docs/benchmarks.md).
 
-Shapes are bucketed so a few plans serve all traffic: rows to a power of two (or the engine's
-``max_batch``), idle rows given one EOS token and width 0 (their beams are -inf from the first
+Shapes are bucketed so a few plans serve all traffic: rows to a power of two or 1.5x one (or
+the engine's ``max_batch``; ``bucket_rows``), idle rows given one EOS token and width 0 (their beams are -inf from the first
 step and cannot reach the answer); encoder length to a multiple of ``length_step`` (the last
 bucket ending at the longest context the policy allows), the padding masked. A request's
 result does not depend on its neighbours, so the padding changes nothing.
@@ -40,9 +40,17 @@ def aligned_length(n: int) -> int:
 
 
 def bucket_rows(n: int, max_rows: int) -> int:
+    """The plan rows for a batch of ``n`` requests: the next of 1, 2, 4, 8, 12, 16, 24, 32,
+    48, ... (powers of two and, from 12, 1.5x them), capped at ``max_rows`` (or ``n`` past
+    it). The padding rows cost what real ones do: with powers of two alone a batch of 17 ran
+    as 32 (an open loop's batches take what arrived, so most are not a power of two); here at
+    most a third of a plan is padding, for two more plans up to 32 rows."""
     b = 1
     while b < n:
-        b *= 2
+        if b < 8:
+            b *= 2
+        else:  # 8 -> 12 -> 16 -> 24 -> 32 -> 48 ...
+            b = b + b // 2 if b & (b - 1) == 0 else b // 3 * 4
     return min(b, max(max_rows, n))
 
 

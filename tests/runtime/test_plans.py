@@ -14,7 +14,12 @@ from streamgr.runtime.plans import PlanCache, bucket_rows
 
 
 def test_row_buckets():
-    assert [bucket_rows(n, 16) for n in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
+    assert [bucket_rows(n, 16) for n in (1, 2, 3, 5, 8, 9, 13, 16)] == [1, 2, 4, 8, 8, 12, 16,
+                                                                         16]
+    # powers of two and 1.5x them from 12: past 8 rows, less than a third of a plan is padding
+    want = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128]
+    assert sorted({bucket_rows(n, 128) for n in range(1, 129)}) == want
+    assert all(bucket_rows(n, 128) < 1.5 * n for n in range(9, 129))
     assert bucket_rows(12, 12) == 12 and bucket_rows(5, 6) == 6  # capped at max_batch
     assert bucket_rows(20, 16) == 20  # a batch over max_batch still gets rows for all
 

@@ -43,8 +43,8 @@ def bucket_rows(n: int, max_rows: int) -> int:
     """The plan rows for a batch of ``n`` requests: the next of 1, 2, 4, 8, 12, 16, 24, 32,
     48, ... (powers of two and, from 12, 1.5x them), capped at ``max_rows`` (or ``n`` past
     it). The padding rows cost what real ones do: with powers of two alone a batch of 17 ran
-    as 32 (an open loop's batches take what arrived, so most are not a power of two); here at
-    most a third of a plan is padding, for two more plans up to 32 rows."""
+    as 32 (an open loop's batches take what arrived, so most are not a power of two); here
+    past 8 rows less than a third of a plan is padding, for two more plans up to 32 rows."""
     b = 1
     while b < n:
         if b < 8:

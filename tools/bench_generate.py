@@ -21,6 +21,7 @@ import gc
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -184,6 +185,20 @@ class GcPauses:
                 f"generation 2: {len(g2)}" + (f" ({', '.join(f'{p:.1f}' for p in g2)} ms)" if g2 else ""))
 
 
+def batch_mix(sizes: list[int], max_batch: int) -> tuple[float, float, float] | None:
+    """(batches, mean requests a batch, padding share of the plans' rows) from each request's
+    batch size: a batch of b requests runs as ``bucket_rows(b)`` rows, the rest padding that
+    costs the GPU what real rows do."""
+    from streamgr.runtime.plans import bucket_rows
+    counts = Counter(b for b in sizes if b > 0)
+    if not counts:
+        return None
+    n = {b: c / b for b, c in counts.items()}  # batches of each size
+    real = sum(k * b for b, k in n.items())
+    rows = sum(k * bucket_rows(b, max_batch) for b, k in n.items())
+    return sum(n.values()), real / sum(n.values()), 1 - real / rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", default="gen-small")
@@ -252,6 +267,8 @@ def main() -> int:
                 slow = sorted(recs, key=lambda r: -r["latency_ms"])[:5]
                 runs[-1]["slowest"] = [{k: r[k] for k in ("index", "latency_ms", "queue_ms",
                                                           "compute_ms", "batch_size")} for r in slow]
+                runs[-1]["batches"] = batch_mix([r["batch_size"] for r in recs],
+                                                eng.spec.engine.max_batch)
             plans = eng.stats().get("decode_plans")
             pauses.__exit__()
         return split, bsz, results, runs, plans
@@ -283,6 +300,10 @@ def main() -> int:
             print(f"open {r['rate']:g}/s slowest (index: latency = queue + compute ms, batch): "
                   + "; ".join(f"{x['index']}: {x['latency_ms']:.1f} = {x['queue_ms']:.1f} + "
                               f"{x['compute_ms']:.1f}, {x['batch_size']}" for x in r["slowest"]))
+        if r.get("batches"):
+            n, mean, pad = r["batches"]
+            print(f"open {r['rate']:g}/s batches: {n:.0f}, mean {mean:.1f} requests, padding "
+                  f"{pad:.1%} of the plans' rows")
     if plans is not None:
         print(f"decode plans: {plans}")
     if runs[0].get("gpu_busy"):

@@ -34,8 +34,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
+import numpy as np
 
 from ..errors import ContractError, StreamgrError, UnsupportedRequest
+from ..selection.trie_delta import trie_without
 from ..selection.vocabulary import Catalog, CatalogDelta, apply_delta, load_catalog
 from ..runtime.deployment import build_generator
 from ..streams import off_stream
@@ -232,8 +234,12 @@ class Updates:
         act = self.gen_runner.active
         cat, cname, delta = self._catalog_of(catalog)
         spec = msgspec.structs.replace(self.spec, policy=act.policy)
+        trie = None
+        if delta is not None and delta.remove and not delta.add:  # removals only: the trie
+            gone = np.isin(act.trie.leaf_items, np.asarray(delta.remove, dtype=np.int64))
+            trie = trie_without(act.trie, gone)  # changed in place of one built again
         _, _, trie, contract, cat = build_generator(spec, self._build.device, self._build.dtype,
-                                                    model=act.model, catalog=cat)
+                                                    model=act.model, catalog=cat, trie=trie)
         same_contract(act.contract, contract)
         views = (views_after_removal((act.item_ids, act.index, act._tokens), delta.remove)
                  if delta is not None and not delta.add else catalog_views(trie))

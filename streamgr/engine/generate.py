@@ -189,7 +189,11 @@ def views_after_removal(views: tuple, removed) -> tuple:
     order (by id, ties in SID order), so nothing is sorted again (~0.3 s for a million items,
     in the build of an update beside serving)."""
     ids, _, tokens = views
-    keep = ~np.isin(ids, np.asarray(removed, dtype=np.int64))
+    rm = np.asarray(removed, dtype=np.int64)  # ids sorted: each removed id's rows bisected
+    lo, hi = np.searchsorted(ids, rm, "left"), np.searchsorted(ids, rm, "right")
+    n = hi - lo
+    keep = np.ones(len(ids), dtype=bool)
+    keep[np.repeat(lo - np.cumsum(n) + n, n) + np.arange(n.sum())] = False
     ids = ids[keep]
     tokens = tokens[keep]
     return ids, ItemIndex(ids, tokens), tokens

@@ -57,3 +57,17 @@ def test_a_whole_subtree_and_everything():
         _same(trie_without(trie, np.isin(trie.leaf_items, rm)), want)
     with pytest.raises(ValueError, match="bool mask"):
         trie_without(trie, np.zeros(3, dtype=bool))
+
+
+def test_removal_views_by_bisection_equal_a_mask_of_the_removed():
+    """``views_after_removal`` finds the removed ids' rows in the sorted ids by bisection:
+    every row of each (ids may repeat) goes, the rest keep their order."""
+    from streamgr.engine.generate import views_after_removal
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        ids = np.sort(rng.integers(0, 50, int(rng.integers(0, 60))))
+        tokens = rng.integers(0, 9, (len(ids), 2))
+        rm = rng.choice(60, int(rng.integers(0, 10)), replace=False)  # some not in ids
+        got, index, got_tokens = views_after_removal((ids, None, tokens), rm.tolist())
+        keep = ~np.isin(ids, rm)
+        assert np.array_equal(got, ids[keep]) and np.array_equal(got_tokens, tokens[keep])

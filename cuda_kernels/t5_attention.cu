@@ -11,7 +11,7 @@
 //
 // FlashAttention-2's forward, on mma.sync m16n8k16 (the fragment code of hstu_attention.cu):
 // a block owns BM = 128 query rows of one (request, head), 4 warps x 2 m-tiles of 16 rows;
-// K/V tiles of BN = 64 keys arrive by cp.async, T5_STAGES deep, into padded shared rows; S
+// K/V tiles of BN = 64 keys arrive by cp.async, STAGES deep, into padded shared rows; S
 // stays in registers, the online softmax runs there in the log2 domain (one exp2 per score;
 // the distances are stored pre-scaled, so a score costs one FMA before its max),
 // P is repacked in registers as the A operand of O += P V. Each row's sum of P stays a
@@ -31,11 +31,9 @@ constexpr int MT = 2;                // 16-row m-tiles per warp
 constexpr int WARPS = 4;
 constexpr int BM = 16 * MT * WARPS;  // query rows per block
 constexpr int BN = 64;               // keys per tile
-#ifndef T5_STAGES
-#define T5_STAGES 2
-#endif
-constexpr int STAGES = T5_STAGES;    // K/V tiles in flight (2 or 3; the wrapper's smem_bytes)
-static_assert(STAGES == 2 || STAGES == 3, "two or three K/V stages");
+// K/V tiles in flight (the wrapper's smem_bytes follows it). Three ran no faster than two on
+// gen-ref's shapes (0.2110 against 0.2124 ms a layer; docs/benchmarks.md, session 15).
+constexpr int STAGES = 2;
 constexpr float LOG2E = 1.4426950408889634f;
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }

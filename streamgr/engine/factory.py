@@ -44,12 +44,12 @@ class Builder:
 
     def ranker(self, model_spec):
         model, source = build_ranker(model_spec, self.device, self.dtype, self.staging)
-        if self.loads == 0 and self.spec.engine.refit_spare:
-            self._pin_for(model)
         self.loads += 1
         return model, f"{self.loads}:{source}"
 
     def rank_runner(self, model, version: str) -> RankRunner:
+        if self.spec.engine.refit_spare:
+            self._pin_for(model)
         history = HistoryStore(self.spec.engine.history_events)
         c = self.spec.cache
         if c.mode == "recompute":
@@ -107,7 +107,6 @@ class Builder:
         runner = GenerateRunner(self.generate_version(self.spec))
         if self.spec.engine.refit_spare:
             runner.spare = self.spare_of(runner.active)
-        if self.spec.engine.refit_spare:
             self._pin_for(runner.active.model)
         return runner
 

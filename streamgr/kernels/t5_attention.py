@@ -27,11 +27,7 @@ from . import _cuda
 _SRC = "t5_attention.cu"
 _DIMS = (32, 64)
 _EXPRS = tuple(f"t5_attn_fwd<{d}>" for d in _DIMS)
-_BM, _BN = 128, 64
-# K/V stages in flight (the kernel's T5_STAGES): 2 or 3; STREAMGR_T5_STAGES for A/B runs.
-_STAGES = int(os.environ.get("STREAMGR_T5_STAGES", "2"))
-if _STAGES not in (2, 3):
-    raise StreamgrError(f"STREAMGR_T5_STAGES={_STAGES}: 2 or 3")
+_BM, _BN, _STAGES = 128, 64, 2  # the kernel's tile rows, keys and K/V stages
 # STREAMGR_T5_ENCODER=cudnn keeps the encoder on cuDNN with the dense bias (A/B runs).
 ENABLED = os.environ.get("STREAMGR_T5_ENCODER", "kernel") != "cudnn"
 
@@ -93,7 +89,7 @@ def encoder_attention(q, k, v, table, keep, out: torch.Tensor | None = None) -> 
         out = torch.empty(R, S, H, d, dtype=q.dtype, device=q.device)
     tab = table.float().contiguous()  # (the kernel rounds it to bf16 as it reads it)
     kp = keep.contiguous().view(torch.uint8)
-    fn = _cuda.kernel(_SRC, _EXPRS, _EXPRS[_DIMS.index(d)], (f"T5_STAGES={_STAGES}",))
+    fn = _cuda.kernel(_SRC, _EXPRS, _EXPRS[_DIMS.index(d)])
     _cuda.launch(fn, (-(-S // _BM), H, R), (128,), (
         _cuda.ptr(q), _cuda.ptr(k), _cuda.ptr(v),
         np.int64(q.stride(0)), np.int64(q.stride(1)), np.int64(k.stride(0)),

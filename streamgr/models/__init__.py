@@ -9,7 +9,7 @@ import torch
 
 from ..config import ModelSpec
 from ..errors import SpecError
-from .checkpoint import HostStaging, decode_config, load_weights, read_config
+from .checkpoint import HostStaging, decode_config, load_weights, read_config, uninitialized
 from .hstu import HSTU, HSTUConfig, JaggedBatch
 
 SIZE_KEYS = ("num_layers", "model_dim", "num_heads", "head_dim", "num_items", "num_actions",
@@ -27,21 +27,20 @@ def build_ranker(spec: ModelSpec, device: torch.device, dtype: torch.dtype,
     With ``checkpoint``, ``config.json`` fixes the architecture; the spec's size keys are then
     ignored, and the weights cross to the device as one copy (from ``staging``'s buffer) into a
     model never initialized. With ``init_seed``, the spec's sizes and a deterministic random
-    init (on the CPU, the same on every device) are used. Default nn inits are never run: for
-    rank-ref's 1M-item table they cost a refit 6 s of host time (CPU machine).
+    init (on the CPU, the same on every device) are used. Default nn inits are never run
+    (``checkpoint.uninitialized``).
     """
     if spec.checkpoint is not None:
         raw = read_config(spec.checkpoint)
         cfg = decode_config(raw, HSTUConfig, f"{spec.checkpoint}/config.json")
         if cfg.family != "hstu":
             raise SpecError(f"model.checkpoint: family `{cfg.family}`, spec says `hstu`")
-        with torch.device("meta"):
-            model = HSTU(cfg)
-        load_weights(model, spec.checkpoint, device, dtype, staging)
+        model = load_weights(uninitialized(HSTU, cfg, None), spec.checkpoint, device, dtype,
+                             staging)
         version = f"ckpt:{spec.checkpoint}"
     else:
         cfg = hstu_config_from_spec(spec)
-        model = HSTU.uninitialized(cfg).init_random(int(spec.init_seed))
+        model = uninitialized(HSTU, cfg).init_random(int(spec.init_seed))
         version = f"seed:{spec.init_seed}"
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)

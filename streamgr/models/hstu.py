@@ -162,14 +162,6 @@ class HSTU(nn.Module):
         self.final_norm = nn.LayerNorm(cfg.model_dim, eps=NORM_EPS)
         self.head = nn.Linear(cfg.model_dim, 1)
 
-    @classmethod
-    def uninitialized(cls, cfg: HSTUConfig) -> "HSTU":
-        """An HSTU on the CPU with uninitialized parameters, for a caller that sets all of
-        them (``init_random``): no default init."""
-        with torch.device("meta"):
-            model = cls(cfg)
-        return model.to_empty(device="cpu")
-
     def init_random(self, seed: int) -> "HSTU":
         """Deterministic random weights (independent of the device and of torch's global RNG).
         Drawn in place: a temporary per tensor doubled the time of rank-ref's 1M-item table."""

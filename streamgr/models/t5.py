@@ -247,14 +247,6 @@ class T5(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
-    @classmethod
-    def uninitialized(cls, cfg: T5Config) -> "T5":
-        """A T5 on the CPU with uninitialized parameters, for a caller that sets all of them
-        (``init_random``, a strict load): no default init (a quarter of a refit's CPU time)."""
-        with torch.device("meta"):
-            model = cls(cfg)
-        return model.to_empty(device="cpu")
-
     def align_head(self, multiple: int = 64) -> "T5":
         """Give the output head a row count that is a multiple of ``multiple``: the head's
         weight becomes the first ``vocab_size`` rows of a zero-padded buffer, and the head GEMM

@@ -10,7 +10,7 @@ import torch
 
 from ..errors import CheckpointError, ContractError
 from ..models.checkpoint import (WEIGHTS_FILE, decode_config, device_copies, hf_state_dict,
-                                 read_config, read_safetensors)
+                                 read_config, read_safetensors, uninitialized)
 from ..models.t5 import T5, T5Config
 from ..selection.vocabulary import SidTrie, check_catalog, load_catalog, random_catalog
 from .contract import build_contract, check, same_architecture
@@ -94,13 +94,13 @@ def build_generator(spec, device: torch.device, dtype: torch.dtype, model=None, 
         return model, "reused", trie, contract, catalog
     if m.checkpoint is not None:
         cfg, contract, tensors, _ = read_checkpoint(m.checkpoint, spec, dname, trie)
-        model = T5.uninitialized(cfg)  # every parameter comes from the strict load below
+        model = uninitialized(T5, cfg)  # every parameter comes from the strict load below
         model.load_state_dict(tensors)
         source = f"ckpt:{m.checkpoint}"
     else:
         cfg = t5_config_from_spec(spec)
         contract = build_contract(cfg, spec, dname)
-        model = T5.uninitialized(cfg).init_random(int(m.init_seed))
+        model = uninitialized(T5, cfg).init_random(int(m.init_seed))
         check(contract, {k: t.shape for k, t in model.state_dict().items()}, trie)
         source = f"seed:{m.init_seed}"
     model = model.to(device=device, dtype=dtype).eval()

@@ -8,8 +8,8 @@ its inputs, one graph launch and a read-back. In eager mode the same batch is ~1
 launches from Python, which made the host, not the device, the bound (docs/benchmarks.md).
 
 Shapes are bucketed so a few plans serve all traffic: rows to a power of two or 1.5x one (or
-the engine's ``max_batch``; ``bucket_rows``), idle rows given one EOS token and width 0 (their beams are -inf from the first
-step and cannot reach the answer); encoder length to a multiple of ``length_step`` (the last
+the engine's ``max_batch``; ``bucket_rows``), idle rows given one EOS token and width 0 (their
+beams are -inf from the first step and cannot reach the answer); encoder length to a multiple of ``length_step`` (the last
 bucket ending at the longest context the policy allows), the padding masked. A request's
 result does not depend on its neighbours, so the padding changes nothing.
 

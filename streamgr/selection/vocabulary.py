@@ -13,15 +13,12 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-import sys
 
 import msgspec
 import numpy as np
 import torch
 
 from ..errors import ContractError
-
-_LITTLE = sys.byteorder == "little"  # packed tokens read as uint16 fields in place
 
 
 @dataclass
@@ -322,13 +319,12 @@ class ItemIndex:
             p = self.packed[items]
             if p.min() >= 0:  # every item known (absent ids are -1)
                 out = np.empty((len(items), depth), dtype=np.int64)
-                if _LITTLE:  # the 16-bit fields as they lie in memory: one cast a level
-                    q = p.view(np.uint16).reshape(-1, 4)
-                    for k in range(depth):  # casts of 256 elements keep the GIL (one of
-                        out[:, k] = q[:, k]  # 768 would let it go: numpy's size threshold)
-                else:
-                    for k in range(depth):
-                        out[:, k] = (p >> (16 * k)) & 0xFFFF
+                # the 16-bit fields as they lie in a little-endian word (no copy on x86/ARM):
+                # one cast a level, of 256 elements, which keeps the GIL (one of 768 would
+                # let it go: numpy's size threshold)
+                q = p.astype("<i8", copy=False).view("<u2").reshape(-1, 4)
+                for k in range(depth):
+                    out[:, k] = q[:, k]
                 return out.reshape(-1), np.zeros(0, dtype=np.int64)
         pos, bad = self.rows(items)
         return gather_rows(self.tokens, pos).reshape(-1).astype(np.int64, copy=False), bad

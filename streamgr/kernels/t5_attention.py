@@ -3,9 +3,11 @@
 ``softmax(q k^T + bias) v`` per (request, head), T5's way (no 1/sqrt(d), fp32 softmax), where
 ``bias[h, i, j] = table[h, j - i + S - 1]`` (a [heads, 2S - 1] table of distances) on real keys
 and -inf on a request's padding. ``encoder_attention_reference`` is the torch expression (the
-judge); ``encoder_attention`` runs ``cuda_kernels/t5_attention.cu`` (FlashAttention-2 on
-mma.sync, the bias read from the table) for bf16 on CUDA with head dims 32 and 64, and the
-reference elsewhere. The dense [R, H, S, S] bias that cuDNN needed cost the encoder ~0.17 ms to
+judge); ``encoder_attention`` runs a CUDA kernel for bf16 on CUDA with head dims 32 and 64, and the
+reference elsewhere: on Hopper with head dim 64 ``cuda_kernels/t5_attention_wgmma.cu``
+(FlashAttention-3's structure: a producer warpgroup, wgmma, ping-pong consumers), else
+``cuda_kernels/t5_attention.cu`` (FlashAttention-2 on mma.sync); both read the bias from the
+table. The dense [R, H, S, S] bias that cuDNN needed cost the encoder ~0.17 ms to
 write per gen-ref batch and cuDNN ~120 us per layer to read (docs/benchmarks.md, session 13).
 
 Inputs are [R, S, H, d] views (the projections' outputs, any request and token strides, unit
@@ -16,6 +18,8 @@ projection reads. The table is rounded to the activations' dtype (bf16) as the d
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 
 import numpy as np
@@ -30,6 +34,14 @@ _EXPRS = tuple(f"t5_attn_fwd<{d}>" for d in _DIMS)
 _BM, _BN, _STAGES = 128, 64, 2  # the kernel's tile rows, keys and K/V stages
 # STREAMGR_T5_ENCODER=cudnn keeps the encoder on cuDNN with the dense bias (A/B runs).
 ENABLED = os.environ.get("STREAMGR_T5_ENCODER", "kernel") != "cudnn"
+# The wgmma kernel (sm_90a): head dim 64, 128-key tiles, 3 K/V stages.
+_WG_SRC = "t5_attention_wgmma.cu"
+_WG_EXPRS = ("t5_attn_fwd_wg<64>",)
+_WG_BN, _WG_STAGES = 128, 3
+# STREAMGR_T5_KERNEL: auto (wgmma where it applies, else mma.sync), mma, or wgmma (an error
+# where it cannot run). Read per call, so tests can switch it.
+KERNEL = os.environ.get("STREAMGR_T5_KERNEL", "auto")
+log = logging.getLogger("streamgr.kernels")
 
 
 def _check(q, k, v, table, keep) -> tuple[int, int, int, int]:
@@ -70,6 +82,39 @@ def smem_bytes(S: int, d: int) -> int:
     return (_BM + 2 * _STAGES * _BN) * (d + 8) * 2 + (_BM + 2 * sr) * 4
 
 
+def wg_smem_bytes(S: int, d: int) -> int:
+    """The wgmma kernel's dynamic shared memory: alignment slack, Q, the K/V stages, the
+    mbarriers, the distances, the key mask and a flag per key tile."""
+    sr = -(-S // _WG_BN) * _WG_BN
+    return 1024 + (_BM + 2 * _WG_STAGES * _WG_BN) * d * 2 + (2 * _WG_STAGES + 2) * 8 \
+        + (_BM + 2 * sr + sr // _WG_BN) * 4
+
+
+@functools.lru_cache(maxsize=None)
+def _wgmma_builds(index: int) -> bool:
+    """The device is sm_90 and the wgmma kernel compiles for it (once per device)."""
+    if torch.cuda.get_device_capability(index) != (9, 0):
+        return False
+    try:
+        _cuda.arch_module(_WG_SRC, _WG_EXPRS, "sm_90a")
+        return True
+    except Exception as err:  # noqa: BLE001 - e.g. a CuPy without the NVRTC hook for sm_90a
+        log.warning("the wgmma T5 attention did not build (%s): mma.sync", err)
+        return False
+
+
+def _use_wgmma(x: torch.Tensor, d: int, S: int) -> bool:
+    if KERNEL not in ("auto", "mma", "wgmma"):
+        raise StreamgrError(f"STREAMGR_T5_KERNEL={KERNEL!r}: auto, mma or wgmma")
+    if KERNEL == "mma":
+        return False
+    ok = d == 64 and wg_smem_bytes(S, d) <= _SMEM_MAX and _wgmma_builds(x.device.index or 0)
+    if KERNEL == "wgmma" and not ok:
+        raise StreamgrError("STREAMGR_T5_KERNEL=wgmma needs an sm_90 GPU, head dim 64 and "
+                            f"S <= ~14,000 (got d={d}, S={S})")
+    return ok
+
+
 def encoder_attention(q, k, v, table, keep, out: torch.Tensor | None = None) -> torch.Tensor:
     """``encoder_attention_reference`` by the CUDA kernel where it applies, else by the
     reference. ``out``: an optional [R, S, H, d] contiguous destination."""
@@ -89,11 +134,16 @@ def encoder_attention(q, k, v, table, keep, out: torch.Tensor | None = None) -> 
         out = torch.empty(R, S, H, d, dtype=q.dtype, device=q.device)
     tab = table.float().contiguous()  # (the kernel rounds it to bf16 as it reads it)
     kp = keep.contiguous().view(torch.uint8)
-    fn = _cuda.kernel(_SRC, _EXPRS, _EXPRS[_DIMS.index(d)])
-    _cuda.launch(fn, (-(-S // _BM), H, R), (128,), (
+    if _use_wgmma(q, d, S):
+        fn = _cuda.arch_kernel(_WG_SRC, _WG_EXPRS, _WG_EXPRS[0], "sm_90a")
+        block, smem = (384,), wg_smem_bytes(S, d)
+    else:
+        fn = _cuda.kernel(_SRC, _EXPRS, _EXPRS[_DIMS.index(d)])
+        block, smem = (128,), smem_bytes(S, d)
+    _cuda.launch(fn, (-(-S // _BM), H, R), block, (
         _cuda.ptr(q), _cuda.ptr(k), _cuda.ptr(v),
         np.int64(q.stride(0)), np.int64(q.stride(1)), np.int64(k.stride(0)),
         np.int64(k.stride(1)), np.int64(v.stride(0)), np.int64(v.stride(1)),
         _cuda.ptr(tab), _cuda.ptr(kp), np.int32(S), np.int32(H), _cuda.ptr(out)),
-        shared_mem=smem_bytes(S, d))
+        shared_mem=smem)
     return out

@@ -45,10 +45,11 @@ def compile_checked(src, tmp_path, arch):
     assert "C751" not in p.stderr, p.stderr  # ptxas serialized no wgmma (C7511-C7515)
 
 
-def test_the_sm90a_attention_build_uses_wgmma(tmp_path):
-    """The sm_90a build of the wgmma attention holds warpgroup MMAs (its feature macro is set
+@pytest.mark.parametrize("name", ["hstu_attention_wgmma.cu", "t5_attention_wgmma.cu"])
+def test_the_sm90a_attention_build_uses_wgmma(tmp_path, name):
+    """The sm_90a build of a wgmma attention holds warpgroup MMAs (its feature macro is set
     there; a guard that never opened would compile an empty kernel without complaint)."""
-    src = next(p for p in SOURCES if p.name == "hstu_attention_wgmma.cu")
+    src = next(p for p in SOURCES if p.name == name)
     ptx = {}
     for arch in ("sm_90", "sm_90a"):
         out = tmp_path / f"{arch}.ptx"
@@ -63,7 +64,7 @@ def test_local_headers_are_inlined_for_nvrtc():
     """The loader hands NVRTC one text: a kernel's local `#include "x.cuh"` replaced by the
     header (CuPy's cache is keyed by that text, so a header change recompiles)."""
     from streamgr.kernels import _cuda
-    for name in ("hstu_attention.cu", "hstu_attention_wgmma.cu"):
+    for name in ("hstu_attention.cu", "hstu_attention_wgmma.cu", "t5_attention_wgmma.cu"):
         text = _cuda.source(name)
         assert '#include "' not in text and text.count("float silu_n(") == 1, name
 

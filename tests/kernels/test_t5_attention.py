@@ -86,6 +86,42 @@ def test_kernel_matches_reference(R, S, H, d, fused):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
+@pytest.mark.parametrize("R,S,H,fused", [
+    (1, 1, 1, False), (2, 63, 2, True), (2, 64, 3, False), (3, 65, 2, False), (2, 128, 2, True),
+    (2, 129, 1, False), (1, 256, 2, False), (4, 300, 8, True), (32, 784, 8, True),
+    (1, 2000, 2, False)])
+def test_both_kernels_match_the_reference(monkeypatch, kernel, R, S, H, fused):
+    """Head dim 64 on each kernel (mma.sync and the sm_90a wgmma one), tile boundaries of
+    both (64- and 128-key tiles, 128 query rows, one consumer warpgroup with rows or two)."""
+    if kernel == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs an sm_90 GPU")
+    monkeypatch.setattr(ta, "KERNEL", kernel)
+    q, k, v, table, keep = _inputs(R, S, H, 64, 11 * S + R, "cuda", torch.bfloat16, fused)
+    for mask in ("prefix", "scattered"):
+        if mask == "scattered":  # masked keys anywhere (tiles of real keys beside masked ones)
+            g = torch.Generator().manual_seed(S)
+            keep = (torch.rand(R, S, generator=g) < 0.9).to("cuda")
+            keep[:, :min(S, 130)] = True
+            keep[-1] = False if R > 1 else keep[-1]  # a request without a real key: zeros
+        got = ta.encoder_attention(q, k, v, table, keep)
+        want = ta.encoder_attention_reference(q, k, v, table, keep)
+        assert not got.isnan().any(), mask
+        _close(got, want)
+
+
+@pytest.mark.gpu
+def test_wgmma_refuses_what_it_cannot_run(monkeypatch):
+    monkeypatch.setattr(ta, "KERNEL", "wgmma")
+    q, k, v, table, keep = _inputs(2, 40, 2, 32, 3, "cuda", torch.bfloat16)
+    with pytest.raises(StreamgrError, match="head dim 64"):
+        ta.encoder_attention(q, k, v, table, keep)
+    monkeypatch.setattr(ta, "KERNEL", "fastest")
+    with pytest.raises(StreamgrError, match="auto, mma or wgmma"):
+        ta.encoder_attention(q, k, v, table, keep)
+
+
+@pytest.mark.gpu
 def test_kernel_replays_from_a_cuda_graph():
     q, k, v, table, keep = _inputs(4, 100, 2, 64, 7, "cuda", torch.bfloat16)
     out = ta.encoder_attention(q, k, v, table, keep)  # compiles outside the capture

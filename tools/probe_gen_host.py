@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from streamgr import Engine  # noqa: E402
 from streamgr.api import GenerateRequest  # noqa: E402
 from streamgr.runtime.beam import BeamResult  # noqa: E402
+from streamgr.server.main import run as run_loop  # noqa: E402
 
 # gen-ref's catalog, policy and batching; a model too small to matter (it is never run).
 TINY = {"engine.device": "cpu", "model.num_layers": 1, "model.num_decoder_layers": 1,
@@ -49,6 +50,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=6400)
     ap.add_argument("--concurrency", type=int, default=128)
+    ap.add_argument("--loop", choices=["auto", "uvloop", "asyncio"], default="auto",
+                    help="event loop (auto: uvloop where installed, as `streamgr serve`)")
     a = ap.parse_args()
     eng = Engine.from_spec("gen-ref", TINY)
     rng = np.random.default_rng(0)
@@ -66,7 +69,7 @@ def main() -> int:
             t, c0 = time.perf_counter(), time.thread_time()
             await asyncio.gather(*(worker(k) for k in range(a.concurrency)))
             return time.perf_counter() - t, time.thread_time() - c0
-    wall, cpu = asyncio.run(run())
+    wall, cpu = run_loop(run(), a.loop)
     print(f"probe_gen_host gen-ref: {a.requests / wall:,.0f} requests/s closed loop "
           f"(x{a.concurrency}) with the device work stubbed; event loop CPU "
           f"{cpu / a.requests * 1e6:.0f} us per request")

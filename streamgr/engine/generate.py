@@ -120,11 +120,12 @@ class GenerateVersion:
         if hist.ndim != 1 or (hist.size and hist.dtype.kind not in "iu"):
             raise InvalidRequest("`history` must be a flat list of integers")
         hist = hist.astype(np.int64)[-pol.max_context_items:]
-        sids, bad = self.index.context(hist)  # each item's SID tokens (keeps the GIL)
+        # each item's SID tokens, then the EOS where it ends the context (keeps the GIL)
+        tokens, bad = self.index.context(hist, self._eos if pol.append_eos or not hist.size
+                                         else None)
         if bad.size:
             raise IdOutOfRange(f"`history` holds item {hist[bad[0]]}, not in the catalog "
                                f"(version {self.name})")
-        tokens = np.concatenate([sids, self._eos]) if pol.append_eos or not sids.size else sids
         return PreparedGenerate(req.user_id, tokens, req.top_k, widths, req, self, exclude, mpp,
                                 self.trie.leaf_items, pol)
 

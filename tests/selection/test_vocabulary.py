@@ -237,4 +237,9 @@ def test_item_context_equals_row_gather(depth, high):
     probe = np.concatenate([known[:5], gaps, [-3, 10**9]])
     assert idx.context(probe)[1].tolist() == [5, 6, 7, 8]
     assert len(idx.context(np.zeros(0, np.int64))[0]) == 0
+    eos = np.array([7])  # a tail (prepare's EOS) follows the tokens in the same array
+    with_tail, bad = idx.context(known, eos)
+    assert len(bad) == 0 and np.array_equal(with_tail, np.append(tokens[pos].reshape(-1), 7))
+    assert idx.context(np.zeros(0, np.int64), eos)[0].tolist() == [7]
+    assert idx.context(known.astype(np.int32), eos)[0].tolist() == with_tail.tolist()
     assert np.array_equal(ItemIndex(ids).rows(known)[0], pos)  # without tokens: rows only

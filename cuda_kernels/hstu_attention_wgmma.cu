@@ -364,23 +364,8 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS,
         if (lane == 0) mbar_arrive(empty + (kt - kt0) % STAGES);
     };
 
-    // The two consumer warpgroups take turns issuing their MMAs (FlashAttention-3's ping-pong:
-    // one's SiLU runs while the other's MMAs do, instead of both at once with the tensor cores
-    // idle): before an issue, wait for this warpgroup's turn; after it, hand the turn over. The
-    // first warpgroup starts (the second pre-arrives once); the second skips its last hand-over
-    // so that every barrier phase completes. Alone (one warpgroup with rows), no turns.
-    const bool turns = HSTU_WG_PINGPONG && consumers == 2;
-    int issues_left = 0;  // the second warpgroup's issue points still to come (its last: none)
-    if (turns) {
-        issues_left = 1 + (kt1 - kt0);  // the first S, then one issue point per tile
-        if (cw == 1) named_arrive(1);
-    }
-    auto my_turn = [&]() {
-        if (turns) named_sync(1 + cw);
-    };
-    auto hand_over = [&]() {
-        if (turns && (cw == 0 || --issues_left > 0)) named_arrive(2 - cw);
-    };
+    // Ping-pong turns (wgmma_tiles.cuh): the first S, then one issue point per tile.
+    PingPong turns(HSTU_WG_PINGPONG && consumers == 2, cw, 1 + (kt1 - kt0));
     // S of tile kt + 1 and P V of tile kt are in flight together; the SiLU of tile kt + 1 runs
     // while P V of tile kt does (FlashAttention-3's intra-warpgroup overlap).
     mbar_wait(q_full, 0);
@@ -388,9 +373,9 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS,
     load_q();
 #endif
     wait_full(kt0);
-    my_turn();
+    turns.wait();
     issue_s(0);
-    hand_over();
+    turns.hand_over();
     wg_wait<0>();
     silu_p(kt0, pa);
     // Two P buffers, swapped by unrolling two tiles per trip (a register copy between them
@@ -400,10 +385,10 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS,
     unsigned pb[BN / 16][4];
     auto step = [&](int kt, unsigned (&cur)[BN / 16][4], unsigned (&nxt)[BN / 16][4]) {
         wait_full(kt + 1);  // a tile kt + 1 exists
-        my_turn();
+        turns.wait();
         issue_s((kt + 1 - kt0) % STAGES);
         issue_pv(cur, kt);
-        hand_over();
+        turns.hand_over();
         wg_wait<1>();  // S of tile kt + 1 (P V of tile kt may still run)
         silu_p(kt + 1, nxt);
         wg_wait<0>();
@@ -413,9 +398,9 @@ __global__ void __launch_bounds__(THREADS, 1) hstu_attn_fwd_wg(HSTU_FWD_PARAMS,
         chunk_end(kt);
     };
     auto last = [&](int kt, unsigned (&cur)[BN / 16][4]) {
-        my_turn();
+        turns.wait();
         issue_pv(cur, kt);
-        hand_over();
+        turns.hand_over();
         wg_wait<0>();
         fence_regs(acc);
         fence_regs(cur);

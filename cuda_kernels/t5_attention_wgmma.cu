@@ -290,26 +290,14 @@ __global__ void __launch_bounds__(THREADS, 1) t5_attn_fwd_wg(
         __syncwarp();
         if (lane == 0) mbar_arrive(empty + kt % STAGES);
     };
-    // Ping-pong turns as in hstu_attention_wgmma.cu: the first warpgroup starts, the second
-    // pre-arrives once and skips its last hand-over, so that every barrier phase completes.
-    const bool turns = T5_WG_PINGPONG && consumers == 2;
-    int issues_left = 0;
-    if (turns) {
-        issues_left = 1 + ntiles;  // the first S, then one issue point per tile
-        if (cw == 1) named_arrive(1);
-    }
-    auto my_turn = [&]() {
-        if (turns) named_sync(1 + cw);
-    };
-    auto hand_over = [&]() {
-        if (turns && (cw == 0 || --issues_left > 0)) named_arrive(2 - cw);
-    };
+    // Ping-pong turns (wgmma_tiles.cuh): the first S, then one issue point per tile.
+    PingPong turns(T5_WG_PINGPONG && consumers == 2, cw, 1 + ntiles);
 
     mbar_wait(q_full, 0);
     wait_full(0);
-    my_turn();
+    turns.wait();
     issue_s(0);
-    hand_over();
+    turns.hand_over();
     wg_wait<0>();
     unsigned pa[BN / 16][4], pb[BN / 16][4];
     softmax_p(0, pa);  // (O is zero: no rescale)
@@ -317,10 +305,10 @@ __global__ void __launch_bounds__(THREADS, 1) t5_attn_fwd_wg(
     // hstu_attention_wgmma.cu: otherwise ptxas serializes every wgmma).
     auto step = [&](int kt, unsigned (&cur)[BN / 16][4], unsigned (&nxt)[BN / 16][4]) {
         wait_full(kt + 1);
-        my_turn();
+        turns.wait();
         issue_s((kt + 1) % STAGES);
         issue_pv(cur, kt);
-        hand_over();
+        turns.hand_over();
         wg_wait<1>();  // S of tile kt + 1 (P V of tile kt may still run)
         softmax_p(kt + 1, nxt);
         wg_wait<0>();
@@ -330,9 +318,9 @@ __global__ void __launch_bounds__(THREADS, 1) t5_attn_fwd_wg(
         rescale();
     };
     auto last = [&](int kt, unsigned (&cur)[BN / 16][4]) {
-        my_turn();
+        turns.wait();
         issue_pv(cur, kt);
-        hand_over();
+        turns.hand_over();
         wg_wait<0>();
         fence_regs(acc);
         fence_regs(cur);

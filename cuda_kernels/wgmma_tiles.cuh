@@ -85,6 +85,27 @@ __device__ __forceinline__ void named_sync(int id) {
 __device__ __forceinline__ void named_arrive(int id) {
     asm volatile("bar.arrive %0, 256;\n" :: "r"(id) : "memory");
 }
+// The two consumer warpgroups take turns issuing their MMAs (FlashAttention-3's ping-pong: one's
+// elementwise work on S runs while the other's MMAs do, instead of both at once with the
+// tensor cores idle): before an issue, wait() for this warpgroup's turn; after it,
+// hand_over(). The first warpgroup starts (the second pre-arrives once); the second skips its
+// last hand-over so that every barrier phase completes. `on` false (one warpgroup with rows,
+// or ping-pong off): no turns. issue_points: the issues each warpgroup makes.
+struct PingPong {
+    bool on;
+    int cw;    // this consumer warpgroup (0 or 1)
+    int left;  // the second warpgroup's issue points still to come (its last: none)
+    __device__ __forceinline__ PingPong(bool on_, int cw_, int issue_points)
+        : on(on_), cw(cw_), left(issue_points) {
+        if (on && cw == 1) named_arrive(1);
+    }
+    __device__ __forceinline__ void wait() {
+        if (on) named_sync(1 + cw);
+    }
+    __device__ __forceinline__ void hand_over() {
+        if (on && (cw == 0 || --left > 0)) named_arrive(2 - cw);
+    }
+};
 template <int N>
 __device__ __forceinline__ void set_max_regs_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N));

@@ -11,6 +11,9 @@
 //   - S of tile kt + 1 is in flight with P V of tile kt (the softmax of kt + 1 runs while P V of
 //     kt does; O's rescale waits for it), and the two consumers take turns issuing (ping-pong).
 // The mma.sync kernel ran gen-ref's layer ([32, 784, 8, 64]) at ~190 TFLOP/s, 8 warps an SM.
+// BIAS = false is the decoder's cross-attention (softmax(q k^T) v over a request's encoder
+// positions, -inf on padding, no bias): Sq query rows (a request's beams) against S keys,
+// the same loop without the distances (cuDNN ran gen-ref's at ~200 TFLOP/s).
 // Head dim 64 only (gen-ref's; the wrapper keeps t5_attention.cu for 32). The body is empty
 // for targets without wgmma, where the wrapper never launches it.
 // No torch headers: compiled by NVRTC (-arch=sm_90a) through CuPy.
@@ -61,7 +64,7 @@ __device__ __forceinline__ float ex2(float x) {
 // their distances (bp: tb at this thread's first score; score (hl, n, e) takes bp[8 (n - hl) +
 // e]) and, where MASKED, the keys' mask (ka: kadd at key 2 t of the tile), in place, in the
 // log2 domain; mx: each row half's max over this thread's scores.
-template <bool MASKED>
+template <bool MASKED, bool BIAS>
 __device__ __forceinline__ void biased_scores(float (&s)[BN / 2], const float* bp,
                                               const float* ka, float (&mx)[2]) {
 #pragma unroll
@@ -69,7 +72,11 @@ __device__ __forceinline__ void biased_scores(float (&s)[BN / 2], const float* b
         float m = neg_inf();
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n) {
-            float b0 = bp[8 * (n - hl)], b1 = bp[8 * (n - hl) + 1];
+            float b0 = 0.0f, b1 = 0.0f;
+            if constexpr (BIAS) {
+                b0 = bp[8 * (n - hl)];
+                b1 = bp[8 * (n - hl) + 1];
+            }
             if constexpr (MASKED) {
                 const float2 kv = *reinterpret_cast<const float2*>(ka + n * 8);
                 b0 += kv.x;
@@ -88,15 +95,18 @@ __device__ __forceinline__ void biased_scores(float (&s)[BN / 2], const float* b
 
 }  // namespace
 
-// grid (ceil(S / BM), H, R), 384 threads; arguments as t5_attn_fwd (t5_attention.cu). Dynamic
+// grid (ceil(Sq / BM), H, R), 384 threads; arguments as t5_attn_fwd (t5_attention.cu) with the
+// query count Sq beside the key count S (the encoder: Sq = S; out [R, Sq, H, D]); without BIAS
+// `table` is unused. Dynamic
 // shared memory (the wrapper's wg_smem_bytes): 1 KB of alignment slack, Q, STAGES K and V tiles,
 // 2 STAGES + 1 mbarriers, then BM + SR distances and SR key offsets (fp32).
-template <int D>
+template <int D, bool BIAS>
 __global__ void __launch_bounds__(THREADS, 1) t5_attn_fwd_wg(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
     const __nv_bfloat16* __restrict__ v, long long sq_r, long long sq_t, long long sk_r,
     long long sk_t, long long sv_r, long long sv_t, const float* __restrict__ table,
-    const unsigned char* __restrict__ keep, int S, int H, __nv_bfloat16* __restrict__ out) {
+    const unsigned char* __restrict__ keep, int Sq, int S, int H,
+    __nv_bfloat16* __restrict__ out) {
 #ifdef T5_WGMMA
     static_assert(D == 64, "the swizzled copy loop below is written for 64-column rows");
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -116,7 +126,7 @@ __global__ void __launch_bounds__(THREADS, 1) t5_attn_fwd_wg(
     const int q0 = blockIdx.x * BM, h = blockIdx.y, r = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31;
     const int wg = tid >> 7, wq = (tid >> 5) & 3;
-    const int consumers = S - q0 > 64 ? 2 : 1;  // consumer warpgroups with rows
+    const int consumers = Sq - q0 > 64 ? 2 : 1;  // consumer warpgroups with rows
     const int ntiles = SR / BN;
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
@@ -131,10 +141,10 @@ __global__ void __launch_bounds__(THREADS, 1) t5_attn_fwd_wg(
     constexpr int CH = D / 8;  // 16-byte chunks per row
     if (wg == 0) {  // the producer
         set_max_regs_dec<40>();
-        for (int i = tid; i < BM * CH; i += 128) {  // Q rows q0 .. q0 + BM - 1 (past S zero)
+        for (int i = tid; i < BM * CH; i += 128) {  // Q rows q0 .. q0 + BM - 1 (past Sq zero)
             int rr, c;
             copy_rc<D>(i, rr, c);
-            const bool ok = q0 + rr < S;
+            const bool ok = q0 + rr < Sq;
             cp_async16(Qs + tile_off<D, BM>(rr, c),
                        ok ? q + r * sq_r + (long long)(q0 + rr) * sq_t + h * D + c : q,
                        ok ? 16 : 0);
@@ -184,19 +194,21 @@ __global__ void __launch_bounds__(THREADS, 1) t5_attn_fwd_wg(
         const float* th = table + (long long)h * (2 * S - 1);
         const unsigned char* kr = keep + (long long)r * S;
         const int base = S - q0 - BM;  // table index of tb[0]
-        for (int x0 = ct; x0 < BM + SR; x0 += 256 * U) {
+        const int fill = BIAS ? BM + SR : SR;  // (no distances without the bias)
+        for (int x0 = ct; x0 < fill; x0 += 256 * U) {
             float tv[U];
             unsigned char kv[U];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int x = x0 + 256 * u, ti = x + base;
-                tv[u] = (x < BM + SR && ti >= 0 && ti < 2 * S - 1) ? th[ti] : 0.0f;
+                tv[u] = (BIAS && x < BM + SR && ti >= 0 && ti < 2 * S - 1) ? th[ti] : 0.0f;
                 kv[u] = x < S ? kr[x] : 0;
             }
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int x = x0 + 256 * u;
-                if (x < BM + SR) tb[x] = __bfloat162float(__float2bfloat16_rn(tv[u])) * LOG2E;
+                if (BIAS && x < BM + SR)
+                    tb[x] = __bfloat162float(__float2bfloat16_rn(tv[u])) * LOG2E;
                 if (x < SR) {
                     kadd[x] = kv[u] ? 0.0f : neg_inf();
                     if (!kv[u]) tmask[x / BN] = 1;  // (every writer writes the same)
@@ -234,8 +246,8 @@ __global__ void __launch_bounds__(THREADS, 1) t5_attn_fwd_wg(
         const int B0 = kb + 2 * t - wrow - g + BM - 1;
         float mxs[2];
         // two copies of the loop, so that a tile of real keys issues no mask work
-        if (tmask[kt]) biased_scores<true>(s, tb + B0, kadd + kb + 2 * t, mxs);
-        else biased_scores<false>(s, tb + B0, kadd + kb + 2 * t, mxs);
+        if (tmask[kt]) biased_scores<true, BIAS>(s, tb + B0, kadd + kb + 2 * t, mxs);
+        else biased_scores<false, BIAS>(s, tb + B0, kadd + kb + 2 * t, mxs);
 #pragma unroll
         for (int hl = 0; hl < 2; ++hl) {
             float mx = mxs[hl];
@@ -345,9 +357,9 @@ __global__ void __launch_bounds__(THREADS, 1) t5_attn_fwd_wg(
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
         const int i = q0 + wrow + g + hl * 8;
-        if (i >= S) continue;
+        if (i >= Sq) continue;
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;  // a request with no real key: 0
-        __nv_bfloat16* o = out + ((long long)r * S + i) * HD + h * D + 2 * t;
+        __nv_bfloat16* o = out + ((long long)r * Sq + i) * HD + h * D + 2 * t;
 #pragma unroll
         for (int n = 0; n < D / 8; ++n)
             *reinterpret_cast<unsigned*>(o + n * 8) =
@@ -356,8 +368,12 @@ __global__ void __launch_bounds__(THREADS, 1) t5_attn_fwd_wg(
 #endif  // T5_WGMMA
 }
 
-// Explicit instance for nvcc's build check (NVRTC instantiates through the name expression).
-template __global__ void t5_attn_fwd_wg<64>(const __nv_bfloat16*, const __nv_bfloat16*,
-                                            const __nv_bfloat16*, long long, long long, long long,
-                                            long long, long long, long long, const float*,
-                                            const unsigned char*, int, int, __nv_bfloat16*);
+// Explicit instances for nvcc's build check (NVRTC instantiates through the name expression).
+template __global__ void t5_attn_fwd_wg<64, true>(
+    const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, long long, long long,
+    long long, long long, long long, long long, const float*, const unsigned char*, int, int,
+    int, __nv_bfloat16*);
+template __global__ void t5_attn_fwd_wg<64, false>(
+    const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, long long, long long,
+    long long, long long, long long, long long, const float*, const unsigned char*, int, int,
+    int, __nv_bfloat16*);

@@ -24,10 +24,15 @@ from .numba_common import quad_bf as _bf
 from .decoder_attention import SIMULATED
 
 TPB = 64 if SIMULATED else 256
-# 40 registers: Numba's own choice (128) held the kernel to a quarter of the SM's warps. This
-# kernel needs 32-40 (steps 0-2; ptxas for sm_90), so the cap spills nothing; the one before it
-# (a warp a row, 4-byte loads) needed 56 and spilled up to 116 bytes a thread at 40.
-_JIT = {} if SIMULATED else {"max_registers": 40}
+
+
+def max_registers(T: int) -> int:
+    """The register cap of the kernel for ``T`` keys. Numba's own choice (128) held the kernel
+    to a quarter of the SM's warps. With q/k/v read at a row stride (slices of one fused GEMM)
+    ptxas for sm_90 needs 40 for 1-2 keys and 48 for 3 (at 40 it spilled 24 bytes), so the cap
+    grows by 8 a key past 2 and spills nothing; the kernel before the rewrite (a warp a row,
+    4-byte loads) needed 56 and spilled up to 116 bytes a thread at 40."""
+    return min(64, 40 + 8 * max(0, T - 2))
 ROWS = TPB // 32  # warps per block: each serves two (beam, head) rows
 HALF = 16  # lanes per row, each over the quads (4 bf16) of d
 SLOTS = 2 * ROWS  # rows per block (a shared-memory shape must be a literal constant)
@@ -48,9 +53,10 @@ def _make_kernel(T: int):
     one-key softmax ran several times its bandwidth bound (docs/benchmarks.md)."""
     step = T - 1
 
-    @cuda.jit(**_JIT)
-    def kernel(q, kn, vn, K, V, anc, bias, H, N, Q, out):
-        """q, kn, vn: [rows * Q] int64 quads of bf16 (row = beam * H + head, Q = d / 4); out:
+    @cuda.jit(**({} if SIMULATED else {"max_registers": max_registers(T)}))
+    def kernel(q, kn, vn, K, V, anc, bias, H, N, Q, rs, out):
+        """q, kn, vn: int64 quads of bf16, beam b's head h at b * rs + h * Q in each (Q = d / 4;
+        rs, the rows' stride in quads, one for all three: slices of one fused projection); out:
         [rows * 2Q] int32 pairs; K, V: [>= T, >= rows * Q] quads; anc [>= step, >= N]:
         position p of beam b lies at row anc[p, b] * H + head. A half-warp per row: a warp
         serves beams 2w and 2w + 1 of one head, each lane a quad. (With a warp a row and
@@ -65,6 +71,7 @@ def _make_kernel(T: int):
         beam = cuda.blockIdx.x * SLOTS + r
         active = beam < N  # no early return: the simulator's reduction has block barriers
         base = (beam * H + h) * Q
+        qb = beam * rs + h * Q  # (one offset for q, k, v: more spilled at 40 registers)
         s = cuda.local.array(T, float32)
         src = cuda.local.array(T, int64)  # each earlier position's row offset (parent pointers)
         for t in range(step):
@@ -76,12 +83,12 @@ def _make_kernel(T: int):
         if active:
             j = lane
             while j < Q:
-                a = q[base + j]
+                a = q[qb + j]
                 for t in range(T):
                     if t == step:  # the new key: into the buffer as it is read
-                        b = kn[base + j]
+                        b = kn[qb + j]
                         K[step, base + j] = b
-                        V[step, base + j] = vn[base + j]
+                        V[step, base + j] = vn[qb + j]
                     else:
                         b = K[t, src[t] + j]
                     s[t] += _dot4(a, b)
@@ -107,7 +114,7 @@ def _make_kernel(T: int):
             o2 = float32(0.0)
             o3 = float32(0.0)
             for t in range(T):
-                v = vn[base + j] if t == step else V[t, src[t] + j]
+                v = vn[qb + j] if t == step else V[t, src[t] + j]
                 o0 += s[t] * _bf(v, 0)
                 o1 += s[t] * _bf(v, 1)
                 o2 += s[t] * _bf(v, 2)
@@ -123,6 +130,20 @@ _kernel = functools.lru_cache(maxsize=None)(_make_kernel)  # one compiled kernel
 
 
 
+def _rows(*xs: torch.Tensor) -> tuple[list[torch.Tensor], int]:
+    """[N, H, d] bf16 tensors with packed heads as (each one's flat int64 quads from its first
+    row to the end of its last, their common row stride in quads): in place where they share
+    one row stride (the column slices of one q|k|v GEMM, or contiguous tensors), else
+    contiguous copies."""
+    N, H, d = xs[0].shape
+    rs = xs[0].stride(0) if N > 1 else H * d
+    if not all(x.stride(2) == 1 and x.stride(1) == d and x.storage_offset() % 4 == 0
+               and (N < 2 or x.stride(0) == rs) for x in xs) or rs % 4 or rs < H * d:
+        xs, rs = tuple(x.contiguous() for x in xs), H * d
+    n = (N - 1) * rs + H * d if N else 0
+    return [x.as_strided((n,), (1,)).view(torch.int64) for x in xs], rs // 4
+
+
 def run(q, k_new, v_new, K, V, step: int, bias, anc=None):
     """``self_attend_reference`` by the kernel: bf16, ``d % 4 == 0``, each position's K/V slab
     contiguous (``decoder_attention.self_attend`` checks)."""
@@ -130,7 +151,8 @@ def run(q, k_new, v_new, K, V, step: int, bias, anc=None):
     T, M = K.shape[0], K.shape[1]
     out = torch.empty(N, H, d, dtype=q.dtype, device=q.device)
     # Rows (beam, head) flat: [M, H, d] slabs are contiguous inside each position.
-    args = [x.contiguous().view(N * H * d).view(torch.int64) for x in (q, k_new, v_new)]
+    # q, k_new, v_new in place: rows at any stride (column slices of one q|k|v GEMM).
+    args, rs = _rows(q, k_new, v_new)
     args += [x.view(T, M * H * d).view(torch.int64) for x in (K, V)]  # views: writes land
     if anc is None:  # every position's row is the beam's own
         anc = torch.arange(N, device=q.device).expand(max(step, 1), N)
@@ -141,10 +163,10 @@ def run(q, k_new, v_new, K, V, step: int, bias, anc=None):
     if SIMULATED:  # the simulator moves only contiguous arrays: K/V go through copies
         kc, vc = args[3].contiguous(), args[4].contiguous()
         _kernel(step + 1)[grid, TPB](*(_arr(x) for x in args[:3] + [kc, vc, a]), _arr(b), H,
-                                     N, d // 4, _arr(o))
+                                     N, d // 4, rs, _arr(o))
         args[3].copy_(kc)
         args[4].copy_(vc)
         return out
     fn = _kernel(step + 1)[grid, TPB, torch_stream(q.device)]
-    fn(*(_arr(x) for x in args + [a]), _arr(b), H, N, d // 4, _arr(o))
+    fn(*(_arr(x) for x in args + [a]), _arr(b), H, N, d // 4, rs, _arr(o))
     return out

@@ -1,4 +1,5 @@
-"""The T5 encoder's self-attention with its relative-position bias computed inside the kernel.
+"""The T5 encoder's self-attention with its relative-position bias computed inside the kernel,
+and the decoder's cross-attention on the same kernel without the bias.
 
 ``softmax(q k^T + bias) v`` per (request, head), T5's way (no 1/sqrt(d), fp32 softmax), where
 ``bias[h, i, j] = table[h, j - i + S - 1]`` (a [heads, 2S - 1] table of distances) on real keys
@@ -14,6 +15,13 @@ Inputs are [R, S, H, d] views (the projections' outputs, any request and token s
 head and column strides); the output is [R, S, H, d] contiguous, the layout the output
 projection reads. The table is rounded to the activations' dtype (bf16) as the dense bias was
 (the kernel rounds as it reads, so a batch's four layers launch nothing else).
+
+``cross_attention``: ``softmax(q k^T) v`` of each request's beams ([R, B, H, d] query rows)
+against its encoder positions ([R, S, H, d] keys and values, padding masked), no bias, no
+scaling: on Hopper the wgmma kernel without the distances, elsewhere the reference
+(``cross_attention_reference``); the decoder's other paths keep cuDNN (``models/t5.attend``).
+A request without a real key gets zeros here (cuDNN's additive finfo.min mask would average
+its values; T5 serving always has the EOS key).
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ _BM, _BN, _STAGES = 128, 64, 2  # the kernel's tile rows, keys and K/V stages
 ENABLED = os.environ.get("STREAMGR_T5_ENCODER", "kernel") != "cudnn"
 # The wgmma kernel (sm_90a): head dim 64, 128-key tiles, 3 K/V stages.
 _WG_SRC = "t5_attention_wgmma.cu"
-_WG_EXPRS = ("t5_attn_fwd_wg<64>",)
+_WG_EXPRS = ("t5_attn_fwd_wg<64, true>", "t5_attn_fwd_wg<64, false>")
 _WG_BN, _WG_STAGES = 128, 3
 # STREAMGR_T5_KERNEL: auto (wgmma where it applies, else mma.sync), mma, or wgmma (an error
 # where it cannot run). Read per call, so tests can switch it.
@@ -123,10 +131,8 @@ def encoder_attention(q, k, v, table, keep, out: torch.Tensor | None = None) -> 
                             or out.dtype != q.dtype):
         raise StreamgrError(f"encoder_attention: out must be a contiguous [{R}, {S}, {H}, {d}] "
                             f"{q.dtype}")
-    ok = kernel_applies(q, d, S) and all(
-        t.dtype == q.dtype and t.stride(-1) == 1 and t.stride(-2) == d
-        and t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0
-        for t in (q, k, v)) and keep.is_cuda and table.is_cuda and R < 65536 and H < 65536
+    ok = kernel_applies(q, d, S) and k.dtype == v.dtype == q.dtype and _strided_ok(q, k, v) \
+        and keep.is_cuda and table.is_cuda and R < 65536 and H < 65536
     if not ok or R == 0 or S == 0:
         ref = encoder_attention_reference(q, k, v, table, keep)
         return ref if out is None else out.copy_(ref)
@@ -134,7 +140,8 @@ def encoder_attention(q, k, v, table, keep, out: torch.Tensor | None = None) -> 
         out = torch.empty(R, S, H, d, dtype=q.dtype, device=q.device)
     tab = table.float().contiguous()  # (the kernel rounds it to bf16 as it reads it)
     kp = keep.contiguous().view(torch.uint8)
-    if _use_wgmma(q, d, S):
+    wg = _use_wgmma(q, d, S)
+    if wg:
         fn = _cuda.arch_kernel(_WG_SRC, _WG_EXPRS, _WG_EXPRS[0], "sm_90a")
         block, smem = (384,), wg_smem_bytes(S, d)
     else:
@@ -144,6 +151,63 @@ def encoder_attention(q, k, v, table, keep, out: torch.Tensor | None = None) -> 
         _cuda.ptr(q), _cuda.ptr(k), _cuda.ptr(v),
         np.int64(q.stride(0)), np.int64(q.stride(1)), np.int64(k.stride(0)),
         np.int64(k.stride(1)), np.int64(v.stride(0)), np.int64(v.stride(1)),
-        _cuda.ptr(tab), _cuda.ptr(kp), np.int32(S), np.int32(H), _cuda.ptr(out)),
-        shared_mem=smem)
+        _cuda.ptr(tab), _cuda.ptr(kp), *((np.int32(S),) if wg else ()),
+        np.int32(S), np.int32(H), _cuda.ptr(out)), shared_mem=smem)
+    return out
+
+
+def cross_attention_reference(q, k, v, keep) -> torch.Tensor:
+    """[R, B, H, d] in ``q``'s dtype: each request's B query rows against its S keys ([R, S,
+    H, d] ``k``, ``v``; ``keep`` [R, S] True on real keys), products and softmax in fp32."""
+    s = torch.einsum("rihd,rjhd->rhij", q.float(), k.float())
+    s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("rhij,rjhd->rihd", p, v.float()).to(q.dtype)
+
+
+def _strided_ok(*ts: torch.Tensor) -> bool:
+    """Views the kernels read in place: unit column stride, heads packed, 16-byte aligned."""
+    return all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] and t.data_ptr() % 16 == 0
+               and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0 for t in ts)
+
+
+def cross_kernel_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """``cross_attention`` runs the wgmma kernel for these views (else the reference)."""
+    R, B, H, d = q.shape
+    return (ENABLED and KERNEL != "mma" and q.is_cuda and q.dtype == torch.bfloat16
+            and k.dtype == q.dtype and d == 64 and R < 65536 and H < 65536
+            and wg_smem_bytes(k.shape[1], d) <= _SMEM_MAX and _cuda.usable(q)
+            and _wgmma_builds(q.device.index or 0))
+
+
+def cross_attention(q, k, v, keep, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``cross_attention_reference`` by the wgmma kernel where it applies. ``q`` [R, B, H, d],
+    ``k``/``v`` [R, S, H, d] (views with any request and row strides), ``keep`` [R, S] bool;
+    ``out``: an optional contiguous [R, B, H, d] destination."""
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or k.shape[0] != q.shape[0] \
+            or k.shape[2:] != q.shape[2:] or keep.shape != k.shape[:2]:
+        raise StreamgrError(f"cross_attention: q [R, B, H, d], k/v [R, S, H, d], keep [R, S] "
+                            f"expected, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                            f"{tuple(v.shape)}, {tuple(keep.shape)}")
+    R, B, H, d = q.shape
+    S = k.shape[1]
+    if out is not None and (out.shape != q.shape or not out.is_contiguous()
+                            or out.dtype != q.dtype):
+        raise StreamgrError(f"cross_attention: out must be a contiguous {tuple(q.shape)} "
+                            f"{q.dtype}")
+    if not (cross_kernel_applies(q, k) and v.dtype == q.dtype and _strided_ok(q, k, v)
+            and keep.is_cuda) or R == 0 or B == 0 or S == 0:
+        ref = cross_attention_reference(q, k, v, keep)
+        return ref if out is None else out.copy_(ref)
+    if out is None:
+        out = torch.empty(R, B, H, d, dtype=q.dtype, device=q.device)
+    fn = _cuda.arch_kernel(_WG_SRC, _WG_EXPRS, _WG_EXPRS[1], "sm_90a")
+    kp = keep.contiguous().view(torch.uint8)
+    _cuda.launch(fn, (-(-B // _BM), H, R), (384,), (
+        _cuda.ptr(q), _cuda.ptr(k), _cuda.ptr(v),
+        np.int64(q.stride(0)), np.int64(q.stride(1)), np.int64(k.stride(0)),
+        np.int64(k.stride(1)), np.int64(v.stride(0)), np.int64(v.stride(1)),
+        _cuda.ptr(kp),  # the table argument, unused without the bias
+        _cuda.ptr(kp), np.int32(B), np.int32(S), np.int32(H), _cuda.ptr(out)),
+        shared_mem=wg_smem_bytes(S, d))
     return out

@@ -25,9 +25,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..kernels.decoder_attention import self_attend
 from ..kernels.encoder_bias import encoder_bias
-from ..kernels.t5_attention import encoder_attention, kernel_applies
+from ..kernels.t5_attention import (cross_attention, cross_kernel_applies, encoder_attention,
+                                     kernel_applies)
 from ..kernels.head_lse import head_log_probs
 from ..kernels.rms_norm import rms_norm
+from . import t5_fuse
 
 
 class T5Config(msgspec.Struct, kw_only=True):
@@ -321,9 +323,9 @@ class T5(nn.Module):
             sa, ff = blk.layer[0], blk.layer[1]
             h = sa.layer_norm(x)
             a = sa.SelfAttention
-            if inner:
-                o = encoder_attention(a.q(h).view(R, S, H, d), a.k(h).view(R, S, H, d),
-                                      a.v(h).view(R, S, H, d), table, mask)
+            if inner:  # q, k, v: one GEMM where the projections are fused (t5_fuse)
+                q, k, v = (t.view(R, S, H, d) for t in t5_fuse.qkv(a, h))
+                o = encoder_attention(q, k, v, table, mask)
                 x = residual_linear(x, o.view(R, S, -1), a.o)
             else:
                 o = attend(a.heads(a.q(h)), a.heads(a.k(h)), a.heads(a.v(h)), bias)
@@ -333,12 +335,8 @@ class T5(nn.Module):
 
     @torch.inference_mode()
     def cross_kv(self, enc: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per decoder layer, the cross-attention K, V of each request: [R, H, S, d]."""
-        out = []
-        for blk in self.decoder.block:
-            a = blk.layer[1].EncDecAttention
-            out.append((a.heads(a.k(enc)), a.heads(a.v(enc))))
-        return out
+        """Per decoder layer, the cross-attention K, V of each request: [R, S, H, d] views."""
+        return t5_fuse.cross_kv(self, enc)
 
     @torch.inference_mode()
     def decode_step(self, tokens: torch.Tensor, step: int, self_k: torch.Tensor,
@@ -351,7 +349,7 @@ class T5(nn.Module):
         positions ``< step`` filled where earlier steps wrote them: row ``i``'s position ``p``
         at row ``anc[p, i]`` (parent pointers, ``anc`` [>= step, >= R*beams]; None: row ``i``),
         and this step's K/V written at rows ``0..R*beams-1`` of ``step``; ``cross`` per layer
-        [R, H, S, d];
+        [R, S, H, d] (``cross_kv``);
         ``enc_mask`` [R, S]. Returns log-probabilities over the full vocabulary
         [R*beams, vocab] (fp32): dense, or for bf16 on CUDA a lazy ``LogProbs`` (per-row
         log-sum-exp; ``gather`` the columns needed).
@@ -366,24 +364,30 @@ class T5(nn.Module):
         bt = bias_dtype(x)
         # [step+1, H] fp32, contiguous once here (the kernel wants it so, every layer)
         sbias = self._bias(first, pos[-1:], pos, False)[:, 0].t().contiguous()
-        cbias = torch.where(enc_mask, 0.0, torch.finfo(bt).min).to(bt)[:, None, None, :]
+        cbias = None  # the additive mask of the cuDNN path, made where it runs
         for li, blk in enumerate(self.decoder.block):
             sa, ca, ff = blk.layer
             h = sa.layer_norm(x)[:, 0]
             a = sa.SelfAttention
             # This step's K/V written into the buffer and attended in one kernel (bf16 CUDA).
-            o = self_attend(a.q(h).view(N, H, d), a.k(h).view(N, H, d), a.v(h).view(N, H, d),
-                            self_k[:, li], self_v[:, li], step, sbias, anc)
+            q, k, v = (t.view(N, H, d) for t in t5_fuse.qkv(a, h))
+            o = self_attend(q, k, v, self_k[:, li], self_v[:, li], step, sbias, anc)
             x = residual_linear(x, o.reshape(N, 1, -1), a.o)
             h = ca.layer_norm(x)
             c = ca.EncDecAttention
             # A request's beams are the query rows of one [beams, S] product against its own
-            # cross K/V [R, H, S, d]: broadcasting K over beams instead would make matmul
+            # cross K/V [R, S, H, d]: broadcasting K over beams instead would make matmul
             # materialize a per-beam copy (GBs at gen-ref's 256 beams x 769 positions).
-            q = c.q(h).view(R, beams, cfg.num_heads, cfg.d_kv).transpose(1, 2)  # [R, H, beams, d]
-            k, v = cross[li]
-            o = attend(q, k, v, cbias)  # [R, H, beams, d]
-            x = residual_linear(x, o.transpose(1, 2).reshape(N, 1, -1), c.o)
+            q = c.q(h).view(R, beams, H, d)
+            k, v = cross[li]  # [R, S, H, d]
+            if cross_kernel_applies(q, k):  # Hopper: the wgmma kernel, no mask tensor
+                o = cross_attention(q, k, v, enc_mask)  # [R, beams, H, d]
+            else:  # [R, H, beams, d]
+                if cbias is None:
+                    cbias = torch.where(enc_mask, 0.0, torch.finfo(bt).min).to(bt)[:, None, None]
+                o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                           cbias).transpose(1, 2)
+            x = residual_linear(x, o.reshape(N, 1, -1), c.o)
             x = ff.DenseReluDense(ff.layer_norm(x), residual=x)
         y = self.decoder.final_layer_norm(x)[:, 0]
         if cfg.scale_outputs:

@@ -53,7 +53,7 @@ def build_contract(cfg: T5Config, spec, dtype: str) -> dict[str, Any]:
             "step": t,
             "inputs": {"tokens": {"shape": ["R", prev], "dtype": "int64"},
                        "self_kv": {"shape": [L, 2, "R", prev, H, t + 1, d], "dtype": dtype},
-                       "cross_kv": {"shape": [L, 2, "R", H, "S", d], "dtype": dtype}},
+                       "cross_kv": {"shape": [L, 2, "R", "S", H, d], "dtype": dtype}},
             "outputs": {"log_probs": {"shape": ["R", prev, C], "dtype": "float32",
                                       "vocab_slice": [off, off + C]},
                         "survivors": {"shape": ["R", W], "dtype": "int64"}},

@@ -12,6 +12,7 @@ from ..errors import CheckpointError, ContractError
 from ..models.checkpoint import (WEIGHTS_FILE, decode_config, device_copies, hf_state_dict,
                                  read_config, read_safetensors, uninitialized)
 from ..models.t5 import T5, T5Config
+from ..models.t5_fuse import fuse_projections
 from ..selection.vocabulary import SidTrie, check_catalog, load_catalog, random_catalog
 from .contract import build_contract, check, same_architecture
 
@@ -107,4 +108,5 @@ def build_generator(spec, device: torch.device, dtype: torch.dtype, model=None, 
     model.requires_grad_(False)
     if device.type == "cuda":
         model.align_head()
+        fuse_projections(model)  # (after the last move: a move copies each parameter alone)
     return model, source, trie, contract, catalog

@@ -25,8 +25,12 @@ CASES = textwrap.dedent("""
         buf = (2 * torch.randn(T, L, N, H, d, generator=g)).to(torch.bfloat16).to(device)
         K, V = buf.clone(), (buf * 0.5).clone()
         K2, V2 = K.clone(), V.clone()
-        q, kn, vn = ((2 * torch.randn(N, H, d, generator=g)).to(torch.bfloat16).to(device)
-                     for _ in range(3))
+        if seed % 3 == 2:  # q, k, v as column slices of one q|k|v projection (strided rows)
+            qkv = (2 * torch.randn(N, 3 * H * d, generator=g)).to(torch.bfloat16).to(device)
+            q, kn, vn = (t.view(N, H, d) for t in qkv.chunk(3, dim=-1))
+        else:
+            q, kn, vn = ((2 * torch.randn(N, H, d, generator=g)).to(torch.bfloat16).to(device)
+                         for _ in range(3))
         bias = torch.randn(step + 1, H, generator=g).to(device)
         li = seed % L
         # parent pointers (odd seeds): each earlier position's row drawn from the buffer's
@@ -54,7 +58,8 @@ SIM = CASES + textwrap.dedent("""
 def test_numba_kernel_under_the_simulator():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # (T, layers, rows, heads, d, step, seed): first/middle/last step, rows not a multiple of
-    # the block (nor even: a half-warp idle), d of 3 quads (lanes idle), one head.
+    # the block (nor even: a half-warp idle), d of 3 quads (lanes idle), one head; seeds 2
+    # and 5 read q, k, v as strided slices of one fused projection.
     cases = [(3, 2, 3, 3, 8, 0, 0), (3, 2, 3, 3, 8, 2, 1), (4, 1, 9, 1, 12, 1, 2),
              (5, 3, 3, 1, 64, 4, 3), (3, 1, 5, 2, 128, 1, 5)]  # d = 128: two quads a lane
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
@@ -96,7 +101,7 @@ def test_numba_kernel_on_the_gpu():
     ns: dict = {}
     exec(CASES, ns)
     for c in [(3, 4, 4096, 8, 64, 0, 0), (3, 4, 4096, 8, 64, 2, 1), (5, 2, 333, 3, 32, 3, 2),
-              (3, 1, 1, 1, 128, 1, 3)]:
+              (3, 1, 1, 1, 128, 1, 3), (3, 4, 4096, 8, 64, 2, 5)]:  # seeds 2, 5: fused
         ns["case"](*c, "cuda", None)
 
 

@@ -173,3 +173,94 @@ def test_unaligned_views_and_a_poisoned_out():
     assert ta.encoder_attention(q, k, v, table, keep, out=out) is out
     assert not out.isnan().any()
     _close(out, want)
+
+
+def _cross_inputs(R, B, S, H, seed, device="cpu", dtype=torch.float32, fused=False):
+    """Cross-attention inputs: q [R, B, H, 64], k/v [R, S, H, 64] (``fused``: column slices of
+    one projection of two layers' k|v, as ``t5_fuse.cross_kv`` gives them), keep [R, S]."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(R, B, H, 64, generator=g).to(device=device, dtype=dtype)
+    if fused:
+        kv = torch.randn(R, S, 4 * H * 64, generator=g).to(device=device, dtype=dtype)
+        k, v = (t.view(R, S, H, 64) for t in kv.chunk(4, dim=-1)[2:])
+    else:
+        k, v = (torch.randn(R, S, H, 64, generator=g).to(device=device, dtype=dtype)
+                for _ in range(2))
+    lens = torch.randint(1, S + 1, (R,), generator=g)
+    lens[0] = S
+    keep = (torch.arange(S)[None, :] < lens[:, None]).to(device)
+    return q, k, v, keep
+
+
+def test_cross_reference_is_masked_softmax_attention():
+    """The cross reference equals softmax(q k^T + mask) v with cuDNN's finfo.min mask (the
+    path it replaces) on requests with a real key."""
+    q, k, v, keep = _cross_inputs(3, 5, 9, 2, 0)
+    got = ta.cross_attention_reference(q, k, v, keep)
+    mask = torch.where(keep, 0.0, torch.finfo(torch.float32).min)[:, None, None, :]
+    s = torch.einsum("rihd,rjhd->rhij", q, k) + mask
+    want = torch.einsum("rhij,rjhd->rihd", torch.softmax(s, -1), v)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert ta.cross_attention(q, k, v, keep).equal(got)  # the CPU takes the reference
+    keep[1] = False  # no real key: zeros (not NaN)
+    assert ta.cross_attention_reference(q, k, v, keep)[1].eq(0).all()
+
+
+def test_cross_bad_shapes_are_refused():
+    q, k, v, keep = _cross_inputs(2, 4, 6, 2, 1)
+    with pytest.raises(StreamgrError, match="cross_attention"):
+        ta.cross_attention(q, k[:1], v[:1], keep)  # requests disagree
+    with pytest.raises(StreamgrError, match="cross_attention"):
+        ta.cross_attention(q, k, v, keep[:, :-1])
+    with pytest.raises(StreamgrError, match="out must be"):
+        ta.cross_attention(q, k, v, keep, out=torch.empty(2, 4, 2, 63))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,B,S,H,fused", [
+    (1, 1, 1, 1, False), (32, 1, 784, 8, True), (3, 63, 65, 2, False), (2, 64, 128, 2, True),
+    (2, 65, 129, 3, False), (2, 200, 300, 2, True), (32, 256, 784, 8, True),
+    (1, 300, 2000, 2, False)])
+def test_cross_kernel_matches_the_reference(R, B, S, H, fused):
+    """Query counts around the 64-row consumers and 128-row blocks, key counts around the
+    128-key tiles, gen-ref's step shapes (1 and 256 beams x 784 positions, fused views)."""
+    q, k, v, keep = _cross_inputs(R, B, S, H, 13 * S + B, "cuda", torch.bfloat16, fused)
+    if torch.cuda.get_device_capability() != (9, 0):
+        assert not ta.cross_kernel_applies(q, k)
+        return
+    assert ta.cross_kernel_applies(q, k)
+    for mask in ("prefix", "scattered"):
+        if mask == "scattered":
+            g = torch.Generator().manual_seed(S)
+            keep = (torch.rand(R, S, generator=g) < 0.9).to("cuda")
+            keep[:, :min(S, 130)] = True
+            if R > 1:
+                keep[-1] = False  # a request without a real key: zeros
+        got = ta.cross_attention(q, k, v, keep)
+        want = ta.cross_attention_reference(q, k, v, keep)
+        assert got.shape == want.shape and got.is_contiguous() and not got.isnan().any()
+        _close(got, want)
+
+
+@pytest.mark.gpu
+def test_cross_kernel_replays_from_a_graph_and_reads_unaligned_views():
+    q, k, v, keep = _cross_inputs(4, 96, 150, 2, 9, "cuda", torch.bfloat16, True)
+    if torch.cuda.get_device_capability() != (9, 0):  # refused, not faked
+        assert not ta.cross_kernel_applies(q, k)
+        return
+    out = ta.cross_attention(q, k, v, keep)  # compiles outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ta.cross_attention(q, k, v, keep)
+    q.normal_()
+    keep[2, 70:] = False
+    g.replay()
+    torch.cuda.synchronize()
+    want = ta.cross_attention_reference(q, k, v, keep)
+    _close(out, want)
+    wide = torch.zeros(4, 96, 2, 65, device="cuda", dtype=torch.bfloat16)
+    wide[..., 1:] = q  # rows one element off 16 bytes: the reference, the same answer
+    _close(ta.cross_attention(wide[..., 1:], k, v, keep), want)
+    poisoned = torch.full_like(q, float("nan"))
+    assert ta.cross_attention(q, k, v, keep, out=poisoned) is poisoned
+    _close(poisoned, want)

@@ -1,7 +1,8 @@
 """Times the decoder self-attention kernel (Numba) against its torch reference on gen-ref's
 step shapes (4,096 beams x 8 heads x 64, positions 1..3), CUDA-graph replays, with earlier
 positions read through random parent pointers as the search serves them (``--aligned``: each
-row's own, the layout before parent pointers); run under ``ncu --kernel-name regex:kernel`` to
+row's own, the layout before parent pointers; ``--fused``: q, k, v as column slices of one
+q|k|v GEMM's output, as the fused projections give them); run under ``ncu --kernel-name regex:kernel`` to
 see why it runs as it does."""
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ def main() -> int:
     N, H, d, L, T = 4096, 8, 64, 4, 3
     K = torch.randn(T, L, N, H, d, device=dev).to(bf)
     V = torch.randn_like(K)
-    q, kn, vn = (torch.randn(N, H, d, device=dev).to(bf) for _ in range(3))
+    if "--fused" in sys.argv:
+        qkv = torch.randn(N, 3 * H * d, device=dev).to(bf)
+        q, kn, vn = (t.view(N, H, d) for t in qkv.chunk(3, dim=-1))
+    else:
+        q, kn, vn = (torch.randn(N, H, d, device=dev).to(bf) for _ in range(3))
     bias = torch.randn(T, H, device=dev)
     anc = None if "--aligned" in sys.argv else torch.randint(0, N, (T - 1, N), device=dev)
     for step in range(T):

@@ -26,7 +26,13 @@
 
 namespace {
 
-constexpr int BM = 128;      // query rows per block: two consumer warpgroups of 64
+// Query rows per block: 128 (two consumer warpgroups of 64, one block an SM) or 64 (one
+// consumer, two blocks an SM: one block's prologue and fill under the other's math).
+#ifndef T5_WG_BM
+#define T5_WG_BM 128
+#endif
+constexpr int BM = T5_WG_BM;
+constexpr int CONSUMERS = BM / 64;
 #ifndef T5_WG_BN
 #define T5_WG_BN 128
 #endif
@@ -38,10 +44,14 @@ constexpr int BN = T5_WG_BN;  // keys per tile (64 or 128)
 #define T5_WG_STAGES 3
 #endif
 constexpr int STAGES = T5_WG_STAGES;
-constexpr int THREADS = 384;
+constexpr int THREADS = 128 * (1 + CONSUMERS);
+constexpr int CT = THREADS - 128;  // consumer threads
+// Registers: one block of 384 (128 x 40 + 256 x 224 <= 64 K) or two of 256, each within 32 K
+// (128 x 40 + 128 x 216).
+constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 224 : 216;
 constexpr float LOG2E = 1.4426950408889634f;
 static_assert(STAGES >= 2, "S of one tile and P V of the previous need two stages");
-static_assert(BM == 2 * 64 && THREADS == 3 * 128 && (BN == 64 || BN == 128) && LOG2E > 1.0f,
+static_assert((BM == 128 || BM == 64) && (BN == 64 || BN == 128) && LOG2E > 1.0f,
               "a producer and two consumer warpgroups of 64 rows, whole k16 steps");
 
 #ifdef T5_WGMMA
@@ -95,13 +105,13 @@ __device__ __forceinline__ void biased_scores(float (&s)[BN / 2], const float* b
 
 }  // namespace
 
-// grid (ceil(Sq / BM), H, R), 384 threads; arguments as t5_attn_fwd (t5_attention.cu) with the
+// grid (ceil(Sq / BM), H, R), THREADS threads; arguments as t5_attn_fwd (t5_attention.cu) with the
 // query count Sq beside the key count S (the encoder: Sq = S; out [R, Sq, H, D]); without BIAS
 // `table` is unused. Dynamic
 // shared memory (the wrapper's wg_smem_bytes): 1 KB of alignment slack, Q, STAGES K and V tiles,
 // 2 STAGES + 1 mbarriers, then BM + SR distances and SR key offsets (fp32).
 template <int D, bool BIAS>
-__global__ void __launch_bounds__(THREADS, 1) t5_attn_fwd_wg(
+__global__ void __launch_bounds__(THREADS, 3 - CONSUMERS) t5_attn_fwd_wg(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
     const __nv_bfloat16* __restrict__ v, long long sq_r, long long sq_t, long long sk_r,
     long long sk_t, long long sv_r, long long sv_t, const float* __restrict__ table,
@@ -126,7 +136,7 @@ __global__ void __launch_bounds__(THREADS, 1) t5_attn_fwd_wg(
     const int q0 = blockIdx.x * BM, h = blockIdx.y, r = blockIdx.z;
     const int tid = threadIdx.x, lane = tid & 31;
     const int wg = tid >> 7, wq = (tid >> 5) & 3;
-    const int consumers = Sq - q0 > 64 ? 2 : 1;  // consumer warpgroups with rows
+    const int consumers = CONSUMERS == 2 && Sq - q0 > 64 ? 2 : 1;  // warpgroups with rows
     const int ntiles = SR / BN;
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
@@ -135,7 +145,7 @@ __global__ void __launch_bounds__(THREADS, 1) t5_attn_fwd_wg(
         }
         mbar_init(q_full, 128);
     }
-    if (tid >= 128 && tid - 128 < ntiles) tmask[tid - 128] = 0;  // (set below, after the sync)
+    for (int i = tid - 128; i >= 0 && i < ntiles; i += CT) tmask[i] = 0;  // (set after the sync)
     __syncthreads();  // the barriers initialized, for all (the last block-wide barrier)
 
     constexpr int CH = D / 8;  // 16-byte chunks per row
@@ -179,7 +189,7 @@ __global__ void __launch_bounds__(THREADS, 1) t5_attn_fwd_wg(
     }
 
     // The consumers: warpgroup cw owns rows 64 cw .. 64 cw + 63 of the tile.
-    set_max_regs_inc<224>();  // 128 x 40 + 256 x 224 <= 64 K registers
+    set_max_regs_inc<CONSUMER_REGS>();
     const int cw = wg - 1;
     // Distances: tb[j - li + BM - 1] = bf16(table[h, j - (q0 + li) + S - 1]) log2(e) for local
     // row li; the key mask as an additive 0 / -inf. The consumers fill them while the
@@ -195,18 +205,18 @@ __global__ void __launch_bounds__(THREADS, 1) t5_attn_fwd_wg(
         const unsigned char* kr = keep + (long long)r * S;
         const int base = S - q0 - BM;  // table index of tb[0]
         const int fill = BIAS ? BM + SR : SR;  // (no distances without the bias)
-        for (int x0 = ct; x0 < fill; x0 += 256 * U) {
+        for (int x0 = ct; x0 < fill; x0 += CT * U) {
             float tv[U];
             unsigned char kv[U];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                const int x = x0 + 256 * u, ti = x + base;
+                const int x = x0 + CT * u, ti = x + base;
                 tv[u] = (BIAS && x < BM + SR && ti >= 0 && ti < 2 * S - 1) ? th[ti] : 0.0f;
                 kv[u] = x < S ? kr[x] : 0;
             }
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                const int x = x0 + 256 * u;
+                const int x = x0 + CT * u;
                 if (BIAS && x < BM + SR)
                     tb[x] = __bfloat162float(__float2bfloat16_rn(tv[u])) * LOG2E;
                 if (x < SR) {
@@ -215,7 +225,7 @@ __global__ void __launch_bounds__(THREADS, 1) t5_attn_fwd_wg(
                 }
             }
         }
-        named_sync(3);
+        named_sync(3, CT);
     }
     if (cw >= consumers) return;  // no rows (its warps are not counted in `empty`)
     const int g = lane >> 2, t = lane & 3;

@@ -82,6 +82,9 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity
 __device__ __forceinline__ void named_sync(int id) {
     asm volatile("bar.sync %0, 256;\n" :: "r"(id) : "memory");
 }
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
 __device__ __forceinline__ void named_arrive(int id) {
     asm volatile("bar.arrive %0, 256;\n" :: "r"(id) : "memory");
 }

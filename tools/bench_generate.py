@@ -154,6 +154,25 @@ def profile(eng, reqs, n):
         print(prof.key_averages(group_by_input_shape=plans is None)
               .table(sort_by=key, row_limit=30, max_name_column_width=60,
                      max_shapes_column_width=70), file=sys.stderr)
+        if plans is not None and eng.device.type == "cuda":
+            replay_span(plans, search, batch)
+
+
+def replay_span(plans, search, batch, reps: int = 20) -> None:
+    """The batch's plan replayed back to back: its span on the GPU per replay, gaps between
+    the graph's kernels included (the profile's total counts the kernels' own time only)."""
+    plan = plans.plans.get(plans.key(batch, search.step_widths([p.widths for p in batch])))
+    if plan is None:
+        return
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    plan.graph.replay()
+    start.record()
+    for _ in range(reps):
+        plan.graph.replay()
+    end.record()
+    end.synchronize()
+    print(f"== the plan replayed back to back: {start.elapsed_time(end) / reps:.3f} ms a "
+          f"replay (the table's total: the kernels alone)", file=sys.stderr)
 
 
 class GcPauses:

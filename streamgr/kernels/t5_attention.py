@@ -45,7 +45,16 @@ ENABLED = os.environ.get("STREAMGR_T5_ENCODER", "kernel") != "cudnn"
 # The wgmma kernel (sm_90a): head dim 64, 128-key tiles, 3 K/V stages.
 _WG_SRC = "t5_attention_wgmma.cu"
 _WG_EXPRS = ("t5_attn_fwd_wg<64, true>", "t5_attn_fwd_wg<64, false>")
-_WG_BN, _WG_STAGES = 128, 3
+# Tile configurations (query rows a block, keys a tile, K/V stages), as the kernel's defines:
+# 64-row blocks of one consumer warpgroup, two blocks an SM, won on the H200 (session 17,
+# .device/ab_t5.py): the encoder's layer 0.1726 -> 0.1672 ms with 128-key tiles and 2 stages;
+# the cross-attention 0.0533 -> 0.0512 ms with 64-key tiles and 4 stages.
+_WG_CONFIG = {True: (64, 128, 2), False: (64, 64, 4)}  # bias (encoder) / none (cross)
+
+
+def _wg_defines(bias: bool) -> tuple[str, ...]:
+    bm, bn, st = _WG_CONFIG[bias]
+    return (f"T5_WG_BM={bm}", f"T5_WG_BN={bn}", f"T5_WG_STAGES={st}")
 # STREAMGR_T5_KERNEL: auto (wgmma where it applies, else mma.sync), mma, or wgmma (an error
 # where it cannot run). Read per call, so tests can switch it.
 KERNEL = os.environ.get("STREAMGR_T5_KERNEL", "auto")
@@ -90,12 +99,12 @@ def smem_bytes(S: int, d: int) -> int:
     return (_BM + 2 * _STAGES * _BN) * (d + 8) * 2 + (_BM + 2 * sr) * 4
 
 
-def wg_smem_bytes(S: int, d: int) -> int:
+def wg_smem_bytes(S: int, d: int, bias: bool = True) -> int:
     """The wgmma kernel's dynamic shared memory: alignment slack, Q, the K/V stages, the
     mbarriers, the distances, the key mask and a flag per key tile."""
-    sr = -(-S // _WG_BN) * _WG_BN
-    return 1024 + (_BM + 2 * _WG_STAGES * _WG_BN) * d * 2 + (2 * _WG_STAGES + 2) * 8 \
-        + (_BM + 2 * sr + sr // _WG_BN) * 4
+    bm, bn, st = _WG_CONFIG[bias]
+    sr = -(-S // bn) * bn
+    return 1024 + (bm + 2 * st * bn) * d * 2 + (2 * st + 2) * 8 + (bm + 2 * sr + sr // bn) * 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,7 +113,8 @@ def _wgmma_builds(index: int) -> bool:
     if torch.cuda.get_device_capability(index) != (9, 0):
         return False
     try:
-        _cuda.arch_module(_WG_SRC, _WG_EXPRS, "sm_90a")
+        for bias in (True, False):
+            _cuda.arch_module(_WG_SRC, _WG_EXPRS, "sm_90a", _wg_defines(bias))
         return True
     except Exception as err:  # noqa: BLE001 - e.g. a CuPy without the NVRTC hook for sm_90a
         log.warning("the wgmma T5 attention did not build (%s): mma.sync", err)
@@ -142,12 +152,13 @@ def encoder_attention(q, k, v, table, keep, out: torch.Tensor | None = None) -> 
     kp = keep.contiguous().view(torch.uint8)
     wg = _use_wgmma(q, d, S)
     if wg:
-        fn = _cuda.arch_kernel(_WG_SRC, _WG_EXPRS, _WG_EXPRS[0], "sm_90a")
-        block, smem = (384,), wg_smem_bytes(S, d)
+        fn = _cuda.arch_kernel(_WG_SRC, _WG_EXPRS, _WG_EXPRS[0], "sm_90a", _wg_defines(True))
+        bm = _WG_CONFIG[True][0]
+        block, smem = (128 + 2 * bm,), wg_smem_bytes(S, d)
     else:
         fn = _cuda.kernel(_SRC, _EXPRS, _EXPRS[_DIMS.index(d)])
-        block, smem = (128,), smem_bytes(S, d)
-    _cuda.launch(fn, (-(-S // _BM), H, R), block, (
+        bm, block, smem = _BM, (128,), smem_bytes(S, d)
+    _cuda.launch(fn, (-(-S // bm), H, R), block, (
         _cuda.ptr(q), _cuda.ptr(k), _cuda.ptr(v),
         np.int64(q.stride(0)), np.int64(q.stride(1)), np.int64(k.stride(0)),
         np.int64(k.stride(1)), np.int64(v.stride(0)), np.int64(v.stride(1)),
@@ -171,12 +182,19 @@ def _strided_ok(*ts: torch.Tensor) -> bool:
                and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0 for t in ts)
 
 
+# The decoder takes the kernel for steps with at least this many beams a request: at one beam
+# (a search's first step) cuDNN read the keys at ~3.2 TB/s, 15.9 us against the kernel's 21.5
+# for gen-ref's 32 x 784 positions; at 256 beams the kernel 53.4 us, cuDNN 67.1 (H200,
+# tools/bench_t5_attention.py, docs/benchmarks.md session 17).
+CROSS_MIN_ROWS = 64
+
+
 def cross_kernel_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
     """``cross_attention`` runs the wgmma kernel for these views (else the reference)."""
     R, B, H, d = q.shape
     return (ENABLED and KERNEL != "mma" and q.is_cuda and q.dtype == torch.bfloat16
             and k.dtype == q.dtype and d == 64 and R < 65536 and H < 65536
-            and wg_smem_bytes(k.shape[1], d) <= _SMEM_MAX and _cuda.usable(q)
+            and wg_smem_bytes(k.shape[1], d, False) <= _SMEM_MAX and _cuda.usable(q)
             and _wgmma_builds(q.device.index or 0))
 
 
@@ -201,13 +219,14 @@ def cross_attention(q, k, v, keep, out: torch.Tensor | None = None) -> torch.Ten
         return ref if out is None else out.copy_(ref)
     if out is None:
         out = torch.empty(R, B, H, d, dtype=q.dtype, device=q.device)
-    fn = _cuda.arch_kernel(_WG_SRC, _WG_EXPRS, _WG_EXPRS[1], "sm_90a")
+    fn = _cuda.arch_kernel(_WG_SRC, _WG_EXPRS, _WG_EXPRS[1], "sm_90a", _wg_defines(False))
+    bm = _WG_CONFIG[False][0]
     kp = keep.contiguous().view(torch.uint8)
-    _cuda.launch(fn, (-(-B // _BM), H, R), (384,), (
+    _cuda.launch(fn, (-(-B // bm), H, R), (128 + 2 * bm,), (
         _cuda.ptr(q), _cuda.ptr(k), _cuda.ptr(v),
         np.int64(q.stride(0)), np.int64(q.stride(1)), np.int64(k.stride(0)),
         np.int64(k.stride(1)), np.int64(v.stride(0)), np.int64(v.stride(1)),
         _cuda.ptr(kp),  # the table argument, unused without the bias
         _cuda.ptr(kp), np.int32(B), np.int32(S), np.int32(H), _cuda.ptr(out)),
-        shared_mem=wg_smem_bytes(S, d))
+        shared_mem=wg_smem_bytes(S, d, False))
     return out

@@ -25,8 +25,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..kernels.decoder_attention import self_attend
 from ..kernels.encoder_bias import encoder_bias
-from ..kernels.t5_attention import (cross_attention, cross_kernel_applies, encoder_attention,
-                                     kernel_applies)
+from ..kernels.t5_attention import (CROSS_MIN_ROWS, cross_attention, cross_kernel_applies,
+                                     encoder_attention, kernel_applies)
 from ..kernels.head_lse import head_log_probs
 from ..kernels.rms_norm import rms_norm
 from . import t5_fuse
@@ -380,7 +380,7 @@ class T5(nn.Module):
             # materialize a per-beam copy (GBs at gen-ref's 256 beams x 769 positions).
             q = c.q(h).view(R, beams, H, d)
             k, v = cross[li]  # [R, S, H, d]
-            if cross_kernel_applies(q, k):  # Hopper: the wgmma kernel, no mask tensor
+            if beams >= CROSS_MIN_ROWS and cross_kernel_applies(q, k):  # Hopper: wgmma
                 o = cross_attention(q, k, v, enc_mask)  # [R, beams, H, d]
             else:  # [R, H, beams, d]
                 if cbias is None:

@@ -34,15 +34,25 @@ def test_compiles_for_sm90(src, tmp_path):
         compile_checked(src, tmp_path, arch)
 
 
-def compile_checked(src, tmp_path, arch):
+def compile_checked(src, tmp_path, arch, defines=()):
     out = tmp_path / f"{src.stem}.{arch}.cubin"
     p = subprocess.run([nvcc(), f"-arch={arch}", "-std=c++17", "-cubin", "-Xptxas", "-v",
+                        *(f"-D{d}" for d in defines),
                         "-o", str(out), str(src)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert out.stat().st_size > 0
     spills = re.findall(r"(\d+) bytes spill stores", p.stderr)
     assert spills and all(n == "0" for n in spills), p.stderr  # no kernel spills registers
     assert "C751" not in p.stderr, p.stderr  # ptxas serialized no wgmma (C7511-C7515)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_served_t5_configurations_compile(tmp_path, bias):
+    """The tile configurations the T5 wrapper serves (64-row blocks, two an SM) build for
+    sm_90a without spills, as the default one does."""
+    from streamgr.kernels import t5_attention as ta
+    src = next(p for p in SOURCES if p.name == "t5_attention_wgmma.cu")
+    compile_checked(src, tmp_path, "sm_90a", ta._wg_defines(bias))
 
 
 @pytest.mark.parametrize("name", ["hstu_attention_wgmma.cu", "t5_attention_wgmma.cu"])

@@ -9,18 +9,15 @@ best first, ties to the lower ``c`` (a stable order: deterministic on every devi
 their parent beam, child node and code; ranks at or past a request's own width ``cap[r]`` score
 ``-inf``.
 
-Kernels (Numba CUDA, on torch's stream, captured inside the decode plans' CUDA graphs):
-every candidate is a 64-bit key ``order(score) << 32 | ~c`` (unique, so no ties are left to
-break). A request of at most ``S`` candidates is one block: its keys in shared memory, a radix
-select (8-bit digits from the top, stopping as soon as a digit settles the set), a bitonic sort
-of the ``k`` and their decode. Up to ``MID`` candidates (``trie_topk_block``): every key written
-to a buffer by a grid of one thread per candidate, then one block per request selects, sorts
-and decodes from it. A longer one (a 2M-candidate row) takes two grid-wide radix passes of
-``DIGIT``-bit digits, as AIR top-k does, computing keys where needed: a histogram of the keys' top digit; then every block finds the digit that
-holds the k-th key, sends the keys above it to the result and those in it to a buffer, with a
-histogram of their next digit; the buffer is split the same way; a last block per request
-selects the rest from the few keys left tied and sorts and decodes the ``k``. Four launches
-after a memset, each reading the candidates (or the buffer) once.
+Kernels (Numba CUDA, on torch's stream, captured inside the decode plans' CUDA graphs): every
+candidate is a unique int64 key, its score's order-preserving bits then ``MAXC - c``, read
+from the top of the request's score range (``trie_topk_dev``), so no ties are left to break. A
+request of at most ``ONE_MAX`` candidates is one block of one launch: keys in shared memory,
+radix select by 10-bit digits, bitonic sort of the ``k``, decode (``trie_topk_one``). A longer
+one takes four grid launches as AIR top-k does: keys to a buffer, the first digit's histogram,
+the keys above its pick to the result and those in it to a buffer with the next digit's
+histogram, then one block per request selects the rest, sorts and decodes
+(``trie_topk_grid``).
 ``NUMBA_ENABLE_CUDASIM=1`` runs the same kernels on the CPU with small sizes, so CI checks their
 logic. The torch reference (``trie_topk_reference``) carries the CPU path.
 """
@@ -37,23 +34,16 @@ from .head_lse import gather_log_probs
 
 NEG_INF = float("-inf")
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
-# Threads per block; the most candidates one block selects from in shared memory (a request
-# with more goes through the grid passes); radix digit bits of those passes; candidates per
-# block of a grid pass; the most tied keys the last pass selects from in shared memory. Small
-# under the simulator, so its tests run every pass (and the overflow paths) on small inputs.
-TPB, S, DIGIT, CH, TS = (32, 64, 5, 64, 64) if SIMULATED else (256, 4096, 11, 4096, 2048)
-# The most candidates per request that one block selects from a key buffer (trie_topk_block);
-# the grid passes take longer requests.
-# STREAMGR_SELECTION_MID overrides it for A/B benchmarks (S or less: that path off).
-MID = 256 if SIMULATED else int(os.environ.get("STREAMGR_SELECTION_MID", 1 << 14))
 MAX_K = 1024
+SIM_MAX_K = 32  # the simulator's select blocks (32 threads) sort at most this many
 
 
 def trie_topk_reference(scores: torch.Tensor, nodes: torch.Tensor, logp: torch.Tensor,
                         ptr: torch.Tensor, codes: torch.Tensor, off: int, fanout: int, k: int,
                         cap: torch.Tensor, stable: bool = True):
     """(top [R, k] fp32, parent [R, k], child [R, k], code [R, k]) as the module docstring says.
-    ``scores``, ``nodes``: [R, B]; ``logp``: [R * B, V] (or a lazy ``LogProbs``); ``cap``: [R]. ``stable=False`` selects
+    ``scores``, ``nodes``: [R, B]; ``logp``: [R * B, V] (or a lazy ``LogProbs``); ``cap``:
+    [R]. ``stable=False`` selects
     with ``torch.topk`` (the serving default: the fastest measured, ties as Hugging Face's beam
     search breaks them, device-dependent)."""
     R, B = scores.shape
@@ -91,11 +81,10 @@ def _check(scores, nodes, logp, k, fanout):
 
 
 # The Numba kernels serve by default on CUDA (STREAMGR_SELECTION=topk: the torch step). Against
-# torch.topk alone they run at 0.57x-1.78x over gen-ref's step shapes, but the torch step also
-# gathers each candidate's log-probability out of the bf16 logits first; the kernels read them
-# in place: the whole bf16 step 1.82x-4.31x faster, gen-ref's GPU time per batch of 32 6.92 ms
-# against 7.18 (docs/benchmarks.md, session 13). Their ties go to the lower candidate index on
-# every device; the CPU keeps torch.topk's.
+# torch.topk alone they run at 0.92x-1.78x over gen-ref's step shapes, and the torch step also
+# gathers each candidate's log-probability out of the bf16 logits first, which the kernels read
+# in place: the whole bf16 step 2.86x-6.06x faster (docs/benchmarks.md, session 18). Their ties
+# go to the lower candidate index on every device; the CPU keeps torch.topk's.
 DEFAULT_IMPL = os.environ.get("STREAMGR_SELECTION", "numba").lower()
 
 
@@ -128,7 +117,8 @@ def trie_topk(scores: torch.Tensor, nodes: torch.Tensor, logp: torch.Tensor, ptr
     ``torch.topk``; ``"stable"``: the reference with stable ties."""
     _check(scores, nodes, logp, k, fanout)
     asked, impl = impl, impl or DEFAULT_IMPL
-    if impl != "numba" or not (usable(scores) or SIMULATED and asked == "numba"):
+    if impl != "numba" or not (usable(scores) or SIMULATED and asked == "numba") \
+            or SIMULATED and k > SIM_MAX_K:
         return trie_topk_reference(scores, nodes, logp, ptr, codes, off, fanout, k, cap,
                                    stable=impl == "stable")
     from . import trie_topk_numba as nb

@@ -84,3 +84,24 @@ def test_trie_topk_reads_bf16_logits_in_place(R, B, fan, k):
     got = tt.trie_topk(*case, k, cap, impl="numba")
     for name, a, b in zip(("top", "parent", "child", "code"), got, ref):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("R,B,fan,k,const", [
+    (4, 64, 300, 1000, True), (3, 512, 100, 700, True), (2, 8, 1024, 1024, True),
+    (16, 1024, 3, 1024, False), (3, 1, 8192, 1024, False), (2, 4096, 2, 1024, False)])
+def test_trie_topk_all_tied_and_one_block_sizes(R, B, fan, k, const):
+    """Every candidate's log-probability equal (``const``): the digits never separate the
+    scores, so the grid path's last block selects more tied keys than it holds in shared memory
+    and falls back to its buffer, and the one-block path resolves every key by its index; also
+    the one-block path at its largest request (8,192 candidates) and k = 1,024."""
+    case = list(level(R, B, fan, V=max(fan, 64) * 2, seed=R * 7 + B + fan, dead=0.0,
+                      uniform=const))
+    if const:
+        case[0].zero_()
+        case[2].fill_(-1.5)
+    k = min(k, B * case[-1])
+    cap = torch.full((R,), k, device=DEV)
+    ref = tt.trie_topk_reference(*case, k, cap)
+    got = tt.trie_topk(*case, k, cap, impl="numba")
+    for name, a, b in zip(("top", "parent", "child", "code"), got, ref):
+        assert torch.equal(a, b), name

@@ -4,7 +4,8 @@ self-attention and the RMS norm. The simulator tests check the kernels' logic, b
 simulator runs Python: a kernel can pass there and not compile for the GPU (a shared-memory
 shape that is not a literal constant did, session 14). Where ``ptxas`` is on the PATH, their
 register caps are held to spilling nothing. (The selection kernels call non-inline device
-functions, which Numba links through the driver: they compile on a GPU machine only.)"""
+functions, which Numba links through the driver: they compile on a GPU machine only; the radix
+selection kernels of ``trie_topk_one``/``trie_topk_grid`` inline theirs and compile here.)"""
 
 from __future__ import annotations
 
@@ -66,3 +67,24 @@ def test_rms_norm(tmp_path):
         ptx, _ = cuda.compile_ptx(rn._make_kernel(qpl).py_func, sig, cc=(9, 0))
         assert ".local" not in ptx  # the held quads are registers, not local memory
         assert _ptxas_spills(ptx, tmp_path, rn._JIT["max_registers"]) in (0, None)
+
+
+@pytest.mark.parametrize("layout", ["C", "A"])
+def test_selection_kernels_fit_a_block_of_1024(layout, tmp_path):
+    """The select kernels launch 1,024 threads, so 64 registers a thread at most (Numba sets no
+    launch bounds: on the H200 an unaligned logits view's indexing took 68 and the launch
+    failed). They carry that cap (``JIT_NT``) and compile under it spilling at most a word."""
+    from streamgr.kernels import trie_topk_dev as dev, trie_topk_grid as g
+    from streamgr.kernels import trie_topk_one as one
+    assert dev.NT == 1024 and dev.JIT_NT["max_registers"] == 64
+    i16 = types.int16
+    head = (i64, i64, i64, A(f32, 2), A(i64, 2))  # F, magic, B, scores, nodes
+    lp = (A(i16, 2, layout), A(f32, 2), i64)
+    trie = (A(i64, 1), A(i64, 1), i64)
+    outs = (A(i64, 1), A(f32, 2), A(i64, 2), A(i64, 2), A(i64, 2))
+    for fn, sig in [(one.one_select, (i64, i64, i64) + head + lp + trie + outs),
+                    (g.final, (i64, i64) + head + lp + trie + (A(i64, 2),) * 3 + outs),
+                    (g.hist1, (i64, i64, A(i32, 2), A(i64, 3), A(i64, 2))),
+                    (g.filter1, (i64, A(i32, 2), A(i64, 2), A(i64, 2), A(i64, 2)))]:
+        ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
+        assert _ptxas_spills(ptx, tmp_path, 64) in (0, 8, None), fn.py_func.__name__

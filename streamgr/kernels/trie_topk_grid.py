@@ -1,0 +1,240 @@
+"""Grid selection of ``trie_topk`` for requests of more than ``ONE_MAX`` candidates (gen-ref's
+step 2: 45,312 at beams of 256, 181,248 at 1,024; one request's flat 2,097,152), as AIR top-k
+does it but with the request's score range known before the first digit. Four launches, no memset:
+
+1. ``keys``: one thread per four candidates over the whole GPU computes okeys into ``kbuf``
+   ([R, N] int32) and each block's smallest real and largest okey into ``part``; block 0 of a
+   request zeroes its workspace row ``ws`` (histograms and counters) for the next launches.
+2. ``hist1``: every block reduces ``part`` to the request's range, adds its keys' first digit
+   to the request's histogram; the last block to finish (a counter in ``ws``) picks the digit
+   holding the ``k``-th key.
+3. ``filter1``: keys above that digit go to ``sure`` (fewer than ``k``), keys in it to ``buf``
+   with the histogram of their next digit, whose pick the last block makes.
+4. ``final``: one block per request takes ``sure``, the keys of ``buf`` above the second digit,
+   and radix-selects the rest from those tied at it (in shared memory, or from ``buf`` past
+   ``TS`` of them); sorts the ``k`` and decodes them.
+"""
+
+from __future__ import annotations
+
+import torch
+from numba import cuda, int32, int64
+
+from .trie_topk import SIMULATED
+from .trie_topk_dev import (BIG, DIG, DM, JIT, JIT_NT, KEY_NEG_INF, LOW32, NB, NT, RED_N, SCAN_N,
+                            append, bit_length, ckey, collect, decode, hist_add, minmax, pick,
+                            radix, sort_desc, tkey)
+
+T1, CPT = (32, 4) if SIMULATED else (256, 4)  # keys: threads a block, candidates a thread
+CH2 = NT * (2 if SIMULATED else 8)  # keys a block of hist1 / filter1 reads
+TS = 16 if SIMULATED else 4096  # tied keys final selects from in shared memory
+# ws columns: the two histograms, then counters and the picks
+H1, H2 = 0, NB
+DONE1, DONE2, NSURE, NBUF = 2 * NB, 2 * NB + 1, 2 * NB + 2, 2 * NB + 3
+D1, NEED1, N1, D2, NEED2, N2, TMIN, S1 = (2 * NB + 4 + i for i in range(8))
+W_LEN = 2 * NB + 12
+
+
+@cuda.jit(**JIT)
+def keys(N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, kbuf, part, ws):
+    r = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    red = cuda.shared.array(RED_N, int64)
+    if cuda.blockIdx.x == 0:
+        for i in range(tid, W_LEN, T1):
+            ws[r, i] = 0
+    i0 = cuda.blockIdx.x * (T1 * CPT) + tid
+    i1 = i0 + T1
+    i2 = i1 + T1
+    i3 = i2 + T1
+    k0 = ckey(r, min(i0, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    k1 = ckey(r, min(i1, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    k2 = ckey(r, min(i2, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    k3 = ckey(r, min(i3, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    lo = BIG
+    hi = int64(-1)
+    if i0 < N:
+        lo, hi = _note(kbuf, r, i0, k0, lo, hi)
+    if i1 < N:
+        lo, hi = _note(kbuf, r, i1, k1, lo, hi)
+    if i2 < N:
+        lo, hi = _note(kbuf, r, i2, k2, lo, hi)
+    if i3 < N:
+        lo, hi = _note(kbuf, r, i3, k3, lo, hi)
+    lo, hi = minmax(lo, hi, red)
+    if tid == 0:
+        part[r, cuda.blockIdx.x, 0] = lo
+        part[r, cuda.blockIdx.x, 1] = hi
+
+
+@cuda.jit(device=True, inline=True)
+def _note(kbuf, r, i, key, lo, hi):
+    kbuf[r, i] = int32(key - (int64(1) << 32) if key >= (int64(1) << 31) else key)
+    hi = max(hi, key)
+    if key > KEY_NEG_INF:
+        lo = min(lo, key)
+    return lo, hi
+
+
+@cuda.jit(device=True, inline=True)
+def _range(part, r, red):
+    """The request's (tmin, first digit's shift) from the keys blocks' partial minima/maxima."""
+    tid = cuda.threadIdx.x
+    lo = BIG
+    hi = int64(-1)
+    for j in range(tid, part.shape[1], NT):
+        lo = min(lo, part[r, j, 0])
+        hi = max(hi, part[r, j, 1])
+    lo, hi = minmax(lo, hi, red)
+    tmin = lo if lo != BIG else KEY_NEG_INF
+    top_bit = 31 + bit_length(max(hi - tmin + 1, int64(1)))
+    return tmin, top_bit - DIG if top_bit > DIG else 0
+
+
+@cuda.jit(device=True, inline=True)
+def _last(ws, r, col, flag):
+    """True in the request's last block to get here (after its global adds are fenced)."""
+    cuda.threadfence()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        flag[0] = cuda.atomic.add(ws, (r, col), 1) == cuda.gridDim.x - 1
+    cuda.syncthreads()
+    return flag[0]
+
+
+@cuda.jit(device=True, inline=True)
+def _flush_pick(hist, ws, r, lo, done, want, scan, res, flag):
+    """The block's histogram into the request's (``ws[r, lo:lo+NB]``); the last block reads
+    the sum back (atomically: not from a stale cache line) and returns its pick, else -1s."""
+    tid = cuda.threadIdx.x
+    if hist[tid]:
+        cuda.atomic.add(ws, (r, lo + tid), int64(hist[tid]))
+    if not _last(ws, r, done, flag):
+        return int64(-1), int64(-1), int64(-1)
+    cuda.threadfence()
+    hist[tid] = int32(cuda.atomic.add(ws, (r, lo + tid), int64(0)))
+    cuda.syncthreads()
+    return pick(hist, want, scan, res, NT)
+
+
+@cuda.jit(**JIT_NT)
+def hist1(N, k, kbuf, part, ws):
+    r = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    hist = cuda.shared.array(NB, int32)
+    scan = cuda.shared.array(SCAN_N, int32)
+    res = cuda.shared.array(3, int32)
+    red = cuda.shared.array(RED_N, int64)
+    flag = cuda.shared.array(1, int32)
+    hist[tid] = 0
+    tmin, s1 = _range(part, r, red)
+    start = cuda.blockIdx.x * CH2
+    for base in range(start, min(N, start + CH2), NT):
+        i = base + tid
+        ok = i < N
+        v = tkey(int64(kbuf[r, i if ok else 0]) & LOW32, int64(i), tmin)
+        hist_add(hist, int32((v >> s1) & DM), ok)
+    cuda.syncthreads()
+    d, need, n = _flush_pick(hist, ws, r, H1, DONE1, k, scan, res, flag)
+    if d >= 0 and tid == 0:
+        ws[r, D1] = d
+        ws[r, NEED1] = need
+        ws[r, N1] = n
+        ws[r, TMIN] = tmin
+        ws[r, S1] = s1
+
+
+@cuda.jit(**JIT_NT)
+def filter1(N, kbuf, ws, sure, buf):
+    r = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    hist = cuda.shared.array(NB, int32)
+    scan = cuda.shared.array(SCAN_N, int32)
+    res = cuda.shared.array(3, int32)
+    flag = cuda.shared.array(1, int32)
+    hist[tid] = 0
+    cuda.syncthreads()
+    d1, need1, tmin, s1 = ws[r, D1], ws[r, NEED1], ws[r, TMIN], ws[r, S1]
+    all_in = need1 == ws[r, N1]
+    s2 = s1 - DIG if s1 > DIG else 0
+    start = cuda.blockIdx.x * CH2
+    for base in range(start, min(N, start + CH2), NT):
+        i = base + tid
+        ok = i < N
+        v = tkey(int64(kbuf[r, i if ok else 0]) & LOW32, int64(i), tmin)
+        dg = v >> s1
+        tie = ok and dg == d1 and not all_in
+        append(sure[r], ws[r], NSURE, v, ok and (dg > d1 or (dg == d1 and all_in)))
+        append(buf[r], ws[r], NBUF, v, tie)
+        hist_add(hist, int32((v >> s2) & DM), tie)
+    cuda.syncthreads()
+    if all_in:
+        return
+    d, need, n = _flush_pick(hist, ws, r, H2, DONE2, need1, scan, res, flag)
+    if d >= 0 and tid == 0:
+        ws[r, D2] = d
+        ws[r, NEED2] = need
+        ws[r, N2] = n
+
+
+@cuda.jit(**JIT_NT)
+def final(k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws, sure, buf, cap, top,
+          parent, child, code):
+    r = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    hist = cuda.shared.array(NB, int32)
+    scan = cuda.shared.array(SCAN_N, int32)
+    res = cuda.shared.array(3, int32)
+    srt = cuda.shared.array(NT, int64)
+    tied = cuda.shared.array(TS, int64)
+    ctr = cuda.shared.array(2, int64)
+    n_sure = ws[r, NSURE]
+    for i in range(tid, KP, NT):
+        srt[i] = sure[r, i] if i < n_sure else 0
+    if tid == 0:
+        ctr[0] = n_sure
+        ctr[1] = 0
+    cuda.syncthreads()
+    s1, need1, n1 = ws[r, S1], ws[r, NEED1], ws[r, N1]
+    if need1 != n1:
+        s2 = s1 - DIG if s1 > DIG else 0
+        d2, need2, n2 = ws[r, D2], ws[r, NEED2], ws[r, N2]
+        all2 = need2 == n2
+        for base in range(0, n1, NT):
+            i = base + tid
+            ok = i < n1
+            v = buf[r, i if ok else 0]
+            dg = (v >> s2) & DM
+            append(srt, ctr, 0, v, ok and (dg > d2 or (dg == d2 and all2)))
+            if n2 <= TS:
+                append(tied, ctr, 1, v, ok and dg == d2 and not all2)
+        cuda.syncthreads()
+        if not all2:  # s2 > 0 here: a last digit leaves one key a bin
+            prefix = (ws[r, D1] << s1) | (d2 << s2)
+            s3 = s2 - DIG if s2 > DIG else 0
+            if n2 <= TS:  # the tied keys all match the prefix down to s2
+                p, sh3 = radix(hist, tied, 1, n2, 0, need2, prefix, s2, s3, hist, scan, res, NT)
+                collect(hist, tied, 1, n2, 0, p, s2, sh3, srt, ctr)
+            else:
+                p, sh3 = radix(hist, buf[r], 1, n1, 0, need2, prefix, s2, s3, hist, scan, res,
+                               NT)
+                collect(hist, buf[r], 1, n1, 0, p, s2, sh3, srt, ctr)
+    sort_desc(srt, KP)
+    decode(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
+           child, code)
+
+
+def run(launch, R, N, k, KP, F, FM, B, sc, nd, lp, trie, outs, dev, arr):
+    """The four launches (``launch(fn, grid, threads)``) for R requests of N candidates."""
+    g1 = -(-N // (T1 * CPT))
+    g2 = -(-N // CH2)
+    kbuf = torch.empty(R, N, dtype=torch.int32, device=dev)
+    part = torch.empty(R, g1, 2, dtype=torch.int64, device=dev)
+    ws = torch.empty(R, W_LEN, dtype=torch.int64, device=dev)
+    sure = torch.empty(R, k, dtype=torch.int64, device=dev)
+    buf = torch.empty(R, N, dtype=torch.int64, device=dev)
+    kb, pa, w = arr(kbuf), arr(part), arr(ws)
+    launch(keys, (g1, R), T1)(N, F, FM, B, sc, nd, *lp, *trie, kb, pa, w)
+    launch(hist1, (g2, R), NT)(N, k, kb, pa, w)
+    launch(filter1, (g2, R), NT)(N, kb, w, arr(sure), arr(buf))
+    launch(final, (R,), NT)(k, KP, F, FM, B, sc, nd, *lp, *trie, w, arr(sure), arr(buf), *outs)

@@ -1,0 +1,83 @@
+"""One-launch selection of ``trie_topk`` for requests of at most ``ONE_MAX`` candidates (gen-ref's
+steps 1 and 3: 8,192 and 768 at beams of 256, 3,072 at beams of 1,024): one block of ``NT``
+threads per request computes its candidates' okeys into shared memory (four candidates a thread
+at a time, so their load chains overlap), takes the block's smallest real and largest okey,
+radix-selects the ``k`` best keys (``trie_topk_dev.radix``: digits from the range's top bit,
+usually two or three rounds), sorts them and decodes. No global scratch, no memset: the whole
+step is one node of the decode plan's graph.
+"""
+
+from __future__ import annotations
+
+from numba import cuda, int32, int64
+
+from .trie_topk import SIMULATED
+from .trie_topk_dev import (BIG, DIG, JIT_NT, KEY_NEG_INF, NT, RED_N, SCAN_N, bit_length, ckey,
+                            collect, decode, minmax, radix, sort_desc)
+
+ONE_MAX = 64 if SIMULATED else 8192  # okeys in shared memory: 32 KiB
+CPT = 4  # candidates a thread computes at once
+
+
+@cuda.jit(device=True, inline=True)
+def _note(kx, i, key, lo, hi):
+    kx[i] = int32(key - (int64(1) << 32) if key >= (int64(1) << 31) else key)
+    hi = max(hi, key)
+    if key > KEY_NEG_INF:
+        lo = min(lo, key)
+    return lo, hi
+
+
+@cuda.jit(**JIT_NT)
+def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
+               child, code):
+    r = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    kx = cuda.shared.array(ONE_MAX, int32)
+    hist = cuda.shared.array(NT, int32)
+    srt = cuda.shared.array(NT, int64)
+    scan = cuda.shared.array(SCAN_N, int32)
+    res = cuda.shared.array(3, int32)
+    red = cuda.shared.array(RED_N, int64)
+    ctr = cuda.shared.array(1, int64)
+    if tid == 0:
+        ctr[0] = 0
+    lo = BIG
+    hi = int64(-1)
+    for base in range(0, N, CPT * NT):
+        i0 = base + tid
+        if N - base <= NT:  # one candidate a thread left (block-uniform)
+            if i0 < N:
+                lo, hi = _note(kx, i0, ckey(r, i0, F, FM, B, scores, nodes, logp, lse, sh, ptr,
+                                            codes, off), lo, hi)
+            continue
+        # four independent load chains before any store (clamped to a valid candidate)
+        i1 = i0 + NT
+        i2 = i1 + NT
+        i3 = i2 + NT
+        k0 = ckey(r, min(i0, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+        k1 = ckey(r, min(i1, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+        k2 = ckey(r, min(i2, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+        k3 = ckey(r, min(i3, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+        if i0 < N:
+            lo, hi = _note(kx, i0, k0, lo, hi)
+        if i1 < N:
+            lo, hi = _note(kx, i1, k1, lo, hi)
+        if i2 < N:
+            lo, hi = _note(kx, i2, k2, lo, hi)
+        if i3 < N:
+            lo, hi = _note(kx, i3, k3, lo, hi)
+    lo, hi = minmax(lo, hi, red)  # its barriers also publish kx
+    tmin = lo if lo != BIG else KEY_NEG_INF
+    top_bit = 31 + bit_length(max(hi - tmin + 1, int64(1)))  # keys < 2**top_bit
+    shift = top_bit - DIG if top_bit > DIG else 0
+    # every thread works the rounds: with 256 the kernel ran slower on the H200 (latency-bound)
+    prefix, shift = radix(kx, srt, 0, N, tmin, k, int64(0), int64(63), shift, hist, scan, res,
+                          NT)
+    collect(kx, srt, 0, N, tmin, prefix, int64(63), shift, srt, ctr)
+    for i in range(k + tid, KP, NT):
+        srt[i] = 0
+    cuda.syncthreads()
+    sort_desc(srt, KP)
+    decode(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
+           child, code)

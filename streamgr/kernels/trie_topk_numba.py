@@ -1,5 +1,6 @@
 """Host side of the Numba CUDA kernels of ``trie_topk`` (see its module docstring for what they
-compute): a request of at most ``ONE_MAX`` candidates is one block of one launch
+compute): a request of at most ``SMALL_MAX`` candidates is one block that sorts them all
+(``trie_topk_small``), one of at most ``ONE_MAX`` one block that radix-selects first
 (``trie_topk_one``), a longer one four grid launches (``trie_topk_grid``); the keys, scans and
 sort they share are in ``trie_topk_dev``.
 
@@ -19,6 +20,7 @@ from .numba_common import as_array, torch_stream
 from .trie_topk import SIMULATED
 from .trie_topk_dev import NT, magic
 from .trie_topk_one import ONE_MAX, one_select
+from .trie_topk_small import SMALL_MAX, ST, small_select
 
 
 def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
@@ -41,7 +43,10 @@ def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
     outs = (a(cap.contiguous()), a(top), a(parent), a(child), a(code))
     KP = 1 << max(0, (k - 1).bit_length())
     sa, nd = a(sc), a(nodes.contiguous())
-    if N <= ONE_MAX:
+    if N <= SMALL_MAX:
+        NP = 1 << max(0, (N - 1).bit_length())
+        launch(small_select, (R,), ST)(N, NP, k, F, magic(F), B, sa, nd, *lp, *trie, *outs)
+    elif N <= ONE_MAX:
         launch(one_select, (R,), NT)(N, k, KP, F, magic(F), B, sa, nd, *lp, *trie, *outs)
     else:
         grid.run(launch, R, N, k, KP, F, magic(F), B, sa, nd, lp, trie, outs, dev, a)

@@ -69,20 +69,21 @@ def test_rms_norm(tmp_path):
         assert _ptxas_spills(ptx, tmp_path, rn._JIT["max_registers"]) in (0, None)
 
 
-@pytest.mark.parametrize("layout", ["C", "A"])
-def test_selection_kernels_fit_a_block_of_1024(layout, tmp_path):
-    """The select kernels launch 1,024 threads, so 64 registers a thread at most (Numba sets no
-    launch bounds: on the H200 an unaligned logits view's indexing took 68 and the launch
-    failed). They carry that cap (``JIT_NT``) and compile under it spilling at most a word."""
+def test_selection_kernels_fit_a_block_of_1024(tmp_path):
+    """The select kernels launch 1,024 threads (the sort kernel 256), so 64 registers a thread at
+    most (Numba sets no launch bounds: on the H200 an unaligned logits view's indexing took 68
+    and the launch failed). They carry that cap (``JIT_NT``) and compile under it spilling at
+    most a word."""
     from streamgr.kernels import trie_topk_dev as dev, trie_topk_grid as g
-    from streamgr.kernels import trie_topk_one as one
+    from streamgr.kernels import trie_topk_one as one, trie_topk_small as small
     assert dev.NT == 1024 and dev.JIT_NT["max_registers"] == 64
     i16 = types.int16
     head = (i64, i64, i64, A(f32, 2), A(i64, 2))  # F, magic, B, scores, nodes
-    lp = (A(i16, 2, layout), A(f32, 2), i64)
+    lp = (A(i16, 2, "A"), A(f32, 2), i64)  # unaligned logits: the most registers
     trie = (A(i64, 1), A(i64, 1), i64)
     outs = (A(i64, 1), A(f32, 2), A(i64, 2), A(i64, 2), A(i64, 2))
     for fn, sig in [(one.one_select, (i64, i64, i64) + head + lp + trie + outs),
+                    (small.small_select, (i64, i64, i64) + head + lp + trie + outs),
                     (g.final, (i64, i64) + head + lp + trie + (A(i64, 2),) * 3 + outs),
                     (g.hist1, (i64, i64, A(i32, 2), A(i64, 3), A(i64, 2))),
                     (g.filter1, (i64, A(i32, 2), A(i64, 2), A(i64, 2), A(i64, 2)))]:

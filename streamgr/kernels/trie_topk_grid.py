@@ -5,8 +5,8 @@ does it but with the request's score range known before the first digit. Four la
 1. ``keys``: one thread per four candidates over the whole GPU computes okeys into ``kbuf``
    ([R, N] int32) and each block's smallest real and largest okey into ``part``; block 0 of a
    request zeroes its workspace row ``ws`` (histograms and counters) for the next launches.
-2. ``hist1``: every block reduces ``part`` to the request's range, adds its keys' first digit
-   to the request's histogram; the last block to finish (a counter in ``ws``) picks the digit
+2. ``hist1``: every block (``chunk`` keys each: one wave of blocks over the GPU) reduces
+   ``part`` to the request's range, adds its keys' first digit to the request's histogram; the last block to finish (a counter in ``ws``) picks the digit
    holding the ``k``-th key.
 3. ``filter1``: keys above that digit go to ``sure`` (fewer than ``k``), keys in it to ``buf``
    with the histogram of their next digit, whose pick the last block makes.
@@ -17,6 +17,8 @@ does it but with the request's score range known before the first digit. Four la
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from numba import cuda, int32, int64
 
@@ -26,7 +28,7 @@ from .trie_topk_dev import (BIG, DIG, DM, JIT, JIT_NT, KEY_NEG_INF, LOW32, NB, N
                             radix, sort_desc, tkey)
 
 T1, CPT = (32, 4) if SIMULATED else (256, 4)  # keys: threads a block, candidates a thread
-CH2 = NT * (2 if SIMULATED else 8)  # keys a block of hist1 / filter1 reads
+SMS_SIM = 4  # the simulator's "SMs" (hist1/filter1 blocks a wave)
 TS = 16 if SIMULATED else 4096  # tied keys final selects from in shared memory
 # ws columns: the two histograms, then counters and the picks
 H1, H2 = 0, NB
@@ -117,8 +119,13 @@ def _flush_pick(hist, ws, r, lo, done, want, scan, res, flag):
     return pick(hist, want, scan, res, NT)
 
 
+@cuda.jit(device=True, inline=True)
+def _digit(kbuf, r, i, tmin, s):
+    return int32((tkey(int64(kbuf[r, i]) & LOW32, int64(i), tmin) >> s) & DM)
+
+
 @cuda.jit(**JIT_NT)
-def hist1(N, k, kbuf, part, ws):
+def hist1(N, k, ch, kbuf, part, ws):
     r = cuda.blockIdx.y
     tid = cuda.threadIdx.x
     hist = cuda.shared.array(NB, int32)
@@ -128,12 +135,21 @@ def hist1(N, k, kbuf, part, ws):
     flag = cuda.shared.array(1, int32)
     hist[tid] = 0
     tmin, s1 = _range(part, r, red)
-    start = cuda.blockIdx.x * CH2
-    for base in range(start, min(N, start + CH2), NT):
-        i = base + tid
-        ok = i < N
-        v = tkey(int64(kbuf[r, i if ok else 0]) & LOW32, int64(i), tmin)
-        hist_add(hist, int32((v >> s1) & DM), ok)
+    start = cuda.blockIdx.x * ch
+    end = min(N, start + ch)
+    for base in range(start, end, 4 * NT):  # four loads in flight before the adds
+        i0 = base + tid
+        i1 = i0 + NT
+        i2 = i1 + NT
+        i3 = i2 + NT
+        d0 = _digit(kbuf, r, min(i0, N - 1), tmin, s1)
+        d1 = _digit(kbuf, r, min(i1, N - 1), tmin, s1)
+        d2 = _digit(kbuf, r, min(i2, N - 1), tmin, s1)
+        d3 = _digit(kbuf, r, min(i3, N - 1), tmin, s1)
+        hist_add(hist, d0, i0 < end)
+        hist_add(hist, d1, i1 < end)
+        hist_add(hist, d2, i2 < end)
+        hist_add(hist, d3, i3 < end)
     cuda.syncthreads()
     d, need, n = _flush_pick(hist, ws, r, H1, DONE1, k, scan, res, flag)
     if d >= 0 and tid == 0:
@@ -144,8 +160,19 @@ def hist1(N, k, kbuf, part, ws):
         ws[r, S1] = s1
 
 
+@cuda.jit(device=True, inline=True)
+def _split(sure, buf, ws, r, hist, v, ok, d1, s1, s2, all_in):
+    """Key v above the first digit's pick to ``sure``, at it to ``buf`` (with its next digit
+    counted); every lane calls it."""
+    dg = v >> s1
+    tie = ok and dg == d1 and not all_in
+    append(sure[r], ws[r], NSURE, v, ok and (dg > d1 or (dg == d1 and all_in)))
+    append(buf[r], ws[r], NBUF, v, tie)
+    hist_add(hist, int32((v >> s2) & DM), tie)
+
+
 @cuda.jit(**JIT_NT)
-def filter1(N, kbuf, ws, sure, buf):
+def filter1(N, ch, kbuf, ws, sure, buf):
     r = cuda.blockIdx.y
     tid = cuda.threadIdx.x
     hist = cuda.shared.array(NB, int32)
@@ -157,16 +184,19 @@ def filter1(N, kbuf, ws, sure, buf):
     d1, need1, tmin, s1 = ws[r, D1], ws[r, NEED1], ws[r, TMIN], ws[r, S1]
     all_in = need1 == ws[r, N1]
     s2 = s1 - DIG if s1 > DIG else 0
-    start = cuda.blockIdx.x * CH2
-    for base in range(start, min(N, start + CH2), NT):
-        i = base + tid
-        ok = i < N
-        v = tkey(int64(kbuf[r, i if ok else 0]) & LOW32, int64(i), tmin)
-        dg = v >> s1
-        tie = ok and dg == d1 and not all_in
-        append(sure[r], ws[r], NSURE, v, ok and (dg > d1 or (dg == d1 and all_in)))
-        append(buf[r], ws[r], NBUF, v, tie)
-        hist_add(hist, int32((v >> s2) & DM), tie)
+    start = cuda.blockIdx.x * ch
+    end = min(N, start + ch)
+    for base in range(start, end, 2 * NT):  # two loads in flight (64 registers)
+        i0 = base + tid
+        i1 = i0 + NT
+        c0 = min(i0, N - 1)
+        c1 = min(i1, N - 1)
+        a0 = int64(kbuf[r, c0]) & LOW32
+        a1 = int64(kbuf[r, c1]) & LOW32
+        _split(sure, buf, ws, r, hist, tkey(a0, int64(c0), tmin), i0 < end, d1, s1, s2,
+               all_in)
+        _split(sure, buf, ws, r, hist, tkey(a1, int64(c1), tmin), i1 < end, d1, s1, s2,
+               all_in)
     cuda.syncthreads()
     if all_in:
         return
@@ -224,10 +254,20 @@ def final(k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws, su
            child, code)
 
 
+def chunk(N: int, R: int, sms: int) -> int:
+    """Keys a block of hist1/filter1 reads (a multiple of 4 NT): as many as leave one wave of
+    blocks (1,024 threads each, one an SM) where the requests fill the GPU; fewer blocks in a
+    second wave measured slower (the wave's latency, not its bytes, bounds them)."""
+    per = max(1, sms // max(R, 1))
+    step = 4 * NT
+    return max(step, -(-(-(-N // per)) // step) * step)
+
+
 def run(launch, R, N, k, KP, F, FM, B, sc, nd, lp, trie, outs, dev, arr):
     """The four launches (``launch(fn, grid, threads)``) for R requests of N candidates."""
     g1 = -(-N // (T1 * CPT))
-    g2 = -(-N // CH2)
+    ch = chunk(N, R, SMS_SIM if SIMULATED else _sms(dev))
+    g2 = -(-N // ch)
     kbuf = torch.empty(R, N, dtype=torch.int32, device=dev)
     part = torch.empty(R, g1, 2, dtype=torch.int64, device=dev)
     ws = torch.empty(R, W_LEN, dtype=torch.int64, device=dev)
@@ -235,6 +275,11 @@ def run(launch, R, N, k, KP, F, FM, B, sc, nd, lp, trie, outs, dev, arr):
     buf = torch.empty(R, N, dtype=torch.int64, device=dev)
     kb, pa, w = arr(kbuf), arr(part), arr(ws)
     launch(keys, (g1, R), T1)(N, F, FM, B, sc, nd, *lp, *trie, kb, pa, w)
-    launch(hist1, (g2, R), NT)(N, k, kb, pa, w)
-    launch(filter1, (g2, R), NT)(N, kb, w, arr(sure), arr(buf))
+    launch(hist1, (g2, R), NT)(N, k, ch, kb, pa, w)
+    launch(filter1, (g2, R), NT)(N, ch, kb, w, arr(sure), arr(buf))
     launch(final, (R,), NT)(k, KP, F, FM, B, sc, nd, *lp, *trie, w, arr(sure), arr(buf), *outs)
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(dev) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count

@@ -71,6 +71,10 @@ class EngineResources:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamgr-exec")
         # Waits for submitted batches on the device and hands them to be answered.
         self.finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamgr-finish")
+        # Live updates' builds (one at a time: the update lock), always on this one thread, so
+        # that the memory a build frees is what the next one takes: glibc keeps a thread's
+        # arena, and fresh memory costs a page fault a page (Updates._warm_updates).
+        self.builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamgr-build")
         self.runners = [r for r in (engine.runner, engine.gen_runner) if r is not None]
         self.tasks: list[asyncio.Task] = []
         self._closed = False
@@ -120,5 +124,5 @@ class EngineResources:
         loop = asyncio.get_running_loop()
         for runner in self.runners:
             await loop.run_in_executor(self.executor, runner.close)
-        for ex in (self.executor, self.finisher):  # joined off the event loop
+        for ex in (self.executor, self.finisher, self.builder):  # joined off the event loop
             await loop.run_in_executor(None, ex.shutdown, True)

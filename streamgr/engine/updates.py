@@ -46,6 +46,9 @@ from .generate import MAX_BEAM, CatalogRefit, catalog_views, views_after_removal
 Target = Literal["auto", "rank", "generate"]
 
 
+WARM_BUILDS = 3  # catalog builds alive at once in a live update (the new, active, previous)
+
+
 def _weights_spec(model_spec, weights):
     """The model spec for ``weights``: a checkpoint directory (str/Path) or an init seed (int)."""
     if isinstance(weights, bool) or not isinstance(weights, (str, Path, int)):
@@ -124,10 +127,30 @@ class Updates:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def _off_executor(self, fn, *args):
-        """``fn`` on a worker thread with its device work on a stream of its own (see
-        ``streams.off_stream``), beside the batches the executor keeps running."""
+        """``fn`` on the build thread (a worker thread before start) with its device work on a
+        stream of its own (see ``streams.off_stream``), beside the batches the executor keeps
+        running."""
+        pool = self._res.builder if self._res is not None else None
         return await asyncio.get_running_loop().run_in_executor(
-            None, off_stream, self._build.device, fn, *args)
+            pool, off_stream, self._build.device, fn, *args)
+
+    def _warm_updates(self, n: int = WARM_BUILDS) -> int:
+        """Build ``n`` catalog removals of one item each, all alive at once, and drop them
+        (build thread, before serving; ``engine.refit_spare`` engines): a build's arrays are
+        fresh memory the first times, one page fault a page, and the first three removals
+        took 3-4x as long as later ones (CPU machine: 350-530 against 108-144 ms at 1M
+        items, ~8,000 faults against ~0; docs/benchmarks.md, session 19), the first round of
+        live updates the slowest. Returns the builds made (0: too small a catalog)."""
+        ids = self.gen_runner.active.item_ids
+        if len(ids) <= 2 * n:
+            return 0
+        held = []
+        for item in ids[:n].tolist():
+            try:
+                held.append(self._build_catalog(CatalogDelta(remove=[item])))
+            except StreamgrError:  # a removal this catalog's contract refuses: nothing to warm
+                break
+        return len(held)
 
     async def update(self, weights=None, catalog=None, policy=None, *, target: Target = "auto",
                      keep_previous: bool = True) -> dict[str, Any]:

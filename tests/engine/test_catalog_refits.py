@@ -101,3 +101,33 @@ async def test_a_catalog_that_changes_the_trie_shapes_builds_a_version():
         assert runner.trie.max_fanout[1] == trie.max_fanout[1] + 1
         got = await answers(eng, reqs)
         assert _items(got) == await built_answers(reqs, delta)
+
+
+async def test_a_spare_engine_warms_its_catalog_builds_on_the_build_thread():
+    """``refit_spare`` engines build three throwaway catalog removals before serving, on the
+    one thread live updates build on (so later builds reuse that memory), and nothing of them
+    shows: the versions and the catalog are the engine's own, a real removal still goes in
+    place on that thread and answers without the removed items; an engine without a spare
+    builds none."""
+    eng = Engine.from_spec("gen-small", SPARE)
+    threads = []
+    build = eng._build_catalog
+
+    def recorded(catalog):
+        import threading
+        threads.append(threading.current_thread().name)
+        return build(catalog)
+    eng._build_catalog = recorded
+    before, items = eng.versions(), eng.gen_runner.active.item_ids.copy()
+    gone = removal_that_fits(eng, n=3, seed=5)
+    async with eng:
+        assert eng.metrics.counters["update_warm_builds"] == 3
+        assert eng.versions() == before
+        assert np.array_equal(eng.gen_runner.active.item_ids, items)
+        await eng.update(catalog=CatalogDelta(remove=gone))
+        assert eng.gen_runner.refits_in_place == 1
+        res = await answers(eng, requests(eng, 6, seed=4))
+        assert all(not set(r.items) & set(gone) for r in res)
+    assert len(threads) == 4 and all(t.startswith("streamgr-build") for t in threads), threads
+    async with Engine.from_spec("gen-small", GEN) as plain:
+        assert plain.metrics.counters.get("update_warm_builds", 0) == 0

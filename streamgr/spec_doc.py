@@ -55,7 +55,8 @@ MEANING = {
                                  "(0 keeps Python's 5 ms): how long a thread waits for the "
                                  "GIL back from another running Python",
     "engine.refit_spare": "generate: build a spare version (weights copy, own decode plans) at "
-                          "start, so the first weights refit is written in place too",
+                          "start, so the first weights refit is written in place too, and warm "
+                          "the build thread with three throwaway catalog removals",
     "cache.mode": "`recompute` (no cache), `gpu-only` (device pages), `hierarchical` (device "
                   "pages + host chunks)",
     "cache.page_tokens": "tokens per device page",

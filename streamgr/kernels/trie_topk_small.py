@@ -31,7 +31,9 @@ XS = E if SIMULATED else 32 * E
 
 @cuda.jit(device=True, inline=True)
 def _key(r, c, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, sv, sch, scd):
-    """Candidate c's key, its score, child and code kept in shared memory for the decode."""
+    """Candidate c's key, its score, child and code kept in shared memory for the decode
+    (int32: trie nodes and codes stay below 2**31). Every real key is above 0 (``okey`` of
+    ``-inf`` or a NaN too), so with ``k <= N`` no padding slot is ever answered."""
     v, ch, cd = cand(r, min(c, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
     if c < N:
         sv[c] = v

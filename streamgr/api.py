@@ -7,6 +7,8 @@ Imports msgspec only: the thin client uses these types without torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 
@@ -77,6 +79,9 @@ class GenerateStats(msgspec.Struct, kw_only=True):
 class GenerateResult(msgspec.Struct, kw_only=True):
     items: list[int]  # best first
     scores: list[float]  # summed log-probabilities of each item's SID
-    sids: list[list[int]]  # each item's SID codes
+    # each item's SID codes. An engine's answers hold a ``runtime.sid_rows.SidRows``: a
+    # sequence that reads, compares and pickles as this list of lists and makes it only when
+    # first read (``.tolist()``; for json/msgspec encoders ``sid_rows.enc_hook``)
+    sids: Sequence[list[int]]
     stats: GenerateStats
 __all__ = ["RankRequest", "RankResult", "RankStats", "GenerateRequest", "GenerateResult", "GenerateStats"]

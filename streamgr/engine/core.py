@@ -18,7 +18,6 @@ from ..api import GenerateRequest, GenerateResult, RankRequest, RankResult
 from ..config import Spec, load_spec
 from ..errors import (EngineClosed, EngineDead, Overloaded, StreamgrError,
                       UnsupportedRequest)
-from ..streams import off_stream
 from .batcher import Pending
 from .factory import Builder, resolve_device, resolve_dtype
 from .generate import GenerateRunner
@@ -81,13 +80,8 @@ class Engine(Updates):
             return self
         self._closing = False
         res = EngineResources(self)
-        loop = asyncio.get_running_loop()
-        if self.gen_runner is not None:  # decode plans of the common shapes, before serving
-            await loop.run_in_executor(res.executor, self.gen_runner.warm_up)
-            if self.spec.engine.refit_spare:  # live updates expected: their builds' memory too
-                n = await loop.run_in_executor(res.builder, off_stream, self._build.device,
-                                               self._warm_updates)
-                self.metrics.count("update_warm_builds", n)
+        if self.gen_runner is not None:  # decode plans (and live updates' memory): updates.py
+            await self._warm_generate(res)
         self._gc = serving_gc(self.spec.engine)  # after warm-up: what is alive now is frozen
         res.start_loops(self)
         self._res = res

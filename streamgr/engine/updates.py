@@ -134,6 +134,17 @@ class Updates:
         return await asyncio.get_running_loop().run_in_executor(
             pool, off_stream, self._build.device, fn, *args)
 
+    async def _warm_generate(self, res) -> None:
+        """At start, before serving: the decode plans of the common shapes (executor), then,
+        where live updates are expected (``engine.refit_spare``), ``_warm_updates`` on the
+        build thread."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(res.executor, self.gen_runner.warm_up)
+        if self.spec.engine.refit_spare:
+            n = await loop.run_in_executor(res.builder, off_stream, self._build.device,
+                                           self._warm_updates)
+            self.metrics.count("update_warm_builds", n)
+
     def _warm_updates(self, n: int = WARM_BUILDS) -> int:
         """Build ``n`` catalog removals of one item each, all alive at once, and drop them
         (build thread, before serving; ``engine.refit_spare`` engines): a build's arrays are

@@ -25,6 +25,7 @@ from ..kernels.trie_topk import trie_topk
 from ..models.t5 import T5
 from ..selection.vocabulary import SidTrie
 from .plans import aligned_length
+from .sid_rows import SidRows
 from .variants import keep_mask
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ class BeamRequest:
 class BeamResult:
     items: list[int]
     scores: list[float]
-    sids: list[list[int]]
+    sids: list[list[int]]  # or a SidRows (answer_batch)
     steps: dict[str, float] = field(default_factory=dict)
 
 
@@ -248,9 +249,10 @@ class BeamSearch:
         beam, pos, row = beam[keep], pos[keep], row[keep]
         items = self.trie.leaf_items[pos].tolist()
         sc = scores.reshape(-1)[beam].astype(float).tolist()
-        sids = codes.reshape(R * W, -1)[beam].tolist()
+        sids = codes.reshape(R * W, -1)[beam]  # lists only when read (SidRows)
         bounds = np.searchsorted(row, np.arange(R + 1)).tolist()
-        return [(items[a:b], sc[a:b], sids[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        return [(items[a:b], sc[a:b], SidRows(sids[a:b]))
+                for a, b in zip(bounds[:-1], bounds[1:])]
 
     def answer(self, scores: np.ndarray, nodes: np.ndarray, codes: np.ndarray, top_k: int):
         """One request's final beams (best first) -> its top-k (items, scores, SIDs): each

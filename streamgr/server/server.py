@@ -247,7 +247,8 @@ class Server:
             if kind == "rank":
                 conn.send(m.RankReply(msg.id, result.scores, msgspec.to_builtins(result.stats)))
             else:
-                conn.send(m.GenerateReply(msg.id, result.items, result.scores, result.sids,
+                conn.send(m.GenerateReply(msg.id, result.items, result.scores,
+                                          wire_sids(result.sids),
                                           msgspec.to_builtins(result.stats)))
         dt = time.monotonic() - t0
         self.metrics.observe(kind, outcome, dt)
@@ -266,3 +267,11 @@ class Server:
                                          beam_widths=msg.beam_widths,
                                          exclude_items=msg.exclude_items,
                                          max_per_prefix=msg.max_per_prefix))
+
+
+def wire_sids(sids):
+    """A reply's ``sids``: an engine's ``SidRows`` (``runtime/sid_rows.py``) as the msgpack it
+    builds from its array in one pass (``msgspec.Raw``, spliced into the reply), so no list
+    is made for the socket; lists (an engine on the CPU path, a Ray replica's) as they are."""
+    pack = getattr(sids, "msgpack", None)
+    return msgspec.Raw(pack()) if pack is not None else sids

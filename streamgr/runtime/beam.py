@@ -249,7 +249,9 @@ class BeamSearch:
         beam, pos, row = beam[keep], pos[keep], row[keep]
         items = self.trie.leaf_items[pos].tolist()
         sc = scores.reshape(-1)[beam].astype(float).tolist()
-        sids = codes.reshape(R * W, -1)[beam]  # lists only when read (SidRows)
+        # lists only when read (SidRows); a gather is a copy, so the answers never see the
+        # readback buffer the next batches reuse
+        sids = codes.reshape(R * W, -1)[beam]
         bounds = np.searchsorted(row, np.arange(R + 1)).tolist()
         return [(items[a:b], sc[a:b], SidRows(sids[a:b]))
                 for a, b in zip(bounds[:-1], bounds[1:])]

@@ -211,7 +211,12 @@ def test_batch_answer_equals_row_by_row(policy):
     codes = trie.leaf_sids[leaves]
     ks = [1, 5, 40, 100, 3, 17, 64]
     want = [bs.answer(scores[i], leaves[i], codes[i], k) for i, k in enumerate(ks)]
-    assert bs.answer_batch(scores, leaves, codes, ks) == want
+    got = bs.answer_batch(scores, leaves, codes, ks)
+    assert got == want
     assert want[4] == ([], [], [])
+    # the SIDs (SidRows over the batch's array) do not alias the codes they came from: a
+    # readback buffer the next batch overwrites leaves answered requests as they were
+    codes[:] = -1
+    assert got == want and all(type(a[2]).__name__ == "SidRows" for a in got)
     # "all": a SID shared by several items gives them all (more items than beams)
     assert (len(want[3][0]) > 40) if policy == "all" else (len(want[3][0]) == 40)

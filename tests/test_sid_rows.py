@@ -77,11 +77,15 @@ def test_results_encode_with_the_hook_and_decode_as_results():
 
     from streamgr.api import GenerateResult, GenerateStats
     stats = GenerateStats(batch_size=1, queue_ms=0.0, compute_ms=1.0, total_ms=1.0)
-    res = GenerateResult(items=[5, 6], scores=[-0.5, -1.0], sids=SidRows(np.array([[1, 2], [3, 4]])),
-                         stats=stats)
+    rows = SidRows(np.array([[1, 2], [3, 4]]))
+    res = GenerateResult(items=[5, 6], scores=[-0.5, -1.0], sids=rows, stats=stats)
     for mod in (msgspec.json, msgspec.msgpack):
         back = mod.decode(mod.Encoder(enc_hook=enc_hook).encode(res), type=GenerateResult)
         assert back.sids == [[1, 2], [3, 4]] and back == res
     with pytest.raises(TypeError, match="SidRows"):
         msgspec.json.encode(res)
     assert json.loads(json.dumps(res.sids, default=enc_hook)) == [[1, 2], [3, 4]]
+    for encode in (lambda x: json.dumps(x, default=enc_hook),
+                   msgspec.json.Encoder(enc_hook=enc_hook).encode):
+        with pytest.raises(TypeError, match="cannot encode object"):
+            encode([object()])  # the hook passes on what it does not know

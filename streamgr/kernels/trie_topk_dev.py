@@ -115,6 +115,37 @@ def ckey(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
 
 
 @cuda.jit(device=True, inline=True)
+def note(kx, i, key, lo, hi):
+    """``kx[i]`` = the okey ``key`` as int32 bits; the running (smallest real, largest) okey."""
+    kx[i] = int32(key - (int64(1) << 32) if key >= (int64(1) << 31) else key)
+    hi = max(hi, key)
+    if key > KEY_NEG_INF:
+        lo = min(lo, key)
+    return lo, hi
+
+
+@cuda.jit(device=True, inline=True)
+def note4(kx, i0, step, r, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, lo, hi):
+    """``note`` of the okeys of candidates ``i0 + j * step`` (j < 4, those below N): their four
+    load chains issued at clamped indices before any store, so that they overlap."""
+    k0 = ckey(r, min(i0, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    k1 = ckey(r, min(i0 + step, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    k2 = ckey(r, min(i0 + 2 * step, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
+              off)
+    k3 = ckey(r, min(i0 + 3 * step, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
+              off)
+    if i0 < N:
+        lo, hi = note(kx, i0, k0, lo, hi)
+    if i0 + step < N:
+        lo, hi = note(kx, i0 + step, k1, lo, hi)
+    if i0 + 2 * step < N:
+        lo, hi = note(kx, i0 + 2 * step, k2, lo, hi)
+    if i0 + 3 * step < N:
+        lo, hi = note(kx, i0 + 3 * step, k3, lo, hi)
+    return lo, hi
+
+
+@cuda.jit(device=True, inline=True)
 def lane_mask_lt(lane):
     return (int64(1) << lane) - 1
 

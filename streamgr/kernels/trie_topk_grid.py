@@ -6,8 +6,8 @@ does it but with the request's score range known before the first digit. Four la
    ([R, N] int32) and each block's smallest real and largest okey into ``part``; block 0 of a
    request zeroes its workspace row ``ws`` (histograms and counters) for the next launches.
 2. ``hist1``: every block (``chunk`` keys each: one wave of blocks over the GPU) reduces
-   ``part`` to the request's range, adds its keys' first digit to the request's histogram; the last block to finish (a counter in ``ws``) picks the digit
-   holding the ``k``-th key.
+   ``part`` to the request's range, adds its keys' first digit to the request's histogram;
+   the last block to finish (a counter in ``ws``) picks the digit holding the ``k``-th key.
 3. ``filter1``: keys above that digit go to ``sure`` (fewer than ``k``), keys in it to ``buf``
    with the histogram of their next digit, whose pick the last block makes.
 4. ``final``: one block per request takes ``sure``, the keys of ``buf`` above the second digit,
@@ -24,8 +24,8 @@ from numba import cuda, int32, int64
 
 from .trie_topk import SIMULATED
 from .trie_topk_dev import (BIG, DIG, DM, JIT, JIT_NT, KEY_NEG_INF, LOW32, NB, NT, RED_N, SCAN_N,
-                            append, bit_length, ckey, collect, decode, hist_add, minmax, pick,
-                            radix, sort_desc, tkey)
+                            append, bit_length, collect, decode, hist_add, minmax, note4,
+                            pick, radix, sort_desc, tkey)
 
 T1, CPT = (32, 4) if SIMULATED else (256, 4)  # keys: threads a block, candidates a thread
 SMS_SIM = 4  # the simulator's "SMs" (hist1/filter1 blocks a wave)
@@ -46,36 +46,12 @@ def keys(N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, kbuf, part,
         for i in range(tid, W_LEN, T1):
             ws[r, i] = 0
     i0 = cuda.blockIdx.x * (T1 * CPT) + tid
-    i1 = i0 + T1
-    i2 = i1 + T1
-    i3 = i2 + T1
-    k0 = ckey(r, min(i0, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-    k1 = ckey(r, min(i1, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-    k2 = ckey(r, min(i2, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-    k3 = ckey(r, min(i3, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-    lo = BIG
-    hi = int64(-1)
-    if i0 < N:
-        lo, hi = _note(kbuf, r, i0, k0, lo, hi)
-    if i1 < N:
-        lo, hi = _note(kbuf, r, i1, k1, lo, hi)
-    if i2 < N:
-        lo, hi = _note(kbuf, r, i2, k2, lo, hi)
-    if i3 < N:
-        lo, hi = _note(kbuf, r, i3, k3, lo, hi)
+    lo, hi = note4(kbuf[r], i0, T1, r, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off,
+                   BIG, int64(-1))
     lo, hi = minmax(lo, hi, red)
     if tid == 0:
         part[r, cuda.blockIdx.x, 0] = lo
         part[r, cuda.blockIdx.x, 1] = hi
-
-
-@cuda.jit(device=True, inline=True)
-def _note(kbuf, r, i, key, lo, hi):
-    kbuf[r, i] = int32(key - (int64(1) << 32) if key >= (int64(1) << 31) else key)
-    hi = max(hi, key)
-    if key > KEY_NEG_INF:
-        lo = min(lo, key)
-    return lo, hi
 
 
 @cuda.jit(device=True, inline=True)
@@ -258,9 +234,10 @@ def chunk(N: int, R: int, sms: int) -> int:
     """Keys a block of hist1/filter1 reads (a multiple of 4 NT): as many as leave one wave of
     blocks (1,024 threads each, one an SM) where the requests fill the GPU; fewer blocks in a
     second wave measured slower (the wave's latency, not its bytes, bounds them)."""
-    per = max(1, sms // max(R, 1))
+    per = max(1, sms // max(R, 1))  # blocks a request
     step = 4 * NT
-    return max(step, -(-(-(-N // per)) // step) * step)
+    keys = -(-N // per)  # a block's share, rounded up to whole steps
+    return max(step, -(-keys // step) * step)
 
 
 def run(launch, R, N, k, KP, F, FM, B, sc, nd, lp, trie, outs, dev, arr):

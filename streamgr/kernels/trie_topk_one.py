@@ -13,19 +13,10 @@ from numba import cuda, int32, int64
 
 from .trie_topk import SIMULATED
 from .trie_topk_dev import (BIG, DIG, JIT_NT, KEY_NEG_INF, NT, RED_N, SCAN_N, bit_length, ckey,
-                            collect, decode, minmax, radix, sort_desc)
+                            collect, decode, minmax, note, note4, radix, sort_desc)
 
 ONE_MAX = 64 if SIMULATED else 8192  # okeys in shared memory: 32 KiB
 CPT = 4  # candidates a thread computes at once
-
-
-@cuda.jit(device=True, inline=True)
-def _note(kx, i, key, lo, hi):
-    kx[i] = int32(key - (int64(1) << 32) if key >= (int64(1) << 31) else key)
-    hi = max(hi, key)
-    if key > KEY_NEG_INF:
-        lo = min(lo, key)
-    return lo, hi
 
 
 @cuda.jit(**JIT_NT)
@@ -48,25 +39,11 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
         i0 = base + tid
         if N - base <= NT:  # one candidate a thread left (block-uniform)
             if i0 < N:
-                lo, hi = _note(kx, i0, ckey(r, i0, F, FM, B, scores, nodes, logp, lse, sh, ptr,
+                lo, hi = note(kx, i0, ckey(r, i0, F, FM, B, scores, nodes, logp, lse, sh, ptr,
                                             codes, off), lo, hi)
             continue
-        # four independent load chains before any store (clamped to a valid candidate)
-        i1 = i0 + NT
-        i2 = i1 + NT
-        i3 = i2 + NT
-        k0 = ckey(r, min(i0, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-        k1 = ckey(r, min(i1, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-        k2 = ckey(r, min(i2, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-        k3 = ckey(r, min(i3, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-        if i0 < N:
-            lo, hi = _note(kx, i0, k0, lo, hi)
-        if i1 < N:
-            lo, hi = _note(kx, i1, k1, lo, hi)
-        if i2 < N:
-            lo, hi = _note(kx, i2, k2, lo, hi)
-        if i3 < N:
-            lo, hi = _note(kx, i3, k3, lo, hi)
+        lo, hi = note4(kx, i0, NT, r, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
+                       off, lo, hi)
     lo, hi = minmax(lo, hi, red)  # its barriers also publish kx
     tmin = lo if lo != BIG else KEY_NEG_INF
     top_bit = 31 + bit_length(max(hi - tmin + 1, int64(1)))  # keys < 2**top_bit

@@ -94,7 +94,8 @@ class SidRows(Sequence):
 
 
 def enc_hook(obj):
-    """For ``msgspec`` (or ``json``'s ``default``) encoding results: a ``SidRows`` as its lists."""
+    """For ``msgspec`` (or ``json``'s ``default``) encoding results: a ``SidRows`` as its lists;
+    any other type is refused with the ``TypeError`` both encoders expect."""
     if isinstance(obj, SidRows):
         return obj.tolist()
-    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+    raise TypeError(f"cannot encode {type(obj).__name__}")

@@ -31,6 +31,14 @@ def level(R, B, fan_max, V, seed, ties=False, dead=0.1, uniform=False):
     return t(scores), t(nodes), t(logp), t(ptr), t(codes.astype(np.int64)), 5, int(counts.max())
 
 
+def assert_kernels_equal_reference(case, k, cap):
+    """The Numba kernels' four outputs equal the stable reference's, bit for bit."""
+    ref = tt.trie_topk_reference(*case, k, cap)
+    got = tt.trie_topk(*case, k, cap, impl="numba")
+    for name, a, b in zip(("top", "parent", "child", "code"), got, ref):
+        assert torch.equal(a, b), name
+
+
 def test_numba_is_used():
     assert tt.usable(torch.zeros(1, device=DEV)), "numba-cuda is not usable on this machine"
 
@@ -45,10 +53,7 @@ def test_trie_topk_equals_reference(R, B, fan, k, ties):
     k = min(k, B * case[-1])
     cap = torch.randint(1, k + 1, (R,), device=DEV)
     cap[0] = k
-    ref = tt.trie_topk_reference(*case, k, cap)
-    got = tt.trie_topk(*case, k, cap, impl="numba")
-    for name, a, b in zip(("top", "parent", "child", "code"), got, ref):
-        assert torch.equal(a, b), name
+    assert_kernels_equal_reference(case, k, cap)
 
 
 def test_trie_topk_inside_a_cuda_graph():
@@ -80,10 +85,7 @@ def test_trie_topk_reads_bf16_logits_in_place(R, B, fan, k):
     assert type(case[2]).__name__ == "LogProbs"
     k = min(k, B * case[-1])
     cap = torch.full((R,), k, device=DEV)
-    ref = tt.trie_topk_reference(*case, k, cap)
-    got = tt.trie_topk(*case, k, cap, impl="numba")
-    for name, a, b in zip(("top", "parent", "child", "code"), got, ref):
-        assert torch.equal(a, b), name
+    assert_kernels_equal_reference(case, k, cap)
 
 
 @pytest.mark.parametrize("R,B,fan,k,const", [
@@ -103,7 +105,4 @@ def test_trie_topk_all_tied_and_one_block_sizes(R, B, fan, k, const):
         case[2].fill_(-1.5)
     k = min(k, B * case[-1])
     cap = torch.full((R,), k, device=DEV)
-    ref = tt.trie_topk_reference(*case, k, cap)
-    got = tt.trie_topk(*case, k, cap, impl="numba")
-    for name, a, b in zip(("top", "parent", "child", "code"), got, ref):
-        assert torch.equal(a, b), name
+    assert_kernels_equal_reference(case, k, cap)

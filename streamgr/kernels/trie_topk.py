@@ -11,13 +11,13 @@ their parent beam, child node and code; ranks at or past a request's own width `
 
 Kernels (Numba CUDA, on torch's stream, captured inside the decode plans' CUDA graphs): every
 candidate is a unique int64 key, its score's order-preserving bits then ``MAXC - c``, read
-from the top of the request's score range (``trie_topk_dev``), so no ties are left to break. A
+from the top of the request's score range (``trie_topk_keys``), so no ties are left to break. A
 request of at most 1,024 candidates is one block that sorts them all in registers
 (``trie_topk_small``); one of at most ``ONE_MAX`` is one block of one launch: keys in shared
 memory, radix select by 10-bit digits, bitonic sort of the ``k``, decode (``trie_topk_one``).
-A longer one takes four grid launches as AIR top-k does: keys to a buffer, the first digit's histogram,
-the keys above its pick to the result and those in it to a buffer with the next digit's
-histogram, then one block per request selects the rest, sorts and decodes
+A longer one takes four grid launches as AIR top-k does: keys to a buffer, the first digit's
+histogram, the keys above its pick to the result and those in it to a buffer with the next
+digit's histogram, then one block per request selects the rest, sorts and decodes
 (``trie_topk_grid``).
 ``NUMBA_ENABLE_CUDASIM=1`` runs the same kernels on the CPU with small sizes, so CI checks their
 logic. The torch reference (``trie_topk_reference``) carries the CPU path.

@@ -23,9 +23,9 @@ import torch
 from numba import cuda, int32, int64
 
 from .trie_topk import SIMULATED
-from .trie_topk_dev import (BIG, DIG, DM, JIT, JIT_NT, KEY_NEG_INF, LOW32, NB, NT, RED_N, SCAN_N,
-                            append, bit_length, collect, decode, hist_add, minmax, note4,
-                            pick, radix, sort_desc, tkey)
+from .trie_topk_dev import (BIG, DIG, DM, JIT, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length,
+                            collect, hist_add, minmax, pick, radix, sort_desc)
+from .trie_topk_keys import KEY_NEG_INF, LOW32, decode, note4, tkey
 
 T1, CPT = (32, 4) if SIMULATED else (256, 4)  # keys: threads a block, candidates a thread
 SMS_SIM = 4  # the simulator's "SMs" (hist1/filter1 blocks a wave)

@@ -2,7 +2,7 @@
 compute): a request of at most ``SMALL_MAX`` candidates is one block that sorts them all
 (``trie_topk_small``), one of at most ``ONE_MAX`` one block that radix-selects first
 (``trie_topk_one``), a longer one four grid launches (``trie_topk_grid``); the keys, scans and
-sort they share are in ``trie_topk_dev``.
+sort they share are in ``trie_topk_keys`` and ``trie_topk_dev``.
 
 Imported only when they run: a CUDA device with numba-cuda, or ``NUMBA_ENABLE_CUDASIM=1``.
 Arrays come from torch without copies (``__cuda_array_interface__``, no stream sync, so a
@@ -18,7 +18,8 @@ from . import trie_topk_grid as grid
 from .head_lse import LogProbs
 from .numba_common import as_array, torch_stream
 from .trie_topk import SIMULATED
-from .trie_topk_dev import NT, magic
+from .trie_topk_dev import NT
+from .trie_topk_keys import magic
 from .trie_topk_one import ONE_MAX, one_select
 from .trie_topk_small import SMALL_MAX, ST, small_select
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 from numba import cuda, int32, int64
 
 from .trie_topk import SIMULATED
-from .trie_topk_dev import (BIG, DIG, JIT_NT, KEY_NEG_INF, NT, RED_N, SCAN_N, bit_length, ckey,
-                            collect, decode, minmax, note, note4, radix, sort_desc)
+from .trie_topk_dev import (BIG, DIG, JIT_NT, NT, RED_N, SCAN_N, bit_length, collect, minmax, radix,
+                            sort_desc)
+from .trie_topk_keys import KEY_NEG_INF, ckey, decode, note, note4
 
 ONE_MAX = 64 if SIMULATED else 8192  # okeys in shared memory: 32 KiB
 CPT = 4  # candidates a thread computes at once

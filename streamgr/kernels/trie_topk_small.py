@@ -7,7 +7,7 @@ this size the rounds' fixed cost (a histogram, a block scan and four barriers ea
 rounds) is most of ``trie_topk_one``'s time, while a whole sort of 1,024 keys takes 55 stages of
 which 6 cross warps (the rest are in-thread swaps or shuffles, no barrier).
 
-The keys are ``trie_topk_dev``'s order without the request's minimum: ``okey << 31 | (MAXC -
+The keys are ``trie_topk_keys``' order without the request's minimum: ``okey << 31 | (MAXC -
 c)`` (the okey's 32 bits fit below the sign), 0 for a padding slot (below every candidate's,
 ``-inf`` included): the same stable order.
 """
@@ -19,7 +19,8 @@ import os
 from numba import cuda, float32, int32, int64
 
 from .trie_topk import SIMULATED
-from .trie_topk_dev import FULL, JIT, MAXC, NEG_INF, cand, div_f, okey
+from .trie_topk_dev import FULL, JIT
+from .trie_topk_keys import MAXC, NEG_INF, cand, div_f, okey
 
 ST = 8 if SIMULATED else 256  # threads a block
 E = 4  # keys a thread

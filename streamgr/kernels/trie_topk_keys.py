@@ -1,0 +1,151 @@
+"""Candidates and their keys for the selection kernels (``trie_topk_one``, ``trie_topk_grid``,
+``trie_topk_small``): a candidate's score, child and code read from the trie and the
+log-probabilities (``cand``), its order-preserving key, and its answer (``decode``).
+
+A candidate ``c`` with fp32 score ``x`` becomes one int64 *key*: ``t << 31 | (MAXC - c)``, where
+``t`` is the score's order-preserving 32 bits (``okey``) shifted so that the smallest real score
+of the request gives 1 (every ``-inf`` gives 0). Keys are distinct (the low bits hold ``c``) and
+compare as the stable order does: higher score first, then the lower ``c``. Shifting by the
+request's minimum (``tmin``) and reading digits from the highest bit of ``tmax - tmin`` down makes
+the first digit spread the request's scores over its bins instead of spending a round on the
+sign and exponent bits they all share.
+
+A request's candidates are ``c = b * F + j``; ``c // F`` is a multiply and a shift
+(``magic``, ``div_f``), exact over the candidate range.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32, int32, int64
+
+from .trie_topk import SIMULATED
+
+MAXC = int64(0x7FFFFFFF)  # candidate indices below 2**31
+LOW32 = int64(0xFFFFFFFF)
+KEY_NEG_INF = int64(0x007FFFFF)  # okey(-inf)
+M40 = int64((1 << 40) - 1)
+NEG_INF = float32(-np.inf)
+
+if SIMULATED:
+    def _bits(x):
+        return int(np.float32(x).view(np.int32))
+
+    def _float(bits):
+        return np.int32(bits).view(np.float32)
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, inline=True)
+    def _bits(x):
+        return libdevice.float_as_int(x)
+
+    @cuda.jit(device=True, inline=True)
+    def _float(bits):
+        return libdevice.int_as_float(bits)
+
+
+@cuda.jit(device=True, inline=True)
+def okey(val):
+    """The fp32 score's order-preserving 32 bits as an int64 (-0.0 as +0.0: they tie)."""
+    b = int64(_bits(val + float32(0.0)))
+    u = b & LOW32
+    return (LOW32 ^ u) if b < 0 else (u | int64(0x80000000))
+
+
+@cuda.jit(device=True, inline=True)
+def tkey(key32, c, tmin):
+    """Candidate c's key from its okey and the request's smallest real okey."""
+    t = key32 - tmin + 1 if key32 >= tmin else int64(0)
+    return (t << 31) | (MAXC - c)
+
+
+@cuda.jit(device=True, inline=True)
+def cand(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
+    """Candidate c of request r: (score, -inf where no child; child node; code), with every
+    load issued at a clamped index before any branch, so that the loads of several candidates
+    computed in a row overlap; ``FM`` is ``magic(F)``. ``logp`` holds raw bits: fp32 (int32,
+    ``sh`` 0) or bf16 logits
+    (int16, ``sh`` 16) read with ``lse`` [2, rows] (each row's max and log-sum): the fp32
+    ``(x - max) - logsum`` of ``LogProbs.gather``, bit for bit."""
+    b = div_f(c, FM)  # c // F without a division
+    j = c - b * F
+    s = scores[r, b]
+    alive = s > NEG_INF
+    n = nodes[r, b]
+    n = n if alive else 0
+    lo = ptr[n]
+    real = alive and j < ptr[n + 1] - lo
+    ch = lo + j if real else int64(0)
+    cd = codes[ch]
+    row = r * B + b
+    x = _float(int32(logp[row, off + cd]) << sh)
+    if sh:
+        x = (x - lse[0, row]) - lse[1, row]
+    if real:
+        return s + x, ch, cd
+    return NEG_INF, int64(0), int64(0)
+
+
+@cuda.jit(device=True, inline=True)
+def ckey(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
+    v, _, _ = cand(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    return okey(v)
+
+
+@cuda.jit(device=True, inline=True)
+def note(kx, i, key, lo, hi):
+    """``kx[i]`` = the okey ``key`` as int32 bits; the running (smallest real, largest) okey."""
+    kx[i] = int32(key - (int64(1) << 32) if key >= (int64(1) << 31) else key)
+    hi = max(hi, key)
+    if key > KEY_NEG_INF:
+        lo = min(lo, key)
+    return lo, hi
+
+
+@cuda.jit(device=True, inline=True)
+def note4(kx, i0, step, r, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, lo, hi):
+    """``note`` of the okeys of candidates ``i0 + j * step`` (j < 4, those below N): their four
+    load chains issued at clamped indices before any store, so that they overlap."""
+    k0 = ckey(r, min(i0, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    k1 = ckey(r, min(i0 + step, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    k2 = ckey(r, min(i0 + 2 * step, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
+              off)
+    k3 = ckey(r, min(i0 + 3 * step, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
+              off)
+    if i0 < N:
+        lo, hi = note(kx, i0, k0, lo, hi)
+    if i0 + step < N:
+        lo, hi = note(kx, i0 + step, k1, lo, hi)
+    if i0 + 2 * step < N:
+        lo, hi = note(kx, i0 + 2 * step, k2, lo, hi)
+    if i0 + 3 * step < N:
+        lo, hi = note(kx, i0 + 3 * step, k3, lo, hi)
+    return lo, hi
+
+
+@cuda.jit(device=True, inline=True)
+def decode(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
+           child, code):
+    """The sorted keys' candidates: scores (recomputed: the same fp32 add), parent beams, child
+    nodes and codes; ranks at or past the request's width ``cap[r]`` score -inf."""
+    for i in range(cuda.threadIdx.x, k, cuda.blockDim.x):
+        c = MAXC - (srt[i] & MAXC)
+        val, ch, cd = cand(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+        top[r, i] = val if i < cap[r] else NEG_INF
+        parent[r, i] = div_f(c, FM)
+        child[r, i] = ch
+        code[r, i] = cd
+
+
+@cuda.jit(device=True, inline=True)
+def div_f(c, FM):
+    """``c // F`` for ``FM = magic(F)``."""
+    return (c * (FM & M40)) >> (FM >> 40)
+
+
+def magic(F: int) -> int:
+    """``c // F`` for 0 <= c < 2**30 as ``(c * m) >> s`` (Hacker's Delight, round-up method:
+    exact, checked in the tests), packed as ``m | s << 40`` (m <= 2**32 + 1)."""
+    sh = 31 + (F - 1).bit_length()
+    return ((1 << sh) // F + 1) | (sh << 40)

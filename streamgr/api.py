@@ -35,6 +35,8 @@ class RankStats(msgspec.Struct, kw_only=True):
     history_tokens: int = 0  # whole history of the request, in tokens (2 per event)
     tokens_from_gpu: int = 0  # history tokens served from device pages
     tokens_from_host: int = 0  # history tokens onloaded from host chunks
+    # held in host chunks but recomputed while the rest onloaded: cheaper (cache.onload_split)
+    tokens_host_recomputed: int = 0
     tokens_recomputed: int = 0  # history tokens computed by the model this time
     tier: str = "miss"  # gpu | host | miss | none: where most of the cached history came from
     stages: dict[str, float] = msgspec.field(default_factory=dict)  # batch stage times, ms

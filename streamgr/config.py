@@ -127,14 +127,14 @@ class CacheSpec(_Section, kw_only=True):
     device_pages: int = 4096
     host_chunks: int = 65536
     offload_quota_tokens: int = 65536  # tokens queued for offload at once; beyond: deferred
-    # Pin the whole host chunk store (GPU only): onload then DMAs straight from it instead of
-    # staging through the pinned double buffers. Costs page-locked RAM for the whole tier.
-    host_pinned: bool = False
-    # Back the host chunk store with transparent huge pages (Linux): page-locking it is ~2.7x
-    # faster at engine start (docs/benchmarks.md, session 7).
-    host_huge_pages: bool = True
+    # (each key's meaning: spec_doc.MEANING, rendered in docs/specs.md)
+    host_pinned: bool = False  # page-locked RAM for the whole tier; onload DMAs from it
+    host_huge_pages: bool = True  # page-locking is ~2.7x faster at start (benchmarks, s. 7)
+    onload_split: float | Literal["auto"] = 1.0  # cache/onload_split.py
 
     def __post_init__(self) -> None:
+        if not isinstance(self.onload_split, str) and not 0 <= self.onload_split <= 1:
+            raise ValueError("`onload_split` must be \"auto\" or a number in 0..1")
         for name in ("page_tokens", "chunk_tokens", "device_pages", "host_chunks",
                      "offload_quota_tokens"):
             if getattr(self, name) < 1:

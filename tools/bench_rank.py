@@ -72,6 +72,11 @@ def warm_batches(profile: str, seed: int, users: int, n: int, bs: int) -> list[l
 def run_mode(spec, mode, batches, measured, timed_re, prefill, delta=False, stage_every=1,
              warm=()):
     eng = Engine(load_spec(spec, {"cache.mode": mode}))
+    split = getattr(eng.runner, "onload_split", None)
+    if split is not None and not isinstance(split, float):  # measured at start ("auto")
+        print(f"{mode} onload split costs: onload {split.onload_s * 1e6:.3f} us a token; "
+              f"recompute of a user's first {split.lengths.astype(int).tolist()} tokens "
+              f"{np.round(split.recompute_s * 1e3, 3).tolist()} ms", file=sys.stderr)
     if warm:
         replay_batches(eng, list(warm), measure=[], label=f"{mode} warm-up", progress=False)
     if mode != "recompute" and prefill:
@@ -117,7 +122,7 @@ def summarize(res, timed_re_set, n_batches, stage_every=1):
             "p99_ms": float(np.percentile(list(per_batch.values()), 99)),
             "mean_ms_on_re_batches": float(np.mean([per_batch[i] for i in per_batch if i in timed_re_set]
                                                    or list(per_batch.values()))),
-            "gpu_hit": gpu, "total_hit": total, "batches": res.batches,
+            "gpu_hit": gpu, "total_hit": total, "held": res.held_ratio(), "batches": res.batches,
             "stages": {k: v / b for k, v in res.stages.items()},
             "tiers": {t: (float(lat.mean()), int(lat.size)) for t in ("gpu", "host", "miss")
                       for lat in [res.latencies(t)] if lat.size}}
@@ -246,6 +251,9 @@ def main() -> int:
                              for bs in args.batch for m in MODES],
         ["Total hit ratio"] + ["-" if m == "recompute" else f'{100 * get(bs, m)["total_hit"]:.2f}%'
                                for bs in args.batch for m in MODES],
+        # cache.onload_split: host tokens recomputed by choice count as held, not as hits
+        ["Held (hits + host recomputed)"] + ["-" if m == "recompute" else f'{100 * get(bs, m)["held"]:.2f}%'
+                                             for bs in args.batch for m in MODES],
     ]
     print(f"\nspec {spec.name} ({spec.model.num_layers} layers, dim {spec.model.num_heads * spec.model.head_dim}), "
           f"profile {args.profile}, {len(order)} requests replayed, device {torch.cuda.get_device_name() if torch.cuda.is_available() and spec.engine.device != 'cpu' else 'cpu'}, "

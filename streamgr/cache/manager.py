@@ -79,7 +79,8 @@ class UserPlan:
     length: int  # history tokens of the request
     start: int = 0  # tokens served from the cache
     from_gpu: int = 0
-    from_host: int = 0
+    from_host: int = 0  # tokens onloaded from host chunks
+    host_recomputed: int = 0  # held on host, recomputed because that was cheaper (onload_split)
     lost: int = 0  # tokens the cache held before but had to drop (mismatch, version, eviction)
     pages: list[int] = field(default_factory=list)  # covers [0, length) unless transient
     page_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # as int64
@@ -329,7 +330,7 @@ class KVCacheManager(OffloadPlanning):
 
     COUNTERS = ("evictions", "zero_copy_evictions", "tail_tokens_dropped", "host_evictions",
                 "dropped_tokens", "stale_version_tokens", "transient_users", "offloaded_chunks",
-                "deferred_offloads", "host_full", "offload_failures")
+                "deferred_offloads", "host_full", "offload_failures", "host_tokens_recomputed")
 
     def snapshot(self) -> dict:
         return {**{k: 0 for k in self.COUNTERS}, "users": len(self.users),

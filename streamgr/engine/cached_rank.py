@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..cache import HistoryStore, KVCacheManager
+from ..cache.onload_split import SplitCosts, split_by_cost, split_fraction
 from ..cache.store import KVStores
 from ..errors import EngineDead
 from ..kernels.host_loops import page_slots
@@ -36,7 +37,7 @@ log = logging.getLogger("streamgr.cache")
 def _tier(plan) -> str:
     if plan.length == 0:
         return "none"
-    if plan.from_host:
+    if plan.from_host or plan.host_recomputed:
         return "host"
     return "gpu" if plan.from_gpu else "miss"
 
@@ -60,6 +61,9 @@ class CachedRankRunner(RankRunner):
         self.trace_events: dict | None = None  # tests: {name: timing event} of the last batch
         self._to_commit: deque = deque()  # finished batches whose commit runs in ``background``
         self.commit_failures = 0
+        # cache.onload_split: 1.0 onloads all a host hit holds; a fraction, or SplitCosts
+        # (measured at start, engine/onload_costs.py) to recompute part of it meanwhile.
+        self.onload_split: float | SplitCosts = 1.0
 
     @property
     def bytes_onloaded(self) -> int:
@@ -77,6 +81,16 @@ class CachedRankRunner(RankRunner):
         app = page_slots(np.asarray(pb.q_offsets[:-1], dtype=np.int64), start, end, page_ptr,
                          pages, self.stores.P)  # a transient user appends nothing
         return desc, app
+
+    def _split(self, plans) -> None:
+        """Host hits: onload part of what the host holds, recompute the rest (onload_split)."""
+        s = self.onload_split
+        if not any(p.from_host for p in plans) or (not isinstance(s, SplitCosts) and s >= 1):
+            return
+        C = self.manager.C
+        n = split_by_cost(plans, C, s) if isinstance(s, SplitCosts) else \
+            split_fraction(plans, C, s)
+        self.manager.counters["host_tokens_recomputed"] += n
 
     def submit(self, batch: list[PreparedRank]) -> "InFlight":
         """Plan the batch, queue its onloads and its forward on the device, and queue the
@@ -107,6 +121,7 @@ class CachedRankRunner(RankRunner):
             plans = self.manager.plan_batch(
                 [(batch[i].user, tokens[batch[i].user]) for i in live], self.version, transient,
                 known)
+            self._split(plans)
         t = self._mark(stages, "metadata", t)
         s = self.streams
         handles = None
@@ -166,6 +181,7 @@ class CachedRankRunner(RankRunner):
             results[i] = (scores[o:o + c].copy(), {
                 "history_tokens": p.length, "tokens_from_gpu": p.from_gpu,
                 "tokens_from_host": p.from_host, "tokens_recomputed": p.length - p.start,
+                "tokens_host_recomputed": p.host_recomputed,
                 "tier": _tier(p)})
             o += c
         self.score_buffers.give_back(f.pinned)  # the answers hold copies now

@@ -64,8 +64,14 @@ class Builder:
         stores = KVStores(cfg.num_layers, cfg.num_heads, cfg.head_dim, c.page_tokens,
                           c.chunk_tokens, c.device_pages, c.host_chunks if hierarchical else 0,
                           self.dtype, self.device, c.host_pinned, c.host_huge_pages)
-        return self._with_plans(CachedRankRunner(model, version, self.device, history, manager,
-                                                 stores), stores.pages, c.page_tokens)
+        runner = self._with_plans(CachedRankRunner(model, version, self.device, history, manager,
+                                                   stores), stores.pages, c.page_tokens)
+        if hierarchical and c.onload_split == "auto":
+            from .onload_costs import measure_split_costs
+            runner.onload_split = measure_split_costs(runner)
+        elif hierarchical:
+            runner.onload_split = float(c.onload_split)
+        return runner
 
     def _with_plans(self, runner: RankRunner, store, page_tokens: int) -> RankRunner:
         """Rank plans (CUDA graphs of the forward) where their kernels run."""

@@ -28,6 +28,7 @@ class EngineMetrics:
         c["history_tokens"] += stats.history_tokens
         c["tokens_from_gpu"] += stats.tokens_from_gpu
         c["tokens_from_host"] += stats.tokens_from_host
+        c["tokens_host_recomputed"] += stats.tokens_host_recomputed
         c["tokens_recomputed"] += stats.tokens_recomputed
         self._lat.append(stats.total_ms)
 
@@ -53,6 +54,9 @@ class EngineMetrics:
             "counters": dict(c),
             "gpu_hit_ratio": c["tokens_from_gpu"] / hist if hist else 0.0,
             "total_hit_ratio": (c["tokens_from_gpu"] + c["tokens_from_host"]) / hist if hist else 0.0,
+            # what the cache held, served or recomputed by choice (cache.onload_split)
+            "held_ratio": (c["tokens_from_gpu"] + c["tokens_from_host"]
+                           + c["tokens_host_recomputed"]) / hist if hist else 0.0,
             "latency_ms": dict(self._lat_summary[1]),  # rank requests
             "generate_latency_ms": dict(self._gen_summary[1]),
         }

@@ -29,6 +29,7 @@ class RequestRecord:
     from_host: int
     recomputed: int
     synced: bool = False  # its batch ran with a device sync after every stage (timing stages)
+    host_recomputed: int = 0  # held on host, recomputed by choice (cache.onload_split)
 
 
 @dataclass
@@ -45,6 +46,12 @@ class ReplayResult:
         gpu = sum(r.from_gpu for r in self.records)
         host = sum(r.from_host for r in self.records)
         return (gpu / hist, (gpu + host) / hist) if hist else (0.0, 0.0)
+
+    def held_ratio(self) -> float:
+        """What the cache held: served, or on host and recomputed by choice."""
+        hist = sum(r.history_tokens for r in self.records)
+        held = sum(r.from_gpu + r.from_host + r.host_recomputed for r in self.records)
+        return held / hist if hist else 0.0
 
     def latencies(self, tier: str | None = None) -> np.ndarray:
         return np.array([r.latency_ms for r in self.records if tier is None or r.tier == tier])
@@ -115,6 +122,6 @@ def replay_batches(engine, batches: list[list], measure: Iterable[int] | None = 
                 out.records.append(RequestRecord(
                     len(out.records), r.user, bi, lat, s["tier"], s["history_tokens"],
                     s.get("tokens_from_gpu", 0), s.get("tokens_from_host", 0),
-                    s["tokens_recomputed"], synced))
+                    s["tokens_recomputed"], synced, s.get("tokens_host_recomputed", 0)))
     out.wall_s = time.perf_counter() - t0
     return out

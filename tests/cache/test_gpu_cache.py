@@ -103,3 +103,36 @@ def test_score_buffers_are_reused_and_answers_keep_their_scores():
             run_batch(eng, [req(u, [4, 5], [1, 1], [8, 9, 10, 11])])
         assert {id(b) for b, _ in pool._free} == bufs, mode  # the same buffer, reused
         assert all(np.array_equal(s, k) for (s, _), k in zip(first, kept)), mode
+
+
+@pytest.mark.parametrize("split", [0.5, 0.0, "auto"])
+def test_host_hits_that_recompute_part_equal_recompute(split):
+    """cache.onload_split on CUDA: host hits onload a prefix (or nothing) and recompute the
+    rest, eagerly or in a rank plan (a batch left with no onload replays one); answers stay
+    within bf16 of recompute's, and "auto" measured its costs on this GPU."""
+    from streamgr.cache.onload_split import SplitCosts
+    kw = dict(page_tokens=4, chunk_tokens=8, device_pages=24, host_chunks=64,
+              offload_quota_tokens=64)
+    cuda = runners("cuda", "bfloat16", GPU_MODEL, onload_split=split, **kw)
+    eng, ref = cuda["hierarchical"], cuda["recompute"]
+    if split == "auto":
+        costs = eng.runner.onload_split
+        assert isinstance(costs, SplitCosts) and costs.onload_s > 0, costs
+        assert costs.recompute_s[-1] > 0, costs
+    rng = np.random.default_rng(5)
+    hist = {}
+    for _ in range(30):
+        batch = []
+        for u in rng.choice(6, size=int(rng.integers(1, 4)), replace=False):
+            items, actions = hist.setdefault(int(u), ([], []))
+            n = min(int(rng.integers(1, 12)), 80 - len(items))
+            items += rng.integers(100, size=n).tolist()
+            actions += rng.integers(8, size=n).tolist()
+            batch.append(req(int(u), items, actions, rng.choice(100, size=4, replace=False)))
+        for g, r in zip(run_batch(eng, batch), run_batch(ref, batch)):
+            np.testing.assert_allclose(g[0], r[0], rtol=0.05, atol=0.05)
+    c = eng.runner.manager.counters
+    if split != "auto":  # (auto may onload everything: this GPU's onload is cheap here)
+        assert c["host_tokens_recomputed"] > 0, c
+    assert c["evictions"] > 0 and c["offloaded_chunks"] > 0, c
+    eng.runner.manager.check_invariants()

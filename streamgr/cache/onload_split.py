@@ -1,0 +1,112 @@
+"""How much of a batch's host-held history to onload, and how much to recompute instead.
+
+A host hit costs PCIe bytes: rank-ref's K/V are 16 KiB a token (8 layers x K,V x 512 x bf16),
+so a batch of 8 users with ~6,400 held tokens each onloads ~840 MB, 15-17 ms at PCIe 5's
+~50-55 GB/s, while the H200 recomputes those users in ~18-24 ms; whole onloads made host-hit
+batches slower than recompute (docs/benchmarks.md, sessions 7 and 8). The two can run at once:
+onload streams layer by layer on its own streams while the model computes, so a batch costs
+about ``max(onload, compute)``, and the best batch onloads part of what the host holds and
+recomputes the rest.
+
+Recomputing a user's tokens ``[x, n)`` (they attend to the onloaded prefix) costs
+``t(n) - t(x)``, with ``t`` the cumulative recompute time of a user's first tokens; onloading
+``[0, x)`` costs ``a * x``. ``t`` is convex (attention is quadratic in the length), so a byte
+saves the most compute at the end of a long history: the choice onloads the longest users whole
+first and stops at the user where onload and compute balance, onloading that one's prefix in
+whole chunks (a prefix: a user's chunk ``i`` is only useful with ``0..i-1``).
+
+The host copy stays as it is: a recomputed range is written to the user's device pages (bit for
+bit what onload would have put there: the cached path computes every row the way recompute
+does), so the host chunks remain valid and nothing is offloaded again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SplitCosts:
+    """``onload_s``: seconds to onload one token (all layers); ``lengths`` (ascending, from 0)
+    and ``recompute_s``: seconds to recompute a user's first ``lengths[j]`` tokens; past the
+    last point ``t`` grows as a quadratic through the last two points' slope."""
+
+    onload_s: float
+    lengths: np.ndarray
+    recompute_s: np.ndarray
+
+    def __post_init__(self) -> None:
+        n, t = np.asarray(self.lengths, float), np.asarray(self.recompute_s, float)
+        if n.ndim != 1 or n.shape != t.shape or len(n) < 2 or n[0] != 0 or np.any(np.diff(n) <= 0):
+            raise ValueError("SplitCosts: lengths ascending from 0, one time per length")
+        if not (np.isfinite(self.onload_s) and self.onload_s >= 0) or np.any(~np.isfinite(t)):
+            raise ValueError("SplitCosts: finite, non-negative costs expected")
+        # cumulative costs never fall (timing noise could make a point dip)
+        object.__setattr__(self, "lengths", n)
+        object.__setattr__(self, "recompute_s", np.maximum.accumulate(np.maximum(t - t[0], 0)))
+
+    def recompute(self, n) -> np.ndarray | float:
+        """``t(n)``: seconds to recompute the first ``n`` tokens of a user."""
+        scalar = np.ndim(n) == 0
+        n = np.atleast_1d(np.asarray(n, dtype=float))
+        x, t = self.lengths, self.recompute_s
+        out = np.interp(n, x, t)
+        past = n > x[-1]
+        if past.any():  # the slope grows linearly past the table (the attention term)
+            slope = (t[-1] - t[-2]) / (x[-1] - x[-2])
+            d = n[past] - x[-1]
+            out[past] = t[-1] + slope * d + slope / x[-1] * d * d / 2
+        return float(out[0]) if scalar else out
+
+
+def _held(p) -> int:
+    """Tokens the plan found on host (onloaded or not yet decided)."""
+    return p.from_host + p.host_recomputed
+
+
+def _set(p, x: int, chunk: int) -> None:
+    held = _held(p)
+    p.from_host = p.start = x
+    p.host_recomputed = held - x
+    p.onload = p.onload[:x // chunk]
+
+
+def split_fraction(plans: list, chunk: int, fraction: float) -> int:
+    """Every host hit onloads the first ``fraction`` of its held tokens (whole chunks) and
+    recomputes the rest (tests and A/B runs). Returns the tokens recomputed by this choice."""
+    out = 0
+    for p in plans:
+        if _held(p):
+            _set(p, int(_held(p) * fraction) // chunk * chunk, chunk)
+            out += p.host_recomputed
+    return out
+
+
+def split_by_cost(plans: list, chunk: int, costs: SplitCosts) -> int:
+    """Decide each host hit's onload by ``costs`` (module docstring): the batch's
+    ``max(onload, compute)`` made small. Returns the tokens recomputed by this choice."""
+    host = [p for p in plans if _held(p) and not p.transient]
+    if not host:
+        return 0
+    t = costs.recompute
+    # Everything recomputed: each user's tokens past what it keeps on the GPU.
+    compute = sum(t(p.length) - t(0 if _held(p) else p.start) for p in plans)
+    onload = 0.0
+    out = 0
+    for p in sorted(host, key=_held, reverse=True):
+        held = _held(p)
+        full_save, full_cost = t(held), costs.onload_s * held
+        if compute - full_save >= onload + full_cost:  # still compute-bound: all of it
+            _set(p, held, chunk)
+            compute, onload = compute - full_save, onload + full_cost
+            continue
+        xs = np.arange(0, held + 1, chunk)
+        xs[-1] = held  # (held is a whole number of chunks; kept exact)
+        span = np.maximum(onload + costs.onload_s * xs, compute - t(xs))
+        x = int(xs[int(np.argmin(span))])
+        _set(p, x, chunk)
+        compute, onload = compute - t(x), onload + costs.onload_s * x
+        out += p.host_recomputed
+    return out

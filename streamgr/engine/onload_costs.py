@@ -1,0 +1,99 @@
+"""The costs behind ``cache.onload_split = "auto"``, measured on the engine's own device at start.
+
+- Onload: seconds a token, timing the onload pipeline itself (``OnloadPipeline.submit``: the
+  host store's chunks through the same copies and scatters a batch uses) on a few chunks into
+  free pages (nothing is cached yet, so the bytes written are never read).
+- Recompute: the model's recompute forward over synthetic users (one item and action id
+  repeated; the ids do not change the work) at history lengths ``0, C, 2C, 4C, ...`` up to
+  ``16 C`` or the model's longest history: ``t(n)``, a user's cumulative recompute time, from
+  batches of ``USERS`` users less the batch of empty histories (its launches and candidates).
+
+Each point is the least of ``REPEATS`` timed runs after one untimed run. A few hundred ms at
+the start of a GPU engine (rank-ref), far less on the CPU's small specs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from ..cache.onload_split import SplitCosts
+from .rank import UserSlice, build_jagged
+
+log = logging.getLogger("streamgr.cache")
+
+USERS = 4
+REPEATS = 2
+MAX_CHUNKS = 4  # onloaded per timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best(fn, device: torch.device) -> float:
+    fn()
+    _sync(device)
+    best = float("inf")
+    for _ in range(REPEATS):
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def onload_seconds_per_token(runner) -> float:
+    stores, pipe = runner.stores, runner.onload
+    per = stores.chunk_pages
+    k = min(MAX_CHUNKS, stores.host.shape[0], stores.pages.shape[1] // per)
+    if k < 1:
+        return 0.0
+    bytes_before = pipe.bytes
+    job = [("onload-calibration", list(range(k)), list(range(k * per)))]
+
+    def onload() -> None:
+        h = pipe.submit(job)
+        h.done()
+        h.ready[-1].synchronize()
+
+    try:
+        return _best(onload, runner.device) / (k * stores.C)
+    finally:
+        pipe.bytes = bytes_before  # not traffic of a batch
+
+
+def recompute_table(runner) -> tuple[np.ndarray, np.ndarray]:
+    cfg, C = runner.model.cfg, runner.stores.C
+    top = min(16 * C, 2 * cfg.max_history)
+    lengths = [0]
+    n = C
+    while n < top:
+        lengths.append(n)
+        n *= 2
+    lengths.append(top)
+
+    def batch(n: int):
+        users = [UserSlice(np.ones(n, dtype=np.int64), 0, np.ones(1, dtype=np.int64))] * USERS
+        jb = build_jagged(users, runner.device)
+        return lambda: runner.model(jb)
+
+    with torch.inference_mode():
+        total = np.array([_best(batch(n), runner.device) for n in lengths])
+    return np.array(lengths, dtype=float), (total - total[0]) / USERS
+
+
+def measure_split_costs(runner) -> SplitCosts:
+    """``SplitCosts`` of a hierarchical ``CachedRankRunner`` (before it serves)."""
+    t0 = time.perf_counter()
+    a = onload_seconds_per_token(runner)
+    lengths, t = recompute_table(runner)
+    costs = SplitCosts(a, lengths, t)
+    log.info("onload split costs (%.0f ms to measure): onload %.3f us a token; recompute of a "
+             "user's first %s tokens %s ms", (time.perf_counter() - t0) * 1e3, a * 1e6,
+             lengths.astype(int).tolist(), np.round(costs.recompute_s * 1e3, 3).tolist())
+    return costs

@@ -1,0 +1,149 @@
+"""cache.onload_split: host hits onload part of what the host holds and recompute the rest.
+
+The choice (``cache/onload_split.py``) against brute force on small batches; the plans it
+leaves (prefixes in whole chunks, counts that add up); and engines that split: every answer
+equal to recompute's, the recomputed range then served from the GPU, the host copy untouched.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from streamgr.cache.manager import UserPlan
+from streamgr.cache.onload_split import SplitCosts, split_by_cost, split_fraction
+from tests.cache.helpers import req, run_batch, runners
+
+C = 4
+
+
+def _costs(a: float, quad: float = 1.0, lin: float = 0.0) -> SplitCosts:
+    n = np.array([0, 4, 8, 16, 32, 64], dtype=float)
+    return SplitCosts(a, n, lin * n + quad * n * n)
+
+
+def _plan(key, length, held=0, gpu=0) -> UserPlan:
+    p = UserPlan(key, length)
+    if held:
+        p.start = p.from_host = held
+        p.onload = [(100 + i, i) for i in range(held // C)]
+    elif gpu:
+        p.start = p.from_gpu = gpu
+    return p
+
+
+def _span(plans, costs: SplitCosts) -> float:
+    onload = sum(costs.onload_s * p.from_host for p in plans)
+    return max(onload, sum(costs.recompute(p.length) - costs.recompute(p.start) for p in plans))
+
+
+def test_split_costs_are_checked_and_made_monotone():
+    with pytest.raises(ValueError):
+        SplitCosts(1.0, np.array([1.0, 2.0]), np.array([0.0, 1.0]))  # not from 0
+    with pytest.raises(ValueError):
+        SplitCosts(float("nan"), np.array([0.0, 2.0]), np.array([0.0, 1.0]))
+    c = SplitCosts(1.0, np.array([0.0, 4.0, 8.0]), np.array([0.5, 3.0, 2.0]))  # a noisy dip
+    assert c.recompute_s.tolist() == [0.0, 2.5, 2.5]
+    q = _costs(1.0)
+    assert q.recompute(8) == 64.0 and q.recompute(6) == pytest.approx(40.0)  # interpolated
+    # past the table: the last slope, growing linearly (a quadratic there: 64 * 64 + ...)
+    assert q.recompute(128) > q.recompute(64) + 96 * (128 - 64) - 1e-9
+    assert q.recompute(np.array([0, 64])).tolist() == [0.0, 4096.0]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_cost_split_beats_onloading_all_and_recomputing_all(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 4))
+    plans = []
+    for i in range(n):
+        held = C * int(rng.integers(1, 6))
+        plans.append(_plan(i, held + int(rng.integers(0, 9)), held=held))
+    plans.append(_plan("g", 20, gpu=12))  # a GPU hit's compute overlaps the onload too
+    costs = _costs(float(rng.choice([0.0, 1.0, 4.0, 16.0, 64.0, 1e6])),
+                   quad=float(rng.choice([0.0, 0.5, 1.0])), lin=float(rng.choice([0.0, 8.0])))
+    held = {p.key: p.from_host for p in plans}
+    # Brute force over every user's prefix (whole chunks).
+    options = [range(0, held[p.key] + 1, C) if held[p.key] else [0] for p in plans]
+    best = float("inf")
+    for xs in itertools.product(*options):
+        trial = [_plan(p.key, p.length, held=x) if held[p.key] else p for p, x in zip(plans, xs)]
+        best = min(best, _span(trial, costs))
+    everything = _span(plans, costs)
+    recomputed = split_by_cost(plans, C, costs)
+    got = _span(plans, costs)
+    assert got <= everything + 1e-9
+    assert got <= _span([_plan(p.key, p.length) if held[p.key] else p for p in plans],
+                        costs) + 1e-9
+    assert got <= best + 1e-9, (got, best)  # greedy by length: the optimum on these
+    for p in plans:
+        if held[p.key]:
+            assert p.from_host % C == 0 and p.start == p.from_host
+            assert p.from_host + p.host_recomputed == held[p.key]
+            assert [i for _, i in p.onload] == list(range(p.from_host // C))
+    assert recomputed == sum(p.host_recomputed for p in plans)
+
+
+def test_cost_split_extremes_and_the_longest_users_first():
+    def batch():
+        return [_plan(0, 40, held=32), _plan(1, 20, held=16), _plan(2, 12, held=8)]
+    plans = batch()
+    assert split_by_cost(plans, C, _costs(0.0)) == 0  # onload free: all of it
+    assert [p.from_host for p in plans] == [32, 16, 8]
+    plans = batch()
+    assert split_by_cost(plans, C, _costs(1e9)) == 56  # onload dear: none of it
+    assert [(p.from_host, p.start, p.onload) for p in plans] == [(0, 0, [])] * 3
+    plans = batch()  # balanced: the longest is onloaded first (a byte saves most there)
+    split_by_cost(plans, C, _costs(40.0))
+    assert plans[0].from_host == 32 and plans[2].from_host < 8
+
+
+def test_fraction_split_keeps_whole_chunks():
+    plans = [_plan(0, 40, held=32), _plan(1, 20, held=12), _plan(2, 9)]
+    assert split_fraction(plans, C, 0.5) == 16 + 8
+    assert [(p.from_host, p.host_recomputed) for p in plans] == [(16, 16), (4, 8), (0, 0)]
+
+
+def _host_hit_engines(split):
+    # 12 device pages of 4 tokens (48 tokens): a second user of 40 tokens evicts the first
+    # from the device, whose offloaded chunks stay on host.
+    engines = runners(page_tokens=4, chunk_tokens=8, device_pages=12, host_chunks=32,
+                      offload_quota_tokens=64, onload_split=split)
+    return engines["hierarchical"], engines["recompute"]
+
+
+@pytest.mark.parametrize("split", [0.0, 0.5, "auto"])
+def test_engines_that_split_answer_as_recompute(split):
+    eng, ref = _host_hit_engines(split)
+    if split == "auto":  # measured at start on this CPU
+        costs = eng.runner.onload_split
+        assert isinstance(costs, SplitCosts) and costs.onload_s > 0
+        assert costs.recompute_s[-1] > 0
+        eng.runner.onload_split = _costs(1e9)  # this test needs a split that recomputes
+    rng = np.random.default_rng(1)
+    hist = {u: (rng.integers(100, size=20).tolist(), rng.integers(8, size=20).tolist())
+            for u in (0, 1)}
+
+    def visit(u):
+        batch = [req(u, *hist[u], [3, 4, 5])]
+        got, want = run_batch(eng, batch)[0], run_batch(ref, batch)[0]
+        np.testing.assert_allclose(got[0], want[0], rtol=2e-4, atol=2e-5)
+        return got[1]
+
+    visit(0)
+    visit(1)  # user 0 leaves the device; its 40 tokens stay in 5 host chunks
+    m = eng.runner.manager
+    assert m.users[0].device_len == 0 and len(m.users[0].chunks) == 5
+    chunks = list(m.users[0].chunks)
+    stats = visit(0)
+    assert stats["tier"] == "host"
+    assert stats["tokens_from_host"] + stats["tokens_host_recomputed"] == 40
+    assert stats["tokens_host_recomputed"] == (40 if split in (0.0, "auto") else 24)
+    assert stats["tokens_recomputed"] == 40 - stats["tokens_from_host"]
+    assert m.counters["host_tokens_recomputed"] == stats["tokens_host_recomputed"]
+    assert m.users[0].chunks == chunks  # the host copy is still the user's, still valid
+    again = visit(0)  # all of it on the device now
+    assert again["tier"] == "gpu" and again["tokens_from_gpu"] == 40
+    m.check_invariants()

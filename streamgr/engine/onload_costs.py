@@ -1,8 +1,8 @@
 """The costs behind ``cache.onload_split = "auto"``, measured on the engine's own device at start.
 
 - Onload: seconds a token, timing the onload pipeline itself (``OnloadPipeline.submit``: the
-  host store's chunks through the same copies and scatters a batch uses) on a few chunks into
-  free pages (nothing is cached yet, so the bytes written are never read).
+  host store's chunks through the same copies and scatters a batch uses) into free pages
+  (nothing is cached yet, so the bytes written are never read), as a slope between two sizes.
 - Recompute: the model's recompute forward over synthetic users (one item and action id
   repeated; the ids do not change the work) at history lengths ``0, C, 2C, 4C, ...`` up to
   ``16 C`` or the model's longest history: ``t(n)``, a user's cumulative recompute time, from
@@ -27,7 +27,7 @@ log = logging.getLogger("streamgr.cache")
 
 USERS = 4
 REPEATS = 2
-MAX_CHUNKS = 4  # onloaded per timing
+MAX_CHUNKS = 16  # onloaded per timing (256 MiB at rank-ref's chunks)
 
 
 def _sync(device: torch.device) -> None:
@@ -48,21 +48,28 @@ def _best(fn, device: torch.device) -> float:
 
 
 def onload_seconds_per_token(runner) -> float:
+    """The slope between onloads of ``MAX_CHUNKS // 4`` and ``MAX_CHUNKS`` chunks: a batch's
+    fixed costs (the thread hand-off, events, the scatter launch) are not per token."""
     stores, pipe = runner.stores, runner.onload
     per = stores.chunk_pages
     k = min(MAX_CHUNKS, stores.host.shape[0], stores.pages.shape[1] // per)
-    if k < 1:
+    if k < 2:
         return 0.0
     bytes_before = pipe.bytes
-    job = [("onload-calibration", list(range(k)), list(range(k * per)))]
 
-    def onload() -> None:
-        h = pipe.submit(job)
-        h.done()
-        h.ready[-1].synchronize()
+    def onload(n: int):
+        job = [("onload-calibration", list(range(n)), list(range(n * per)))]
+
+        def run() -> None:
+            h = pipe.submit(job)
+            h.done()
+            h.ready[-1].synchronize()
+        return run
 
     try:
-        return _best(onload, runner.device) / (k * stores.C)
+        k0 = max(1, k // 4)
+        t0, t1 = _best(onload(k0), runner.device), _best(onload(k), runner.device)
+        return max(t1 - t0, 0.0) / ((k - k0) * stores.C)
     finally:
         pipe.bytes = bytes_before  # not traffic of a batch
 

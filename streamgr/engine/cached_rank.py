@@ -22,7 +22,7 @@ from ..cache.onload_split import SplitCosts, split_by_cost, split_fraction
 from ..cache.store import KVStores
 from ..errors import EngineDead
 from ..kernels.host_loops import page_slots
-from ..kernels.hstu_plan import page_csr
+from ..kernels.hstu_plan import csr_of, page_csr
 from ..kernels import paged_kv
 from ..kernels.hstu_attention import JaggedKV, hstu_attention_jagged
 from ..models.hstu import HSTU
@@ -71,11 +71,19 @@ class CachedRankRunner(RankRunner):
 
     def _descriptor(self, plans, pb) -> tuple[JaggedKV, tuple[np.ndarray, ...]]:
         """Where each user's history keys live, and the page slots its new K/V go to
-        (rows of the batch, pages, offsets)."""
-        desc = JaggedKV(pb.q_offsets, pb.num_candidates, [p.length for p in plans],
-                        [not p.transient for p in plans], list(pb.q_offsets[:-1]),
-                        [p.page_ids for p in plans], self.stores.P, self.stores.pages)
+        (rows of the batch, pages, offsets). A user with nothing cached (a miss, or a host hit
+        that recomputes all of it) attends over its rows of this batch's k/v, as recompute
+        does, not over the pages they are appended to: the same bits, and the attention reads
+        contiguous keys with no page lookups (rank-ref misses, session 20: 1.87 ms a layer over
+        pages, 1.40 over rows)."""
+        cached = [not p.transient for p in plans]
+        paged = [c and p.start > 0 for c, p in zip(cached, plans)]
+        desc = JaggedKV(pb.q_offsets, pb.num_candidates, [p.length for p in plans], paged,
+                        list(pb.q_offsets[:-1]), [p.page_ids for p in plans], self.stores.P,
+                        self.stores.pages)
         page_ptr, pages = page_csr(desc)  # kept with desc: the attention plans read it too
+        if paged != cached:  # the misses append to pages the attention does not read
+            page_ptr, pages = csr_of(desc.pages, cached)
         end = np.array([p.length for p in plans], dtype=np.int64)
         start = np.array([p.length if p.transient else p.start for p in plans], dtype=np.int64)
         app = page_slots(np.asarray(pb.q_offsets[:-1], dtype=np.int64), start, end, page_ptr,

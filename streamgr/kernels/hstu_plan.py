@@ -107,12 +107,17 @@ def page_csr(desc) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _page_csr(desc) -> tuple[np.ndarray, np.ndarray]:
-    page_ptr = np.zeros(len(desc.pages) + 1, dtype=np.int64)
-    page_ptr[1:] = np.cumsum([len(p) if f else 0 for p, f in zip(desc.pages, desc.paged)])
+    return csr_of(desc.pages, desc.paged)
+
+
+def csr_of(pages: list, flags: list[bool]) -> tuple[np.ndarray, np.ndarray]:
+    """``page_csr`` of the users whose ``flags`` are set (the others get no pages)."""
+    page_ptr = np.zeros(len(pages) + 1, dtype=np.int64)
+    page_ptr[1:] = np.cumsum([len(p) if f else 0 for p, f in zip(pages, flags)])
     n = int(page_ptr[-1])
     if not n:
         return page_ptr, np.zeros(1, dtype=np.int64)
-    paged = [p for p, f in zip(desc.pages, desc.paged) if f and len(p)]
+    paged = [p for p, f in zip(pages, flags) if f and len(p)]
     if all(isinstance(p, np.ndarray) for p in paged):  # the cached runner's page arrays
         return page_ptr, np.concatenate(paged).astype(np.int64, copy=False)
     return page_ptr, np.fromiter(  # ~2x faster than a list comprehension over the ids

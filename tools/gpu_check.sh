@@ -22,7 +22,8 @@
 #       first warmed by FIRST_WARM (4) untimed batches of other users (FIRST_WARM=0: the method
 #       of sessions 5-12); single runs disagree; no tests
 #     hosthit: rank-ref at batch 8 with a device tier of 8,192 pages, so that most hits come
-#       from host chunks (issue 12's host-hit target; no tests)
+#       from host chunks (issue 12's host-hit target; no tests), once per cache.onload_split
+#       in HOSTHIT_SPLITS (default "auto"; e.g. "auto 0.0 1.0" for the A/B)
 #     attnprof: ncu on the attention forward kernels (mma.sync and wgmma) with stall reasons and
 #       the source lines they stall on (STREAMGR_NVRTC_LINEINFO=1; no tests)
 #   env: CATALOG_EVERY (update: every N-th update also changes the catalog; 0: refits only),
@@ -96,10 +97,14 @@ if [ "$mode" = full ] || [ "$mode" = rank ]; then
   summary+=("$(tail -n 1 "$out/bench_rank.txt")")
 fi
 if [ "$mode" = hosthit ]; then
-  python3 tools/bench_rank.py "${rank_ref[@]}" --batch 8 --warmup 400 --window 400 --recompute-every 4 \
-    --stage-every 5 --set cache.device_pages=8192 ${RANK_ARGS:-} --json "$out/bench_rank_hosthit.json" \
-    2>"$out/bench_rank_hosthit.err" | tee "$out/bench_rank_hosthit.txt"
-  summary+=("host hits: $(grep '^host (mean ms)' "$out/bench_rank_hosthit.txt"); $(tail -n 1 "$out/bench_rank_hosthit.txt")")
+  for split in ${HOSTHIT_SPLITS:-auto}; do  # cache.onload_split values, one run each
+    f="$out/bench_rank_hosthit_$split"
+    python3 tools/bench_rank.py "${rank_ref[@]}" --batch 8 --warmup 400 --window 400 --recompute-every 4 \
+      --stage-every 5 --set cache.device_pages=8192 --set cache.onload_split=$split ${RANK_ARGS:-} \
+      --json "$f.json" 2>"$f.err" | tee "$f.txt"
+    grep "split costs" "$f.err"
+    summary+=("host hits, onload_split $split: $(grep '^host (mean ms)' "$f.txt"); $(tail -n 1 "$f.txt")")
+  done
 fi
 if [ "$mode" = inflight ]; then
   # Batches overlap only inside the engine (bench_rank runs one batch at a time), so this is

@@ -117,10 +117,12 @@ def _host_hit_engines(split):
 @pytest.mark.parametrize("split", [0.0, 0.5, "auto"])
 def test_engines_that_split_answer_as_recompute(split):
     eng, ref = _host_hit_engines(split)
-    if split == "auto":  # measured at start on this CPU
+    if split == "auto":  # measured at start on this CPU (tiny chunks: the slope may be ~0)
         costs = eng.runner.onload_split
-        assert isinstance(costs, SplitCosts) and costs.onload_s > 0
-        assert costs.recompute_s[-1] > 0
+        assert isinstance(costs, SplitCosts) and np.isfinite(costs.onload_s)
+        assert costs.onload_s >= 0 and np.all(np.diff(costs.recompute_s) >= 0)
+        # chunks of 8 tokens up to 16 chunks or the longest history (2 x 80 tokens)
+        assert costs.lengths.tolist() == [0, 8, 16, 32, 64, 128]
         eng.runner.onload_split = _costs(1e9)  # this test needs a split that recomputes
     rng = np.random.default_rng(1)
     hist = {u: (rng.integers(100, size=20).tolist(), rng.integers(8, size=20).tolist())

@@ -100,6 +100,14 @@ class CachedRankRunner(RankRunner):
             split_fraction(plans, C, s)
         self.manager.counters["host_tokens_recomputed"] += n
 
+    def _split_state(self):
+        s = self.onload_split
+        if not isinstance(s, SplitCosts):
+            return s
+        return {"onload_us_per_token": round(s.onload_s * 1e6, 4),
+                "recompute_ms": {str(int(n)): round(t * 1e3, 4)
+                                 for n, t in zip(s.lengths, s.recompute_s)}}
+
     def submit(self, batch: list[PreparedRank]) -> "InFlight":
         """Plan the batch, queue its onloads and its forward on the device, and queue the
         scores' copy to the host; nothing here waits for the device (``finish`` does)."""
@@ -305,5 +313,5 @@ class CachedRankRunner(RankRunner):
         out = self.manager.snapshot()
         out.update(bytes_onloaded=self.bytes_onloaded, bytes_offloaded=self.bytes_offloaded,
                    onload_faults=self.onload_faults, offloads_in_flight=self.offload.inflight,
-                   commit_failures=self.commit_failures)
+                   commit_failures=self.commit_failures, onload_split=self._split_state())
         return out

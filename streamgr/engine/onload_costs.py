@@ -94,12 +94,21 @@ def recompute_table(runner) -> tuple[np.ndarray, np.ndarray]:
     return np.array(lengths, dtype=float), (total - total[0]) / USERS
 
 
-def measure_split_costs(runner) -> SplitCosts:
-    """``SplitCosts`` of a hierarchical ``CachedRankRunner`` (before it serves)."""
+def measure_split_costs(runner) -> SplitCosts | float:
+    """``SplitCosts`` of a hierarchical ``CachedRankRunner`` (before it serves); 1.0 (onload
+    all, the behaviour without a split) with a warning if they cannot be measured (e.g. the
+    device has no room for the synthetic batches): the engine still starts and serves."""
     t0 = time.perf_counter()
-    a = onload_seconds_per_token(runner)
-    lengths, t = recompute_table(runner)
-    costs = SplitCosts(a, lengths, t)
+    try:
+        a = onload_seconds_per_token(runner)
+        lengths, t = recompute_table(runner)
+        costs = SplitCosts(a, lengths, t)
+    except Exception as err:  # noqa: BLE001 - a tuning measurement, not a reason to refuse
+        log.warning("cache.onload_split = \"auto\": costs not measured (%r); host hits onload "
+                    "all they hold", err)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        return 1.0
     log.info("onload split costs (%.0f ms to measure): onload %.3f us a token; recompute of a "
              "user's first %s tokens %s ms", (time.perf_counter() - t0) * 1e3, a * 1e6,
              lengths.astype(int).tolist(), np.round(costs.recompute_s * 1e3, 3).tolist())

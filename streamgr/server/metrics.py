@@ -42,7 +42,7 @@ class ServerMetrics:
             out.append(f'streamgr_request_latency_seconds_count{{kind="{kind}"}} {acc}')
         out += ["# TYPE streamgr_connections gauge", f"streamgr_connections {connections}",
                 "# TYPE streamgr_inflight gauge", f"streamgr_inflight {inflight}"]
-        for name in ("gpu_hit_ratio", "total_hit_ratio"):
+        for name in ("gpu_hit_ratio", "total_hit_ratio", "held_ratio"):
             out += [f"# TYPE streamgr_{name} gauge", f"streamgr_{name} {engine_stats.get(name, 0.0)}"]
         for name, value in sorted(engine_stats.get("cache", {}).items()):
             if isinstance(value, (int, float)):

@@ -149,3 +149,26 @@ def test_engines_that_split_answer_as_recompute(split):
     again = visit(0)  # all of it on the device now
     assert again["tier"] == "gpu" and again["tokens_from_gpu"] == 40
     m.check_invariants()
+
+
+def test_auto_split_that_cannot_be_measured_onloads_all_and_serves(monkeypatch):
+    """A failed measurement at start leaves host hits onloading all they hold (1.0), with a
+    warning, and the engine serving; the split in force is in the cache stats."""
+    from streamgr.engine import onload_costs
+
+    def broken(runner):
+        raise RuntimeError("no room for the synthetic batch")
+    monkeypatch.setattr(onload_costs, "recompute_table", broken)
+    eng, ref = _host_hit_engines("auto")
+    assert eng.runner.onload_split == 1.0
+    assert eng.stats()["cache"]["onload_split"] == 1.0
+    batch = [req(0, [1, 2, 3], [0, 1, 0], [4, 5])]
+    np.testing.assert_allclose(run_batch(eng, batch)[0][0], run_batch(ref, batch)[0][0],
+                               rtol=2e-4, atol=2e-5)
+
+
+def test_measured_split_is_in_the_stats():
+    eng, _ = _host_hit_engines("auto")
+    got = eng.stats()["cache"]["onload_split"]
+    assert set(got) == {"onload_us_per_token", "recompute_ms"}
+    assert list(got["recompute_ms"]) == ["0", "8", "16", "32", "64", "128"]

@@ -11,6 +11,7 @@ computed whole without caching: served correctly, never refused.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 
@@ -24,7 +25,7 @@ from ..errors import EngineDead
 from ..kernels.host_loops import page_slots
 from ..kernels.hstu_plan import csr_of, page_csr
 from ..kernels import paged_kv
-from ..kernels.hstu_attention import JaggedKV, hstu_attention_jagged
+from ..kernels.hstu_attention import DEFAULT_PLAN, JaggedKV, hstu_attention_jagged
 from ..models.hstu import HSTU
 from ..streams import (NullOffload, NullOnload, OffloadPipeline, OnloadFault, OnloadPipeline,
                        StreamSet)
@@ -32,6 +33,10 @@ from .rank import (BatchOutcome, InFlight, PreparedRank, RankRunner, UserSlice,
                    pack_jagged, upload_jagged)
 
 log = logging.getLogger("streamgr.cache")
+# A/B (unmeasured, session 20): start a host-hit batch's onload after the batch's own uploads
+# (rows, append slots, attention plan). Host-hit batches measured like onload + compute, not
+# max(onload, compute); one suspect is those small uploads queued behind the onload's copies.
+UPLOADS_FIRST = os.environ.get("STREAMGR_UPLOADS_FIRST", "0") == "1"
 
 
 def _tier(plan) -> str:
@@ -143,12 +148,14 @@ class CachedRankRunner(RankRunner):
         handles = None
         try:
             with s.use(s.compute):
-                # Onload starts now, on its own thread and streams; the model waits per layer.
                 per = self.stores.chunk_pages
-                handles = self.onload.submit(
-                    [(p.key, [c for c, _ in p.onload],
-                      [pg for _, i in p.onload for pg in p.pages[i * per:(i + 1) * per]])
-                     for p in plans if p.onload], after=self._compute_done)
+                jobs = [(p.key, [c for c, _ in p.onload],
+                         [pg for _, i in p.onload for pg in p.pages[i * per:(i + 1) * per]])
+                        for p in plans if p.onload]
+                # Onload starts now, on its own thread and streams; the model waits per layer
+                # (UPLOADS_FIRST: after the batch's own uploads, below).
+                if not (UPLOADS_FIRST and jobs):
+                    handles = self.onload.submit(jobs, after=self._compute_done)
                 t = self._mark(stages, "onload_submit", t)
                 users = [UserSlice(tokens[p.key][p.start:], p.start, batch[i].candidates)
                          for i, p in zip(live, plans)]
@@ -156,10 +163,13 @@ class CachedRankRunner(RankRunner):
                 desc, app = self._descriptor(plans, pb)
                 t = self._mark(stages, "layout", t)
                 # Batches that onload host chunks stay eager (per-layer onload events).
-                onloads = any(p.onload for p in plans)
-                scores = None if onloads else self._forward_planned(pb, desc, app, stages)
+                scores = None if jobs else self._forward_planned(pb, desc, app, stages)
+                staged = None
+                if handles is None:
+                    staged = self._upload(pb, desc, app, plan=True)
+                    handles = self.onload.submit(jobs, after=self._compute_done)
                 if scores is None:
-                    scores = self._forward_eager(pb, desc, app, handles, stages)
+                    scores = self._forward_eager(pb, desc, app, handles, stages, staged)
                 pb.release()  # (the eager upload gave it back behind its copy already)
                 handles.done()
                 self._compute_done = s.compute.record_event(s.event())
@@ -214,12 +224,23 @@ class CachedRankRunner(RankRunner):
                              "cannot be reused safely")
         self.streams.fence_transfers()
 
-    def _forward_eager(self, pb, desc, app, handles, stages) -> torch.Tensor:
+    def _upload(self, pb, desc, app, plan: bool = False):
+        """The batch's host-to-device copies: its rows, the append slots and (``plan``) the
+        attention's work items, which the first layer would otherwise upload."""
+        jb = upload_jagged(pb, self.device)
+        app_dev = torch.from_numpy(np.stack(app)).to(self.device)  # one copy
+        if plan and self.device.type == "cuda":
+            cfg = self.model.cfg
+            for last in (False, True):
+                desc.cuda_plan(self.device, cfg.num_heads, DEFAULT_PLAN, cfg.head_dim, last)
+        return jb, app_dev
+
+    def _forward_eager(self, pb, desc, app, handles, stages, staged=None) -> torch.Tensor:
         """The layer loop from Python: each layer appends its new K/V, waits for its own
         onloaded history (deeper layers' are still in flight), then attends."""
         s = self.streams
-        jb = upload_jagged(pb, self.device)
-        app_rows, app_p, app_o = torch.from_numpy(np.stack(app)).to(self.device)  # one copy
+        jb, app_dev = staged or self._upload(pb, desc, app)
+        app_rows, app_p, app_o = app_dev
         store, cfg = self.stores.pages, self.model.cfg
         wait = [0.0]
         ev = self.trace_events = {} if self.trace_events is not None else None

@@ -114,8 +114,12 @@ def _host_hit_engines(split):
     return engines["hierarchical"], engines["recompute"]
 
 
-@pytest.mark.parametrize("split", [0.0, 0.5, "auto"])
-def test_engines_that_split_answer_as_recompute(split):
+@pytest.mark.parametrize("split,uploads_first", [(0.0, False), (0.5, False), ("auto", False),
+                                                  (0.5, True), (1.0, True)])
+def test_engines_that_split_answer_as_recompute(split, uploads_first, monkeypatch):
+    """(``uploads_first``: the batch's uploads before its onload starts, the A/B order.)"""
+    from streamgr.engine import cached_rank
+    monkeypatch.setattr(cached_rank, "UPLOADS_FIRST", uploads_first)
     eng, ref = _host_hit_engines(split)
     if split == "auto":  # measured at start on this CPU (tiny chunks: the slope may be ~0)
         costs = eng.runner.onload_split
@@ -142,7 +146,7 @@ def test_engines_that_split_answer_as_recompute(split):
     stats = visit(0)
     assert stats["tier"] == "host"
     assert stats["tokens_from_host"] + stats["tokens_host_recomputed"] == 40
-    assert stats["tokens_host_recomputed"] == (40 if split in (0.0, "auto") else 24)
+    assert stats["tokens_host_recomputed"] == {0.0: 40, "auto": 40, 0.5: 24, 1.0: 0}[split]
     assert stats["tokens_recomputed"] == 40 - stats["tokens_from_host"]
     assert m.counters["host_tokens_recomputed"] == stats["tokens_host_recomputed"]
     assert m.users[0].chunks == chunks  # the host copy is still the user's, still valid

@@ -21,7 +21,7 @@ from tests.protocol.helpers import ServerThread
 
 def test_synth_kuairand_profile_statistics():
     p = PROFILES["kuairand-1k"]
-    trace = synth_trace("kuairand-1k", seed=3, users=300)
+    trace = synth_trace("kuairand-1k", seed=3, users=200)
     lengths, per_user_times = {}, {}
     for r in trace:
         lengths[r.user] = lengths.get(r.user, 0) + len(r.items)

@@ -276,6 +276,7 @@ class KVCacheManager(OffloadPlanning):
             if e is None or p.length == 0:
                 continue
             old = e.cached_len(self.C)
+            self.counters["host_tokens_recomputed"] += p.host_recomputed
             e.device_len = p.length
             e.hist_stamp = stamps.get(p.key) if stamps else None
             toks = tokens[p.key]

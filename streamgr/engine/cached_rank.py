@@ -100,10 +100,8 @@ class CachedRankRunner(RankRunner):
         s = self.onload_split
         if not any(p.from_host for p in plans) or (not isinstance(s, SplitCosts) and s >= 1):
             return
-        C = self.manager.C
-        n = split_by_cost(plans, C, s) if isinstance(s, SplitCosts) else \
-            split_fraction(plans, C, s)
-        self.manager.counters["host_tokens_recomputed"] += n
+        C = self.manager.C  # (counted at commit: a batch retried after a fault counts once)
+        split_by_cost(plans, C, s) if isinstance(s, SplitCosts) else split_fraction(plans, C, s)
 
     def _split_state(self):
         s = self.onload_split

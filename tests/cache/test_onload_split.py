@@ -176,3 +176,21 @@ def test_measured_split_is_in_the_stats():
     got = eng.stats()["cache"]["onload_split"]
     assert set(got) == {"onload_us_per_token", "recompute_ms"}
     assert list(got["recompute_ms"]) == ["0", "8", "16", "32", "64", "128"]
+
+
+def test_a_host_hit_batch_retried_after_an_onload_fault_counts_once():
+    """An onload that fails sends the batch again with those users recomputed whole (not
+    cached this time); the split of the failed attempt is not counted, answers stay right."""
+    eng, ref = _host_hit_engines(0.5)
+    rng = np.random.default_rng(2)
+    hist = {u: (rng.integers(100, size=20).tolist(), rng.integers(8, size=20).tolist())
+            for u in (0, 1)}
+    for u in (0, 1):  # user 0 ends on host only
+        run_batch(eng, [req(u, *hist[u], [3])])
+    eng.runner.onload.fail_next = True
+    batch = [req(0, *hist[0], [3, 4, 5])]
+    got, want = run_batch(eng, batch)[0], run_batch(ref, batch)[0]
+    np.testing.assert_allclose(got[0], want[0], rtol=2e-4, atol=2e-5)
+    assert eng.runner.onload_faults == 1 and got[1]["tokens_recomputed"] == 40
+    assert eng.runner.manager.counters["host_tokens_recomputed"] == 0
+    eng.runner.manager.check_invariants()

@@ -84,7 +84,9 @@ def _record(mode: str, i: int, latency_ms: float, stats) -> dict:
     return {"type": "request", "mode": mode, "index": i, "latency_ms": float(latency_ms),
             "tier": s.get("tier", ""), "history_tokens": s.get("history_tokens", 0),
             "from_gpu": s.get("tokens_from_gpu", 0), "from_host": s.get("tokens_from_host", 0),
-            "recomputed": s.get("tokens_recomputed", 0), "batch_size": s.get("batch_size", 0),
+            "recomputed": s.get("tokens_recomputed", 0),
+            "host_recomputed": s.get("tokens_host_recomputed", 0),
+            "batch_size": s.get("batch_size", 0),
             "queue_ms": s.get("queue_ms", 0.0), "compute_ms": s.get("compute_ms", 0.0),
             "stages": s.get("stages", s.get("steps", {}))}
 
@@ -178,6 +180,7 @@ def summarize(mode: str, records: list[dict], wall: float, errors: list[dict],
     hist = sum(r["history_tokens"] for r in records)
     gpu = sum(r["from_gpu"] for r in records)
     host = sum(r["from_host"] for r in records)
+    held = gpu + host + sum(r.get("host_recomputed", 0) for r in records)
     stages: dict[str, float] = {}
     for r in records:
         for k, v in r["stages"].items():
@@ -190,7 +193,8 @@ def summarize(mode: str, records: list[dict], wall: float, errors: list[dict],
             "mean_ms": float(lat.mean()), "p50_ms": float(np.percentile(lat, 50)),
             "p99_ms": float(np.percentile(lat, 99)), "throughput": len(records) / max(wall, 1e-9),
             "gpu_hit_ratio": gpu / hist if hist else 0.0,
-            "total_hit_ratio": (gpu + host) / hist if hist else 0.0, "stages_ms": stages, **extra}
+            "total_hit_ratio": (gpu + host) / hist if hist else 0.0,
+            "held_ratio": held / hist if hist else 0.0, "stages_ms": stages, **extra}
 
 
 def replay_trace(trace, out, spec=None, overrides=None, server: str | None = None,
@@ -244,7 +248,8 @@ def replay_trace(trace, out, spec=None, overrides=None, server: str | None = Non
             records = [{**_record(mode, rec.index, rec.latency_ms, {
                 "tier": rec.tier, "history_tokens": rec.history_tokens,
                 "tokens_from_gpu": rec.from_gpu, "tokens_from_host": rec.from_host,
-                "tokens_recomputed": rec.recomputed, "stages": {}}), "batch": rec.batch}
+                "tokens_recomputed": rec.recomputed,
+                "tokens_host_recomputed": rec.host_recomputed, "stages": {}}), "batch": rec.batch}
                 for rec in res.records]
             per_batch = {k: v / max(res.batches, 1) for k, v in res.stages.items()}
             for r in records:

@@ -62,7 +62,7 @@ class SplitCosts:
 
 
 def _held(p) -> int:
-    """Tokens the plan found on host (onloaded or not yet decided)."""
+    """Tokens the plan found on host: onloaded, plus those a split chose to recompute."""
     return p.from_host + p.host_recomputed
 
 

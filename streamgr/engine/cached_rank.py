@@ -100,8 +100,12 @@ class CachedRankRunner(RankRunner):
         s = self.onload_split
         if not any(p.from_host for p in plans) or (not isinstance(s, SplitCosts) and s >= 1):
             return
-        C = self.manager.C  # (counted at commit: a batch retried after a fault counts once)
-        split_by_cost(plans, C, s) if isinstance(s, SplitCosts) else split_fraction(plans, C, s)
+        # (the tokens it recomputes are counted at commit: a batch retried after an onload
+        # fault counts once)
+        if isinstance(s, SplitCosts):
+            split_by_cost(plans, self.manager.C, s)
+        else:
+            split_fraction(plans, self.manager.C, s)
 
     def _split_state(self):
         s = self.onload_split

@@ -126,13 +126,13 @@ class Updates:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def _off_executor(self, fn, *args):
-        """``fn`` on the build thread (a worker thread before start) with its device work on a
-        stream of its own (see ``streams.off_stream``), beside the batches the executor keeps
-        running."""
-        pool = self._res.builder if self._res is not None else None
+    async def _off_executor(self, fn, *args, res=None):
+        """``fn`` on the build thread (``res``'s, else the started engine's; a worker thread
+        before start) with its device work on a stream of its own (see
+        ``streams.off_stream``), beside the batches the executor keeps running."""
+        res = res or self._res
         return await asyncio.get_running_loop().run_in_executor(
-            pool, off_stream, self._build.device, fn, *args)
+            res.builder if res is not None else None, off_stream, self._build.device, fn, *args)
 
     async def _warm_generate(self, res) -> None:
         """At start, before serving: the decode plans of the common shapes (executor), then,
@@ -141,9 +141,8 @@ class Updates:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(res.executor, self.gen_runner.warm_up)
         if self.spec.engine.refit_spare:
-            n = await loop.run_in_executor(res.builder, off_stream, self._build.device,
-                                           self._warm_updates)
-            self.metrics.count("update_warm_builds", n)
+            self.metrics.count("update_warm_builds",
+                               await self._off_executor(self._warm_updates, res=res))
 
     def _warm_updates(self, n: int = WARM_BUILDS) -> int:
         """Build ``n`` catalog removals of one item each, all alive at once, and drop them

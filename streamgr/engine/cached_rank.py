@@ -230,7 +230,12 @@ class CachedRankRunner(RankRunner):
         """The batch's host-to-device copies: its rows, the append slots and (``plan``) the
         attention's work items, which the first layer would otherwise upload."""
         jb = upload_jagged(pb, self.device)
-        app_dev = torch.from_numpy(np.stack(app)).to(self.device)  # one copy
+        app_host = torch.from_numpy(np.stack(app))
+        if self.device.type == "cuda":
+            # Pinned, so the copy neither blocks this thread nor waits in a pageable staging
+            # queue behind a host-hit batch's onload copies (hundreds of MB) already issued.
+            app_host = app_host.pin_memory()
+        app_dev = app_host.to(self.device, non_blocking=True)  # one copy
         if plan and self.device.type == "cuda":
             cfg = self.model.cfg
             for last in (False, True):
@@ -248,6 +253,8 @@ class CachedRankRunner(RankRunner):
         ev = self.trace_events = {} if self.trace_events is not None else None
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+            if ev is not None:  # the layer's projections are queued: compute reached it
+                ev[f"append_{layer}"] = s.compute.record_event(s.event(timing=True))
             if app_rows.numel():
                 paged_kv.append_rows(store, layer, k, v, app_rows, app_p, app_o)
             t0 = time.perf_counter()
@@ -259,6 +266,8 @@ class CachedRankRunner(RankRunner):
                                          cand_only=cfg.is_last(layer))
 
         scores = self.model(jb, attention)
+        if ev is not None:
+            ev["done"] = s.compute.record_event(s.event(timing=True))
         stages["onload_wait"] = wait[0] * 1e3
         return scores
 

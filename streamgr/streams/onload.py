@@ -69,7 +69,7 @@ class OnloadPipeline:
         if self._staging is None:
             n = self.layers * self.staging_chunks  # `layers` slices = one chunk, all layers
             self._staging = [torch.empty((n, *self.slice_shape), dtype=self.stores.host.dtype,
-                                         pin_memory=self.pin) for _ in range(2)]
+                                         pin_memory=self.streams.cuda) for _ in range(2)]
         return self._staging
 
     def _device_buffer(self, n_chunks: int) -> torch.Tensor:
@@ -108,7 +108,11 @@ class OnloadPipeline:
             self.fail_next = False
             raise RuntimeError("injected onload fault")
         chunks = [c for _, cs, _ in onload for c in cs]
-        page_ids = torch.tensor([p for _, _, ps in onload for p in ps], dtype=torch.long)
+        # Pinned: a pageable host-to-device copy syncs its stream first, and the scatter
+        # stream waits for the previous batch's compute, so this thread would stall on it
+        # before issuing any copy of this batch.
+        page_ids = torch.tensor([p for _, _, ps in onload for p in ps], dtype=torch.long,
+                                pin_memory=self.streams.cuda)
         staging = self._staging_buffers()
         buf = self._device_buffer(len(chunks))
         s.onload.wait_event(self._last_scatter)  # the buffer's previous contents were scattered
@@ -160,6 +164,8 @@ class OnloadPipeline:
         g = self.layer_group
         delayed: set[int] = set()
         with s.use(s.onload):
+            if self.trace_events is not None:
+                self.trace_events["onload_start"] = s.onload.record_event(s.event(timing=True))
             for l, i in units:
                 if l % g:
                     continue  # copied with its group's first layer
@@ -185,6 +191,8 @@ class OnloadPipeline:
         with s.use(s.scatter):
             paged_kv.onload_scatter(self.stores.pages, l, buf, page_ids)
         handles.ready[l].record(s.scatter)
+        if self.trace_events is not None:
+            self.trace_events[f"scattered_{l}"] = s.scatter.record_event(s.event(timing=True))
         handles.issued[l].set()
 
     def close(self) -> None:

@@ -1,0 +1,193 @@
+"""Host-hit batches under a timeline: does a batch's onload overlap its compute, and which
+``cache.onload_split`` / uploads-first setting serves host hits fastest (issue 12).
+
+One hierarchical engine (and a recompute engine for the same batches), the trace's users
+prefilled as ``bench_rank``'s host-hit run does; then the window's batches of distinct users,
+each under one of ``--configs`` in turn (interleaved: the configurations see the same stretch
+of the trace and the same host). Per batch CUDA timing events, from a reference recorded on an
+idle device just before the batch: the onload's start, each layer's copies landed and scattered
+into pages, the compute reaching each layer (``append``) and its attention starting, the
+forward done. A batch whose compute waited for the whole onload before starting shows
+``append_0`` near the last ``landed``; an overlapped one shows the layers' attention following
+their own layer's scatter.
+
+    python3 tools/probe_hosthit.py --spec rank-ref --set cache.device_pages=8192   # the H200
+    python3 tools/probe_hosthit.py --spec rank-small --device cpu --users 40 --window 40  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from streamgr import Engine  # noqa: E402
+from streamgr.api import RankRequest  # noqa: E402
+from streamgr.config import load_spec, parse_set_pairs  # noqa: E402
+from streamgr.engine import cached_rank  # noqa: E402
+from streamgr.trace.replay import batches_of_distinct_users, replay_batches  # noqa: E402
+from streamgr.trace.synth import Timeline, synth_trace  # noqa: E402
+from bench_rank import drain_background  # noqa: E402
+
+
+def parse_config(text: str) -> tuple[str, bool]:
+    split, _, first = text.partition(":")
+    if split != "auto":
+        float(split)  # a fraction: checked here, not mid-run
+    return split, first == "1"
+
+
+def requests(batch) -> list[RankRequest]:
+    return [RankRequest(user_id=r.user, items=items, actions=actions, candidates=r.candidates)
+            for r, items, actions in batch]
+
+
+def timeline(runner, ref) -> dict[str, float]:
+    """ms from ``ref`` to each timing event the batch recorded (compute and onload sides)."""
+    out = {}
+    for events in (runner.trace_events or {}, runner.onload.trace_events or {}):
+        for name, ev in events.items():
+            out[name] = ref.elapsed_time(ev)
+    return out
+
+
+def summary(rows: list[dict], layers: int) -> dict:
+    host = [r for r in rows if r["host_hit"]]
+    if not host:
+        return {"batches": len(rows), "host_hit_batches": 0}
+    mean = lambda k: float(np.mean([r[k] for r in host]))  # noqa: E731
+    ev = lambda k: (float(np.mean([r["events"][k] for r in host if k in r["events"]]))  # noqa: E731
+                    if any(k in r["events"] for r in host) else None)
+    stages = {}
+    for r in host:
+        for k, v in r["stages"].items():
+            stages[k] = stages.get(k, 0.0) + v / len(host)
+    moved = sum(r["bytes"] for r in host)
+    last = [r["events"].get(f"landed_{layers - 1}", 0) - r["events"].get("onload_start", 0)
+            for r in host if f"landed_{layers - 1}" in r["events"]]
+    return {
+        "batches": len(rows), "host_hit_batches": len(host),
+        "latency_ms": mean("latency_ms"), "latency_median_ms": float(np.median(
+            [r["latency_ms"] for r in host])), "recompute_ms": mean("recompute_ms"),
+        "vs_recompute": mean("recompute_ms") / mean("latency_ms"),
+        "onloaded_mb_per_batch": moved / len(host) / 1e6,
+        "onload_gb_s": (moved / 1e9) / (sum(last) / 1e3) if last and sum(last) > 0 else None,
+        "host_recomputed_tokens": mean("host_recomputed"),
+        "stages_ms": {k: round(v, 3) for k, v in stages.items()},
+        "events_ms": {k: round(v, 3) for k in ["onload_start"] + [
+            f"{n}_{l}" for l in range(layers) for n in ("landed", "scattered", "append",
+                                                         "attention")] + ["done"]
+                      for v in [ev(k)] if v is not None},
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", default="rank-ref")
+    ap.add_argument("--set", action="append", dest="overrides", metavar="KEY=VALUE")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--profile", default="kuairand-1k")
+    ap.add_argument("--users", type=int, default=400)
+    ap.add_argument("--start-frac", type=float, default=0.5)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=200, help="requests replayed untimed first")
+    ap.add_argument("--window", type=int, default=480, help="requests probed")
+    ap.add_argument("--configs", nargs="+", default=["1.0:0", "1.0:1", "auto:0", "auto:1",
+                                                     "0.0:1"],
+                    help="SPLIT:UPLOADS_FIRST per batch in turn (SPLIT a fraction or auto)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    configs = [parse_config(c) for c in args.configs]
+    ov = parse_set_pairs(args.overrides)
+    ov.setdefault("cache.host_chunks", "3600")
+    ov["cache.mode"], ov["cache.onload_split"] = "hierarchical", "auto"
+    if args.device:
+        ov["engine.device"] = args.device
+    spec = load_spec(args.spec, ov)
+    tl = Timeline(synth_trace(args.profile, 0, args.users))
+    s0 = int(args.start_frac * len(tl.trace))
+    order = list(range(s0, min(len(tl.trace), s0 + args.warmup + args.window)))
+    batches = list(batches_of_distinct_users((tl.request(n) for n in order), args.batch))
+    n_warm, seen = 0, 0
+    while n_warm < len(batches) and seen < args.warmup:
+        seen, n_warm = seen + len(batches[n_warm]), n_warm + 1
+    eng = Engine(spec)
+    runner = eng.runner
+    costs = runner.onload_split
+    print(f"split costs at start: {cached_rank.CachedRankRunner._split_state(runner)}",
+          file=sys.stderr)
+    re_eng = Engine(load_spec(args.spec, {**ov, "cache.mode": "recompute"}))
+    replay_batches(eng, tl.prefill(s0, order, max(args.batch, 8)), measure=[], progress=False)
+    drain_background(eng)
+    replay_batches(eng, batches[:n_warm], measure=[], progress=False)
+    replay_batches(re_eng, batches[:2], measure=[], progress=False)  # its one-time costs
+    cuda = eng.device.type == "cuda"
+    layers = spec.model.num_layers
+    rows: dict[str, list[dict]] = {c: [] for c in args.configs}
+    default_first = cached_rank.UPLOADS_FIRST
+    try:
+        for j, batch in enumerate(batches[n_warm:]):
+            name = args.configs[j % len(configs)]
+            split, first = configs[j % len(configs)]
+            runner.onload_split = costs if split == "auto" else float(split)
+            cached_rank.UPLOADS_FIRST = first
+            runner.trace_events, runner.onload.trace_events = {}, {}
+            if cuda:
+                torch.cuda.synchronize()
+            ref = runner.streams.event(timing=True)
+            ref.record(runner.streams.compute)
+            moved = runner.bytes_onloaded
+            t = time.perf_counter()
+            out = eng.run_batch(requests(batch), False, background=False)
+            lat = (time.perf_counter() - t) * 1e3
+            if cuda:
+                torch.cuda.synchronize()
+            events = timeline(runner, ref) if cuda else {}
+            eng.run_background()
+            meta = [m for _, m in out.results]
+            t = time.perf_counter()
+            re_eng.run_batch(requests(batch), False, background=False)
+            rows[name].append({
+                "latency_ms": lat, "recompute_ms": (time.perf_counter() - t) * 1e3,
+                "host_hit": any(m["tier"] == "host" for m in meta),
+                "host_recomputed": sum(m.get("tokens_host_recomputed", 0) for m in meta),
+                "bytes": runner.bytes_onloaded - moved, "stages": dict(out.stages),
+                "events": events})
+    finally:
+        cached_rank.UPLOADS_FIRST = default_first
+        runner.trace_events = runner.onload.trace_events = None
+    result = {c: summary(rows[c], layers) for c in args.configs}
+    for c, s in result.items():
+        if not s.get("host_hit_batches"):
+            print(f"{c}: no host-hit batches in {s['batches']}")
+            continue
+        gbs = f"{s['onload_gb_s']:.1f}" if s["onload_gb_s"] else "-"
+        print(f"{c}: {s['host_hit_batches']} host-hit batches, mean {s['latency_ms']:.2f} ms "
+              f"(median {s['latency_median_ms']:.2f}), recompute {s['recompute_ms']:.2f} ms "
+              f"({s['vs_recompute']:.2f}x); onloaded {s['onloaded_mb_per_batch']:.1f} MB a batch "
+              f"at {gbs} GB/s; host tokens recomputed {s['host_recomputed_tokens']:.0f}")
+        print(f"  stages ms: {s['stages_ms']}")
+        e = s["events_ms"]
+        if e:
+            print("  layer  landed  scattered  append  attention (ms from the batch's start)")
+            for l in range(layers):
+                cells = [e.get(f"{n}_{l}") for n in ("landed", "scattered", "append", "attention")]
+                print(f"  {l:5d}  " + "  ".join("-".rjust(8) if v is None else f"{v:8.2f}"
+                                                for v in cells))
+            print(f"  onload start {e.get('onload_start', float('nan')):.2f}, "
+                  f"forward done {e.get('done', float('nan')):.2f} ms")
+    if args.json:
+        args.json.write_text(json.dumps({"summary": result, "rows": rows}, indent=1))
+    eng.close_offline()
+    re_eng.close_offline()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

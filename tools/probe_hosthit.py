@@ -36,11 +36,12 @@ from streamgr.trace.synth import Timeline, synth_trace  # noqa: E402
 from bench_rank import drain_background  # noqa: E402
 
 
-def parse_config(text: str) -> tuple[str, bool]:
-    split, _, first = text.partition(":")
+def parse_config(text: str) -> tuple[str, bool, int | None]:
+    """SPLIT[:UPLOADS_FIRST[:WINDOW_MB]]; the window left out: the engine's own."""
+    split, first, window = (text.split(":") + ["", ""])[:3]
     if split != "auto":
         float(split)  # a fraction: checked here, not mid-run
-    return split, first == "1"
+    return split, first == "1", int(window) << 20 if window else None
 
 
 def requests(batch) -> list[RankRequest]:
@@ -100,7 +101,8 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=480, help="requests probed")
     ap.add_argument("--configs", nargs="+", default=["1.0:0", "1.0:1", "auto:0", "auto:1",
                                                      "0.0:1"],
-                    help="SPLIT:UPLOADS_FIRST per batch in turn (SPLIT a fraction or auto)")
+                    help="SPLIT[:UPLOADS_FIRST[:WINDOW_MB]] per batch in turn (SPLIT a fraction "
+                         "or auto; WINDOW_MB the onload's bytes in flight, 0 no limit)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     configs = [parse_config(c) for c in args.configs]
@@ -130,13 +132,14 @@ def main() -> int:
     cuda = eng.device.type == "cuda"
     layers = spec.model.num_layers
     rows: dict[str, list[dict]] = {c: [] for c in args.configs}
-    default_first = cached_rank.UPLOADS_FIRST
+    default_first, default_window = cached_rank.UPLOADS_FIRST, runner.onload.window_bytes
     try:
         for j, batch in enumerate(batches[n_warm:]):
             name = args.configs[j % len(configs)]
-            split, first = configs[j % len(configs)]
+            split, first, window = configs[j % len(configs)]
             runner.onload_split = costs if split == "auto" else float(split)
             cached_rank.UPLOADS_FIRST = first
+            runner.onload.window_bytes = default_window if window is None else window
             runner.trace_events, runner.onload.trace_events = {}, {}
             if cuda:
                 torch.cuda.synchronize()
@@ -161,6 +164,7 @@ def main() -> int:
                 "events": events})
     finally:
         cached_rank.UPLOADS_FIRST = default_first
+        runner.onload.window_bytes = default_window
         runner.trace_events = runner.onload.trace_events = None
     result = {c: summary(rows[c], layers) for c in args.configs}
     for c, s in result.items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 
 import numpy as np
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,20 @@ def onload_layer_group(layers: int) -> int:
     return int(raw)
 
 
+def onload_window_bytes() -> int:
+    """Bytes of onload copies in flight at most (``STREAMGR_ONLOAD_WINDOW_MB``, default 32; 0:
+    no limit). Host-to-device copies from every stream share the copy engine in issue order
+    (H200, session 21: a batch's 2 MB attention plan, issued on the compute stream after a
+    host hit's onload had queued ~900 MB, landed behind all of it, and the model waited ~12
+    ms). Paced this way, the batch's own uploads wait behind at most the window (~0.7 ms at
+    48 GB/s), and the onload can still start before them."""
+    raw = os.environ.get("STREAMGR_ONLOAD_WINDOW_MB", "32")
+    if not raw.isdigit():
+        raise StreamgrError(f"STREAMGR_ONLOAD_WINDOW_MB={raw!r}: megabytes of onload copies "
+                            f"in flight at most (0: no limit)")
+    return int(raw) << 20
+
+
 class OnloadPipeline:
     def __init__(self, stores, streams: StreamSet, workers: int | None = None,
                  staging_chunks: int = 4, threaded: bool | None = None) -> None:
@@ -54,6 +69,7 @@ class OnloadPipeline:
         self.threaded = threaded_transfers(streams) if threaded is None else threaded
         self.staging_chunks = staging_chunks
         self.layer_group = onload_layer_group(self.layers)
+        self.window_bytes = onload_window_bytes()
         self._staging: list[torch.Tensor] | None = None
         self._copied = [streams.event(), streams.event()]  # staging buffer i drained by the DMA
         self._workers = ThreadPoolExecutor(workers, thread_name_prefix="streamgr-onload-fill")
@@ -163,6 +179,7 @@ class OnloadPipeline:
         s = self.streams
         g = self.layer_group
         delayed: set[int] = set()
+        pace = _Window(self.window_bytes if s.cuda else 0, s)
         with s.use(s.onload):
             if self.trace_events is not None:
                 self.trace_events["onload_start"] = s.onload.record_event(s.event(timing=True))
@@ -173,8 +190,11 @@ class OnloadPipeline:
                     delayed.add(l)
                     time.sleep(self.delay_layers[l])
                 src = self.stores.host[chunks[i], l:l + g]
+                n = src.numel() * src.element_size()
+                pace.before(n)
                 buf[i, l:l + g].copy_(src, non_blocking=True)
-                self.bytes += src.numel() * src.element_size()
+                pace.after(n)
+                self.bytes += n
                 if i == len(chunks) - 1:
                     for j in range(l, min(l + g, self.layers)):
                         self._layer_landed(j, buf, page_ids, handles)
@@ -198,3 +218,28 @@ class OnloadPipeline:
     def close(self) -> None:
         self._thread.shutdown(wait=True)
         self._workers.shutdown(wait=True)
+
+
+class _Window:
+    """At most ``limit`` bytes of copies issued to the onload stream and not yet landed
+    (:func:`onload_window_bytes`): an event every quarter window marks the bytes before it;
+    the issuing thread waits (GIL released) for the oldest mark when the next copy would
+    overflow. ``limit`` 0: no pacing."""
+
+    def __init__(self, limit: int, streams: StreamSet) -> None:
+        self.limit, self.streams = limit, streams
+        self.issued = self.landed = self.marked = 0
+        self.marks: deque = deque()  # (event, bytes issued before it)
+
+    def before(self, n: int) -> None:
+        while self.limit and self.marks and self.issued + n - self.landed > self.limit:
+            event, upto = self.marks.popleft()
+            event.synchronize()
+            self.landed = upto
+
+    def after(self, n: int) -> None:
+        self.issued += n
+        if self.limit and self.issued - self.marked >= self.limit // 4:
+            self.marks.append((self.streams.onload.record_event(self.streams.event()),
+                               self.issued))
+            self.marked = self.issued

@@ -114,6 +114,62 @@ def test_onload_layer_group_knob_says_what_it_expects(monkeypatch):
     assert onload_layer_group(8) == 8
 
 
+def test_onload_window_knob_says_what_it_expects(monkeypatch):
+    from streamgr.errors import StreamgrError
+    from streamgr.streams.onload import onload_window_bytes
+    for bad in ("-1", "lots", "1.5"):
+        monkeypatch.setenv("STREAMGR_ONLOAD_WINDOW_MB", bad)
+        with pytest.raises(StreamgrError, match="STREAMGR_ONLOAD_WINDOW_MB"):
+            onload_window_bytes()
+    monkeypatch.setenv("STREAMGR_ONLOAD_WINDOW_MB", "0")
+    assert onload_window_bytes() == 0
+    monkeypatch.delenv("STREAMGR_ONLOAD_WINDOW_MB")
+    assert onload_window_bytes() == 32 << 20
+
+
+class _FakeEvent:
+    """A copy-completion mark: landed once the issuing thread waited for it."""
+
+    def __init__(self, log):
+        self.log, self.upto = log, None
+
+    def synchronize(self):
+        self.log.append(("wait", self.upto))
+
+
+def test_onload_window_keeps_the_bytes_in_flight_under_its_limit():
+    """The pacing of a host hit's copies: before each copy, the bytes issued and not yet known
+    landed stay within the window (it waits for the oldest marks, oldest first); copies that
+    fit go out without waiting; a limit of 0 never waits."""
+    from types import SimpleNamespace
+    from streamgr.streams.onload import _Window
+    log = []
+
+    def record_event(event):
+        log.append(("mark", None))
+        return event
+
+    streams = SimpleNamespace(onload=SimpleNamespace(record_event=record_event),
+                              event=lambda: _FakeEvent(log))
+    w = _Window(100, streams)
+    sizes = [10, 30, 5, 40, 25, 25, 60, 7, 100, 3] * 3
+    for n in sizes:
+        w.before(n)
+        assert w.issued + n - w.landed <= 100 or not w.marks  # within, or nothing left to wait
+        w.after(n)
+        if w.marks:
+            w.marks[-1][0].upto = w.marks[-1][1]
+    waits = [u for k, u in log if k == "wait"]
+    assert waits == sorted(waits) and len(waits) > 5  # oldest first, and it did pace
+    assert w.issued == sum(sizes)
+    free = _Window(0, streams)
+    log.clear()
+    for n in sizes:
+        free.before(n)
+        free.after(n)
+    assert log == []  # no marks, no waits
+
+
 def test_off_stream_on_the_cpu_just_runs():
     from streamgr.streams import off_stream
     assert off_stream(torch.device("cpu"), lambda a, b: a + b, 2, 3) == 5

@@ -36,12 +36,13 @@ from streamgr.trace.synth import Timeline, synth_trace  # noqa: E402
 from bench_rank import drain_background  # noqa: E402
 
 
-def parse_config(text: str) -> tuple[str, bool, int | None]:
-    """SPLIT[:UPLOADS_FIRST[:WINDOW_MB]]; the window left out: the engine's own."""
+def parse_config(text: str) -> tuple[str, int, int | None]:
+    """SPLIT[:UPLOADS_FIRST[:WINDOW_MB]] (UPLOADS_FIRST 0, 1 or 2: engine/cached_rank.py);
+    the window left out: the engine's own."""
     split, first, window = (text.split(":") + ["", ""])[:3]
     if split != "auto":
         float(split)  # a fraction: checked here, not mid-run
-    return split, first == "1", int(window) << 20 if window else None
+    return split, int(first or 0), int(window) << 20 if window else None
 
 
 def requests(batch) -> list[RankRequest]:
@@ -88,6 +89,44 @@ def summary(rows: list[dict], layers: int) -> dict:
     }
 
 
+def trace_batches(eng, runner, costs, config, batches, name: str, least_us: float = 300.0):
+    """The host side of two more host-hit batches of one configuration under torch.profiler:
+    every runtime call and op of any thread taking ``least_us`` or more, in time order (what
+    holds the compute thread before its first layer: a blocking copy, an allocation, a sync)."""
+    import tempfile
+    split, first, window = config
+    runner.onload_split = costs if split == "auto" else float(split)
+    cached_rank.UPLOADS_FIRST = first
+    if window is not None:
+        runner.onload.window_bytes = window
+    cuda = eng.device.type == "cuda"
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    picked = batches[:2]
+    with torch.profiler.profile(activities=acts) as prof:
+        for i, b in enumerate(picked):
+            if cuda:
+                torch.cuda.synchronize()
+            with torch.profiler.record_function(f"traced_batch_{i}"):
+                eng.run_batch(requests(b), False, background=False)
+            eng.run_background()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))["traceEvents"]
+    for i in range(len(picked)):
+        spans = [e for e in trace if e.get("ph") == "X" and e.get("name") == f"traced_batch_{i}"]
+        if not spans:
+            continue
+        t0, t1 = spans[0]["ts"], spans[0]["ts"] + spans[0]["dur"]
+        host = sorted((e for e in trace if e.get("ph") == "X" and t0 <= e["ts"] <= t1
+                       and e.get("cat") in ("cuda_runtime", "cuda_driver", "cpu_op")
+                       and e.get("dur", 0) >= least_us), key=lambda e: e["ts"])
+        print(f"\ntrace {name} batch {i}: {t1 - t0:.0f} us on the host; calls >= {least_us:.0f} us:")
+        for e in host:
+            print(f"  {e['ts'] - t0:9.1f} {e['dur']:9.1f} tid {e.get('tid')} {e['cat']:12s} "
+                  f"{e['name'][:70]}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", default="rank-ref")
@@ -103,6 +142,9 @@ def main() -> int:
                                                      "0.0:1"],
                     help="SPLIT[:UPLOADS_FIRST[:WINDOW_MB]] per batch in turn (SPLIT a fraction "
                          "or auto; WINDOW_MB the onload's bytes in flight, 0 no limit)")
+    ap.add_argument("--trace", default=None, metavar="CONFIG",
+                    help="then two batches of CONFIG under torch.profiler: the host calls of "
+                         ">= 300 us in time order")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     configs = [parse_config(c) for c in args.configs]
@@ -134,7 +176,9 @@ def main() -> int:
     rows: dict[str, list[dict]] = {c: [] for c in args.configs}
     default_first, default_window = cached_rank.UPLOADS_FIRST, runner.onload.window_bytes
     try:
-        for j, batch in enumerate(batches[n_warm:]):
+        held = 2 if args.trace else 0  # the traced batches: users the window left on host
+        probed = batches[n_warm:len(batches) - held]
+        for j, batch in enumerate(probed):
             name = args.configs[j % len(configs)]
             split, first, window = configs[j % len(configs)]
             runner.onload_split = costs if split == "auto" else float(split)
@@ -186,6 +230,8 @@ def main() -> int:
                                                 for v in cells))
             print(f"  onload start {e.get('onload_start', float('nan')):.2f}, "
                   f"forward done {e.get('done', float('nan')):.2f} ms")
+    if args.trace:
+        trace_batches(eng, runner, costs, parse_config(args.trace), batches[-2:], args.trace)
     if args.json:
         args.json.write_text(json.dumps({"summary": result, "rows": rows}, indent=1))
     eng.close_offline()

@@ -33,10 +33,10 @@ from .rank import (BatchOutcome, InFlight, PreparedRank, RankRunner, UserSlice,
                    pack_jagged, upload_jagged)
 
 log = logging.getLogger("streamgr.cache")
-# A/B (unmeasured, session 20): start a host-hit batch's onload after the batch's own uploads
-# (rows, append slots, attention plan). Host-hit batches measured like onload + compute, not
-# max(onload, compute); one suspect is those small uploads queued behind the onload's copies.
-UPLOADS_FIRST = os.environ.get("STREAMGR_UPLOADS_FIRST", "0") == "1"
+# A/B (session 21): a host-hit batch's own uploads before its onload starts: 1 its rows, append
+# slots and attention plans; 2 the rows and slots only, the plans (a few ms of host work for a
+# batch that recomputes long users) built after the onload started. 0: the onload first.
+UPLOADS_FIRST = int(os.environ.get("STREAMGR_UPLOADS_FIRST", "0") or 0)
 
 
 def _tier(plan) -> str:
@@ -168,8 +168,10 @@ class CachedRankRunner(RankRunner):
                 scores = None if jobs else self._forward_planned(pb, desc, app, stages)
                 staged = None
                 if handles is None:
-                    staged = self._upload(pb, desc, app, plan=True)
+                    staged = self._upload(pb, desc, app, plan=UPLOADS_FIRST == 1)
                     handles = self.onload.submit(jobs, after=self._compute_done)
+                    if UPLOADS_FIRST == 2:
+                        self._upload_plans(desc)
                 if scores is None:
                     scores = self._forward_eager(pb, desc, app, handles, stages, staged)
                 pb.release()  # (the eager upload gave it back behind its copy already)
@@ -236,11 +238,16 @@ class CachedRankRunner(RankRunner):
             # queue behind a host-hit batch's onload copies (hundreds of MB) already issued.
             app_host = app_host.pin_memory()
         app_dev = app_host.to(self.device, non_blocking=True)  # one copy
-        if plan and self.device.type == "cuda":
+        if plan:
+            self._upload_plans(desc)
+        return jb, app_dev
+
+    def _upload_plans(self, desc) -> None:
+        """The attention's work items for every layer (built once; layers reuse them)."""
+        if self.device.type == "cuda":
             cfg = self.model.cfg
             for last in (False, True):
                 desc.cuda_plan(self.device, cfg.num_heads, DEFAULT_PLAN, cfg.head_dim, last)
-        return jb, app_dev
 
     def _forward_eager(self, pb, desc, app, handles, stages, staged=None) -> torch.Tensor:
         """The layer loop from Python: each layer appends its new K/V, waits for its own

@@ -37,6 +37,7 @@ import torch
 
 from ..errors import StreamgrError
 from . import _cuda
+from .pinned import PinnedPool
 from .hstu_plan import (BM, BN, KC, SR, STAGES, SUB, TAIL, TAILS, Capacity, _env_ints,
                         page_csr, plan_host, plan_host_pair)
 
@@ -181,10 +182,17 @@ def plan(desc, device: torch.device, heads: int, force: str | None = None,
         hp = plan_host(desc, heads, sms, "direct", False, cand_only)
     arrays = list(hp.items) + list(hp.users) + [hp.page_ptr, hp.pages] + list(hp.fin)
     sizes = [len(a) for a in arrays]
-    host_t = torch.from_numpy(np.concatenate(arrays).astype(np.int32))
-    if device.type == "cuda":
-        host_t = host_t.pin_memory()
-    views = list(torch.split(host_t.to(device, non_blocking=True), sizes))
+    flat = np.concatenate(arrays).astype(np.int32)
+    if device.type == "cuda":  # from a pooled page-locked buffer (kernels/pinned.py: why)
+        buf = _PLAN_STAGING.take(len(flat))
+        np.copyto(buf[:len(flat)].numpy(), flat)
+        dev = buf[:len(flat)].to(device, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        _PLAN_STAGING.give_back(buf, done)
+    else:
+        dev = torch.from_numpy(flat)
+    views = list(torch.split(dev, sizes))
     return Plan(hp.split, len(hp.items[0]), len(hp.fin[0]), hp.n_slots, views[:13], views[13:],
                 {}, hp.max_rows)
 
@@ -265,6 +273,7 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, desc, layer: int, alp
 
 # -- the previous kernel (WMMA, one block per 64-row tile and head), kept for A/B benchmarks --
 
+_PLAN_STAGING = PinnedPool(torch.int32, 1 << 14)  # plans' work items on their way up
 _WMMA_EXPRS = tuple(f"hstu_attention_fwd<{d}>" for d in (32, 64, 128))
 
 

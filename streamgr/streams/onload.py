@@ -23,6 +23,7 @@ import torch
 
 from ..errors import StreamgrError
 from ..kernels import paged_kv
+from ..kernels.pinned import PinnedPool
 from .streams import LayerOnloadHandles, ReadyHandles, StreamSet, threaded_transfers
 
 log = logging.getLogger("streamgr.onload")
@@ -70,6 +71,7 @@ class OnloadPipeline:
         self.staging_chunks = staging_chunks
         self.layer_group = onload_layer_group(self.layers)
         self.window_bytes = onload_window_bytes()
+        self._ids = PinnedPool(torch.int64, 1 << 14)  # page ids, one buffer a batch in flight
         self._staging: list[torch.Tensor] | None = None
         self._copied = [streams.event(), streams.event()]  # staging buffer i drained by the DMA
         self._workers = ThreadPoolExecutor(workers, thread_name_prefix="streamgr-onload-fill")
@@ -124,18 +126,23 @@ class OnloadPipeline:
             self.fail_next = False
             raise RuntimeError("injected onload fault")
         chunks = [c for _, cs, _ in onload for c in cs]
-        # Pinned: a pageable host-to-device copy syncs its stream first, and the scatter
-        # stream waits for the previous batch's compute, so this thread would stall on it
-        # before issuing any copy of this batch.
-        page_ids = torch.tensor([p for _, _, ps in onload for p in ps], dtype=torch.long,
-                                pin_memory=self.streams.cuda)
+        ids = np.fromiter((p for _, _, ps in onload for p in ps), dtype=np.int64)
         staging = self._staging_buffers()
         buf = self._device_buffer(len(chunks))
         s.onload.wait_event(self._last_scatter)  # the buffer's previous contents were scattered
         if after is not None:
             s.scatter.wait_event(after)
         with s.use(s.scatter):
-            page_ids = page_ids.to(self.stores.device, non_blocking=True)
+            if s.cuda:
+                # From a pooled page-locked buffer: a pageable copy syncs its stream first (the
+                # scatter stream waits for the previous batch's compute: this thread would stall
+                # on it before issuing any copy), and a pinned allocation per batch is slow.
+                host = self._ids.take(len(ids))
+                np.copyto(host[:len(ids)].numpy(), ids)
+                page_ids = host[:len(ids)].to(self.stores.device, non_blocking=True)
+                self._ids.give_back(host, s.scatter.record_event(s.event()))
+            else:
+                page_ids = torch.from_numpy(ids)
         host = self.stores.host
         units = [(l, i) for l in range(self.layers) for i in range(len(chunks))]
         if self.pin and host.is_pinned():  # a pinned host store needs no staging: DMA from it

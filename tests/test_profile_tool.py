@@ -23,19 +23,20 @@ def test_profile_rank_runs_on_the_cpu():
 
 def test_probe_hosthit_runs_on_the_cpu():
     """tools/probe_hosthit.py interleaves its configurations over host-hit batches and prints
-    each one's latency against recompute and its stages."""
+    each one's latency against recompute and its stages, then traces two batches' host calls."""
     p = subprocess.run([sys.executable, str(ROOT / "tools" / "probe_hosthit.py"), "--spec",
                         "rank-small", "--device", "cpu", "--profile", "small", "--users", "40",
                         "--warmup", "40", "--window", "60", "--set", "cache.device_pages=64",
-                        "--configs", "1.0:0", "0.0:1"],
+                        "--configs", "1.0:0", "0.0", "--trace", "auto"],
                        capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
-    for config in ("1.0:0", "0.0:1"):
+    for config in ("1.0:0", "0.0"):
         m = re.search(rf"^{re.escape(config)}: (\d+) host-hit batches, mean [\d.]+ ms .*"
                       rf"recompute [\d.]+ ms", p.stdout, re.M)
         assert m and int(m.group(1)) > 0, p.stdout[-2000:]
     assert "stages ms: {" in p.stdout
-    assert re.search(r"^0\.0:1: .*host tokens recomputed [1-9]", p.stdout, re.M), p.stdout
+    assert re.search(r"^0\.0: .*host tokens recomputed [1-9]", p.stdout, re.M), p.stdout
+    assert re.search(r"^trace auto batch 0: \d+ us on the host", p.stdout, re.M), p.stdout
 
 
 def test_probe_recompute_runs_on_the_cpu():

@@ -1,5 +1,5 @@
 """Host-hit batches under a timeline: does a batch's onload overlap its compute, and which
-``cache.onload_split`` / uploads-first setting serves host hits fastest (issue 12).
+``cache.onload_split`` / onload window serves host hits fastest (issue 12).
 
 One hierarchical engine (and a recompute engine for the same batches), the trace's users
 prefilled as ``bench_rank``'s host-hit run does; then the window's batches of distinct users,
@@ -30,19 +30,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from streamgr import Engine  # noqa: E402
 from streamgr.api import RankRequest  # noqa: E402
 from streamgr.config import load_spec, parse_set_pairs  # noqa: E402
-from streamgr.engine import cached_rank  # noqa: E402
 from streamgr.trace.replay import batches_of_distinct_users, replay_batches  # noqa: E402
 from streamgr.trace.synth import Timeline, synth_trace  # noqa: E402
 from bench_rank import drain_background  # noqa: E402
 
 
-def parse_config(text: str) -> tuple[str, int, int | None]:
-    """SPLIT[:UPLOADS_FIRST[:WINDOW_MB]] (UPLOADS_FIRST 0, 1 or 2: engine/cached_rank.py);
-    the window left out: the engine's own."""
-    split, first, window = (text.split(":") + ["", ""])[:3]
+def parse_config(text: str) -> tuple[str, int | None]:
+    """SPLIT[:WINDOW_MB]; the window left out: the engine's own."""
+    split, _, window = text.partition(":")
     if split != "auto":
         float(split)  # a fraction: checked here, not mid-run
-    return split, int(first or 0), int(window) << 20 if window else None
+    return split, int(window) << 20 if window else None
 
 
 def requests(batch) -> list[RankRequest]:
@@ -94,9 +92,8 @@ def trace_batches(eng, runner, costs, config, batches, name: str, least_us: floa
     every runtime call and op of any thread taking ``least_us`` or more, in time order (what
     holds the compute thread before its first layer: a blocking copy, an allocation, a sync)."""
     import tempfile
-    split, first, window = config
+    split, window = config
     runner.onload_split = costs if split == "auto" else float(split)
-    cached_rank.UPLOADS_FIRST = first
     if window is not None:
         runner.onload.window_bytes = window
     cuda = eng.device.type == "cuda"
@@ -138,10 +135,9 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=200, help="requests replayed untimed first")
     ap.add_argument("--window", type=int, default=480, help="requests probed")
-    ap.add_argument("--configs", nargs="+", default=["1.0:0", "1.0:1", "auto:0", "auto:1",
-                                                     "0.0:1"],
-                    help="SPLIT[:UPLOADS_FIRST[:WINDOW_MB]] per batch in turn (SPLIT a fraction "
-                         "or auto; WINDOW_MB the onload's bytes in flight, 0 no limit)")
+    ap.add_argument("--configs", nargs="+", default=["auto", "0.0", "1.0", "auto:0"],
+                    help="SPLIT[:WINDOW_MB] per batch in turn (SPLIT a fraction or auto; "
+                         "WINDOW_MB the onload's megabytes in flight, 0 no limit)")
     ap.add_argument("--trace", default=None, metavar="CONFIG",
                     help="then two batches of CONFIG under torch.profiler: the host calls of "
                          ">= 300 us in time order")
@@ -164,7 +160,7 @@ def main() -> int:
     eng = Engine(spec)
     runner = eng.runner
     costs = runner.onload_split
-    print(f"split costs at start: {cached_rank.CachedRankRunner._split_state(runner)}",
+    print(f"split costs at start: {runner._split_state()}",
           file=sys.stderr)
     re_eng = Engine(load_spec(args.spec, {**ov, "cache.mode": "recompute"}))
     replay_batches(eng, tl.prefill(s0, order, max(args.batch, 8)), measure=[], progress=False)
@@ -174,15 +170,14 @@ def main() -> int:
     cuda = eng.device.type == "cuda"
     layers = spec.model.num_layers
     rows: dict[str, list[dict]] = {c: [] for c in args.configs}
-    default_first, default_window = cached_rank.UPLOADS_FIRST, runner.onload.window_bytes
+    default_window = runner.onload.window_bytes
     try:
         held = 2 if args.trace else 0  # the traced batches: users the window left on host
         probed = batches[n_warm:len(batches) - held]
         for j, batch in enumerate(probed):
             name = args.configs[j % len(configs)]
-            split, first, window = configs[j % len(configs)]
+            split, window = configs[j % len(configs)]
             runner.onload_split = costs if split == "auto" else float(split)
-            cached_rank.UPLOADS_FIRST = first
             runner.onload.window_bytes = default_window if window is None else window
             runner.trace_events, runner.onload.trace_events = {}, {}
             if cuda:
@@ -207,7 +202,6 @@ def main() -> int:
                 "bytes": runner.bytes_onloaded - moved, "stages": dict(out.stages),
                 "events": events})
     finally:
-        cached_rank.UPLOADS_FIRST = default_first
         runner.onload.window_bytes = default_window
         runner.trace_events = runner.onload.trace_events = None
     result = {c: summary(rows[c], layers) for c in args.configs}

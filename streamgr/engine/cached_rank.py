@@ -11,7 +11,6 @@ computed whole without caching: served correctly, never refused.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 
@@ -25,7 +24,7 @@ from ..errors import EngineDead
 from ..kernels.host_loops import page_slots
 from ..kernels.hstu_plan import csr_of, page_csr
 from ..kernels import paged_kv
-from ..kernels.hstu_attention import DEFAULT_PLAN, JaggedKV, hstu_attention_jagged
+from ..kernels.hstu_attention import JaggedKV, hstu_attention_jagged
 from ..models.hstu import HSTU
 from ..streams import (NullOffload, NullOnload, OffloadPipeline, OnloadFault, OnloadPipeline,
                        StreamSet)
@@ -33,10 +32,6 @@ from .rank import (BatchOutcome, InFlight, PreparedRank, RankRunner, UserSlice,
                    pack_jagged, upload_jagged)
 
 log = logging.getLogger("streamgr.cache")
-# A/B (session 21): a host-hit batch's own uploads before its onload starts: 1 its rows, append
-# slots and attention plans; 2 the rows and slots only, the plans (a few ms of host work for a
-# batch that recomputes long users) built after the onload started. 0: the onload first.
-UPLOADS_FIRST = int(os.environ.get("STREAMGR_UPLOADS_FIRST", "0") or 0)
 
 
 def _tier(plan) -> str:
@@ -154,10 +149,10 @@ class CachedRankRunner(RankRunner):
                 jobs = [(p.key, [c for c, _ in p.onload],
                          [pg for _, i in p.onload for pg in p.pages[i * per:(i + 1) * per]])
                         for p in plans if p.onload]
-                # Onload starts now, on its own thread and streams; the model waits per layer
-                # (UPLOADS_FIRST: after the batch's own uploads, below).
-                if not (UPLOADS_FIRST and jobs):
-                    handles = self.onload.submit(jobs, after=self._compute_done)
+                # Onload starts now, on its own thread and streams; the model waits per layer.
+                # The batch's own uploads follow it on the copy engine, behind at most the
+                # onload's window of copies in flight (streams/onload.py).
+                handles = self.onload.submit(jobs, after=self._compute_done)
                 t = self._mark(stages, "onload_submit", t)
                 users = [UserSlice(tokens[p.key][p.start:], p.start, batch[i].candidates)
                          for i, p in zip(live, plans)]
@@ -166,14 +161,8 @@ class CachedRankRunner(RankRunner):
                 t = self._mark(stages, "layout", t)
                 # Batches that onload host chunks stay eager (per-layer onload events).
                 scores = None if jobs else self._forward_planned(pb, desc, app, stages)
-                staged = None
-                if handles is None:
-                    staged = self._upload(pb, desc, app, plan=UPLOADS_FIRST == 1)
-                    handles = self.onload.submit(jobs, after=self._compute_done)
-                    if UPLOADS_FIRST == 2:
-                        self._upload_plans(desc)
                 if scores is None:
-                    scores = self._forward_eager(pb, desc, app, handles, stages, staged)
+                    scores = self._forward_eager(pb, desc, app, handles, stages)
                 pb.release()  # (the eager upload gave it back behind its copy already)
                 handles.done()
                 self._compute_done = s.compute.record_event(s.event())
@@ -228,9 +217,8 @@ class CachedRankRunner(RankRunner):
                              "cannot be reused safely")
         self.streams.fence_transfers()
 
-    def _upload(self, pb, desc, app, plan: bool = False):
-        """The batch's host-to-device copies: its rows, the append slots and (``plan``) the
-        attention's work items, which the first layer would otherwise upload."""
+    def _upload(self, pb, app):
+        """The batch's host-to-device copies: its rows and the append slots."""
         jb = upload_jagged(pb, self.device)
         slots = np.stack(app)
         if self.staging is None:
@@ -245,22 +233,13 @@ class CachedRankRunner(RankRunner):
             done = torch.cuda.Event()
             done.record()
             self.staging.give_back(buf, done)
-        if plan:
-            self._upload_plans(desc)
         return jb, app_dev
 
-    def _upload_plans(self, desc) -> None:
-        """The attention's work items for every layer (built once; layers reuse them)."""
-        if self.device.type == "cuda":
-            cfg = self.model.cfg
-            for last in (False, True):
-                desc.cuda_plan(self.device, cfg.num_heads, DEFAULT_PLAN, cfg.head_dim, last)
-
-    def _forward_eager(self, pb, desc, app, handles, stages, staged=None) -> torch.Tensor:
+    def _forward_eager(self, pb, desc, app, handles, stages) -> torch.Tensor:
         """The layer loop from Python: each layer appends its new K/V, waits for its own
         onloaded history (deeper layers' are still in flight), then attends."""
         s = self.streams
-        jb, app_dev = staged or self._upload(pb, desc, app)
+        jb, app_dev = self._upload(pb, app)
         app_rows, app_p, app_o = app_dev
         store, cfg = self.stores.pages, self.model.cfg
         wait = [0.0]

@@ -114,13 +114,8 @@ def _host_hit_engines(split):
     return engines["hierarchical"], engines["recompute"]
 
 
-@pytest.mark.parametrize("split,uploads_first", [(0.0, 0), (0.5, 0), ("auto", 0), (0.5, 1),
-                                                  (1.0, 1), (0.5, 2), (1.0, 2)])
-def test_engines_that_split_answer_as_recompute(split, uploads_first, monkeypatch):
-    """(``uploads_first``: the batch's uploads before its onload starts, the A/B orders: 1
-    with its attention plans, 2 the plans after the onload started.)"""
-    from streamgr.engine import cached_rank
-    monkeypatch.setattr(cached_rank, "UPLOADS_FIRST", uploads_first)
+@pytest.mark.parametrize("split", [0.0, 0.5, "auto", 1.0])
+def test_engines_that_split_answer_as_recompute(split):
     eng, ref = _host_hit_engines(split)
     if split == "auto":  # measured at start on this CPU (tiny chunks: the slope may be ~0)
         costs = eng.runner.onload_split

@@ -221,18 +221,10 @@ class CachedRankRunner(RankRunner):
         """The batch's host-to-device copies: its rows and the append slots."""
         jb = upload_jagged(pb, self.device)
         slots = np.stack(app)
-        if self.staging is None:
-            app_dev = torch.from_numpy(slots)
-        else:
-            # From a pooled page-locked buffer: a pageable copy would block this thread behind
-            # a host hit's onload copies, and a pin_memory() per batch took 5-6 ms beside them.
-            buf = self.staging.take(slots.size)
-            host = buf[:slots.size].view(slots.shape)
-            np.copyto(host.numpy(), slots)
-            app_dev = host.to(self.device, non_blocking=True)  # one copy
-            done = torch.cuda.Event()
-            done.record()
-            self.staging.give_back(buf, done)
+        # From a pooled page-locked buffer: a pageable copy would block this thread behind a
+        # host hit's onload copies, and a pin_memory() per batch took 5-6 ms beside them.
+        app_dev = (torch.from_numpy(slots) if self.staging is None
+                   else self.staging.upload(slots, self.device))  # one copy
         return jb, app_dev
 
     def _forward_eager(self, pb, desc, app, handles, stages) -> torch.Tensor:

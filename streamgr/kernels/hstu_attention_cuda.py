@@ -183,15 +183,8 @@ def plan(desc, device: torch.device, heads: int, force: str | None = None,
     arrays = list(hp.items) + list(hp.users) + [hp.page_ptr, hp.pages] + list(hp.fin)
     sizes = [len(a) for a in arrays]
     flat = np.concatenate(arrays).astype(np.int32)
-    if device.type == "cuda":  # from a pooled page-locked buffer (kernels/pinned.py: why)
-        buf = _PLAN_STAGING.take(len(flat))
-        np.copyto(buf[:len(flat)].numpy(), flat)
-        dev = buf[:len(flat)].to(device, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        _PLAN_STAGING.give_back(buf, done)
-    else:
-        dev = torch.from_numpy(flat)
+    # from a pooled page-locked buffer on CUDA (kernels/pinned.py: why)
+    dev = _PLAN_STAGING.upload(flat, device) if device.type == "cuda" else torch.from_numpy(flat)
     views = list(torch.split(dev, sizes))
     return Plan(hp.split, len(hp.items[0]), len(hp.fin[0]), hp.n_slots, views[:13], views[13:],
                 {}, hp.max_rows)

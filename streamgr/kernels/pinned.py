@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 
@@ -39,3 +40,15 @@ class PinnedPool:
             with self._lock:
                 if len(self._free) < self.KEEP:  # else dropped (torch's host allocator frees
                     self._free.append((buf, event))  # it once its recorded copies are done)
+
+    def upload(self, arr: np.ndarray, device: torch.device) -> torch.Tensor:
+        """``arr`` on ``device`` through one of the pool's buffers: packed into it, copied on
+        the current stream without blocking, the buffer given back with that copy's event."""
+        buf = self.take(arr.size)
+        host = buf[:arr.size].view(arr.shape)
+        np.copyto(host.numpy(), arr)
+        dev = host.to(device, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self.give_back(buf, done)
+        return dev

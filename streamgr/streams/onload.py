@@ -133,16 +133,11 @@ class OnloadPipeline:
         if after is not None:
             s.scatter.wait_event(after)
         with s.use(s.scatter):
-            if s.cuda:
-                # From a pooled page-locked buffer: a pageable copy syncs its stream first (the
-                # scatter stream waits for the previous batch's compute: this thread would stall
-                # on it before issuing any copy), and a pinned allocation per batch is slow.
-                host = self._ids.take(len(ids))
-                np.copyto(host[:len(ids)].numpy(), ids)
-                page_ids = host[:len(ids)].to(self.stores.device, non_blocking=True)
-                self._ids.give_back(host, s.scatter.record_event(s.event()))
-            else:
-                page_ids = torch.from_numpy(ids)
+            # From a pooled page-locked buffer on CUDA: a pageable copy syncs its stream first
+            # (the scatter stream waits for the previous batch's compute: this thread would
+            # stall on it before issuing any copy), and a pinned allocation per batch is slow.
+            page_ids = (self._ids.upload(ids, self.stores.device) if s.cuda
+                        else torch.from_numpy(ids))
         host = self.stores.host
         units = [(l, i) for l in range(self.layers) for i in range(len(chunks))]
         if self.pin and host.is_pinned():  # a pinned host store needs no staging: DMA from it

@@ -7,6 +7,9 @@ with the next slices (plain memcpy from the host store) while the DMA engine dra
 on the onload stream. After a layer's slices have landed, the scatter stream moves them from
 the onload buffer into the users' pages and records that layer's event. The whole thing runs
 on an onload thread, so the model starts computing embeddings (and shallow layers) at once.
+From a page-locked host store (GPU specs) the copies go straight from it, at most a window of
+them in flight (``onload_window_bytes``): host-to-device copies of every stream share the copy
+engine in issue order, and the batch's own small uploads must not wait behind its whole onload.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ def test_probe_hosthit_runs_on_the_cpu():
     each one's latency against recompute and its stages, then traces two batches' host calls."""
     p = subprocess.run([sys.executable, str(ROOT / "tools" / "probe_hosthit.py"), "--spec",
                         "rank-small", "--device", "cpu", "--profile", "small", "--users", "40",
-                        "--warmup", "40", "--window", "60", "--set", "cache.device_pages=64",
+                        "--warmup", "40", "--window", "48", "--set", "cache.device_pages=64",
                         "--configs", "1.0:0", "0.0", "--trace", "auto"],
                        capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -49,7 +49,8 @@ def _best(fn, device: torch.device, device_time: bool = False) -> float:
     ``device_time`` on CUDA the device's time for the work ``fn`` queues."""
     fn()
     _sync(device)
-    gpu = device_time and device.type == "cuda"
+    # (torch.cuda._sleep is private: without it, wall time, launches included)
+    gpu = device_time and device.type == "cuda" and hasattr(torch.cuda, "_sleep")
     best = float("inf")
     for _ in range(REPEATS):
         if gpu:

@@ -17,9 +17,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..kernels import paged_kv
+from ..kernels.pinned import PinnedPool
 from .streams import StreamSet, threaded_transfers
 
 log = logging.getLogger("streamgr.offload")
@@ -52,6 +54,7 @@ class OffloadPipeline:
         self._thread = threading.Thread(target=self._complete, name="streamgr-offload-done",
                                         daemon=True)
         self._thread.start()
+        self._ids = PinnedPool(torch.int64, 1 << 12)  # jobs' page ids on their way up
         self.fail_next = False  # tests: make the next job fail
 
     @property
@@ -71,8 +74,13 @@ class OffloadPipeline:
                 if after is not None:
                     s.offload.wait_event(after)
                 with s.use(s.offload):
-                    ids = torch.tensor(job.page_ids, dtype=torch.long).to(self.stores.device,
-                                                                          non_blocking=True)
+                    # Page ids from a pooled page-locked buffer: a pageable copy syncs the
+                    # offload stream first, which waits for the latest batch's compute, and
+                    # this runs on the executor thread between batches: it would hold the
+                    # next batch's submit until the batch before it had computed.
+                    ids = (self._ids.upload(np.asarray(job.page_ids, dtype=np.int64),
+                                            self.stores.device) if s.cuda
+                           else torch.tensor(job.page_ids, dtype=torch.long))
                     dev = paged_kv.offload_gather(self.stores.pages, ids, self.stores.chunk_pages)
                     nbytes = dev.numel() * dev.element_size()
                     if self.stores.host_registered:  # page-locked store: DMA into its chunks

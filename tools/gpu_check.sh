@@ -2,7 +2,7 @@
 # The whole GPU check in one call: GPU tests, then the benchmarks, then a short table.
 # Run on the lent H200 from the repository root (docs/benchmarks.md records the figures):
 #   bash tools/gpu_check.sh [tests|quick|full|rank|gen|attn|topk|inflight|genprof|update|verify|
-#                            rankprof|reprof|attnprof|first|hosthit]
+#                            rankprof|reprof|attnprof|first|hosthit|hostprobe]
 #     tests: the gpu-marked tests only; quick: + transfer bench + a short rank-ref bench;
 #     full: + the rank-ref bench at batch 1, 4, 8 (several minutes) + the gen-ref bench;
 #     rank: the rank-ref bench alone; gen: the generate GPU tests + the gen-ref bench;
@@ -24,6 +24,8 @@
 #     hosthit: rank-ref at batch 8 with a device tier of 8,192 pages, so that most hits come
 #       from host chunks (issue 12's host-hit target; no tests), once per cache.onload_split
 #       in HOSTHIT_SPLITS (default "auto"; e.g. "auto 0.0 1.0" for the A/B)
+#     hostprobe: tools/probe_hosthit.py on rank-ref's host hits (onload_split / window settings
+#       interleaved, per-layer timeline, then two batches' slow host calls; PROBE_CONFIGS; no tests)
 #     attnprof: ncu on the attention forward kernels (mma.sync and wgmma) with stall reasons and
 #       the source lines they stall on (STREAMGR_NVRTC_LINEINFO=1; no tests)
 #   env: CATALOG_EVERY (update: every N-th update also changes the catalog; 0: refits only),
@@ -53,7 +55,7 @@ summary=()
 if [ "$mode" != rank ] && [ "$mode" != inflight ] && [ "$mode" != genprof ] \
     && [ "$mode" != rankprof ] && [ "$mode" != reprof ] && [ "$mode" != attnprof ] \
     && [ "$mode" != first ] \
-    && [ "$mode" != hosthit ]; then
+    && [ "$mode" != hosthit ] && [ "$mode" != hostprobe ]; then
   tests=tests/
   [ "$mode" = gen ] && tests=tests/runtime/test_gpu_generate.py
   [ "$mode" = attn ] && tests="tests/kernels/test_gpu_kernels.py tests/engine/test_gpu_rank.py tests/cache/test_gpu_cache.py"
@@ -105,6 +107,12 @@ if [ "$mode" = hosthit ]; then
     grep "split costs" "$f.err"
     summary+=("host hits, onload_split $split: $(grep '^host (mean ms)' "$f.txt"); $(tail -n 1 "$f.txt")")
   done
+fi
+if [ "$mode" = hostprobe ]; then
+  python3 tools/probe_hosthit.py --spec rank-ref --set cache.device_pages=8192 --warmup 200 \
+    --window 640 --configs ${PROBE_CONFIGS:-auto 0.0 1.0 auto:0} --trace auto \
+    --json "$out/probe_hosthit.json" 2>"$out/probe_hosthit.err" | tee "$out/probe_hosthit.txt"
+  summary+=("$(grep -m1 '^auto: ' "$out/probe_hosthit.txt")")
 fi
 if [ "$mode" = inflight ]; then
   # Batches overlap only inside the engine (bench_rank runs one batch at a time), so this is

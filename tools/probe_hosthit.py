@@ -118,7 +118,8 @@ def trace_batches(eng, runner, costs, config, batches, name: str, least_us: floa
         host = sorted((e for e in trace if e.get("ph") == "X" and t0 <= e["ts"] <= t1
                        and e.get("cat") in ("cuda_runtime", "cuda_driver", "cpu_op")
                        and e.get("dur", 0) >= least_us), key=lambda e: e["ts"])
-        print(f"\ntrace {name} batch {i}: {t1 - t0:.0f} us on the host; calls >= {least_us:.0f} us:")
+        print(f"\ntrace {name} batch {i}: {t1 - t0:.0f} us on the host; calls >= "
+              f"{least_us:.0f} us:")
         for e in host:
             print(f"  {e['ts'] - t0:9.1f} {e['dur']:9.1f} tid {e.get('tid')} {e['cat']:12s} "
                   f"{e['name'][:70]}")

@@ -21,8 +21,8 @@ from ..errors import (EmptyCandidates, HistoryTooLong, IdOutOfRange, InvalidRequ
                       LengthMismatch, TooManyCandidates)
 from ..kernels.host_loops import pack_rows
 from ..kernels.hstu_attention import JaggedKV
-from ..models.hstu import HSTU, HSTUConfig, JaggedBatch
 from ..kernels.pinned import PinnedPool
+from ..models.hstu import HSTU, HSTUConfig, JaggedBatch
 
 
 @dataclass

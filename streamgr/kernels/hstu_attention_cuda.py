@@ -172,6 +172,9 @@ def plan_pair(desc, device: torch.device, heads: int, dim: int, sms: int) -> tup
     return hps
 
 
+_PLAN_STAGING = PinnedPool(torch.int32, 1 << 14)  # plans' work items on their way up
+
+
 def plan(desc, device: torch.device, heads: int, force: str | None = None,
          dim: int = 0, cand_only: bool = False) -> Plan:
     """:func:`plan_host`, copied to the device in one transfer."""
@@ -266,7 +269,6 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, desc, layer: int, alp
 
 # -- the previous kernel (WMMA, one block per 64-row tile and head), kept for A/B benchmarks --
 
-_PLAN_STAGING = PinnedPool(torch.int32, 1 << 14)  # plans' work items on their way up
 _WMMA_EXPRS = tuple(f"hstu_attention_fwd<{d}>" for d in (32, 64, 128))
 
 

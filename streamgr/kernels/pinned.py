@@ -1,4 +1,5 @@
-"""Page-locked host buffers reused across batches (rank uploads and scores, onload page ids, attention plans).
+"""Page-locked host buffers reused across batches: rank uploads and scores, the onload's and
+offload's page ids, the attention plans' work items.
 
 A pinned allocation per batch costs more than its copy: on the lent H200 a ~1 MB
 ``pin_memory()`` on the compute thread took 5.2-5.9 ms while a host hit's onload was issuing

@@ -47,10 +47,10 @@ def onload_layer_group(layers: int) -> int:
 def onload_window_bytes() -> int:
     """Bytes of onload copies in flight at most (``STREAMGR_ONLOAD_WINDOW_MB``, default 32; 0:
     no limit). Host-to-device copies from every stream share the copy engine in issue order
-    (H200, session 21: a batch's 2 MB attention plan, issued on the compute stream after a
-    host hit's onload had queued ~900 MB, landed behind all of it, and the model waited ~12
-    ms). Paced this way, the batch's own uploads wait behind at most the window (~0.7 ms at
-    48 GB/s), and the onload can still start before them."""
+    (H200, session 21: a batch's attention plan, issued on the compute stream after a host
+    hit's onload had queued ~900 MB, landed behind all of it, and the model waited ~12 ms).
+    Paced this way, the batch's own uploads wait behind at most the window (~0.7 ms at 48
+    GB/s), and the onload can still start before them."""
     raw = os.environ.get("STREAMGR_ONLOAD_WINDOW_MB", "32")
     if not raw.isdigit():
         raise StreamgrError(f"STREAMGR_ONLOAD_WINDOW_MB={raw!r}: megabytes of onload copies "

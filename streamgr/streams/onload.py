@@ -188,16 +188,21 @@ class OnloadPipeline:
         with s.use(s.onload):
             if self.trace_events is not None:
                 self.trace_events["onload_start"] = s.onload.record_event(s.event(timing=True))
+            # Each chunk's layer groups as views made once, so that a copy is one torch call:
+            # this thread contends for the GIL with the forward's launches (the onload moved
+            # 33-36 GB/s beside an eager recompute, 44-48 alone; H200, session 21).
+            src = [self.stores.host[c].split(g) for c in chunks]
+            dst = [buf[i].split(g) for i in range(len(chunks))]
+            sizes = [t.numel() * t.element_size() for t in src[0]]
             for l, i in units:
                 if l % g:
                     continue  # copied with its group's first layer
                 if l not in delayed and self.delay_layers.get(l):
                     delayed.add(l)
                     time.sleep(self.delay_layers[l])
-                src = self.stores.host[chunks[i], l:l + g]
-                n = src.numel() * src.element_size()
+                n = sizes[l // g]
                 pace.before(n)
-                buf[i, l:l + g].copy_(src, non_blocking=True)
+                dst[i][l // g].copy_(src[i][l // g], non_blocking=True)
                 pace.after(n)
                 self.bytes += n
                 if i == len(chunks) - 1:

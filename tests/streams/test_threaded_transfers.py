@@ -72,14 +72,15 @@ def test_gpu_only_cache_has_null_transfers():
     engines["gpu-only"].close_offline()
 
 
-@pytest.mark.parametrize("group", [1, 2])
-def test_direct_onload_in_layer_groups_keeps_answers_equal(monkeypatch, group):
+@pytest.mark.parametrize("group,layers", [(1, 2), (2, 2), (2, 3), (1, 3)])
+def test_direct_onload_in_layer_groups_keeps_answers_equal(monkeypatch, group, layers):
     """The page-locked store's direct DMA path (CUDA's; here forced on the CPU, where copies
     are synchronous): copying one layer of a chunk at a time (MTServe's order) or a group of
-    layers per copy (``STREAMGR_ONLOAD_LAYERS``) gives the same answers as recompute, and each
-    layer is signalled once."""
+    layers per copy (``STREAMGR_ONLOAD_LAYERS``; a last group shorter when it does not divide
+    the layers) gives the same answers as recompute, and each layer is signalled once."""
     monkeypatch.setenv("STREAMGR_ONLOAD_LAYERS", str(group))
-    engines = runners(page_tokens=4, chunk_tokens=8, device_pages=24, host_chunks=64)
+    engines = runners(page_tokens=4, chunk_tokens=8, device_pages=24, host_chunks=64,
+                      model={"num_layers": layers})
     runner = engines["hierarchical"].runner
     onload = runner.onload
     assert onload.layer_group == group

@@ -65,7 +65,9 @@ def test_bench_update_refits_from_checkpoints_on_the_cpu():
     m = re.search(r"from 2 checkpoints \((\d+) updates, (\d+) with catalog", p.stdout)
     assert m and int(m.group(1)) >= 2 and int(m.group(2)) >= 1, p.stdout[-1000:]
     assert re.search(r"p99 ratio per round: [\d.]+x, [\d.]+x\n", p.stdout), p.stdout[-1000:]
-    assert re.search(r"during weights +\d+ requests", p.stdout), p.stdout[-1000:]
+    # (requests overlapping some update phase; which one varies: a tiny spec's refit from a
+    # checkpoint takes a few ms, and on a loaded 2-core machine no request may fall inside it)
+    assert re.search(r"during (?!none)\w+ +\d+ requests", p.stdout), p.stdout[-3000:]
     assert "unknown-version answers 0" in p.stdout and "failed 0" in p.stdout
     assert "removed items answered 0" in p.stdout
     assert re.search(r"phase durations ms \(p50 / max\): .*weights [\d.]+ / [\d.]+", p.stdout)

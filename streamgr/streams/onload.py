@@ -188,19 +188,22 @@ class OnloadPipeline:
         with s.use(s.onload):
             if self.trace_events is not None:
                 self.trace_events["onload_start"] = s.onload.record_event(s.event(timing=True))
-            # Each chunk's layer groups as views made once, so that a copy is one torch call:
-            # this thread contends for the GIL with the forward's launches (the onload moved
-            # 33-36 GB/s beside an eager recompute, 44-48 alone; H200, session 21).
-            src = [self.stores.host[c].split(g) for c in chunks]
-            dst = [buf[i].split(g) for i in range(len(chunks))]
-            sizes = [t.numel() * t.element_size() for t in src[0]]
+            # Each chunk's layer groups as views made at its first copy (layer 0's pass) and
+            # reused, so that a later copy is one torch call: this thread contends for the GIL
+            # with the forward's launches (the onload moved 33-36 GB/s beside an eager
+            # recompute, 44-48 alone; H200, session 21).
+            src: list = [None] * len(chunks)
+            dst: list = [None] * len(chunks)
+            layer_bytes = int(np.prod(self.slice_shape)) * self.stores.host.element_size()
             for l, i in units:
                 if l % g:
                     continue  # copied with its group's first layer
                 if l not in delayed and self.delay_layers.get(l):
                     delayed.add(l)
                     time.sleep(self.delay_layers[l])
-                n = sizes[l // g]
+                if src[i] is None:
+                    src[i], dst[i] = self.stores.host[chunks[i]].split(g), buf[i].split(g)
+                n = min(g, self.layers - l) * layer_bytes
                 pace.before(n)
                 dst[i][l // g].copy_(src[i][l // g], non_blocking=True)
                 pace.after(n)

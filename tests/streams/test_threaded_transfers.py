@@ -89,7 +89,7 @@ def test_direct_onload_in_layer_groups_keeps_answers_equal(monkeypatch, group, l
     runner.stores.host.is_pinned = lambda: True
     calls, landed = [], []
     direct, land = onload._direct, onload._layer_landed
-    onload._direct = lambda *a: (calls.append(1), direct(*a))[1]
+    onload._direct = lambda *a: (calls.append(len(a[1])), direct(*a))[1]  # a[1]: the chunks
     onload._layer_landed = lambda layer, *a: (landed.append(layer), land(layer, *a))[1]
     rng = np.random.default_rng(3)
     for batch in workload(rng, engines, steps=30):
@@ -97,8 +97,10 @@ def test_direct_onload_in_layer_groups_keeps_answers_equal(monkeypatch, group, l
         got = run_batch(engines["hierarchical"], batch)
         for g, r in zip(got, ref):
             np.testing.assert_allclose(g[0], r[0], rtol=2e-4, atol=2e-5)
-    assert calls and runner.bytes_onloaded > 0
     layers = runner.stores.layers
+    host = runner.stores.host
+    layer_bytes = host[0, 0].numel() * host.element_size()
+    assert calls and runner.bytes_onloaded == sum(calls) * layers * layer_bytes
     assert landed == list(range(layers)) * len(calls)  # every layer once per onload, in order
     for e in engines.values():
         e.close_offline()

@@ -33,6 +33,7 @@ from streamgr.config import load_spec, parse_set_pairs  # noqa: E402
 from streamgr.trace.replay import batches_of_distinct_users, replay_batches  # noqa: E402
 from streamgr.trace.synth import Timeline, synth_trace  # noqa: E402
 from bench_rank import drain_background  # noqa: E402
+from profile_rank import chrome_trace, range_events  # noqa: E402
 
 
 def parse_config(text: str) -> tuple[str, int | None]:
@@ -62,8 +63,6 @@ def summary(rows: list[dict], layers: int) -> dict:
     if not host:
         return {"batches": len(rows), "host_hit_batches": 0}
     mean = lambda k: float(np.mean([r[k] for r in host]))  # noqa: E731
-    ev = lambda k: (float(np.mean([r["events"][k] for r in host if k in r["events"]]))  # noqa: E731
-                    if any(k in r["events"] for r in host) else None)
     stages = {}
     for r in host:
         for k, v in r["stages"].items():
@@ -80,22 +79,24 @@ def summary(rows: list[dict], layers: int) -> dict:
         "onload_gb_s": (moved / 1e9) / (sum(last) / 1e3) if last and sum(last) > 0 else None,
         "host_recomputed_tokens": mean("host_recomputed"),
         "stages_ms": {k: round(v, 3) for k, v in stages.items()},
-        "events_ms": {k: round(v, 3) for k in ["onload_start"] + [
-            f"{n}_{l}" for l in range(layers) for n in ("landed", "scattered", "append",
-                                                         "attention")] + ["done"]
-                      for v in [ev(k)] if v is not None},
+        "events_ms": {k: round(float(np.mean([r["events"][k] for r in host
+                                               if k in r["events"]])), 3)
+                      for k in sorted({k for r in host for k in r["events"]})},
     }
 
 
-def trace_batches(eng, runner, costs, config, batches, name: str, least_us: float = 300.0):
+def apply(runner, costs, config, default_window: int) -> None:
+    """Put one ``--configs`` setting in force: the split, and the window (the engine's own when
+    the setting names none)."""
+    split, window = config
+    runner.onload_split = costs if split == "auto" else float(split)
+    runner.onload.window_bytes = default_window if window is None else window
+
+
+def trace_batches(eng, batches, name: str, least_us: float = 300.0):
     """The host side of two more host-hit batches of one configuration under torch.profiler:
     every runtime call and op of any thread taking ``least_us`` or more, in time order (what
     holds the compute thread before its first layer: a blocking copy, an allocation, a sync)."""
-    import tempfile
-    split, window = config
-    runner.onload_split = costs if split == "auto" else float(split)
-    if window is not None:
-        runner.onload.window_bytes = window
     cuda = eng.device.type == "cuda"
     acts = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
@@ -107,17 +108,13 @@ def trace_batches(eng, runner, costs, config, batches, name: str, least_us: floa
             with torch.profiler.record_function(f"traced_batch_{i}"):
                 eng.run_batch(requests(b), False, background=False)
             eng.run_background()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))["traceEvents"]
+    trace = chrome_trace(prof)
     for i in range(len(picked)):
-        spans = [e for e in trace if e.get("ph") == "X" and e.get("name") == f"traced_batch_{i}"]
-        if not spans:
+        found = range_events(trace, f"traced_batch_{i}", ("cuda_runtime", "cuda_driver", "cpu_op"))
+        if found is None:
             continue
-        t0, t1 = spans[0]["ts"], spans[0]["ts"] + spans[0]["dur"]
-        host = sorted((e for e in trace if e.get("ph") == "X" and t0 <= e["ts"] <= t1
-                       and e.get("cat") in ("cuda_runtime", "cuda_driver", "cpu_op")
-                       and e.get("dur", 0) >= least_us), key=lambda e: e["ts"])
+        t0, t1, inside = found
+        host = [e for e in inside if e.get("dur", 0) >= least_us]
         print(f"\ntrace {name} batch {i}: {t1 - t0:.0f} us on the host; calls >= "
               f"{least_us:.0f} us:")
         for e in host:
@@ -177,9 +174,7 @@ def main() -> int:
         probed = batches[n_warm:len(batches) - held]
         for j, batch in enumerate(probed):
             name = args.configs[j % len(configs)]
-            split, window = configs[j % len(configs)]
-            runner.onload_split = costs if split == "auto" else float(split)
-            runner.onload.window_bytes = default_window if window is None else window
+            apply(runner, costs, configs[j % len(configs)], default_window)
             runner.trace_events, runner.onload.trace_events = {}, {}
             if cuda:
                 torch.cuda.synchronize()
@@ -226,7 +221,8 @@ def main() -> int:
             print(f"  onload start {e.get('onload_start', float('nan')):.2f}, "
                   f"forward done {e.get('done', float('nan')):.2f} ms")
     if args.trace:
-        trace_batches(eng, runner, costs, parse_config(args.trace), batches[-2:], args.trace)
+        apply(runner, costs, parse_config(args.trace), default_window)
+        trace_batches(eng, batches[-2:], args.trace)
     if args.json:
         args.json.write_text(json.dumps({"summary": result, "rows": rows}, indent=1))
     eng.close_offline()

@@ -100,23 +100,36 @@ def main() -> int:
     return 0
 
 
+def chrome_trace(prof) -> list[dict]:
+    """The profiler's events as its Chrome trace has them (host and device, with categories)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        return json.load(open(f.name))["traceEvents"]
+
+
+def range_events(trace: list[dict], marker: str, cats: tuple[str, ...]):
+    """``(start, end, events)`` of the ``record_function`` range ``marker``: the events of
+    ``cats`` that start inside it, in time order; None when the trace has no such range."""
+    spans = [e for e in trace if e.get("ph") == "X" and e.get("name") == marker]
+    if not spans:
+        return None
+    t0, t1 = spans[0]["ts"], spans[0]["ts"] + spans[0]["dur"]
+    inside = sorted((e for e in trace if e.get("ph") == "X" and t0 <= e["ts"] <= t1
+                     and e.get("cat") in cats), key=lambda e: e["ts"])
+    return t0, t1, inside
+
+
 def print_timeline(prof, marker: str, gaps: int) -> None:
     """One batch in time order (from the profiler's Chrome trace): host runtime calls (launches,
     copies, syncs) and device events, each with its start offset; then the device's longest idle
     gaps inside the batch with the events on either side. Where a batch's time beyond its kernel
     time goes (launch gaps, blocking copies, host work the device waits for)."""
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))["traceEvents"]
-    spans = [e for e in trace if e.get("ph") == "X" and e.get("name") == marker]
-    if not spans:
+    dev_cats = ("kernel", "gpu_memcpy", "gpu_memset")
+    found = range_events(chrome_trace(prof), marker, dev_cats + ("cuda_runtime", "cuda_driver"))
+    if found is None:
         print(f"timeline: no {marker} range in the trace")
         return
-    t0, t1 = spans[0]["ts"], spans[0]["ts"] + spans[0]["dur"]
-    dev_cats = ("kernel", "gpu_memcpy", "gpu_memset")
-    inside = sorted((e for e in trace if e.get("ph") == "X" and t0 <= e["ts"] <= t1
-                     and e.get("cat") in dev_cats + ("cuda_runtime", "cuda_driver")),
-                    key=lambda e: e["ts"])
+    t0, t1, inside = found
     dev = [e for e in inside if e["cat"] in dev_cats]
     print(f"\ntimeline of {marker}: {t1 - t0:.1f} us on the host, {len(dev)} device events")
     for e in inside:

@@ -231,8 +231,7 @@ class CachedRankRunner(RankRunner):
         """The layer loop from Python: each layer appends its new K/V, waits for its own
         onloaded history (deeper layers' are still in flight), then attends."""
         s = self.streams
-        jb, app_dev = self._upload(pb, app)
-        app_rows, app_p, app_o = app_dev
+        jb, (app_rows, app_p, app_o) = self._upload(pb, app)
         store, cfg = self.stores.pages, self.model.cfg
         wait = [0.0]
         ev = self.trace_events = {} if self.trace_events is not None else None

@@ -27,7 +27,7 @@ def test_probe_hosthit_runs_on_the_cpu():
     p = subprocess.run([sys.executable, str(ROOT / "tools" / "probe_hosthit.py"), "--spec",
                         "rank-small", "--device", "cpu", "--profile", "small", "--users", "40",
                         "--warmup", "40", "--window", "48", "--set", "cache.device_pages=64",
-                        "--configs", "1.0:0", "0.0", "--trace", "auto"],
+                        "--configs", "1.0:0", "0.0", "--trace", "auto", "0.0"],
                        capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
     for config in ("1.0:0", "0.0"):
@@ -37,6 +37,27 @@ def test_probe_hosthit_runs_on_the_cpu():
     assert "stages ms: {" in p.stdout
     assert re.search(r"^0\.0: .*host tokens recomputed [1-9]", p.stdout, re.M), p.stdout
     assert re.search(r"^trace auto batch 0: \d+ us on the host", p.stdout, re.M), p.stdout
+    assert "kernels of recompute, us per batch (mean of 2):" in p.stdout, p.stdout[-2000:]
+    assert re.search(r"^trace 0\.0 batch 1: \d+ us on the host", p.stdout, re.M), p.stdout
+
+
+def test_probe_hosthit_kernel_table_sums_device_events_inside_each_range():
+    """The probe's kernel table: device events starting inside the marked ranges, summed by
+    name and divided by the ranges; host ops and events outside every range left out."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from probe_hosthit import kernel_table
+
+    def ev(name, cat, ts, dur):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
+    trace = [ev("b0", "user_annotation", 0, 100), ev("b1", "user_annotation", 200, 100),
+             ev("gemm", "kernel", 10, 30), ev("gemm", "kernel", 210, 50),
+             ev("attn", "kernel", 60, 20), ev("Memcpy HtoD", "gpu_memcpy", 220, 4),
+             ev("aten::mm", "cpu_op", 10, 90), ev("gemm", "kernel", 150, 1000)]
+    rows = kernel_table(trace, ["b0", "b1"])
+    assert rows[0] == ("gemm", 40.0, 1.0)
+    assert rows[1] == ("attn", 10.0, 0.5)
+    assert rows[2] == ("Memcpy HtoD", 2.0, 0.5)
+    assert rows[-1] == ("total (3 kinds)", 52.0, 2.0)
 
 
 def test_probe_recompute_runs_on_the_cpu():

@@ -25,14 +25,16 @@
 #       from host chunks (issue 12's host-hit target; no tests), once per cache.onload_split
 #       in HOSTHIT_SPLITS (default "auto"; e.g. "auto 0.0 1.0" for the A/B)
 #     hostprobe: tools/probe_hosthit.py on rank-ref's host hits (onload_split / window settings
-#       interleaved, per-layer timeline, then two batches' slow host calls; PROBE_CONFIGS; no tests)
+#       interleaved, per-layer timeline, then per PROBE_TRACE setting two batches' slow host calls
+#       and kernel table beside recompute's; PROBE_CONFIGS; no tests)
 #     attnprof: ncu on the attention forward kernels (mma.sync and wgmma) with stall reasons and
 #       the source lines they stall on (STREAMGR_NVRTC_LINEINFO=1; no tests)
 #   env: CATALOG_EVERY (update: every N-th update also changes the catalog; 0: refits only),
 #   UPDATE_ARGS (more bench_update flags, e.g. "--checkpoints 4": refits from files, not seeds),
 #   WARMUP/WINDOW (rank bench requests), RANK_ARGS (more rank bench flags, e.g.
 #   "--stage-every 5": latency over batches without stage syncs), GEN_REQUESTS (per gen-ref run), GEN_RATES
-#   (open-loop requests/s), HF_REQUESTS (through Hugging Face), GEN_ARGS (more bench flags,
+#   (open-loop requests/s), GEN_CONC (closed-loop requests in flight: 192, four of gen-ref's
+#   batches of 48), HF_REQUESTS (through Hugging Face), GEN_ARGS (more bench flags,
 #   e.g. "--profile 2 --fp32-agreement 16")
 # Needs the fixing wheels of ../shared/device/prep.sh carried in .device/ on that machine.
 set -uo pipefail
@@ -110,7 +112,7 @@ if [ "$mode" = hosthit ]; then
 fi
 if [ "$mode" = hostprobe ]; then
   python3 tools/probe_hosthit.py --spec rank-ref --set cache.device_pages=8192 --warmup 200 \
-    --window 640 --configs ${PROBE_CONFIGS:-auto 0.0 1.0 auto:0} --trace auto \
+    --window 640 --configs ${PROBE_CONFIGS:-auto 0.0 1.0 auto:0} --trace ${PROBE_TRACE:-auto} \
     --json "$out/probe_hosthit.json" 2>"$out/probe_hosthit.err" | tee "$out/probe_hosthit.txt"
   summary+=("$(grep -m1 '^auto: ' "$out/probe_hosthit.txt")")
 fi
@@ -172,7 +174,7 @@ if [ "$mode" = attnprof ]; then
 fi
 if [ "$mode" = genprof ]; then
   python3 tools/bench_generate.py --spec gen-ref --device cuda --requests ${GEN_REQUESTS:-4000} \
-    --concurrency 128 --rates ${GEN_RATES:-} --hf-requests 1 --profile 2 --host-profile ${GEN_ARGS:-} \
+    --concurrency ${GEN_CONC:-192} --rates ${GEN_RATES:-} --hf-requests 1 --profile 2 --host-profile ${GEN_ARGS:-} \
     --json "$out/bench_generate.json" 2>"$out/bench_generate.err" | tee "$out/bench_generate.txt"
   grep -v "^\(open loop\|closed loop\)" "$out/bench_generate.err" | tail -n 80
   summary+=("$(tail -n 1 "$out/bench_generate.txt")")
@@ -180,7 +182,7 @@ fi
 if [ "$mode" = full ] || [ "$mode" = gen ] || [ "$mode" = verify ]; then
   # gen-ref (WORKLOADS.md): 1,000,000 items, beams of 256, top 256, 256 history items.
   python3 tools/bench_generate.py --spec gen-ref --device cuda --requests ${GEN_REQUESTS:-4000} \
-    --concurrency 128 --rates ${GEN_RATES:-3600 4000} --hf-requests ${HF_REQUESTS:-4} \
+    --concurrency ${GEN_CONC:-192} --rates ${GEN_RATES:-3600 4000} --hf-requests ${HF_REQUESTS:-4} \
     --json "$out/bench_generate.json" ${GEN_ARGS:-} 2>"$out/bench_generate.err" | tee "$out/bench_generate.txt"
   grep -v "^\(open loop\|closed loop\)" "$out/bench_generate.err" | tail -n 15
   summary+=("$(tail -n 1 "$out/bench_generate.txt")")

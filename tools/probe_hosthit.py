@@ -9,7 +9,8 @@ idle device just before the batch: the onload's start, each layer's copies lande
 into pages, the compute reaching each layer (``append``) and its attention starting, the
 forward done. A batch whose compute waited for the whole onload before starting shows
 ``append_0`` near the last ``landed``; an overlapped one shows the layers' attention following
-their own layer's scatter.
+their own layer's scatter. ``--trace CONFIG ...``: two more batches of each under
+torch.profiler, their slow host calls and their kernels' device time beside recompute's.
 
     python3 tools/probe_hosthit.py --spec rank-ref --set cache.device_pages=8192   # the H200
     python3 tools/probe_hosthit.py --spec rank-small --device cpu --users 40 --window 40  # smoke
@@ -93,24 +94,30 @@ def apply(runner, costs, config, default_window: int) -> None:
     runner.onload.window_bytes = default_window if window is None else window
 
 
-def trace_batches(eng, batches, name: str, least_us: float = 300.0):
-    """The host side of two more host-hit batches of one configuration under torch.profiler:
-    every runtime call and op of any thread taking ``least_us`` or more, in time order (what
-    holds the compute thread before its first layer: a blocking copy, an allocation, a sync)."""
+def trace_batches(eng, batches, name: str, least_us: float = 300.0, re_eng=None):
+    """Two more host-hit batches of one configuration under torch.profiler: every runtime call
+    and op of any thread taking ``least_us`` or more, in time order (what holds the compute
+    thread before its first layer: a blocking copy, an allocation, a sync); then the kernels'
+    device time per batch by kernel, beside the same batches through ``re_eng`` (recompute):
+    where the cached path's compute differs from recompute's on the same tokens."""
     cuda = eng.device.type == "cuda"
     acts = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     picked = batches[:2]
+    runs = [(name, eng)] + ([("recompute", re_eng)] if re_eng is not None else [])
     with torch.profiler.profile(activities=acts) as prof:
-        for i, b in enumerate(picked):
-            if cuda:
-                torch.cuda.synchronize()
-            with torch.profiler.record_function(f"traced_batch_{i}"):
-                eng.run_batch(requests(b), False, background=False)
-            eng.run_background()
+        for tag, e in runs:
+            for i, b in enumerate(picked):
+                if cuda:
+                    torch.cuda.synchronize()
+                with torch.profiler.record_function(f"traced_{tag}_{i}"):
+                    e.run_batch(requests(b), False, background=False)
+                    if cuda:
+                        torch.cuda.synchronize()
+                e.run_background()
     trace = chrome_trace(prof)
     for i in range(len(picked)):
-        found = range_events(trace, f"traced_batch_{i}", ("cuda_runtime", "cuda_driver", "cpu_op"))
+        found = range_events(trace, f"traced_{name}_{i}", ("cuda_runtime", "cuda_driver", "cpu_op"))
         if found is None:
             continue
         t0, t1, inside = found
@@ -120,6 +127,30 @@ def trace_batches(eng, batches, name: str, least_us: float = 300.0):
         for e in host:
             print(f"  {e['ts'] - t0:9.1f} {e['dur']:9.1f} tid {e.get('tid')} {e['cat']:12s} "
                   f"{e['name'][:70]}")
+    for tag, _ in runs:
+        print(f"\nkernels of {tag}, us per batch (mean of {len(picked)}):")
+        for row in kernel_table(trace, [f"traced_{tag}_{i}" for i in range(len(picked))]):
+            print(f"  {row[1]:9.1f} {row[2]:6.1f} {row[0][:90]}")
+
+
+def kernel_table(trace: list[dict], markers: list[str], rows: int = 14) -> list[tuple]:
+    """``(name, us per batch, launches per batch)`` of the device events (kernels, copies,
+    memsets) inside the ``markers`` ranges, largest first; then a ``total`` row."""
+    cats = ("kernel", "gpu_memcpy", "gpu_memset")
+    spans = [e for e in trace if e.get("ph") == "X" and e.get("name") in markers]
+    sums: dict[str, list[float]] = {}
+    for sp in spans:  # device events whose launch (flow start) falls in the host range would
+        # be exact; their start inside the range plus the batch's sync at its end is close
+        t0, t1 = sp["ts"], sp["ts"] + sp["dur"]
+        for e in trace:
+            if e.get("ph") == "X" and e.get("cat") in cats and t0 <= e["ts"] <= t1:
+                acc = sums.setdefault(e["name"], [0.0, 0])
+                acc[0] += e["dur"]
+                acc[1] += 1
+    n = max(len(spans), 1)
+    out = sorted(((k, v[0] / n, v[1] / n) for k, v in sums.items()), key=lambda r: -r[1])
+    total = (f"total ({len(out)} kinds)", sum(r[1] for r in out), sum(r[2] for r in out))
+    return out[:rows] + [total]
 
 
 def main() -> int:
@@ -136,9 +167,10 @@ def main() -> int:
     ap.add_argument("--configs", nargs="+", default=["auto", "0.0", "1.0", "auto:0"],
                     help="SPLIT[:WINDOW_MB] per batch in turn (SPLIT a fraction or auto; "
                          "WINDOW_MB the onload's megabytes in flight, 0 no limit)")
-    ap.add_argument("--trace", default=None, metavar="CONFIG",
-                    help="then two batches of CONFIG under torch.profiler: the host calls of "
-                         ">= 300 us in time order")
+    ap.add_argument("--trace", nargs="*", default=[], metavar="CONFIG",
+                    help="then two batches of each CONFIG under torch.profiler: the host calls of "
+                         ">= 300 us in time order, and the kernels' device time beside "
+                         "recompute's on the same batches")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     configs = [parse_config(c) for c in args.configs]
@@ -170,7 +202,7 @@ def main() -> int:
     rows: dict[str, list[dict]] = {c: [] for c in args.configs}
     default_window = runner.onload.window_bytes
     try:
-        held = 2 if args.trace else 0  # the traced batches: users the window left on host
+        held = 2 * len(args.trace)  # the traced batches: users the window left on host
         probed = batches[n_warm:len(batches) - held]
         for j, batch in enumerate(probed):
             name = args.configs[j % len(configs)]
@@ -220,9 +252,10 @@ def main() -> int:
                                                 for v in cells))
             print(f"  onload start {e.get('onload_start', float('nan')):.2f}, "
                   f"forward done {e.get('done', float('nan')):.2f} ms")
-    if args.trace:
-        apply(runner, costs, parse_config(args.trace), default_window)
-        trace_batches(eng, batches[-2:], args.trace)
+    for k, config in enumerate(args.trace):  # two batches each, not yet seen (host hits)
+        apply(runner, costs, parse_config(config), default_window)
+        trace_batches(eng, batches[len(batches) - 2 * (k + 1):len(batches) - 2 * k], config,
+                      re_eng=re_eng)
     if args.json:
         args.json.write_text(json.dumps({"summary": result, "rows": rows}, indent=1))
     eng.close_offline()

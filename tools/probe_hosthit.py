@@ -37,12 +37,16 @@ from bench_rank import drain_background  # noqa: E402
 from profile_rank import chrome_trace, range_events  # noqa: E402
 
 
-def parse_config(text: str) -> tuple[str, int | None]:
-    """SPLIT[:WINDOW_MB]; the window left out: the engine's own."""
-    split, _, window = text.partition(":")
+def parse_config(text: str) -> tuple[str, int | None, bool]:
+    """SPLIT[:WINDOW_MB[:torch]]; the window left out or empty: the engine's own; ``torch``:
+    the direct onload's copies as torch ``copy_`` calls, not raw ``cudaMemcpyAsync``."""
+    split, _, rest = text.partition(":")
+    window, _, copies = rest.partition(":")
     if split != "auto":
         float(split)  # a fraction: checked here, not mid-run
-    return split, int(window) << 20 if window else None
+    if copies not in ("", "torch"):
+        raise SystemExit(f"--configs {text!r}: the third field is 'torch' or nothing")
+    return split, int(window) << 20 if window else None, copies == "torch"
 
 
 def requests(batch) -> list[RankRequest]:
@@ -86,12 +90,13 @@ def summary(rows: list[dict], layers: int) -> dict:
     }
 
 
-def apply(runner, costs, config, default_window: int) -> None:
-    """Put one ``--configs`` setting in force: the split, and the window (the engine's own when
-    the setting names none)."""
-    split, window = config
+def apply(runner, costs, config, default_window: int, raw_copy=None) -> None:
+    """Put one ``--configs`` setting in force: the split, the window (the engine's own when
+    the setting names none) and the onload's copies (``raw_copy``: the engine's own)."""
+    split, window, torch_copies = config
     runner.onload_split = costs if split == "auto" else float(split)
     runner.onload.window_bytes = default_window if window is None else window
+    runner.onload.raw_copy = None if torch_copies else raw_copy
 
 
 def trace_batches(eng, batches, name: str, least_us: float = 300.0, re_eng=None):
@@ -165,8 +170,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=200, help="requests replayed untimed first")
     ap.add_argument("--window", type=int, default=480, help="requests probed")
     ap.add_argument("--configs", nargs="+", default=["auto", "0.0", "1.0", "auto:0"],
-                    help="SPLIT[:WINDOW_MB] per batch in turn (SPLIT a fraction or auto; "
-                         "WINDOW_MB the onload's megabytes in flight, 0 no limit)")
+                    help="SPLIT[:WINDOW_MB[:torch]] per batch in turn (SPLIT a fraction or "
+                         "auto; WINDOW_MB the onload's megabytes in flight, 0 no limit; torch: "
+                         "the onload's copies by torch, not raw cudaMemcpyAsync)")
     ap.add_argument("--trace", nargs="*", default=[], metavar="CONFIG",
                     help="then two batches of each CONFIG under torch.profiler: the host calls of "
                          ">= 300 us in time order, and the kernels' device time beside "
@@ -200,13 +206,13 @@ def main() -> int:
     cuda = eng.device.type == "cuda"
     layers = spec.model.num_layers
     rows: dict[str, list[dict]] = {c: [] for c in args.configs}
-    default_window = runner.onload.window_bytes
+    default_window, raw_copy = runner.onload.window_bytes, runner.onload.raw_copy
     try:
         held = 2 * len(args.trace)  # the traced batches: users the window left on host
         probed = batches[n_warm:len(batches) - held]
         for j, batch in enumerate(probed):
             name = args.configs[j % len(configs)]
-            apply(runner, costs, configs[j % len(configs)], default_window)
+            apply(runner, costs, configs[j % len(configs)], default_window, raw_copy)
             runner.trace_events, runner.onload.trace_events = {}, {}
             if cuda:
                 torch.cuda.synchronize()
@@ -230,7 +236,7 @@ def main() -> int:
                 "bytes": runner.bytes_onloaded - moved, "stages": dict(out.stages),
                 "events": events})
     finally:
-        runner.onload.window_bytes = default_window
+        runner.onload.window_bytes, runner.onload.raw_copy = default_window, raw_copy
         runner.trace_events = runner.onload.trace_events = None
     result = {c: summary(rows[c], layers) for c in args.configs}
     for c, s in result.items():
@@ -253,7 +259,7 @@ def main() -> int:
             print(f"  onload start {e.get('onload_start', float('nan')):.2f}, "
                   f"forward done {e.get('done', float('nan')):.2f} ms")
     for k, config in enumerate(args.trace):  # two batches each, not yet seen (host hits)
-        apply(runner, costs, parse_config(config), default_window)
+        apply(runner, costs, parse_config(config), default_window, raw_copy)
         trace_batches(eng, batches[len(batches) - 2 * (k + 1):len(batches) - 2 * k], config,
                       re_eng=re_eng)
     if args.json:

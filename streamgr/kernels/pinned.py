@@ -8,10 +8,13 @@ copies (torch.profiler, session 21), and held the batch's first layer that long.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
 import torch
+
+from . import _cuda
 
 
 class PinnedPool:
@@ -53,3 +56,24 @@ class PinnedPool:
         done.record()
         self.give_back(buf, done)
         return dev
+
+
+def raw_h2d():
+    """``copy(dst, src, nbytes, stream)``: ``cudaMemcpyAsync`` host-to-device on raw pointers and
+    a raw stream handle (CuPy's runtime binding), or None where CuPy is unavailable, the torch
+    kernels are forced, or ``STREAMGR_ONLOAD_RAW=0`` (A/B runs). For a thread issuing hundreds
+    of copies between views of long-lived buffers beside the forward's launches: one short C
+    call a copy instead of a torch ``copy_`` (argument parsing, dispatch, views), so it holds
+    the GIL far less. The caller owns lifetimes and ordering: both buffers must outlive the
+    copy, and the source must be page-locked for the copy to be asynchronous."""
+    if _cuda.FORCE_TORCH or os.environ.get("STREAMGR_ONLOAD_RAW", "1") == "0":
+        return None
+    cp = _cuda._cupy()
+    if cp is None:
+        return None
+    rt = cp.cuda.runtime
+    kind = rt.memcpyHostToDevice
+
+    def copy(dst: int, src: int, nbytes: int, stream: int) -> None:
+        rt.memcpyAsync(dst, src, nbytes, kind, stream)
+    return copy

@@ -26,7 +26,7 @@ import torch
 
 from ..errors import StreamgrError
 from ..kernels import paged_kv
-from ..kernels.pinned import PinnedPool
+from ..kernels.pinned import PinnedPool, raw_h2d
 from .streams import LayerOnloadHandles, ReadyHandles, StreamSet, threaded_transfers
 
 log = logging.getLogger("streamgr.onload")
@@ -74,6 +74,9 @@ class OnloadPipeline:
         self.staging_chunks = staging_chunks
         self.layer_group = onload_layer_group(self.layers)
         self.window_bytes = onload_window_bytes()
+        # The direct path's copies as raw cudaMemcpyAsync calls (CUDA with CuPy; None: torch's
+        # copy_ between views): the onload thread then holds the GIL a few microseconds a copy.
+        self.raw_copy = raw_h2d() if streams.cuda else None
         self._ids = PinnedPool(torch.int64, 1 << 14)  # page ids, one buffer a batch in flight
         self._staging: list[torch.Tensor] | None = None
         self._copied = [streams.event(), streams.event()]  # staging buffer i drained by the DMA
@@ -185,27 +188,41 @@ class OnloadPipeline:
         g = self.layer_group
         delayed: set[int] = set()
         pace = _Window(self.window_bytes if s.cuda else 0, s)
+        host = self.stores.host
+        layer_bytes = int(np.prod(self.slice_shape)) * host.element_size()
+        raw = self.raw_copy if host.is_contiguous() and buf.is_contiguous() else None
         with s.use(s.onload):
             if self.trace_events is not None:
                 self.trace_events["onload_start"] = s.onload.record_event(s.event(timing=True))
-            # Each chunk's layer groups as views made at its first copy (layer 0's pass) and
-            # reused, so that a later copy is one torch call: this thread contends for the GIL
-            # with the forward's launches (the onload moved 33-36 GB/s beside an eager
-            # recompute, 44-48 alone; H200, session 21).
-            src: list = [None] * len(chunks)
-            dst: list = [None] * len(chunks)
-            layer_bytes = int(np.prod(self.slice_shape)) * self.stores.host.element_size()
+            if raw is not None:
+                # Raw pointers: a chunk's layers are contiguous in the store and in the buffer.
+                # The onload moved 33-36 GB/s beside an eager recompute with torch copies and
+                # 44-48 GB/s alone (H200, session 21): its thread waited for the GIL between
+                # copies while the forward's thread launched kernels.
+                src_at = [host.data_ptr() + c * host.stride(0) * host.element_size()
+                          for c in chunks]
+                dst0, dst_step = buf.data_ptr(), buf.stride(0) * buf.element_size()
+                stream = getattr(s.onload, "cuda_stream", 0)  # (0: a test's copier on the CPU)
+            else:
+                # Each chunk's layer groups as views made at its first copy and reused, so
+                # that a later copy is one torch call.
+                src: list = [None] * len(chunks)
+                dst: list = [None] * len(chunks)
             for l, i in units:
                 if l % g:
                     continue  # copied with its group's first layer
                 if l not in delayed and self.delay_layers.get(l):
                     delayed.add(l)
                     time.sleep(self.delay_layers[l])
-                if src[i] is None:
-                    src[i], dst[i] = self.stores.host[chunks[i]].split(g), buf[i].split(g)
                 n = min(g, self.layers - l) * layer_bytes
                 pace.before(n)
-                dst[i][l // g].copy_(src[i][l // g], non_blocking=True)
+                if raw is not None:
+                    raw(dst0 + i * dst_step + l * layer_bytes, src_at[i] + l * layer_bytes, n,
+                        stream)
+                else:
+                    if src[i] is None:
+                        src[i], dst[i] = host[chunks[i]].split(g), buf[i].split(g)
+                    dst[i][l // g].copy_(src[i][l // g], non_blocking=True)
                 pace.after(n)
                 self.bytes += n
                 if i == len(chunks) - 1:

@@ -53,3 +53,34 @@ def test_upload_puts_arrays_on_the_device_and_reuses_its_buffers():
     ints = PinnedPool(torch.int32, 4)
     arr = np.arange(10, dtype=np.int32)[1:]  # an unaligned slice
     np.testing.assert_array_equal(ints.upload(arr, dev).cpu().numpy(), arr)
+
+
+def test_raw_copies_can_be_turned_off(monkeypatch):
+    from streamgr.kernels import pinned
+    monkeypatch.setenv("STREAMGR_ONLOAD_RAW", "0")
+    assert pinned.raw_h2d() is None
+    monkeypatch.setenv("STREAMGR_ONLOAD_RAW", "1")
+    monkeypatch.setattr(pinned._cuda, "FORCE_TORCH", True)
+    assert pinned.raw_h2d() is None
+
+
+@pytest.mark.gpu
+def test_raw_h2d_copies_page_locked_slices_to_device_offsets_on_a_stream():
+    """``raw_h2d``'s copies land at the byte offsets asked for (odd element offsets and
+    lengths included), in order with the stream's other work, and touch nothing else."""
+    from streamgr.kernels.pinned import raw_h2d
+    copy = raw_h2d()
+    assert copy is not None  # CuPy is there on the GPU machine
+    host = torch.arange(4096, dtype=torch.int16).pin_memory()
+    dev = torch.full((4096,), -1, dtype=torch.int16, device="cuda")
+    want = torch.full((4096,), -1, dtype=torch.int16)
+    stream = torch.cuda.Stream()
+    es = host.element_size()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(10_000_000)  # the copies queue behind a spin: asynchronous
+        for dst, src, n in [(0, 100, 7), (513, 0, 1000), (3000, 4000, 96), (2048, 2048, 1)]:
+            copy(dev.data_ptr() + dst * es, host.data_ptr() + src * es, n * es, stream.cuda_stream)
+            want[dst:dst + n] = host[src:src + n]
+        dev.add_(0)  # a kernel after them on the stream
+    stream.synchronize()
+    assert torch.equal(dev.cpu(), want)

@@ -5,6 +5,7 @@ Also ``streams.off_stream`` on the CPU (the builds of live updates): just the ca
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import numpy as np
@@ -72,12 +73,15 @@ def test_gpu_only_cache_has_null_transfers():
     engines["gpu-only"].close_offline()
 
 
+@pytest.mark.parametrize("raw", [False, True])
 @pytest.mark.parametrize("group,layers", [(1, 2), (2, 2), (2, 3), (1, 3)])
-def test_direct_onload_in_layer_groups_keeps_answers_equal(monkeypatch, group, layers):
+def test_direct_onload_in_layer_groups_keeps_answers_equal(monkeypatch, group, layers, raw):
     """The page-locked store's direct DMA path (CUDA's; here forced on the CPU, where copies
     are synchronous): copying one layer of a chunk at a time (MTServe's order) or a group of
     layers per copy (``STREAMGR_ONLOAD_LAYERS``; a last group shorter when it does not divide
-    the layers) gives the same answers as recompute, and each layer is signalled once."""
+    the layers) gives the same answers as recompute, and each layer is signalled once. ``raw``:
+    the copies on raw pointers (CUDA's ``cudaMemcpyAsync``; here a memmove at the same
+    addresses), so the pointer arithmetic over chunks and layers is what is checked."""
     monkeypatch.setenv("STREAMGR_ONLOAD_LAYERS", str(group))
     engines = runners(page_tokens=4, chunk_tokens=8, device_pages=24, host_chunks=64,
                       model={"num_layers": layers})
@@ -91,6 +95,12 @@ def test_direct_onload_in_layer_groups_keeps_answers_equal(monkeypatch, group, l
     direct, land = onload._direct, onload._layer_landed
     onload._direct = lambda *a: (calls.append(len(a[1])), direct(*a))[1]  # a[1]: the chunks
     onload._layer_landed = lambda layer, *a: (landed.append(layer), land(layer, *a))[1]
+    raw_calls = []
+    if raw:
+        def memmove(dst, src, n, stream):
+            raw_calls.append(n)
+            ctypes.memmove(dst, src, n)
+        onload.raw_copy = memmove
     rng = np.random.default_rng(3)
     for batch in workload(rng, engines, steps=30):
         ref = run_batch(engines["recompute"], batch)
@@ -102,6 +112,7 @@ def test_direct_onload_in_layer_groups_keeps_answers_equal(monkeypatch, group, l
     layer_bytes = host[0, 0].numel() * host.element_size()
     assert calls and runner.bytes_onloaded == sum(calls) * layers * layer_bytes
     assert landed == list(range(layers)) * len(calls)  # every layer once per onload, in order
+    assert sum(raw_calls) == (runner.bytes_onloaded if raw else 0)
     for e in engines.values():
         e.close_offline()
 

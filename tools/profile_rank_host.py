@@ -6,6 +6,8 @@ with ``--top N``, cProfile's N most expensive functions.
 
     python3 tools/profile_rank_host.py [--mode gpu-only|hierarchical] [--users 200] [--top 20]
     python3 tools/profile_rank_host.py --first --users 1000 --requests 2400   # first visits
+    python3 tools/profile_rank_host.py --mode hierarchical --set cache.device_pages=8192 \
+        --set cache.onload_split=0.5                                          # host hits
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_rank import drain_background  # noqa: E402  (tools/, the script's own folder)
-from streamgr.config import load_spec  # noqa: E402
+from streamgr.config import load_spec, parse_set_pairs  # noqa: E402
 from streamgr.engine.cached_rank import CachedRankRunner  # noqa: E402
 from streamgr.engine.core import Engine  # noqa: E402
 from streamgr.trace.replay import batches_of_distinct_users, replay_batches  # noqa: E402
@@ -38,11 +40,13 @@ def main() -> int:
     ap.add_argument("--sort", default="tottime", help="cProfile's order (tottime, cumtime)")
     ap.add_argument("--first", action="store_true",
                     help="users' first visits: the trace from its start, nothing loaded before")
+    ap.add_argument("--set", action="append", dest="overrides", metavar="KEY=VALUE",
+                    help="spec overrides, e.g. cache.device_pages=8192: host hits")
     args = ap.parse_args()
     spec = load_spec("rank-ref", {
         "engine.device": "cpu", "model.num_layers": 1, "model.model_dim": 32,
         "model.num_heads": 1, "model.head_dim": 32, "model.dtype": "float32",
-        "cache.host_chunks": 3000, "cache.mode": args.mode})
+        "cache.host_chunks": 3000, "cache.mode": args.mode, **parse_set_pairs(args.overrides)})
     trace = synth_trace("kuairand-1k", 0, args.users)
     tl = Timeline(trace)
     s0 = 0 if args.first else len(trace) // 2

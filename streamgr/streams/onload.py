@@ -217,8 +217,16 @@ class OnloadPipeline:
                 n = min(g, self.layers - l) * layer_bytes
                 pace.before(n)
                 if raw is not None:
-                    raw(dst0 + i * dst_step + l * layer_bytes, src_at[i] + l * layer_bytes, n,
-                        stream)
+                    try:
+                        raw(dst0 + i * dst_step + l * layer_bytes, src_at[i] + l * layer_bytes,
+                            n, stream)
+                    except Exception as err:
+                        # This batch's onload fails (its users are recomputed, still right);
+                        # later batches copy through torch instead of failing the same way.
+                        log.warning("onload: raw cudaMemcpyAsync failed (%s); torch copies "
+                                    "from now on", err)
+                        self.raw_copy = None
+                        raise
                 else:
                     if src[i] is None:
                         src[i], dst[i] = host[chunks[i]].split(g), buf[i].split(g)

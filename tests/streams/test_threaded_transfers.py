@@ -86,11 +86,8 @@ def test_direct_onload_in_layer_groups_keeps_answers_equal(monkeypatch, group, l
     engines = runners(page_tokens=4, chunk_tokens=8, device_pages=24, host_chunks=64,
                       model={"num_layers": layers})
     runner = engines["hierarchical"].runner
-    onload = runner.onload
+    onload = force_direct(runner)
     assert onload.layer_group == group
-    onload._staging_buffers()  # made now, unpinned (the CPU has no pinned allocator)
-    onload.pin = True  # the direct path: DMA straight from a page-locked store
-    runner.stores.host.is_pinned = lambda: True
     calls, landed = [], []
     direct, land = onload._direct, onload._layer_landed
     onload._direct = lambda *a: (calls.append(len(a[1])), direct(*a))[1]  # a[1]: the chunks
@@ -101,18 +98,52 @@ def test_direct_onload_in_layer_groups_keeps_answers_equal(monkeypatch, group, l
             raw_calls.append(n)
             ctypes.memmove(dst, src, n)
         onload.raw_copy = memmove
-    rng = np.random.default_rng(3)
-    for batch in workload(rng, engines, steps=30):
-        ref = run_batch(engines["recompute"], batch)
-        got = run_batch(engines["hierarchical"], batch)
-        for g, r in zip(got, ref):
-            np.testing.assert_allclose(g[0], r[0], rtol=2e-4, atol=2e-5)
+    serve_equal_to_recompute(engines)
     layers = runner.stores.layers
     host = runner.stores.host
     layer_bytes = host[0, 0].numel() * host.element_size()
     assert calls and runner.bytes_onloaded == sum(calls) * layers * layer_bytes
     assert landed == list(range(layers)) * len(calls)  # every layer once per onload, in order
     assert sum(raw_calls) == (runner.bytes_onloaded if raw else 0)
+    for e in engines.values():
+        e.close_offline()
+
+
+def force_direct(runner):
+    """The runner's onload on the page-locked store's direct path (CUDA's), forced on the CPU
+    (where copies are synchronous)."""
+    onload = runner.onload
+    onload._staging_buffers()  # made now, unpinned (the CPU has no pinned allocator)
+    onload.pin = True  # the direct path: DMA straight from a page-locked store
+    runner.stores.host.is_pinned = lambda: True
+    return onload
+
+
+def serve_equal_to_recompute(engines, steps: int = 30) -> None:
+    rng = np.random.default_rng(3)
+    for batch in workload(rng, engines, steps=steps):
+        ref = run_batch(engines["recompute"], batch)
+        got = run_batch(engines["hierarchical"], batch)
+        for g, r in zip(got, ref):
+            np.testing.assert_allclose(g[0], r[0], rtol=2e-4, atol=2e-5)
+
+
+def test_a_failing_raw_copy_fails_one_onload_then_torch_copies_serve():
+    """A raw ``cudaMemcpyAsync`` that fails (say, CuPy's runtime unusable with this driver):
+    that batch's onload fails and its users are recomputed (answers still equal recompute's),
+    the pipeline drops the raw copier with a warning, and later onloads copy through torch."""
+    engines = runners(page_tokens=4, chunk_tokens=8, device_pages=24, host_chunks=64)
+    runner = engines["hierarchical"].runner
+    onload = force_direct(runner)
+    tried = []
+
+    def broken(dst, src, n, stream):
+        tried.append(n)
+        raise RuntimeError("cudaErrorInsufficientDriver")
+    onload.raw_copy = broken
+    serve_equal_to_recompute(engines)
+    assert len(tried) == 1 and onload.raw_copy is None  # one failure, then torch's copies
+    assert runner.onload_faults == 1 and runner.bytes_onloaded > 0
     for e in engines.values():
         e.close_offline()
 

@@ -135,3 +135,28 @@ def test_probe_gen_host_runs_the_engine_with_the_device_stubbed():
     m = re.search(r"probe_gen_host gen-ref: ([\d,]+) requests/s closed loop \(x32\) with the "
                   r"device work stubbed; event loop CPU (\d+) us per request", p.stdout)
     assert m and int(m.group(1).replace(",", "")) > 0 and int(m.group(2)) > 0, p.stdout
+
+
+def test_bench_rank_interleaves_the_modes_batch_by_batch(tmp_path):
+    """tools/bench_rank.py --interleave: the three engines open at once, every batch timed in
+    every mode (recompute included, not every k-th), the cached modes' scores checked against
+    recompute's, the same table as the mode-by-mode runs."""
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_rank.py"), "--spec",
+                        "rank-small", "--device", "cpu", "--profile", "small", "--users", "20",
+                        "--limit", "60", "--warmup-frac", "0.25", "--batch", "4",
+                        "--warm-batches", "1", "--recompute-every", "3", "--interleave",
+                        "--json", str(out)],
+                       capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    import json
+    r = json.loads(out.read_text())["4"]
+    n = r["batches"]["measured"]
+    assert n > 0 and r["batches"]["recompute_timed"] == n  # every measured batch, every mode
+    assert all(r[m]["batches"] == n for m in ("recompute", "gpu-only", "hierarchical"))
+    assert all(e < 1e-4 for e in r["max_abs_err"].values()), r["max_abs_err"]
+    assert r["hierarchical"]["total_hit"] > 0
+    assert "Table 1: end-to-end batch latency" in p.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_rank.py"), "--interleave",
+                          "--delta"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "--interleave replays whole requests" in bad.stderr

@@ -3,7 +3,9 @@
 Batches of distinct users in trace order (batch sizes 1, 4, 8), in one run. The first part of
 the trace only warms the caches; the rest is measured. Recompute is stateless, so it is timed on
 every k-th measured batch and the speed-ups compare the same batches. Before any timing counts,
-the cached modes' scores are checked against recompute's on those batches.
+the cached modes' scores are checked against recompute's on those batches. ``--interleave``
+opens the three engines at once and runs each batch through all of them in turn (recompute on
+every batch), so that a host whose speed drifts during the run weighs on every mode alike.
 
 Output: MTServe's Table 1 (latency, speed-up, hit ratios) and Table 2 (per-stage breakdown),
 latency by tier (GPU hit / host hit / miss), and a one-line summary last.
@@ -29,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from streamgr.config import parse_set_pairs  # noqa: E402
 from streamgr.config import load_spec  # noqa: E402
 from streamgr.engine.core import Engine  # noqa: E402
-from streamgr.trace.replay import batches_of_distinct_users, replay_batches  # noqa: E402
+from streamgr.trace.replay import ReplayResult, batches_of_distinct_users, replay_batches  # noqa: E402
 from streamgr.trace.synth import Timeline, synth_trace  # noqa: E402
 from host_probe import probe_ms  # noqa: E402  (tools/, the script's own folder)
 
@@ -69,8 +71,8 @@ def warm_batches(profile: str, seed: int, users: int, n: int, bs: int) -> list[l
     return list(batches_of_distinct_users(iter(reqs), bs))[:n]
 
 
-def run_mode(spec, mode, batches, measured, timed_re, prefill, delta=False, stage_every=1,
-             warm=()):
+def open_mode(spec, mode, prefill, delta=False, warm=()):
+    """An engine in ``mode``, its warm-up batches and (cached modes) its prefill replayed."""
     eng = Engine(load_spec(spec, {"cache.mode": mode}))
     split = getattr(eng.runner, "onload_split", None)
     if split is not None and not isinstance(split, float):  # measured at start ("auto")
@@ -84,6 +86,23 @@ def run_mode(spec, mode, batches, measured, timed_re, prefill, delta=False, stag
         # holds what a server running since the trace's beginning would hold.
         replay_batches(eng, prefill, measure=[], label=f"{mode} prefill", delta=delta)
         drain_background(eng)
+    return eng
+
+
+def close_mode(eng, mode, bs) -> None:
+    plans = eng.stats().get("rank_plans")
+    if plans is not None:
+        print(f"{mode} bs={bs} rank plans: {plans}", file=sys.stderr)
+    eng.close_offline()
+    del eng
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_mode(spec, mode, batches, measured, timed_re, prefill, delta=False, stage_every=1,
+             warm=()):
+    eng = open_mode(spec, mode, prefill, delta, warm)
     measure = timed_re if mode == "recompute" else measured
     # Recompute keeps no state: only its timed batches need to run, after one untimed (its
     # first batch pays one-time costs: library handles, kernels loaded, pools grown).
@@ -97,15 +116,38 @@ def run_mode(spec, mode, batches, measured, timed_re, prefill, delta=False, stag
     if mode == "recompute":  # batch numbers back to the shared numbering
         for r in res.records:
             r.batch = timed_re[r.batch]
-    plans = eng.stats().get("rank_plans")
-    if plans is not None:
-        print(f"{mode} bs={len(batches[0])} rank plans: {plans}", file=sys.stderr)
-    eng.close_offline()
-    del eng
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    close_mode(eng, mode, len(batches[0]))
     return res
+
+
+def run_interleaved(spec, modes, batches, measured, prefill, stage_every=1, warm=()):
+    """Every mode's engine open at once, each batch through all of them in turn (the order
+    rotated batch by batch), every measured batch timed in every mode: a host that speeds up
+    or slows down during the run (0.1-0.3 ms on a first-visit batch of 8 on the H200 hosts,
+    session 22) then weighs on every mode alike, where one mode after another it lands on
+    whichever mode ran then. Memory: the cached modes' stores are held together."""
+    engines = {m: open_mode(spec, m, prefill, False, warm) for m in modes}
+    runs = {m: ReplayResult() for m in modes}
+    meas = set(measured)
+    for j, batch in enumerate(batches):
+        synced = stage_every > 0 and j % stage_every == 0
+        k = j % len(modes)
+        for m in modes[k:] + modes[:k]:
+            r = replay_batches(engines[m], [batch], measure=[0] if j in meas else [],
+                               keep_scores=True, progress=False, sync_stages=synced)
+            acc = runs[m]
+            for rec in r.records:
+                rec.batch = j
+            acc.records += r.records
+            acc.scores += r.scores
+            acc.batches += r.batches
+            if r.batches and (stage_every <= 1 or synced):
+                acc.stage_batches += 1
+                for key, v in r.stages.items():
+                    acc.stages[key] = acc.stages.get(key, 0.0) + v
+    for m, eng in engines.items():
+        close_mode(eng, m, len(batches[0]))
+    return runs
 
 
 def summarize(res, timed_re_set, n_batches, stage_every=1):
@@ -179,10 +221,16 @@ def main() -> int:
     ap.add_argument("--mode-order", nargs=3, choices=MODES, default=list(MODES),
                     help="the order the modes run in (each in its own engine, one after the "
                          "other in this process): to tell a mode's cost from its place")
+    ap.add_argument("--interleave", action="store_true",
+                    help="open the three modes' engines at once and run each batch through "
+                         "all of them in turn (the order rotated), recompute on every batch: "
+                         "the host's drift during the run weighs on every mode alike")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if sorted(args.mode_order) != sorted(MODES):
         ap.error(f"--mode-order names each of {', '.join(MODES)} once")
+    if args.interleave and args.delta:
+        ap.error("--interleave replays whole requests (--delta keeps per-engine state)")
     ov = parse_set_pairs(args.overrides)
     if args.device:
         ov["engine.device"] = args.device
@@ -210,13 +258,17 @@ def main() -> int:
         else:
             warm = int(len(batches) * args.warmup_frac)
         measured = list(range(warm, len(batches)))
-        timed_re = measured[::args.recompute_every]
+        timed_re = measured if args.interleave else measured[::args.recompute_every]
         prefill = None
         if args.prefill:  # untimed, in batches of 8 at least
             prefill = tl.prefill(s0, order, max(bs, 8))
         warm = warm_batches(args.profile, args.seed, args.users or 200, args.warm_batches, bs)
-        runs = {m: run_mode(spec, m, batches, measured, timed_re, prefill, args.delta,
-                            args.stage_every, warm) for m in args.mode_order}
+        if args.interleave:
+            runs = run_interleaved(spec, tuple(args.mode_order), batches, measured, prefill,
+                                   args.stage_every, warm)
+        else:
+            runs = {m: run_mode(spec, m, batches, measured, timed_re, prefill, args.delta,
+                                args.stage_every, warm) for m in args.mode_order}
         # The cached modes' scores on the recompute-timed batches, against recompute's.
         re_set = set(timed_re)
         errs = {}

@@ -18,9 +18,11 @@
 #       the last batch's timeline: where an eager recompute batch's ~2 ms beyond its kernels go
 #       (PROF_ARGS=--unsynced: the batches as served, not stage-synced)
 #     first: rank-ref first visits one batch at a time (the first 2,400 requests of a fresh
-#       trace), FIRST_RUNS times alternating the batch and mode orders, each mode's engine
-#       first warmed by FIRST_WARM (4) untimed batches of other users (FIRST_WARM=0: the method
-#       of sessions 5-12); single runs disagree; no tests
+#       trace), FIRST_RUNS times (default 1) with the modes interleaved batch by batch
+#       (bench_rank --interleave: the host's drift weighs on every mode alike), each mode's
+#       engine first warmed by FIRST_WARM (4) untimed batches of other users; FIRST_INTERLEAVE=0
+#       runs the modes one after another, alternating the batch and mode orders between runs
+#       (FIRST_RUNS 3 then; sessions 13-22's method: single runs disagreed); no tests
 #     hosthit: rank-ref at batch 8 with a device tier of 8,192 pages, so that most hits come
 #       from host chunks (issue 12's host-hit target; no tests), once per cache.onload_split
 #       in HOSTHIT_SPLITS (default "auto"; e.g. "auto 0.0 1.0" for the A/B)
@@ -135,14 +137,16 @@ if [ "$mode" = update ] || [ "$mode" = verify ]; then
   summary+=("$(tail -n 1 "$out/bench_update.txt")")
 fi
 if [ "$mode" = first ]; then
-  for i in $(seq 1 ${FIRST_RUNS:-3}); do
+  il=${FIRST_INTERLEAVE:-1}
+  runs=${FIRST_RUNS:-$([ "$il" = 1 ] && echo 1 || echo 3)}
+  for i in $(seq 1 $runs); do
     # even runs reverse the batch sizes and the modes: a mode's place in the process (the
     # first cached mode pays one-time costs) must not pass for its cost
     order="8 1"; modes="recompute gpu-only hierarchical"
     [ $((i % 2)) -eq 0 ] && order="1 8" && modes="hierarchical gpu-only recompute"
     python3 tools/bench_rank.py --spec rank-ref --profile kuairand-1k --users 1000 --limit 2400 \
       --warmup-frac 0 --batch $order --mode-order $modes --warm-batches ${FIRST_WARM:-4} \
-      --set cache.host_chunks=3600 \
+      --set cache.host_chunks=3600 $([ "$il" = 1 ] && echo --interleave) \
       --json "$out/bench_first$i.json" \
       2>"$out/bench_first$i.err" | tee "$out/bench_first$i.txt" | grep "^BS=\|median"
     summary+=("first visits run $i: $(grep '^Latency median' "$out/bench_first$i.txt")")

@@ -157,6 +157,8 @@ def test_bench_rank_interleaves_the_modes_batch_by_batch(tmp_path):
     assert all(e < 1e-4 for e in r["max_abs_err"].values()), r["max_abs_err"]
     assert r["hierarchical"]["total_hit"] > 0
     assert "Table 1: end-to-end batch latency" in p.stdout
+    assert re.search(r"interleaved: background work drained after each batch, ms a batch: "
+                     r"recompute [\d.]+, gpu-only [\d.]+, hierarchical [\d.]+", p.stderr)
     bad = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_rank.py"), "--interleave",
                           "--delta"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "--interleave replays whole requests" in bad.stderr

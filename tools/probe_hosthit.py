@@ -34,7 +34,7 @@ from streamgr.config import load_spec, parse_set_pairs  # noqa: E402
 from streamgr.trace.replay import batches_of_distinct_users, replay_batches  # noqa: E402
 from streamgr.trace.synth import Timeline, synth_trace  # noqa: E402
 from bench_rank import drain_background  # noqa: E402
-from profile_rank import chrome_trace, range_events  # noqa: E402
+from profile_rank import DEV_CATS, chrome_trace, range_events  # noqa: E402
 
 
 def parse_config(text: str) -> tuple[str, int | None, bool]:
@@ -140,19 +140,17 @@ def trace_batches(eng, batches, name: str, least_us: float = 300.0, re_eng=None)
 
 def kernel_table(trace: list[dict], markers: list[str], rows: int = 14) -> list[tuple]:
     """``(name, us per batch, launches per batch)`` of the device events (kernels, copies,
-    memsets) inside the ``markers`` ranges, largest first; then a ``total`` row."""
-    cats = ("kernel", "gpu_memcpy", "gpu_memset")
-    spans = [e for e in trace if e.get("ph") == "X" and e.get("name") in markers]
+    memsets) inside the ``markers`` ranges, largest first; then a ``total`` row. (Events whose
+    launch falls in a range would be exact; starting inside it, the batch's sync at its end
+    included, is close.)"""
+    found = [f for f in (range_events(trace, m, DEV_CATS) for m in markers) if f is not None]
     sums: dict[str, list[float]] = {}
-    for sp in spans:  # device events whose launch (flow start) falls in the host range would
-        # be exact; their start inside the range plus the batch's sync at its end is close
-        t0, t1 = sp["ts"], sp["ts"] + sp["dur"]
-        for e in trace:
-            if e.get("ph") == "X" and e.get("cat") in cats and t0 <= e["ts"] <= t1:
-                acc = sums.setdefault(e["name"], [0.0, 0])
-                acc[0] += e["dur"]
-                acc[1] += 1
-    n = max(len(spans), 1)
+    for _, _, inside in found:
+        for e in inside:
+            acc = sums.setdefault(e["name"], [0.0, 0])
+            acc[0] += e["dur"]
+            acc[1] += 1
+    n = max(len(found), 1)
     out = sorted(((k, v[0] / n, v[1] / n) for k, v in sums.items()), key=lambda r: -r[1])
     total = (f"total ({len(out)} kinds)", sum(r[1] for r in out), sum(r[2] for r in out))
     return out[:rows] + [total]

@@ -100,6 +100,9 @@ def main() -> int:
     return 0
 
 
+DEV_CATS = ("kernel", "gpu_memcpy", "gpu_memset")  # the Chrome trace's device-side events
+
+
 def chrome_trace(prof) -> list[dict]:
     """The profiler's events as its Chrome trace has them (host and device, with categories)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
@@ -124,16 +127,15 @@ def print_timeline(prof, marker: str, gaps: int) -> None:
     copies, syncs) and device events, each with its start offset; then the device's longest idle
     gaps inside the batch with the events on either side. Where a batch's time beyond its kernel
     time goes (launch gaps, blocking copies, host work the device waits for)."""
-    dev_cats = ("kernel", "gpu_memcpy", "gpu_memset")
-    found = range_events(chrome_trace(prof), marker, dev_cats + ("cuda_runtime", "cuda_driver"))
+    found = range_events(chrome_trace(prof), marker, DEV_CATS + ("cuda_runtime", "cuda_driver"))
     if found is None:
         print(f"timeline: no {marker} range in the trace")
         return
     t0, t1, inside = found
-    dev = [e for e in inside if e["cat"] in dev_cats]
+    dev = [e for e in inside if e["cat"] in DEV_CATS]
     print(f"\ntimeline of {marker}: {t1 - t0:.1f} us on the host, {len(dev)} device events")
     for e in inside:
-        side = "dev " if e["cat"] in dev_cats else "host"
+        side = "dev " if e["cat"] in DEV_CATS else "host"
         print(f"  {e['ts'] - t0:9.1f} {e['dur']:8.1f} {side} {e['name'][:90]}")
     if not dev:
         return

@@ -133,7 +133,6 @@ class OnloadPipeline:
             raise RuntimeError("injected onload fault")
         chunks = [c for _, cs, _ in onload for c in cs]
         ids = np.fromiter((p for _, _, ps in onload for p in ps), dtype=np.int64)
-        staging = self._staging_buffers()
         buf = self._device_buffer(len(chunks))
         s.onload.wait_event(self._last_scatter)  # the buffer's previous contents were scattered
         if after is not None:
@@ -149,6 +148,7 @@ class OnloadPipeline:
         if self.pin and host.is_pinned():  # a pinned host store needs no staging: DMA from it
             self._direct(units, chunks, buf, page_ids, handles)
             return
+        staging = self._staging_buffers()  # (only this path stages)
         per = self.layers * self.staging_chunks  # slices per staging buffer
         # numpy views: np.copyto is a plain memcpy that releases the GIL (bf16 seen as int16).
         host_np = host.view(torch.int16).numpy()
@@ -188,26 +188,11 @@ class OnloadPipeline:
         g = self.layer_group
         delayed: set[int] = set()
         pace = _Window(self.window_bytes if s.cuda else 0, s)
-        host = self.stores.host
-        layer_bytes = int(np.prod(self.slice_shape)) * host.element_size()
-        raw = self.raw_copy if host.is_contiguous() and buf.is_contiguous() else None
+        layer_bytes = int(np.prod(self.slice_shape)) * self.stores.host.element_size()
         with s.use(s.onload):
             if self.trace_events is not None:
                 self.trace_events["onload_start"] = s.onload.record_event(s.event(timing=True))
-            if raw is not None:
-                # Raw pointers: a chunk's layers are contiguous in the store and in the buffer.
-                # The onload moved 33-36 GB/s beside an eager recompute with torch copies and
-                # 44-48 GB/s alone (H200, session 21): its thread waited for the GIL between
-                # copies while the forward's thread launched kernels.
-                src_at = [host.data_ptr() + c * host.stride(0) * host.element_size()
-                          for c in chunks]
-                dst0, dst_step = buf.data_ptr(), buf.stride(0) * buf.element_size()
-                stream = getattr(s.onload, "cuda_stream", 0)  # (0: a test's copier on the CPU)
-            else:
-                # Each chunk's layer groups as views made at its first copy and reused, so
-                # that a later copy is one torch call.
-                src: list = [None] * len(chunks)
-                dst: list = [None] * len(chunks)
+            copy = self._chunk_copier(chunks, buf, layer_bytes)
             for l, i in units:
                 if l % g:
                     continue  # copied with its group's first layer
@@ -216,27 +201,47 @@ class OnloadPipeline:
                     time.sleep(self.delay_layers[l])
                 n = min(g, self.layers - l) * layer_bytes
                 pace.before(n)
-                if raw is not None:
-                    try:
-                        raw(dst0 + i * dst_step + l * layer_bytes, src_at[i] + l * layer_bytes,
-                            n, stream)
-                    except Exception as err:
-                        # This batch's onload fails (its users are recomputed, still right);
-                        # later batches copy through torch instead of failing the same way.
-                        log.warning("onload: raw cudaMemcpyAsync failed (%s); torch copies "
-                                    "from now on", err)
-                        self.raw_copy = None
-                        raise
-                else:
-                    if src[i] is None:
-                        src[i], dst[i] = host[chunks[i]].split(g), buf[i].split(g)
-                    dst[i][l // g].copy_(src[i][l // g], non_blocking=True)
+                copy(i, l, n)
                 pace.after(n)
                 self.bytes += n
                 if i == len(chunks) - 1:
                     for j in range(l, min(l + g, self.layers)):
                         self._layer_landed(j, buf, page_ids, handles)
         self._last_scatter = handles.ready[-1]
+
+    def _chunk_copier(self, chunks, buf, layer_bytes: int):
+        """``copy(i, l, n)``: ``n`` bytes of chunk ``chunks[i]`` from layer ``l`` on, store to
+        ``buf[i]``, on the current (onload) stream. Raw ``cudaMemcpyAsync`` on pointers where
+        both are contiguous (the onload moved 33-36 GB/s beside an eager recompute with torch
+        copies, 44-48 GB/s alone, H200 session 21: its thread waited for the GIL between
+        copies while the forward's thread launched kernels); else torch copies between each
+        chunk's layer-group views, made at its first copy and reused."""
+        host, raw, g = self.stores.host, self.raw_copy, self.layer_group
+        if raw is not None and host.is_contiguous() and buf.is_contiguous():
+            src_at = [host.data_ptr() + c * host.stride(0) * host.element_size() for c in chunks]
+            dst0, dst_step = buf.data_ptr(), buf.stride(0) * buf.element_size()
+            stream = getattr(self.streams.onload, "cuda_stream", 0)  # (0: a test's CPU copier)
+
+            def copy(i: int, l: int, n: int) -> None:
+                try:
+                    raw(dst0 + i * dst_step + l * layer_bytes, src_at[i] + l * layer_bytes, n,
+                        stream)
+                except Exception as err:
+                    # This batch's onload fails (its users are recomputed, still right); later
+                    # batches copy through torch instead of failing the same way.
+                    log.warning("onload: raw cudaMemcpyAsync failed (%s); torch copies from "
+                                "now on", err)
+                    self.raw_copy = None
+                    raise
+            return copy
+        src: list = [None] * len(chunks)
+        dst: list = [None] * len(chunks)
+
+        def copy(i: int, l: int, n: int) -> None:
+            if src[i] is None:
+                src[i], dst[i] = host[chunks[i]].split(g), buf[i].split(g)
+            dst[i][l // g].copy_(src[i][l // g], non_blocking=True)
+        return copy
 
     def _layer_landed(self, l: int, buf, page_ids, handles) -> None:
         """Layer ``l``'s copies are all issued: scatter them once landed; signal the layer."""

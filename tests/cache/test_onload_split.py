@@ -167,6 +167,28 @@ def test_auto_split_that_cannot_be_measured_onloads_all_and_serves(monkeypatch):
                                rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("times,want", [((0.002, 0.002), 0.002), ((0.003, 0.002), 0.002),
+                                         ((0.001, 0.005), None)])
+def test_onload_rate_never_reads_free(monkeypatch, times, want):
+    """The onload's cost a token is the slope between two onload sizes; where the larger
+    onload took no longer (tiny chunks: jitter of the fixed costs hides the bytes, as on the
+    H200 in session 23), it is the larger onload's mean a token, never 0 (a free onload
+    would never be split)."""
+    from streamgr.engine import onload_costs
+    eng, _ = _host_hit_engines(1.0)
+    runner, seen = eng.runner, iter(times)
+    monkeypatch.setattr(onload_costs, "_best", lambda fn, device, device_time=False: next(seen))
+    st = runner.stores
+    k = min(onload_costs.MAX_CHUNKS, st.host.shape[0], st.pages.shape[1] // st.chunk_pages)
+    k0 = max(1, k // 4)
+    a = onload_costs.onload_seconds_per_token(runner)
+    if want is None:
+        want = (times[1] - times[0]) / ((k - k0) * st.C)
+    else:
+        want = want / (k * st.C)
+    assert a == pytest.approx(want) and a > 0
+
+
 def test_measured_split_is_in_the_stats():
     eng, _ = _host_hit_engines("auto")
     got = eng.stats()["cache"]["onload_split"]

@@ -31,22 +31,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from streamgr import Engine  # noqa: E402
 from streamgr.api import RankRequest  # noqa: E402
 from streamgr.config import load_spec, parse_set_pairs  # noqa: E402
+from streamgr.streams.onload import onload_inline  # noqa: E402
 from streamgr.trace.replay import batches_of_distinct_users, replay_batches  # noqa: E402
 from streamgr.trace.synth import Timeline, synth_trace  # noqa: E402
 from bench_rank import drain_background  # noqa: E402
 from profile_rank import DEV_CATS, chrome_trace, range_events  # noqa: E402
 
 
-def parse_config(text: str) -> tuple[str, int | None, bool]:
-    """SPLIT[:WINDOW_MB[:torch]]; the window left out or empty: the engine's own; ``torch``:
-    the direct onload's copies as torch ``copy_`` calls, not raw ``cudaMemcpyAsync``."""
+def parse_config(text: str) -> tuple[str, int | None, bool, bool]:
+    """SPLIT[:WINDOW_MB[:FLAGS]]; the window left out or empty: the engine's own; FLAGS,
+    joined by ``+``: ``torch``, the direct onload's copies as torch ``copy_`` calls, not raw
+    ``cudaMemcpyAsync``; ``thread``, issued from the onload thread under the window, not from
+    the batch's thread (``STREAMGR_ONLOAD_INLINE=0``)."""
     split, _, rest = text.partition(":")
-    window, _, copies = rest.partition(":")
+    window, _, flags = rest.partition(":")
     if split != "auto":
         float(split)  # a fraction: checked here, not mid-run
-    if copies not in ("", "torch"):
-        raise SystemExit(f"--configs {text!r}: the third field is 'torch' or nothing")
-    return split, int(window) << 20 if window else None, copies == "torch"
+    flags = set(flags.split("+")) - {""}
+    if flags - {"torch", "thread"}:
+        raise SystemExit(f"--configs {text!r}: the third field is 'torch', 'thread', both "
+                         f"joined by '+', or nothing")
+    return split, int(window) << 20 if window else None, "torch" in flags, "thread" in flags
 
 
 def requests(batch) -> list[RankRequest]:
@@ -54,12 +59,13 @@ def requests(batch) -> list[RankRequest]:
             for r, items, actions in batch]
 
 
-def timeline(runner, ref) -> dict[str, float]:
-    """ms from ``ref`` to each timing event the batch recorded (compute and onload sides)."""
+def timeline(runner, ref, t0: float) -> dict[str, float]:
+    """ms from ``ref`` to each timing event the batch recorded (compute and onload sides), and
+    from ``t0`` (the host's clock when ``ref`` was recorded) to each host stamp (``host_*``)."""
     out = {}
     for events in (runner.trace_events or {}, runner.onload.trace_events or {}):
         for name, ev in events.items():
-            out[name] = ref.elapsed_time(ev)
+            out[name] = (ev - t0) * 1e3 if isinstance(ev, float) else ref.elapsed_time(ev)
     return out
 
 
@@ -93,10 +99,11 @@ def summary(rows: list[dict], layers: int) -> dict:
 def apply(runner, costs, config, default_window: int, raw_copy=None) -> None:
     """Put one ``--configs`` setting in force: the split, the window (the engine's own when
     the setting names none) and the onload's copies (``raw_copy``: the engine's own)."""
-    split, window, torch_copies = config
+    split, window, torch_copies, thread = config
     runner.onload_split = costs if split == "auto" else float(split)
     runner.onload.window_bytes = default_window if window is None else window
     runner.onload.raw_copy = None if torch_copies else raw_copy
+    runner.onload.inline = not thread
 
 
 def trace_batches(eng, batches, name: str, least_us: float = 300.0, re_eng=None):
@@ -217,12 +224,12 @@ def main() -> int:
             ref = runner.streams.event(timing=True)
             ref.record(runner.streams.compute)
             moved = runner.bytes_onloaded
-            t = time.perf_counter()
+            t = t0 = time.perf_counter()
             out = eng.run_batch(requests(batch), False, background=False)
             lat = (time.perf_counter() - t) * 1e3
             if cuda:
                 torch.cuda.synchronize()
-            events = timeline(runner, ref) if cuda else {}
+            events = timeline(runner, ref, t0) if cuda else {}
             eng.run_background()
             meta = [m for _, m in out.results]
             t = time.perf_counter()
@@ -235,6 +242,7 @@ def main() -> int:
                 "events": events})
     finally:
         runner.onload.window_bytes, runner.onload.raw_copy = default_window, raw_copy
+        runner.onload.inline = onload_inline()
         runner.trace_events = runner.onload.trace_events = None
     result = {c: summary(rows[c], layers) for c in args.configs}
     for c, s in result.items():
@@ -249,13 +257,16 @@ def main() -> int:
         print(f"  stages ms: {s['stages_ms']}")
         e = s["events_ms"]
         if e:
-            print("  layer  landed  scattered  append  attention (ms from the batch's start)")
+            print("  layer  landed  scattered  append  attention  host append (ms from the "
+                  "batch's start)")
             for l in range(layers):
-                cells = [e.get(f"{n}_{l}") for n in ("landed", "scattered", "append", "attention")]
+                cells = [e.get(f"{n}_{l}") for n in ("landed", "scattered", "append", "attention",
+                                                     "host_append")]
                 print(f"  {l:5d}  " + "  ".join("-".rjust(8) if v is None else f"{v:8.2f}"
                                                 for v in cells))
-            print(f"  onload start {e.get('onload_start', float('nan')):.2f}, "
-                  f"forward done {e.get('done', float('nan')):.2f} ms")
+            print(f"  onload start {e.get('onload_start', float('nan')):.2f} (issued by the "
+                  f"host from {e.get('host_onload_start', float('nan')):.2f}), forward done "
+                  f"{e.get('done', float('nan')):.2f} ms")
     for k, config in enumerate(args.trace):  # two batches each, not yet seen (host hits)
         apply(runner, costs, parse_config(config), default_window, raw_copy)
         trace_batches(eng, batches[len(batches) - 2 * (k + 1):len(batches) - 2 * k], config,

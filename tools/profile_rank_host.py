@@ -57,8 +57,8 @@ def main() -> int:
         replay_batches(eng, tl.prefill(s0, order, max(args.batch, 8)), measure=[], progress=False)
         drain_background(eng)
     # The model is not what is timed here: a stand-in returns zero scores at once.
-    CachedRankRunner._forward_eager = lambda self, pb, desc, app, handles, stages: torch.zeros(
-        int(sum(pb.num_candidates)))
+    CachedRankRunner._forward_eager = lambda self, up, desc, handles, stages: torch.zeros(
+        int(sum(up[0].num_candidates)))
     warm = min(20, len(batches) // 4)
     replay_batches(eng, batches[:warm], measure=[], progress=False)
     prof = cProfile.Profile() if args.top else None

@@ -24,7 +24,7 @@ from ..errors import EngineDead
 from ..kernels.host_loops import page_slots
 from ..kernels.hstu_plan import csr_of, page_csr
 from ..kernels import paged_kv
-from ..kernels.hstu_attention import JaggedKV, hstu_attention_jagged
+from ..kernels.hstu_attention import JaggedKV, hstu_attention_jagged, prepare_plans
 from ..models.hstu import HSTU
 from ..streams import (NullOffload, NullOnload, OffloadPipeline, OnloadFault, OnloadPipeline,
                        StreamSet)
@@ -152,7 +152,10 @@ class CachedRankRunner(RankRunner):
                 # Onload starts now, on its own thread and streams; the model waits per layer.
                 # The batch's own uploads follow it on the copy engine, behind at most the
                 # onload's window of copies in flight (streams/onload.py).
-                handles = self.onload.submit(jobs, after=self._compute_done)
+                # (Inline onloads start after the batch's own uploads: ``_forward_eager``.)
+                deferred = bool(jobs) and self.onload.deferred
+                if not deferred:
+                    handles = self.onload.submit(jobs, after=self._compute_done)
                 t = self._mark(stages, "onload_submit", t)
                 users = [UserSlice(tokens[p.key][p.start:], p.start, batch[i].candidates)
                          for i, p in zip(live, plans)]
@@ -162,7 +165,13 @@ class CachedRankRunner(RankRunner):
                 # Batches that onload host chunks stay eager (per-layer onload events).
                 scores = None if jobs else self._forward_planned(pb, desc, app, stages)
                 if scores is None:
-                    scores = self._forward_eager(pb, desc, app, handles, stages)
+                    up = self._upload(pb, app)
+                    if deferred:  # behind the batch's uploads and attention plans, on its thread
+                        cfg = self.model.cfg
+                        prepare_plans(desc, self.device, self.model.item_embedding.weight.dtype,
+                                      cfg.num_heads, cfg.head_dim)
+                        handles = self.onload.submit(jobs, after=self._compute_done)
+                    scores = self._forward_eager(up, desc, handles, stages)
                 pb.release()  # (the eager upload gave it back behind its copy already)
                 handles.done()
                 self._compute_done = s.compute.record_event(s.event())
@@ -227,11 +236,12 @@ class CachedRankRunner(RankRunner):
                    else self.staging.upload(slots, self.device))  # one copy
         return jb, app_dev
 
-    def _forward_eager(self, pb, desc, app, handles, stages) -> torch.Tensor:
-        """The layer loop from Python: each layer appends its new K/V, waits for its own
-        onloaded history (deeper layers' are still in flight), then attends."""
+    def _forward_eager(self, up, desc, handles, stages) -> torch.Tensor:
+        """The layer loop from Python over the batch's uploads ``up``: each layer appends its
+        new K/V, waits for its own onloaded history (deeper layers' are still in flight), then
+        attends."""
         s = self.streams
-        jb, (app_rows, app_p, app_o) = self._upload(pb, app)
+        jb, (app_rows, app_p, app_o) = up
         store, cfg = self.stores.pages, self.model.cfg
         wait = [0.0]
         ev = self.trace_events = {} if self.trace_events is not None else None
@@ -239,6 +249,7 @@ class CachedRankRunner(RankRunner):
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
             if ev is not None:  # the layer's projections are queued: compute reached it
                 ev[f"append_{layer}"] = s.compute.record_event(s.event(timing=True))
+                ev[f"host_append_{layer}"] = time.perf_counter()  # and when the host did
             if app_rows.numel():
                 paged_kv.append_rows(store, layer, k, v, app_rows, app_p, app_o)
             t0 = time.perf_counter()

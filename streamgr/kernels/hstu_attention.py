@@ -176,6 +176,20 @@ class JaggedKV:
         return self._cache[key]
 
 
+def prepare_plans(desc: JaggedKV, device: torch.device, dtype: torch.dtype, heads: int,
+                  dim: int) -> None:
+    """The batch's CUDA work items (every layer's and the last layer's) built and uploaded now,
+    as :func:`hstu_attention_jagged` would at its first call: a caller about to queue other
+    host-to-device copies (a host hit's onload) keeps these small ones ahead of them on the copy
+    engine. Nothing where the reference or the previous kernel will run."""
+    if (dtype != torch.bfloat16 or dim not in (32, 64, 128) or device.type != "cuda"
+            or DEFAULT_PLAN == "wmma" or not _cuda.usable(torch.empty(0, device=device))
+            or desc.store is not None and desc.store.dtype != torch.bfloat16):
+        return
+    for cand_only in (False, True):
+        desc.cuda_plan(device, heads, DEFAULT_PLAN, dim, cand_only)
+
+
 def hstu_attention_jagged_reference(q, k, v, desc: JaggedKV, layer: int, alpha: float,
                                     max_len: int) -> torch.Tensor:
     """Gather each user's history K/V (pages or rows) next to its candidates, then the

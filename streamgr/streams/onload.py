@@ -44,6 +44,25 @@ def onload_layer_group(layers: int) -> int:
     return int(raw)
 
 
+def onload_inline() -> bool:
+    """The direct path's copies issued from the batch's own thread, a few layers ahead of the
+    layer the model is about to attend (``STREAMGR_ONLOAD_INLINE``, default 1; 0: from the
+    onload thread, paced by a window, for A/B runs). Why: a second Python thread issuing copies
+    beside the eager forward competed with it for the GIL (H200, session 22: the forward's
+    host issue took 13.2 ms a host-hit batch with the thread against 8.9 with no onload, and
+    the thread's first copy came ~2 ms after the batch handed it the job)."""
+    raw = os.environ.get("STREAMGR_ONLOAD_INLINE", "1")
+    if raw not in ("0", "1"):
+        raise StreamgrError(f"STREAMGR_ONLOAD_INLINE={raw!r}: 1 (copies from the batch's "
+                            f"thread) or 0 (from the onload thread)")
+    return raw == "1"
+
+
+# Layers whose copies an inline onload keeps issued ahead of the one the model waits for: the
+# copy engine stays busy while the host issues the next layers' kernels.
+INLINE_AHEAD = 2
+
+
 def onload_window_bytes() -> int:
     """Bytes of onload copies in flight at most (``STREAMGR_ONLOAD_WINDOW_MB``, default 32; 0:
     no limit). Host-to-device copies from every stream share the copy engine in issue order
@@ -74,6 +93,7 @@ class OnloadPipeline:
         self.staging_chunks = staging_chunks
         self.layer_group = onload_layer_group(self.layers)
         self.window_bytes = onload_window_bytes()
+        self.inline = onload_inline()
         # The direct path's copies as raw cudaMemcpyAsync calls (CUDA with CuPy; None: torch's
         # copy_ between views): the onload thread then holds the GIL a few microseconds a copy.
         self.raw_copy = raw_h2d() if streams.cuda else None
@@ -104,6 +124,15 @@ class OnloadPipeline:
                                            device=self.stores.device)
         return self._buffer[:n_chunks]
 
+    @property
+    def deferred(self) -> bool:
+        """``submit`` issues the copies from the caller's thread as the model asks for layers
+        (:func:`onload_inline`, the page-locked store's direct path): the caller submits once
+        the batch's own uploads are queued, so they never wait behind the onload on the copy
+        engine, and no window is needed."""
+        host = self.stores.host
+        return self.inline and self.pin and host is not None and host.is_pinned()
+
     def submit(self, onload: list[tuple[object, list[int], list[int]]],
                after=None) -> LayerOnloadHandles:
         """Start onloading ``[(user, chunk ids, page ids)]``; ``after``: an event the scatter must
@@ -111,6 +140,10 @@ class OnloadPipeline:
         if not onload:
             return self._ready
         handles = LayerOnloadHandles(self.layers, self.streams, {u for u, _, _ in onload})
+        if self.deferred:
+            handles.pump = self._pump(onload, after, handles)
+            handles.pump(0)
+            return handles
         if self.threaded:
             self._thread.submit(self._run, onload, after, handles)
         else:
@@ -126,7 +159,9 @@ class OnloadPipeline:
             log.exception("onload failed")
             handles.fail(err)
 
-    def _transfer(self, onload, after, handles: LayerOnloadHandles) -> None:
+    def _begin(self, onload, after):
+        """(chunks, device buffer, page ids on the device) of a batch's onload, its streams
+        ordered behind the previous onload's scatter and ``after``."""
         s = self.streams
         if self.fail_next:
             self.fail_next = False
@@ -143,6 +178,57 @@ class OnloadPipeline:
             # stall on it before issuing any copy), and a pinned allocation per batch is slow.
             page_ids = (self._ids.upload(ids, self.stores.device) if s.cuda
                         else torch.from_numpy(ids))
+        return chunks, buf, page_ids
+
+    def _pump(self, onload, after, handles: LayerOnloadHandles):
+        """``pump(layer)``: the direct path's copies through layer ``layer + INLINE_AHEAD``
+        issued from the calling thread (those not issued yet), each finished layer's scatter
+        and event after them; ``pump(None)``: stop, issuing nothing more (a failed batch). A
+        failure fails the handles (the model's wait raises ``OnloadFault``: recomputed)."""
+        s, g, L = self.streams, self.layer_group, self.layers
+        state = {"next": 0, "copy": None}  # the next layer to issue
+
+        def pump(layer: int | None) -> None:
+            if handles.error is not None or state["next"] >= L:
+                return
+            if layer is None:
+                self._last_scatter = s.scatter.record_event(s.event())  # what was issued
+                handles.fail(RuntimeError("onload abandoned with its batch"))
+                return
+            try:
+                if state["copy"] is None:
+                    chunks, buf, page_ids = self._begin(onload, after)
+                    layer_bytes = int(np.prod(self.slice_shape)) * self.stores.host.element_size()
+                    state.update(copy=self._chunk_copier(chunks, buf, layer_bytes), buf=buf,
+                                 n=len(chunks), ids=page_ids, lb=layer_bytes)
+                    if self.trace_events is not None:
+                        self.trace_events["onload_start"] = s.onload.record_event(
+                            s.event(timing=True))
+                        self.trace_events["host_onload_start"] = time.perf_counter()
+                upto = min(L - 1, layer + INLINE_AHEAD)
+                with s.use(s.onload):
+                    while state["next"] <= upto:
+                        l0 = state["next"]
+                        if self.delay_layers.get(l0):
+                            time.sleep(self.delay_layers[l0])
+                        nb = min(g, L - l0) * state["lb"]
+                        for i in range(state["n"]):
+                            state["copy"](i, l0, nb)
+                            self.bytes += nb
+                        for j in range(l0, min(l0 + g, L)):
+                            self._layer_landed(j, state["buf"], state["ids"], handles)
+                        state["next"] = l0 + g
+                if state["next"] >= L:
+                    self._last_scatter = handles.ready[-1]
+            except BaseException as err:  # noqa: BLE001 - the batch falls back to recompute
+                log.exception("onload failed")
+                self._last_scatter = s.scatter.record_event(s.event())
+                handles.fail(err)
+        return pump
+
+    def _transfer(self, onload, after, handles: LayerOnloadHandles) -> None:
+        chunks, buf, page_ids = self._begin(onload, after)
+        s = self.streams
         host = self.stores.host
         units = [(l, i) for l in range(self.layers) for i in range(len(chunks))]
         if self.pin and host.is_pinned():  # a pinned host store needs no staging: DMA from it
@@ -192,6 +278,7 @@ class OnloadPipeline:
         with s.use(s.onload):
             if self.trace_events is not None:
                 self.trace_events["onload_start"] = s.onload.record_event(s.event(timing=True))
+                self.trace_events["host_onload_start"] = time.perf_counter()
             copy = self._chunk_copier(chunks, buf, layer_bytes)
             for l, i in units:
                 if l % g:

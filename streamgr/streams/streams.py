@@ -133,6 +133,9 @@ class LayerOnloadHandles:
         self.issued = [threading.Event() for _ in range(layers)]
         self.ready = [streams.event() for _ in range(layers)]
         self.error: BaseException | None = None
+        # An inline onload's issuer (``OnloadPipeline._pump``): the waits drive it from the
+        # model's thread; None where a transfer thread issues the copies.
+        self.pump = None
 
     def fail(self, err: BaseException) -> None:
         self.error = err
@@ -142,6 +145,8 @@ class LayerOnloadHandles:
     def wait(self, layer: int) -> None:
         """Make the compute stream wait for ``layer``'s K/V (blocks the host only until the
         copies are issued, never until they land)."""
+        if self.pump is not None:
+            self.pump(layer)
         self._raise_if_failed(self.issued[layer].wait(TRANSFER_TIMEOUT_S), f"layer {layer}'s onload")
         self.streams.compute.wait_event(self.ready[layer])
 
@@ -149,6 +154,8 @@ class LayerOnloadHandles:
         """Wait (host) until the transfer thread has issued or given up every layer, without
         raising; False if that took longer than ``timeout`` s (default ``TRANSFER_TIMEOUT_S``;
         the thread may still issue copies)."""
+        if self.pump is not None:  # issued from this thread: nothing more will be
+            self.pump(None)
         timeout = TRANSFER_TIMEOUT_S if timeout is None else timeout
         deadline = time.monotonic() + timeout
         for e in self.issued:
@@ -158,6 +165,8 @@ class LayerOnloadHandles:
 
     def done(self) -> None:
         """Wait (host) until every layer is issued; raise if the transfer failed or hung."""
+        if self.pump is not None:
+            self.pump(len(self.issued) - 1)
         self._raise_if_failed(self.settle(), "onload")
 
     def _raise_if_failed(self, issued: bool, what: str) -> None:

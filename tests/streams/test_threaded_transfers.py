@@ -73,24 +73,30 @@ def test_gpu_only_cache_has_null_transfers():
     engines["gpu-only"].close_offline()
 
 
+@pytest.mark.parametrize("inline", [True, False])
 @pytest.mark.parametrize("raw", [False, True])
 @pytest.mark.parametrize("group,layers", [(1, 2), (2, 2), (2, 3), (1, 3)])
-def test_direct_onload_in_layer_groups_keeps_answers_equal(monkeypatch, group, layers, raw):
+def test_direct_onload_in_layer_groups_keeps_answers_equal(monkeypatch, group, layers, raw,
+                                                           inline):
     """The page-locked store's direct DMA path (CUDA's; here forced on the CPU, where copies
     are synchronous): copying one layer of a chunk at a time (MTServe's order) or a group of
     layers per copy (``STREAMGR_ONLOAD_LAYERS``; a last group shorter when it does not divide
     the layers) gives the same answers as recompute, and each layer is signalled once. ``raw``:
     the copies on raw pointers (CUDA's ``cudaMemcpyAsync``; here a memmove at the same
-    addresses), so the pointer arithmetic over chunks and layers is what is checked."""
+    addresses), so the pointer arithmetic over chunks and layers is what is checked.
+    ``inline``: issued from the batch's thread as the model reaches each layer (the default),
+    or by the transfer code of the onload thread (``STREAMGR_ONLOAD_INLINE=0``)."""
     monkeypatch.setenv("STREAMGR_ONLOAD_LAYERS", str(group))
     engines = runners(page_tokens=4, chunk_tokens=8, device_pages=24, host_chunks=64,
                       model={"num_layers": layers})
     runner = engines["hierarchical"].runner
     onload = force_direct(runner)
-    assert onload.layer_group == group
-    calls, landed = [], []
-    direct, land = onload._direct, onload._layer_landed
-    onload._direct = lambda *a: (calls.append(len(a[1])), direct(*a))[1]  # a[1]: the chunks
+    onload.inline = inline
+    assert onload.layer_group == group and onload.deferred == inline
+    calls, landed, paths = [], [], set()
+    begin, land, direct = onload._begin, onload._layer_landed, onload._direct
+    onload._begin = lambda *a: (lambda got: (calls.append(len(got[0])), got)[1])(begin(*a))
+    onload._direct = lambda *a: (paths.add("thread"), direct(*a))[1]
     onload._layer_landed = lambda layer, *a: (landed.append(layer), land(layer, *a))[1]
     raw_calls = []
     if raw:
@@ -104,6 +110,7 @@ def test_direct_onload_in_layer_groups_keeps_answers_equal(monkeypatch, group, l
     layer_bytes = host[0, 0].numel() * host.element_size()
     assert calls and runner.bytes_onloaded == sum(calls) * layers * layer_bytes
     assert landed == list(range(layers)) * len(calls)  # every layer once per onload, in order
+    assert paths == (set() if inline else {"thread"})
     assert sum(raw_calls) == (runner.bytes_onloaded if raw else 0)
     for e in engines.values():
         e.close_offline()

@@ -182,6 +182,8 @@ def main() -> int:
                     help="then two batches of each CONFIG under torch.profiler: the host calls of "
                          ">= 300 us in time order, and the kernels' device time beside "
                          "recompute's on the same batches")
+    ap.add_argument("--least-us", type=float, default=300.0,
+                    help="--trace: host calls at least this long are listed")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     configs = [parse_config(c) for c in args.configs]
@@ -270,7 +272,7 @@ def main() -> int:
     for k, config in enumerate(args.trace):  # two batches each, not yet seen (host hits)
         apply(runner, costs, parse_config(config), default_window, raw_copy)
         trace_batches(eng, batches[len(batches) - 2 * (k + 1):len(batches) - 2 * k], config,
-                      re_eng=re_eng)
+                      args.least_us, re_eng=re_eng)
     if args.json:
         args.json.write_text(json.dumps({"summary": result, "rows": rows}, indent=1))
     eng.close_offline()

@@ -38,20 +38,22 @@ from bench_rank import drain_background  # noqa: E402
 from profile_rank import DEV_CATS, chrome_trace, range_events  # noqa: E402
 
 
-def parse_config(text: str) -> tuple[str, int | None, bool, bool]:
+def parse_config(text: str) -> tuple[str, int | None, bool, bool, bool]:
     """SPLIT[:WINDOW_MB[:FLAGS]]; the window left out or empty: the engine's own; FLAGS,
     joined by ``+``: ``torch``, the direct onload's copies as torch ``copy_`` calls, not raw
     ``cudaMemcpyAsync``; ``thread``, issued from the onload thread under the window, not from
-    the batch's thread (``STREAMGR_ONLOAD_INLINE=0``)."""
+    the batch's thread (``STREAMGR_ONLOAD_INLINE=0``); ``nopad``, eager batches over their own
+    row count, not bucketed (``RankRunner.pad_eager_rows``)."""
     split, _, rest = text.partition(":")
     window, _, flags = rest.partition(":")
     if split != "auto":
         float(split)  # a fraction: checked here, not mid-run
     flags = set(flags.split("+")) - {""}
-    if flags - {"torch", "thread"}:
-        raise SystemExit(f"--configs {text!r}: the third field is 'torch', 'thread', both "
-                         f"joined by '+', or nothing")
-    return split, int(window) << 20 if window else None, "torch" in flags, "thread" in flags
+    if flags - {"torch", "thread", "nopad"}:
+        raise SystemExit(f"--configs {text!r}: the third field is 'torch', 'thread', 'nopad' "
+                         f"(several joined by '+'), or nothing")
+    return (split, int(window) << 20 if window else None, "torch" in flags, "thread" in flags,
+            "nopad" in flags)
 
 
 def requests(batch) -> list[RankRequest]:
@@ -99,11 +101,12 @@ def summary(rows: list[dict], layers: int) -> dict:
 def apply(runner, costs, config, default_window: int, raw_copy=None) -> None:
     """Put one ``--configs`` setting in force: the split, the window (the engine's own when
     the setting names none) and the onload's copies (``raw_copy``: the engine's own)."""
-    split, window, torch_copies, thread = config
+    split, window, torch_copies, thread, nopad = config
     runner.onload_split = costs if split == "auto" else float(split)
     runner.onload.window_bytes = default_window if window is None else window
     runner.onload.raw_copy = None if torch_copies else raw_copy
     runner.onload.inline = not thread
+    runner.pad_eager_rows = not nopad
 
 
 def trace_batches(eng, batches, name: str, least_us: float = 300.0, re_eng=None):
@@ -244,7 +247,7 @@ def main() -> int:
                 "events": events})
     finally:
         runner.onload.window_bytes, runner.onload.raw_copy = default_window, raw_copy
-        runner.onload.inline = onload_inline()
+        runner.onload.inline, runner.pad_eager_rows = onload_inline(), True
         runner.trace_events = runner.onload.trace_events = None
     result = {c: summary(rows[c], layers) for c in args.configs}
     for c, s in result.items():

@@ -260,7 +260,7 @@ class CachedRankRunner(RankRunner):
             return hstu_attention_jagged(q, k, v, desc, layer, cfg.alpha, cfg.attn_max_len,
                                          cand_only=cfg.is_last(layer))
 
-        scores = self.model(jb, attention)
+        scores = self.model(jb, attention, rows=self._eager_rows(len(jb.token_ids), store))
         if ev is not None:
             ev["done"] = s.compute.record_event(s.event(timing=True))
         stages["onload_wait"] = wait[0] * 1e3

@@ -20,7 +20,7 @@ from ..cache.history import HistoryStore
 from ..errors import (EmptyCandidates, HistoryTooLong, IdOutOfRange, InvalidRequest,
                       LengthMismatch, TooManyCandidates)
 from ..kernels.host_loops import pack_rows
-from ..kernels.hstu_attention import JaggedKV
+from ..kernels.hstu_attention import JaggedKV, kernel_runs
 from ..kernels.pinned import PinnedPool
 from ..models.hstu import HSTU, HSTUConfig, JaggedBatch
 
@@ -239,6 +239,7 @@ class RankRunner:
         self.plans = None  # RankPlans: CUDA graphs of the forward (engine.rank_plans > 0)
         self.score_buffers = ScoreBuffers()
         self.staging = UploadStaging() if device.type == "cuda" else None
+        self.pad_eager_rows = True  # (``_eager_rows``; off: the probes' A/B)
 
     def set_model(self, model: HSTU, version: str) -> None:
         self.model, self.version = model, version
@@ -254,6 +255,17 @@ class RankRunner:
         e = np.zeros(0, np.int64)
         app = app or (e, e, e)
         return self.plans.run(HostBatch(pb.packed, pb.cand_rows, *app), desc, stages)
+
+    def _eager_rows(self, n: int, store: torch.Tensor | None = None) -> int:
+        """Rows an eager batch of ``n`` runs its layers over: on the attention kernel's path,
+        ``n`` bucketed as rank plans bucket it, so that the GEMMs meet row counts cuBLAS has
+        planned before (its first call at a new one took 0.3-0.5 ms of host time, a few such a
+        host-hit batch: H200, session 23); else ``n``."""
+        from .rank_plans import row_bucket
+        if not self.pad_eager_rows or not kernel_runs(self.device, self.model.item_embedding.weight.dtype,
+                           self.model.cfg.head_dim, store):
+            return n
+        return row_bucket(n)
 
     def _mark(self, stages: dict, name: str, t: float) -> float:
         if self.sync_stages and self.device.type == "cuda":
@@ -306,7 +318,8 @@ class RankRunner:
         scores = self._forward_planned(pb, JaggedKV.recompute(pb.q_offsets, pb.num_candidates),
                                        stages=stages)
         if scores is None:
-            scores = self.model(upload_jagged(pb, self.device))
+            scores = self.model(upload_jagged(pb, self.device),
+                                rows=self._eager_rows(pb.packed.shape[1]))
         pb.release()  # (a plan copied the rows into its own buffer on the host)
         host, event, pinned = self.score_buffers.read_back(scores)
         self._mark(stages, "model", t)

@@ -176,15 +176,25 @@ class JaggedKV:
         return self._cache[key]
 
 
+def kernel_runs(device: torch.device, dtype: torch.dtype, dim: int,
+                store: torch.Tensor | None = None) -> bool:
+    """:func:`hstu_attention_jagged` runs the CUDA kernel's plans (not the reference, not the
+    previous ``wmma`` kernel) for activations of ``dtype`` and head dim ``dim`` on ``device``
+    (over pages of ``store``): rows outside the plan are left alone, so a batch may carry
+    padding rows."""
+    return (dtype == torch.bfloat16 and dim in (32, 64, 128) and device.type == "cuda"
+            and DEFAULT_PLAN != "wmma"
+            and _cuda.usable(torch.empty(0, device=device))
+            and (store is None or store.dtype == torch.bfloat16))
+
+
 def prepare_plans(desc: JaggedKV, device: torch.device, dtype: torch.dtype, heads: int,
                   dim: int) -> None:
     """The batch's CUDA work items (every layer's and the last layer's) built and uploaded now,
     as :func:`hstu_attention_jagged` would at its first call: a caller about to queue other
     host-to-device copies (a host hit's onload) keeps these small ones ahead of them on the copy
     engine. Nothing where the reference or the previous kernel will run."""
-    if (dtype != torch.bfloat16 or dim not in (32, 64, 128) or device.type != "cuda"
-            or DEFAULT_PLAN == "wmma" or not _cuda.usable(torch.empty(0, device=device))
-            or desc.store is not None and desc.store.dtype != torch.bfloat16):
+    if not kernel_runs(device, dtype, dim, desc.store):
         return
     for cand_only in (False, True):
         desc.cuda_plan(device, heads, DEFAULT_PLAN, dim, cand_only)

@@ -189,8 +189,12 @@ class HSTU(nn.Module):
                                self.position_embedding)
 
     @torch.inference_mode()
-    def forward(self, batch: JaggedBatch, attention: Attention | None = None) -> torch.Tensor:
-        """Scores of every candidate in the batch, user by user, ``[sum(num_candidates)]`` fp32."""
+    def forward(self, batch: JaggedBatch, attention: Attention | None = None,
+                rows: int = 0) -> torch.Tensor:
+        """Scores of every candidate in the batch, user by user, ``[sum(num_candidates)]`` fp32.
+        ``rows``: run the layers over this many rows (zeros past the batch's, belonging to no
+        user: only for an attention that leaves such rows alone, the CUDA kernel's), so that
+        the GEMMs meet row counts cuBLAS has seen before (the engine's eager GPU batches)."""
         cfg = self.cfg
         if attention is None:
             desc = JaggedKV.recompute(batch.q_offsets, batch.num_candidates)
@@ -199,6 +203,8 @@ class HSTU(nn.Module):
                 return hstu_attention_jagged(q, k, v, desc, layer, cfg.alpha, cfg.attn_max_len,
                                              cand_only=cfg.is_last(layer))
         x = self.embed(batch)
+        if rows > x.shape[0]:
+            x = F.pad(x, (0, 0, 0, rows - x.shape[0]))
         for l, layer in enumerate(self.layers):
             p = layer.project(x)
             a, u = attention(l, p.q, p.k, p.v), p.u

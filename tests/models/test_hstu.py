@@ -155,3 +155,44 @@ def test_build_ranker_from_checkpoint_never_aliases_the_refit_buffer(tmp_path):
     with pytest.raises(CheckpointError, match="truncated"):
         build_ranker(ModelSpec(checkpoint=str(tmp_path / "m5"), init_seed=None, **sizes), dev,
                      torch.bfloat16, staging)
+
+
+@pytest.mark.parametrize("extra", [1, 37, 256])
+def test_padding_rows_leave_every_score_unchanged(extra):
+    """``forward(rows=)``: the layers over more rows than the batch holds (what the engine's
+    eager GPU batches do, for cuBLAS's sake) give the same scores bit for bit, even when the
+    attention leaves NaN in the padding rows (the CUDA kernel leaves them unwritten): every op
+    but the attention is row-local, and the attention here reads the real rows only."""
+    from streamgr.kernels.hstu_attention import JaggedKV, hstu_attention_jagged
+    torch.manual_seed(0)
+    model = HSTU(CFG).init_random(4).eval()
+    rng = np.random.default_rng(extra)
+    users = [UserSlice(interleave(i, a), 0, c) for i, a, c in random_users(rng, 3, [5, 40, 17])]
+    batch = build_jagged(users, torch.device("cpu"))
+    n = len(batch.token_ids)
+    desc = JaggedKV.recompute(batch.q_offsets, batch.num_candidates)
+    seen = []
+
+    def attention(layer, q, k, v):
+        seen.append(q.shape[0])
+        a = hstu_attention_jagged(q[:n], k[:n], v[:n], desc, layer, CFG.alpha, CFG.attn_max_len)
+        return torch.cat([a, torch.full((q.shape[0] - n, *a.shape[1:]), float("nan"))])
+    want = model(batch)
+    got = model(batch, attention, rows=n + extra)
+    assert seen == [n + extra] * CFG.num_layers
+    assert torch.isfinite(got).all() and torch.equal(got, want)
+
+
+def test_eager_rows_are_bucketed_only_where_the_kernel_leaves_padding_alone(monkeypatch):
+    """The engine's eager batches pad their rows to rank plans' buckets on the attention
+    kernel's path only (the reference attends over every row it is given)."""
+    from streamgr.engine import rank
+    from streamgr.engine.rank_plans import row_bucket
+    from tests.cache.helpers import runners
+    runner = runners()["recompute"].runner
+    assert runner._eager_rows(1000) == 1000  # the CPU: the reference
+    monkeypatch.setattr(rank, "kernel_runs", lambda *a: True)
+    assert [runner._eager_rows(n) for n in (1, 256, 257, 4097, 30001)] == [
+        row_bucket(n) for n in (1, 256, 257, 4097, 30001)] == [256, 256, 512, 5120, 30720]
+    runner.pad_eager_rows = False
+    assert runner._eager_rows(257) == 257

@@ -149,10 +149,10 @@ class CachedRankRunner(RankRunner):
                 jobs = [(p.key, [c for c, _ in p.onload],
                          [pg for _, i in p.onload for pg in p.pages[i * per:(i + 1) * per]])
                         for p in plans if p.onload]
-                # Onload starts now, on its own thread and streams; the model waits per layer.
-                # The batch's own uploads follow it on the copy engine, behind at most the
-                # onload's window of copies in flight (streams/onload.py).
-                # (Inline onloads start after the batch's own uploads: ``_forward_eager``.)
+                # The onload: on its own streams, the model waiting per layer. From the
+                # onload thread it starts now (the batch's own uploads then follow it on the
+                # copy engine behind at most its window of copies in flight); inline (the
+                # CUDA default, ``deferred``) once those uploads are queued, below.
                 deferred = bool(jobs) and self.onload.deferred
                 if not deferred:
                     handles = self.onload.submit(jobs, after=self._compute_done)

@@ -262,10 +262,10 @@ class RankRunner:
         planned before (its first call at a new one took 0.3-0.5 ms of host time, a few such a
         host-hit batch: H200, session 23); else ``n``."""
         from .rank_plans import row_bucket
-        if not self.pad_eager_rows or not kernel_runs(self.device, self.model.item_embedding.weight.dtype,
-                           self.model.cfg.head_dim, store):
-            return n
-        return row_bucket(n)
+        dtype = self.model.item_embedding.weight.dtype
+        if self.pad_eager_rows and kernel_runs(self.device, dtype, self.model.cfg.head_dim, store):
+            return row_bucket(n)
+        return n
 
     def _mark(self, stages: dict, name: str, t: float) -> float:
         if self.sync_stages and self.device.type == "cuda":

@@ -5,11 +5,15 @@ event fires as early as possible. A staging buffer holds one chunk's worth of da
 of one chunk, as MTServe aligns it); two of them ping-pong: a pool of worker threads fills one
 with the next slices (plain memcpy from the host store) while the DMA engine drains the other
 on the onload stream. After a layer's slices have landed, the scatter stream moves them from
-the onload buffer into the users' pages and records that layer's event. The whole thing runs
+the onload buffer into the users' pages and records that layer's event. The staged path runs
 on an onload thread, so the model starts computing embeddings (and shallow layers) at once.
-From a page-locked host store (GPU specs) the copies go straight from it, at most a window of
-them in flight (``onload_window_bytes``): host-to-device copies of every stream share the copy
-engine in issue order, and the batch's own small uploads must not wait behind its whole onload.
+From a page-locked host store (GPU specs) the copies go straight from it with no staging, and
+by default from the batch's own thread (``onload_inline``): submitted once the batch's own
+uploads are queued (host-to-device copies of every stream share the copy engine in issue
+order: the batch's small uploads must not wait behind its onload), then issued a few layers
+ahead of the layer the model waits for, driven by those waits. On the onload thread instead
+(``STREAMGR_ONLOAD_INLINE=0``), at most a window of them is in flight
+(``onload_window_bytes``), for the same reason.
 """
 
 from __future__ import annotations
@@ -180,51 +184,8 @@ class OnloadPipeline:
                         else torch.from_numpy(ids))
         return chunks, buf, page_ids
 
-    def _pump(self, onload, after, handles: LayerOnloadHandles):
-        """``pump(layer)``: the direct path's copies through layer ``layer + INLINE_AHEAD``
-        issued from the calling thread (those not issued yet), each finished layer's scatter
-        and event after them; ``pump(None)``: stop, issuing nothing more (a failed batch). A
-        failure fails the handles (the model's wait raises ``OnloadFault``: recomputed)."""
-        s, g, L = self.streams, self.layer_group, self.layers
-        state = {"next": 0, "copy": None}  # the next layer to issue
-
-        def pump(layer: int | None) -> None:
-            if handles.error is not None or state["next"] >= L:
-                return
-            if layer is None:
-                self._last_scatter = s.scatter.record_event(s.event())  # what was issued
-                handles.fail(RuntimeError("onload abandoned with its batch"))
-                return
-            try:
-                if state["copy"] is None:
-                    chunks, buf, page_ids = self._begin(onload, after)
-                    layer_bytes = int(np.prod(self.slice_shape)) * self.stores.host.element_size()
-                    state.update(copy=self._chunk_copier(chunks, buf, layer_bytes), buf=buf,
-                                 n=len(chunks), ids=page_ids, lb=layer_bytes)
-                    if self.trace_events is not None:
-                        self.trace_events["onload_start"] = s.onload.record_event(
-                            s.event(timing=True))
-                        self.trace_events["host_onload_start"] = time.perf_counter()
-                upto = min(L - 1, layer + INLINE_AHEAD)
-                with s.use(s.onload):
-                    while state["next"] <= upto:
-                        l0 = state["next"]
-                        if self.delay_layers.get(l0):
-                            time.sleep(self.delay_layers[l0])
-                        nb = min(g, L - l0) * state["lb"]
-                        for i in range(state["n"]):
-                            state["copy"](i, l0, nb)
-                            self.bytes += nb
-                        for j in range(l0, min(l0 + g, L)):
-                            self._layer_landed(j, state["buf"], state["ids"], handles)
-                        state["next"] = l0 + g
-                if state["next"] >= L:
-                    self._last_scatter = handles.ready[-1]
-            except BaseException as err:  # noqa: BLE001 - the batch falls back to recompute
-                log.exception("onload failed")
-                self._last_scatter = s.scatter.record_event(s.event())
-                handles.fail(err)
-        return pump
+    def _pump(self, onload, after, handles: LayerOnloadHandles) -> "_InlinePump":
+        return _InlinePump(self, onload, after, handles)
 
     def _transfer(self, onload, after, handles: LayerOnloadHandles) -> None:
         chunks, buf, page_ids = self._begin(onload, after)
@@ -348,6 +309,65 @@ class OnloadPipeline:
     def close(self) -> None:
         self._thread.shutdown(wait=True)
         self._workers.shutdown(wait=True)
+
+
+class _InlinePump:
+    """An inline onload's issuer (``OnloadPipeline.deferred``). ``pump(layer)``: the direct
+    path's copies through layer ``layer + INLINE_AHEAD`` issued from the calling thread (those
+    not issued yet), each finished layer's scatter and event after them; ``pump(None)``: stop,
+    issuing nothing more (a failed batch). A failure fails the handles: the model's wait
+    raises ``OnloadFault`` and the batch is recomputed."""
+
+    def __init__(self, pipe: OnloadPipeline, onload, after, handles: LayerOnloadHandles):
+        self.pipe, self.onload, self.after, self.handles = pipe, onload, after, handles
+        self.next = 0  # the next layer to issue
+        self.copy = None  # the chunk copier, made at the first call
+
+    def __call__(self, layer: int | None) -> None:
+        pipe, h = self.pipe, self.handles
+        s, L = pipe.streams, pipe.layers
+        if h.error is not None or self.next >= L:
+            return
+        if layer is None:
+            pipe._last_scatter = s.scatter.record_event(s.event())  # what was issued
+            h.fail(RuntimeError("onload abandoned with its batch"))
+            return
+        try:
+            if self.copy is None:
+                self._start()
+            with s.use(s.onload):
+                while self.next <= min(L - 1, layer + INLINE_AHEAD):
+                    self._issue(self.next)
+            if self.next >= L:
+                pipe._last_scatter = h.ready[-1]
+        except BaseException as err:  # noqa: BLE001 - the batch falls back to recompute
+            log.exception("onload failed")
+            pipe._last_scatter = s.scatter.record_event(s.event())
+            h.fail(err)
+
+    def _start(self) -> None:
+        pipe, s = self.pipe, self.pipe.streams
+        chunks, self.buf, self.page_ids = pipe._begin(self.onload, self.after)
+        self.n = len(chunks)
+        self.layer_bytes = int(np.prod(pipe.slice_shape)) * pipe.stores.host.element_size()
+        self.copy = pipe._chunk_copier(chunks, self.buf, self.layer_bytes)
+        if pipe.trace_events is not None:
+            pipe.trace_events["onload_start"] = s.onload.record_event(s.event(timing=True))
+            pipe.trace_events["host_onload_start"] = time.perf_counter()
+
+    def _issue(self, l0: int) -> None:
+        """Layer ``l0``'s group: every chunk's copy, then each of its layers signalled."""
+        pipe = self.pipe
+        g, L = pipe.layer_group, pipe.layers
+        if pipe.delay_layers.get(l0):
+            time.sleep(pipe.delay_layers[l0])
+        nb = min(g, L - l0) * self.layer_bytes
+        for i in range(self.n):
+            self.copy(i, l0, nb)
+            pipe.bytes += nb
+        for j in range(l0, min(l0 + g, L)):
+            pipe._layer_landed(j, self.buf, self.page_ids, self.handles)
+        self.next = l0 + g
 
 
 class _Window:

@@ -26,9 +26,11 @@
 #     hosthit: rank-ref at batch 8 with a device tier of 8,192 pages, so that most hits come
 #       from host chunks (issue 12's host-hit target; no tests), once per cache.onload_split
 #       in HOSTHIT_SPLITS (default "auto"; e.g. "auto 0.0 1.0" for the A/B)
-#     hostprobe: tools/probe_hosthit.py on rank-ref's host hits (onload_split / window settings
-#       interleaved, per-layer timeline, then per PROBE_TRACE setting two batches' slow host calls
-#       and kernel table beside recompute's; PROBE_CONFIGS; no tests)
+#     hostprobe: tools/probe_hosthit.py on rank-ref's host hits (onload_split / window / flag
+#       settings interleaved, default "auto auto::thread auto::nopad 1.0": the onload from the
+#       batch's thread or the onload thread, eager rows bucketed or not; per-layer timeline,
+#       then per PROBE_TRACE setting two batches' slow host calls and kernel table beside
+#       recompute's; PROBE_CONFIGS; no tests)
 #     attnprof: ncu on the attention forward kernels (mma.sync and wgmma) with stall reasons and
 #       the source lines they stall on (STREAMGR_NVRTC_LINEINFO=1; no tests)
 #   env: CATALOG_EVERY (update: every N-th update also changes the catalog; 0: refits only),
@@ -114,7 +116,7 @@ if [ "$mode" = hosthit ]; then
 fi
 if [ "$mode" = hostprobe ]; then
   python3 tools/probe_hosthit.py --spec rank-ref --set cache.device_pages=8192 --warmup 200 \
-    --window 640 --configs ${PROBE_CONFIGS:-auto 0.0 1.0 auto:0} --trace ${PROBE_TRACE:-auto} \
+    --window 640 --configs ${PROBE_CONFIGS:-auto auto::thread auto::nopad 1.0} --trace ${PROBE_TRACE:-auto} \
     --json "$out/probe_hosthit.json" 2>"$out/probe_hosthit.err" | tee "$out/probe_hosthit.txt"
   summary+=("$(grep -m1 '^auto: ' "$out/probe_hosthit.txt")")
 fi

@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from streamgr import Engine  # noqa: E402
 from streamgr.api import RankRequest  # noqa: E402
+from streamgr.cache.onload_split import SplitFeedback  # noqa: E402
 from streamgr.config import load_spec, parse_set_pairs  # noqa: E402
 from streamgr.streams.onload import onload_inline  # noqa: E402
 from streamgr.trace.replay import batches_of_distinct_users, replay_batches  # noqa: E402
@@ -38,22 +39,26 @@ from bench_rank import drain_background  # noqa: E402
 from profile_rank import DEV_CATS, chrome_trace, range_events  # noqa: E402
 
 
-def parse_config(text: str) -> tuple[str, int | None, bool, bool, bool]:
+FLAGS = {"torch", "thread", "nopad", "adapt"}
+
+
+def parse_config(text: str) -> tuple[str, int | None, frozenset]:
     """SPLIT[:WINDOW_MB[:FLAGS]]; the window left out or empty: the engine's own; FLAGS,
     joined by ``+``: ``torch``, the direct onload's copies as torch ``copy_`` calls, not raw
     ``cudaMemcpyAsync``; ``thread``, issued from the onload thread under the window, not from
     the batch's thread (``STREAMGR_ONLOAD_INLINE=0``); ``nopad``, eager batches over their own
-    row count, not bucketed (``RankRunner.pad_eager_rows``)."""
+    row count, not bucketed (``RankRunner.pad_eager_rows``); ``adapt``, the split's recompute
+    costs corrected from device timings (``CachedRankRunner.split_feedback``, one for every
+    batch of that setting)."""
     split, _, rest = text.partition(":")
     window, _, flags = rest.partition(":")
     if split != "auto":
         float(split)  # a fraction: checked here, not mid-run
     flags = set(flags.split("+")) - {""}
-    if flags - {"torch", "thread", "nopad"}:
-        raise SystemExit(f"--configs {text!r}: the third field is 'torch', 'thread', 'nopad' "
+    if flags - FLAGS:
+        raise SystemExit(f"--configs {text!r}: the third field is one of {sorted(FLAGS)} "
                          f"(several joined by '+'), or nothing")
-    return (split, int(window) << 20 if window else None, "torch" in flags, "thread" in flags,
-            "nopad" in flags)
+    return split, int(window) << 20 if window else None, frozenset(flags)
 
 
 def requests(batch) -> list[RankRequest]:
@@ -98,15 +103,17 @@ def summary(rows: list[dict], layers: int) -> dict:
     }
 
 
-def apply(runner, costs, config, default_window: int, raw_copy=None) -> None:
+def apply(runner, costs, config, default_window: int, raw_copy=None, feedback=None) -> None:
     """Put one ``--configs`` setting in force: the split, the window (the engine's own when
-    the setting names none) and the onload's copies (``raw_copy``: the engine's own)."""
-    split, window, torch_copies, thread, nopad = config
+    the setting names none), the onload's copies (``raw_copy``: the engine's own) and the
+    flags (``feedback``: the setting's own SplitFeedback, kept across its batches)."""
+    split, window, flags = config
     runner.onload_split = costs if split == "auto" else float(split)
     runner.onload.window_bytes = default_window if window is None else window
-    runner.onload.raw_copy = None if torch_copies else raw_copy
-    runner.onload.inline = not thread
-    runner.pad_eager_rows = not nopad
+    runner.onload.raw_copy = None if "torch" in flags else raw_copy
+    runner.onload.inline = "thread" not in flags
+    runner.pad_eager_rows = "nopad" not in flags
+    runner.split_feedback = feedback if "adapt" in flags else None
 
 
 def trace_batches(eng, batches, name: str, least_us: float = 300.0, re_eng=None):
@@ -217,12 +224,14 @@ def main() -> int:
     layers = spec.model.num_layers
     rows: dict[str, list[dict]] = {c: [] for c in args.configs}
     default_window, raw_copy = runner.onload.window_bytes, runner.onload.raw_copy
+    feedback = {c: SplitFeedback() for c in args.configs}
     try:
         held = 2 * len(args.trace)  # the traced batches: users the window left on host
         probed = batches[n_warm:len(batches) - held]
         for j, batch in enumerate(probed):
             name = args.configs[j % len(configs)]
-            apply(runner, costs, configs[j % len(configs)], default_window, raw_copy)
+            apply(runner, costs, configs[j % len(configs)], default_window, raw_copy,
+                  feedback[name])
             runner.trace_events, runner.onload.trace_events = {}, {}
             if cuda:
                 torch.cuda.synchronize()
@@ -248,6 +257,7 @@ def main() -> int:
     finally:
         runner.onload.window_bytes, runner.onload.raw_copy = default_window, raw_copy
         runner.onload.inline, runner.pad_eager_rows = onload_inline(), True
+        runner.split_feedback = None
         runner.trace_events = runner.onload.trace_events = None
     result = {c: summary(rows[c], layers) for c in args.configs}
     for c, s in result.items():
@@ -260,6 +270,9 @@ def main() -> int:
               f"({s['vs_recompute']:.2f}x); onloaded {s['onloaded_mb_per_batch']:.1f} MB a batch "
               f"at {gbs} GB/s; host tokens recomputed {s['host_recomputed_tokens']:.0f}")
         print(f"  stages ms: {s['stages_ms']}")
+        if "adapt" in parse_config(c)[2]:
+            fb = feedback[c]
+            print(f"  split feedback: scale {fb.scale:.3f} after {fb.updates} updates")
         e = s["events_ms"]
         if e:
             print("  layer  landed  scattered  append  attention  host append (ms from the "

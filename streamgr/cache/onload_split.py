@@ -84,15 +84,17 @@ def split_fraction(plans: list, chunk: int, fraction: float) -> int:
     return out
 
 
-def split_by_cost(plans: list, chunk: int, costs: SplitCosts) -> int:
+def split_by_cost(plans: list, chunk: int, costs: SplitCosts, scale: float = 1.0) -> int:
     """Decide each host hit's onload by ``costs`` (module docstring): the batch's
-    ``max(onload, compute)`` made small. Returns the tokens recomputed by this choice. A few
-    array calls a batch, not a few per user (the host stages of a host-hit batch: ~0.6 ms for
-    8 users when ``t`` was evaluated per user)."""
+    ``max(onload, compute)`` made small; ``scale`` multiplies the recompute costs (a
+    ``SplitFeedback``'s). Returns the tokens recomputed by this choice. A few array calls a
+    batch, not a few per user (the host stages of a host-hit batch: ~0.6 ms for 8 users when
+    ``t`` was evaluated per user)."""
     host = [p for p in plans if _held(p) and not p.transient]
     if not host:
         return 0
-    t, a = costs.recompute, costs.onload_s
+    a = costs.onload_s
+    t = costs.recompute if scale == 1.0 else (lambda n: costs.recompute(n) * scale)
     n = len(plans)
     # Everything recomputed: each user's tokens past what it keeps on the GPU.
     ends = t(np.array([p.length for p in plans] + [0 if _held(p) else p.start for p in plans]))
@@ -114,3 +116,29 @@ def split_by_cost(plans: list, chunk: int, costs: SplitCosts) -> int:
         compute, onload = compute - (save if x == h else t(x)), onload + a * x
         out += p.host_recomputed
     return out
+
+
+class SplitFeedback:
+    """``split_by_cost``'s recompute costs corrected by what the device did (an option, off by
+    default: ``CachedRankRunner.split_feedback``). The costs are measured at start on recompute
+    batches of synthetic users, while a host-hit batch's compute is the eager cached path
+    (attention over paged prefixes, its own launches) and starts after its onload does (H200,
+    session 23: the onload of ``auto``'s split had landed every layer at 11.8 ms, the compute
+    reached the last layer at ~13.4 and finished at 14.8: it recomputed more than the balance).
+    After a batch that both onloaded and recomputed host tokens, ``update`` takes when the
+    compute reached the last layer's wait and when that layer's K/V had landed (ms from one
+    reference): reached later, compute was dearer than modelled and ``scale`` grows (more is
+    onloaded next time); reached earlier, the compute waited and ``scale`` shrinks. Damped
+    (``gain``) and bounded, so one odd batch moves it little."""
+
+    def __init__(self, gain: float = 0.5, lo: float = 0.5, hi: float = 4.0) -> None:
+        self.gain, self.lo, self.hi = gain, lo, hi
+        self.scale = 1.0
+        self.updates = 0
+
+    def update(self, reached_ms: float, landed_ms: float) -> float:
+        if reached_ms > 0 and landed_ms > 0:
+            ratio = (reached_ms / landed_ms) ** self.gain
+            self.scale = min(self.hi, max(self.lo, self.scale * ratio))
+            self.updates += 1
+        return self.scale

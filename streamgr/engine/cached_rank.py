@@ -64,6 +64,9 @@ class CachedRankRunner(RankRunner):
         # cache.onload_split: 1.0 onloads all a host hit holds; a fraction, or SplitCosts
         # (measured at start, engine/onload_costs.py) to recompute part of it meanwhile.
         self.onload_split: float | SplitCosts = 1.0
+        # A SplitFeedback: "auto"'s recompute costs corrected batch by batch from device
+        # timings (cache/onload_split.py; off by default, not yet measured on a GPU).
+        self.split_feedback = None
 
     @property
     def bytes_onloaded(self) -> int:
@@ -98,7 +101,8 @@ class CachedRankRunner(RankRunner):
         # (the tokens it recomputes are counted at commit: a batch retried after an onload
         # fault counts once)
         if isinstance(s, SplitCosts):
-            split_by_cost(plans, self.manager.C, s)
+            fb = self.split_feedback
+            split_by_cost(plans, self.manager.C, s, fb.scale if fb is not None else 1.0)
         else:
             split_fraction(plans, self.manager.C, s)
 
@@ -106,7 +110,9 @@ class CachedRankRunner(RankRunner):
         s = self.onload_split
         if not isinstance(s, SplitCosts):
             return s
-        return {"onload_us_per_token": round(s.onload_s * 1e6, 4),
+        fb = {} if self.split_feedback is None else {
+            "feedback_scale": round(self.split_feedback.scale, 4)}
+        return {**fb, "onload_us_per_token": round(s.onload_s * 1e6, 4),
                 "recompute_ms": {str(int(n)): round(t * 1e3, 4)
                                  for n, t in zip(s.lengths, s.recompute_s)}}
 
@@ -154,6 +160,9 @@ class CachedRankRunner(RankRunner):
                 # copy engine behind at most its window of copies in flight); inline (the
                 # CUDA default, ``deferred``) once those uploads are queued, below.
                 deferred = bool(jobs) and self.onload.deferred
+                # timing marks for split_feedback: a batch that both onloads and recomputes
+                marks = {} if (self.split_feedback is not None and s.cuda and jobs and any(
+                    p.host_recomputed for p in plans)) else None
                 if not deferred:
                     handles = self.onload.submit(jobs, after=self._compute_done)
                 t = self._mark(stages, "onload_submit", t)
@@ -171,9 +180,11 @@ class CachedRankRunner(RankRunner):
                         prepare_plans(desc, self.device, self.model.item_embedding.weight.dtype,
                                       cfg.num_heads, cfg.head_dim)
                         handles = self.onload.submit(jobs, after=self._compute_done)
-                    scores = self._forward_eager(up, desc, handles, stages)
+                    scores = self._forward_eager(up, desc, handles, stages, marks)
                 pb.release()  # (the eager upload gave it back behind its copy already)
                 handles.done()
+                if marks is not None:  # the last layer's K/V in pages (all scatters issued)
+                    marks["landed"] = s.scatter.record_event(s.event(timing=True))
                 self._compute_done = s.compute.record_event(s.event())
                 host, event, pinned = self.score_buffers.read_back(scores)
             self._mark(stages, "model", t)
@@ -183,7 +194,7 @@ class CachedRankRunner(RankRunner):
                 self.manager.abort_batch(plans)
             raise
         return InFlight(batch, resolved, live, stages, plans=plans, tokens=tokens, host=host,
-                        event=event, version=self.version, pinned=pinned)
+                        event=event, version=self.version, pinned=pinned, marks=marks)
 
     def finish(self, f: "InFlight") -> BatchOutcome:
         """Wait for the batch's scores, then commit its users' K/V to the cache metadata."""
@@ -198,6 +209,11 @@ class CachedRankRunner(RankRunner):
                 self.manager.abort_batch(f.plans)
             raise
         t = self._mark(stages, "readback", t)
+        if f.marks:  # (the scores are here: the forward, and so its waits, are done)
+            m = f.marks
+            m["landed"].synchronize()
+            self.split_feedback.update(m["ref"].elapsed_time(m["reached"]),
+                                       m["ref"].elapsed_time(m["landed"]))
         # The commit runs after the replies (``background``): the scores do not depend on it,
         # and the batch loop keeps these users out of later batches until it is done.
         with self._meta:
@@ -236,11 +252,15 @@ class CachedRankRunner(RankRunner):
                    else self.staging.upload(slots, self.device))  # one copy
         return jb, app_dev
 
-    def _forward_eager(self, up, desc, handles, stages) -> torch.Tensor:
+    def _forward_eager(self, up, desc, handles, stages, marks=None) -> torch.Tensor:
         """The layer loop from Python over the batch's uploads ``up``: each layer appends its
         new K/V, waits for its own onloaded history (deeper layers' are still in flight), then
-        attends."""
+        attends. ``marks`` (a dict): timing events of where the compute reached its last
+        layer's wait, from a reference at its start (``split_feedback``)."""
         s = self.streams
+        last = self.model.cfg.num_layers - 1
+        if marks is not None:
+            marks["ref"] = s.compute.record_event(s.event(timing=True))
         jb, (app_rows, app_p, app_o) = up
         store, cfg = self.stores.pages, self.model.cfg
         wait = [0.0]
@@ -252,6 +272,8 @@ class CachedRankRunner(RankRunner):
                 ev[f"host_append_{layer}"] = time.perf_counter()  # and when the host did
             if app_rows.numel():
                 paged_kv.append_rows(store, layer, k, v, app_rows, app_p, app_o)
+            if marks is not None and layer == last:
+                marks["reached"] = s.compute.record_event(s.event(timing=True))
             t0 = time.perf_counter()
             handles.wait(layer)  # this layer's history K/V only
             wait[0] += time.perf_counter() - t0

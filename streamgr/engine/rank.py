@@ -174,6 +174,7 @@ class InFlight:
     event: object = None
     version: str = ""  # the weights the batch runs on (set at submit)
     pinned: torch.Tensor | None = None  # the pooled buffer ``host`` views (given back at finish)
+    marks: dict | None = None  # cached modes: timing events for the onload split's feedback
 
     def wait(self) -> np.ndarray:
         if self.event is not None:

@@ -136,3 +136,35 @@ def test_host_hits_that_recompute_part_equal_recompute(split):
         assert c["host_tokens_recomputed"] > 0, c
     assert c["evictions"] > 0 and c["offloaded_chunks"] > 0, c
     eng.runner.manager.check_invariants()
+
+
+def test_split_feedback_updates_from_host_hit_batches_and_answers_stay_right():
+    """``CachedRankRunner.split_feedback`` (off by default): batches that both onload and
+    recompute host tokens time where the compute reached the last layer's wait against when
+    that layer's K/V landed, and the scale of the split's recompute costs moves within its
+    bounds; answers stay within bf16 of recompute's. Costs are set so the split is interior
+    (half the held tokens onloaded at scale 1)."""
+    from streamgr.cache.onload_split import SplitCosts, SplitFeedback
+    kw = dict(page_tokens=4, chunk_tokens=8, device_pages=24, host_chunks=64,
+              offload_quota_tokens=64)
+    cuda = runners("cuda", "bfloat16", GPU_MODEL, **kw)
+    eng, ref = cuda["hierarchical"], cuda["recompute"]
+    n = np.array([0.0, 8.0, 16.0, 32.0, 64.0, 128.0])
+    eng.runner.onload_split = SplitCosts(1e-4, n, 1e-4 * n)  # onload and recompute alike
+    fb = eng.runner.split_feedback = SplitFeedback()
+    rng = np.random.default_rng(7)
+    hist = {}
+    for _ in range(30):
+        batch = []
+        for u in rng.choice(6, size=int(rng.integers(1, 4)), replace=False):
+            items, actions = hist.setdefault(int(u), ([], []))
+            n_new = min(int(rng.integers(1, 12)), 80 - len(items))
+            items += rng.integers(100, size=n_new).tolist()
+            actions += rng.integers(8, size=n_new).tolist()
+            batch.append(req(int(u), items, actions, rng.choice(100, size=4, replace=False)))
+        for g, r in zip(run_batch(eng, batch), run_batch(ref, batch)):
+            np.testing.assert_allclose(g[0], r[0], rtol=0.05, atol=0.05)
+    c = eng.runner.manager.counters
+    assert c["host_tokens_recomputed"] > 0 and fb.updates > 0, (c, fb.updates)
+    assert fb.lo <= fb.scale <= fb.hi and fb.scale != 1.0
+    assert eng.stats()["cache"]["onload_split"]["feedback_scale"] == round(fb.scale, 4)

@@ -86,6 +86,41 @@ def test_cost_split_beats_onloading_all_and_recomputing_all(seed):
     assert recomputed == sum(p.host_recomputed for p in plans)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_a_dearer_recompute_onloads_more(seed):
+    """``split_by_cost(scale=)``: the recompute costs scaled up never onload less (a
+    SplitFeedback that found compute dearer than modelled moves tokens to the onload), scaled
+    down never more; scale 1 is the plain split."""
+    rng = np.random.default_rng(100 + seed)
+    lengths = [(C * int(rng.integers(1, 8)), int(rng.integers(0, 9))) for _ in range(3)]
+    costs = _costs(float(rng.choice([2.0, 8.0, 30.0])), quad=float(rng.choice([0.5, 1.0])))
+
+    def onloaded(scale):
+        plans = [_plan(i, h + extra, held=h) for i, (h, extra) in enumerate(lengths)]
+        split_by_cost(plans, C, costs, scale)
+        return sum(p.from_host for p in plans)
+    plain = [_plan(i, h + extra, held=h) for i, (h, extra) in enumerate(lengths)]
+    split_by_cost(plain, C, costs)
+    got = [onloaded(x) for x in (0.25, 0.5, 1.0, 2.0, 4.0)]
+    assert got == sorted(got) and got[2] == sum(p.from_host for p in plain)
+
+
+def test_split_feedback_moves_the_scale_toward_the_balance_and_stays_bounded():
+    from streamgr.cache.onload_split import SplitFeedback
+    fb = SplitFeedback()
+    assert fb.update(13.4, 11.8) > 1.0  # compute reached the last layer after it landed
+    up = fb.scale
+    assert fb.update(10.0, 10.0) == up  # balanced: unchanged
+    assert fb.update(9.0, 12.0) < up  # compute waited for the onload
+    assert fb.update(0.0, 12.0) == fb.scale and fb.updates == 3  # no timing: ignored
+    for _ in range(50):
+        fb.update(40.0, 10.0)
+    assert fb.scale == fb.hi
+    for _ in range(50):
+        fb.update(1.0, 10.0)
+    assert fb.scale == fb.lo
+
+
 def test_cost_split_extremes_and_the_longest_users_first():
     def batch():
         return [_plan(0, 40, held=32), _plan(1, 20, held=16), _plan(2, 12, held=8)]
@@ -187,6 +222,35 @@ def test_onload_rate_never_reads_free(monkeypatch, times, want):
     else:
         want = want / (k * st.C)
     assert a == pytest.approx(want) and a > 0
+
+
+def test_split_feedback_scales_the_split_and_waits_for_device_timings():
+    """With ``split_feedback`` set, the runner splits with its scale (here set by hand: at
+    scale 4 compute is dear and 32 of the 40 held tokens are onloaded, where scale 1 onloads
+    16) and shows it in the cache stats; on the CPU there are no device timings, so it never updates itself. Answers stay
+    recompute's."""
+    from streamgr.cache.onload_split import SplitFeedback
+    eng, ref = _host_hit_engines(1.0)
+    n = np.array([0.0, 8.0, 16.0, 32.0, 64.0, 128.0])
+    eng.runner.onload_split = SplitCosts(1.5, n, n)  # scale 1: onload dearer than recompute
+    fb = eng.runner.split_feedback = SplitFeedback()
+    fb.scale = 4.0
+    rng = np.random.default_rng(1)
+    hist = {u: (rng.integers(100, size=20).tolist(), rng.integers(8, size=20).tolist())
+            for u in (0, 1)}
+    stats = None
+    for u in (0, 1, 0):
+        batch = [req(u, *hist[u], [3, 4, 5])]
+        got, want = run_batch(eng, batch)[0], run_batch(ref, batch)[0]
+        np.testing.assert_allclose(got[0], want[0], rtol=2e-4, atol=2e-5)
+        stats = got[1]
+    assert stats["tier"] == "host" and stats["tokens_host_recomputed"] == 8
+    assert fb.updates == 0 and fb.scale == 4.0
+    assert eng.stats()["cache"]["onload_split"]["feedback_scale"] == 4.0
+    fb.scale = 1.0
+    plans = [_plan("u", 40, held=40)]
+    split_by_cost(plans, C, eng.runner.onload_split, fb.scale)
+    assert plans[0].host_recomputed == 24  # what scale 1 would have done
 
 
 def test_measured_split_is_in_the_stats():

@@ -30,11 +30,14 @@ def visits(seed: int, n: int = 120, users: int = 10):
     return out
 
 
-async def serve(overrides, reqs, concurrency=12):
+async def serve(overrides, reqs, concurrency=12, setup=None):
     """Per user in order (each visit after the last), across users concurrently. Returns the
-    scores, the engine's stats, and the most batches seen between submit and finish."""
+    scores, the engine's stats, and the most batches seen between submit and finish.
+    ``setup(engine)`` runs before the first request."""
     import threading
     async with Engine.from_spec("rank-small", overrides) as eng:
+        if setup is not None:
+            setup(eng)
         runner, lock, live = eng.runner, threading.Lock(), {"n": 0, "max": 0}
         submit, finish = runner.submit, runner.finish
 
@@ -88,6 +91,32 @@ async def test_two_batches_in_flight_equal_one_at_a_time(mode):
     np.testing.assert_allclose(two, ref, rtol=2e-4, atol=2e-5)
     assert st["counters"]["rank_requests"] == len(reqs)
     assert st["gpu_hit_ratio"] > 0
+
+
+async def test_inline_onload_with_two_batches_in_flight_answers_as_recompute():
+    """The page-locked store's inline onload (CUDA's default; forced here on the CPU) under
+    the batch loop with two batches in flight: a host hit's copies issued from the executor's
+    thread while the completion thread answers the batch before it. Answers equal recompute's
+    and one-at-a-time serving's, and host hits were onloaded."""
+    from tests.streams.test_threaded_transfers import force_direct
+    reqs = visits(5, n=160)
+    cache = {"cache.mode": "hierarchical", "cache.page_tokens": 4, "cache.chunk_tokens": 8,
+             "cache.device_pages": 24, "cache.host_chunks": 256,
+             "cache.offload_quota_tokens": 64, "engine.max_batch": 4, "engine.max_wait_ms": 0.5}
+    seen = []
+
+    def inline(eng):
+        onload = force_direct(eng.runner)
+        assert onload.deferred
+        seen.append(eng.runner)
+    two, _, most = await serve(small_overrides(**cache, **{"engine.rank_in_flight": 2}), reqs,
+                               setup=inline)
+    one, _, _ = await serve(small_overrides(**cache, **{"engine.rank_in_flight": 1}), reqs,
+                            setup=inline)
+    ref, _, _ = await serve(small_overrides(**{"cache.mode": "recompute"}), reqs)
+    assert most == 2 and all(r.bytes_onloaded > 0 for r in seen)
+    np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(two, ref, rtol=2e-4, atol=2e-5)
 
 
 async def test_a_user_in_flight_waits_for_a_later_batch():

@@ -18,6 +18,9 @@ class RankRequest(msgspec.Struct, kw_only=True):
     By default the request carries the full history. In the delta form, ``base_len`` is the
     number of events the engine already saw for this user and ``items``/``actions`` hold only the
     events after them; an engine that no longer holds that prefix answers ``HistoryRequired``.
+    Ids are lists of ints or 1-D numpy integer arrays: the engine reads an int64 array in place,
+    and the socket client sends arrays as packed ids (docs/protocol.md), which the server reads
+    in place too (a long history's list costs the server's loop ~0.26 ms at 3,500 events).
     """
 
     user_id: int | str

@@ -36,6 +36,18 @@ def _ints(x) -> list[int]:
     return x.tolist() if hasattr(x, "tolist") else list(x)
 
 
+def _ids(x, packed: bool):
+    """A rank request's ids for the wire: a numpy integer array as packed ids (little-endian
+    int64 bytes, where the server takes them: ``messages.CAP_PACKED_IDS``), anything else as a
+    list. Without importing numpy (a client-only install has none): the array's own methods.
+    Values an int64 cannot hold go as a list, so the server names them as they were sent."""
+    kind = getattr(getattr(x, "dtype", None), "kind", "")
+    if packed and kind in "iu" and kind and getattr(x, "ndim", 0) == 1 and (
+            kind == "i" or x.size == 0 or int(x.max()) < 1 << 63):
+        return x.astype("<i8", copy=False).tobytes()
+    return _ints(x)
+
+
 def _expire(fut: asyncio.Future, timeout: float) -> None:
     if not fut.done():
         fut.set_exception(asyncio.TimeoutError(f"no reply within {timeout} s"))
@@ -181,9 +193,11 @@ class AsyncClient:
 
     async def rank(self, request: api.RankRequest, deadline_ms: float | None = None,
                    timeout: float | None = None) -> api.RankResult:
+        info = self.server_info
+        packed = info is not None and m.CAP_PACKED_IDS in info.capabilities
         reply = await self._call(lambda rid: m.RankRequest(
-            rid, request.user_id, _ints(request.items), _ints(request.actions),
-            _ints(request.candidates), request.base_len, deadline_ms), timeout)
+            rid, request.user_id, _ids(request.items, packed), _ids(request.actions, packed),
+            _ids(request.candidates, packed), request.base_len, deadline_ms), timeout)
         return api.RankResult(scores=reply.scores, stats=msgspec.convert(reply.stats, api.RankStats))
 
     async def rank_many(self, requests: list[api.RankRequest], deadline_ms: float | None = None,

@@ -3,7 +3,10 @@
 - StatsRequest round trips per second over one pipelined connection (target: >= 20,000/s on the
   2-core CPU machine);
 - rank requests/s and p50 latency embedded vs over the socket with 1, 8 and 64 connections, and
-  the p50 the socket adds (target: <= 100 us).
+  the p50 the socket adds (target: <= 100 us);
+- ``--ids``: alone, a rank request's host cost by history length, ids as lists against packed
+  ids (numpy arrays sent as little-endian int64 bytes): the client's encoding, and the
+  server's decode, unpacking and the engine's request check, which run on its event loop.
 
 The server runs in its own process (as in production), on uvloop; the client on uvloop. Both
 processes run torch with one thread and passive OpenMP waits: on two cores, spinning worker
@@ -11,6 +14,7 @@ threads of the side that just computed would otherwise steal the other side's co
 difference would measure that, not the socket.
 
   python tools/bench_protocol.py [--requests 2000]
+  python tools/bench_protocol.py --ids
 """
 
 from __future__ import annotations
@@ -123,11 +127,69 @@ async def stats_rate(addr, n: int) -> float:
     return rate
 
 
+def ids_costs(lengths=(16, 512, 3500), reps: int = 300) -> list[tuple]:
+    """(events, form, client encode us, server us, frame bytes) per history length, the form
+    ``list`` or ``packed``: the server's part is what its loop does before the batcher (frame
+    decode, ``server.unpacked``, ``engine.rank.prepare_rank``)."""
+    from streamgr import api
+    from streamgr.client import _ids
+    from streamgr.engine.rank import prepare_rank
+    from streamgr.models.hstu import HSTUConfig
+    from streamgr.protocol import Codec
+    from streamgr.server.server import unpacked
+    cfg = HSTUConfig(num_layers=1, model_dim=8, num_heads=1, head_dim=8, num_items=1_000_000,
+                     num_actions=16, max_history=max(lengths), max_candidates=256)
+    codec, rng, out = Codec(), np.random.default_rng(0), []
+    for n in lengths:
+        items, actions = rng.integers(1_000_000, size=n), rng.integers(16, size=n)
+        cands = rng.choice(1_000_000, 64, replace=False)
+        for form, packed, conv in (("list", False, lambda a: a.tolist()),
+                                   ("packed", True, lambda a: a)):
+            r = api.RankRequest(user_id=1, items=conv(items), actions=conv(actions),
+                                candidates=conv(cands))
+
+            def encode():
+                return codec.frame(m.RankRequest(1, r.user_id, _ids(r.items, packed),
+                                                 _ids(r.actions, packed),
+                                                 _ids(r.candidates, packed)))
+
+            def serve(body):
+                msg = codec.decode(body)
+                prepare_rank(api.RankRequest(
+                    user_id=msg.user_id, items=unpacked(msg.items, "items"),
+                    actions=unpacked(msg.actions, "actions"),
+                    candidates=unpacked(msg.candidates, "candidates")), cfg)
+            body = encode()[4:]
+            for _ in range(20):
+                encode(), serve(body)
+            t = time.perf_counter()
+            for _ in range(reps):
+                encode()
+            t1 = time.perf_counter()
+            for _ in range(reps):
+                serve(body)
+            t2 = time.perf_counter()
+            out.append((n, form, (t1 - t) / reps * 1e6, (t2 - t1) / reps * 1e6, len(body)))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--stats", type=int, default=40000)
+    ap.add_argument("--ids", action="store_true", help="only the ids' host costs (no server)")
     args = ap.parse_args()
+    if args.ids:
+        print(f"{'events':>6}  {'ids':>6}  {'client encode us':>16}  {'server us':>9}  "
+              f"{'frame bytes':>11}")
+        rows = ids_costs()
+        for n, form, enc, srv, size in rows:
+            print(f"{n:>6}  {form:>6}  {enc:>16.1f}  {srv:>9.1f}  {size:>11}")
+        by = {(n, f): s for n, f, _, s, _ in rows}
+        n = max(n for n, _, _, _, _ in rows)
+        print(f"bench_protocol --ids: {n} events, server {by[n, 'list']:.0f} us with lists, "
+              f"{by[n, 'packed']:.0f} us packed")
+        return 0
     import os
 
     import torch

@@ -194,7 +194,8 @@ class Connection(asyncio.Protocol):
             self.greeted = True
             self.admin = _same(hello.token, srv.admin_token)
             lim = srv.limits
-            caps = ["rank", "stats", "health"] + (["generate"] if getattr(srv.engine, "serves_generate", False) else [])
+            caps = ["rank", "stats", "health", m.CAP_PACKED_IDS] + (
+                ["generate"] if getattr(srv.engine, "serves_generate", False) else [])
             caps += ["admin"] if self.admin else []
             self.send(m.HelloAck(m.PROTOCOL_VERSION, srv.name, srv.engine.spec.name,
                                  lim.max_frame, lim.max_inflight, caps))

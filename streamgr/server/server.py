@@ -19,9 +19,10 @@ import logging
 import time
 
 import msgspec
+import numpy as np
 
 from .. import api
-from ..errors import StreamgrError
+from ..errors import InvalidRequest, StreamgrError
 from ..protocol import messages as m
 from . import admin
 from .connection import Connection, ServerLimits
@@ -49,6 +50,17 @@ async def _refuse_live_socket(path: str) -> None:
     w.close()
     raise OSError(f"--unix {path}: a server is already listening there")
 
+
+
+def unpacked(ids, name: str):
+    """A request's ids as sent: a list, or packed ids (``messages.CAP_PACKED_IDS``) read in place
+    as an int64 array (the engine checks their range as it does a list's)."""
+    if not isinstance(ids, bytes):
+        return ids
+    if len(ids) % 8:
+        raise InvalidRequest(f"`{name}`: packed ids are little-endian int64, and {len(ids)} "
+                             f"bytes is not a whole number of them")
+    return np.frombuffer(ids, dtype="<i8")
 
 class Server:
     def __init__(self, engine, limits: ServerLimits | None = None, token: str | None = None,
@@ -198,8 +210,9 @@ class Server:
             if kind == "rank":
                 # The engine's own future, no task in between: a callback sends the reply.
                 fut = self.engine.submit_rank(api.RankRequest(
-                    user_id=msg.user_id, items=msg.items, actions=msg.actions,
-                    candidates=msg.candidates, base_len=msg.base_len))
+                    user_id=msg.user_id, items=unpacked(msg.items, "items"),
+                    actions=unpacked(msg.actions, "actions"),
+                    candidates=unpacked(msg.candidates, "candidates"), base_len=msg.base_len))
             else:
                 fut = loop.create_task(self._generate(msg))
         except StreamgrError as err:

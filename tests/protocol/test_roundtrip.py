@@ -123,3 +123,64 @@ def test_token_auth(loop):
         run(loop, go)
         assert srv.counters()["rank_requests"] == 1  # only the authorised request ran
         assert srv.server.metrics.counters["auth_failures"] == 1
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_numpy_ids_travel_packed_and_answer_as_lists(loop, monkeypatch):
+    """A client's numpy id arrays go to a server that lists ``packed-ids`` as little-endian
+    int64 bytes: the same scores as lists. A packed id out of range is the same typed error as
+    a listed one; packed bytes that make no whole int64s are INVALID_REQUEST; ids an int64
+    cannot hold, and every id to a server without the capability, go as lists."""
+    from streamgr.server import server as server_mod
+    rng = np.random.default_rng(4)
+    arrays = [RankRequest(user_id=u, items=rng.integers(200, size=60),
+                          actions=rng.integers(16, size=60),
+                          candidates=rng.choice(200, 4, replace=False)) for u in range(6)]
+    lists = [RankRequest(user_id=r.user_id, items=r.items.tolist(), actions=r.actions.tolist(),
+                         candidates=r.candidates.tolist()) for r in arrays]
+    seen = []
+    unpacked = server_mod.unpacked
+    monkeypatch.setattr(server_mod, "unpacked",
+                        lambda ids, name: (seen.append(type(ids)), unpacked(ids, name))[1])
+    with ServerThread(loop) as srv:
+        async def go():
+            async with AsyncClient(srv.addr) as c:
+                assert m.CAP_PACKED_IDS in c.server_info.capabilities
+                packed = await asyncio.gather(*(c.rank(r) for r in arrays))
+                assert set(seen) == {bytes}
+                seen.clear()
+                listed = await asyncio.gather(*(c.rank(r) for r in lists))
+                assert set(seen) == {list}
+                one = dict(user_id=1, actions=np.array([0]), candidates=np.array([1]))
+                for bad in (np.array([10**6]), np.array([-3], dtype=np.int32)):
+                    with pytest.raises(E.IdOutOfRange, match=str(int(bad[0]))):
+                        await c.rank(RankRequest(items=bad, **one))
+                with pytest.raises(E.IdOutOfRange, match=str(2**63)):  # sent as a list
+                    await c.rank(RankRequest(items=np.array([2**63], dtype=np.uint64), **one))
+                with pytest.raises(E.InvalidRequest, match="packed ids"):
+                    await c._call(lambda rid: m.RankRequest(rid, 1, b"\x01" * 7, [0], [1]), None)
+                seen.clear()
+                c.server_info.capabilities.remove(m.CAP_PACKED_IDS)  # an older server
+                again = await c.rank(arrays[0])
+                assert set(seen) == {list}
+                return packed, listed, again
+        packed, listed, again = run(loop, go)
+    for a, b in zip(packed, listed):
+        np.testing.assert_array_equal(a.scores, b.scores)
+    np.testing.assert_array_equal(again.scores, listed[0].scores)
+
+
+def test_bench_protocol_ids_costs_run():
+    """tools/bench_protocol.py --ids's measurement: both forms at every length, sizes that say
+    8 bytes an id when packed."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from bench_protocol import ids_costs
+    rows = ids_costs(lengths=(16, 200), reps=3)
+    assert [(n, f) for n, f, *_ in rows] == [(16, "list"), (16, "packed"), (200, "list"),
+                                             (200, "packed")]
+    assert all(enc > 0 and srv > 0 for _, _, enc, srv, _ in rows)
+    sizes = {(n, f): b for n, f, _, _, b in rows}
+    grown = sizes[200, "packed"] - sizes[16, "packed"]  # 2 x 184 more ids (bin headers grow)
+    assert 2 * 184 * 8 <= grown <= 2 * 184 * 8 + 4

@@ -123,7 +123,8 @@ def cprofile(eng, batches) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("probe", choices=("variants", "per-batch", "cprofile"))
+    ap.add_argument("probe", nargs="+", choices=("variants", "per-batch", "cprofile"),
+                    help="one or more, run in turn on one engine")
     ap.add_argument("--spec", default="rank-small")
     ap.add_argument("--device", default=None)
     ap.add_argument("--profile", default="kuairand-1k", help="synthetic trace profile")
@@ -144,8 +145,9 @@ def main() -> int:
         raise SystemExit("too few batches in the trace")
     eng = Engine(spec)
     replay_batches(eng, batches[:1], measure=[], progress=False)  # compiles, first allocations
-    {"variants": variants, "per-batch": per_batch, "cprofile": cprofile}[args.probe](
-        eng, batches[1:])
+    for probe in args.probe:
+        {"variants": variants, "per-batch": per_batch, "cprofile": cprofile}[probe](
+            eng, batches[1:])
     return 0
 
 

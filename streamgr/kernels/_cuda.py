@@ -61,6 +61,11 @@ def usable(*tensors: torch.Tensor) -> bool:
     return _cupy() is not None
 
 
+def usable_on(device: torch.device) -> bool:
+    """:func:`usable` for tensors on ``device``, without one at hand."""
+    return device.type == "cuda" and not FORCE_TORCH and _cupy() is not None
+
+
 @functools.lru_cache(maxsize=None)
 def _include_dirs() -> tuple[str, ...]:
     """CUDA toolkit include folders that hold ``crt/mma.h``: some NVRTC wheels ship a

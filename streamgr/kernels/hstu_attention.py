@@ -184,7 +184,7 @@ def kernel_runs(device: torch.device, dtype: torch.dtype, dim: int,
     padding rows."""
     return (dtype == torch.bfloat16 and dim in (32, 64, 128) and device.type == "cuda"
             and DEFAULT_PLAN != "wmma"
-            and _cuda.usable(torch.empty(0, device=device))
+            and _cuda.usable_on(device)
             and (store is None or store.dtype == torch.bfloat16))
 
 

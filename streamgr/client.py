@@ -37,7 +37,7 @@ def _ints(x) -> list[int]:
 
 
 def _ids(x, packed: bool):
-    """A rank request's ids for the wire: a numpy integer array as packed ids (little-endian
+    """Request ids for the wire: a numpy integer array as packed ids (little-endian
     int64 bytes, where the server takes them: ``messages.CAP_PACKED_IDS``), anything else as a
     list. Without importing numpy (a client-only install has none): the array's own methods.
     Values an int64 cannot hold go as a list, so the server names them as they were sent."""
@@ -214,8 +214,10 @@ class AsyncClient:
     async def generate(self, request, deadline_ms: float | None = None,
                        timeout: float | None = None):
         opt = lambda x: None if x is None else _ints(x)  # noqa: E731
+        info = self.server_info
+        packed = info is not None and m.CAP_PACKED_IDS in info.capabilities
         reply = await self._call(lambda rid: m.GenerateRequest(
-            rid, request.user_id, _ints(request.history), request.top_k, request.beam_width,
+            rid, request.user_id, _ids(request.history, packed), request.top_k, request.beam_width,
             deadline_ms, opt(getattr(request, "beam_widths", None)),
             opt(getattr(request, "exclude_items", None)),
             getattr(request, "max_per_prefix", None)), timeout)

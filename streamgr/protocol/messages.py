@@ -36,7 +36,8 @@ class HelloAck(_Msg, tag=2):
     capabilities: list[str] = msgspec.field(default_factory=list)  # "rank", "generate", "stats"
 
 
-# A server that lists this capability takes a RankRequest's ids also as *packed ids*: a
+# A server that lists this capability takes a RankRequest's ids and a GenerateRequest's history
+# also as *packed ids*: a
 # MessagePack bin of little-endian int64 values (a client sends numpy arrays so). A long
 # history then costs the server a bounds check, not a list decode and a conversion (3,500
 # events: ~400 us of its loop against ~3, session 23).
@@ -63,7 +64,7 @@ class RankReply(_Msg, tag=4):
 class GenerateRequest(_Msg, tag=5):
     id: RequestId
     user_id: Union[int, str]
-    history: list[int]  # item ids, oldest first
+    history: Ids  # item ids, oldest first (a list, or packed ids: CAP_PACKED_IDS)
     top_k: int
     beam_width: Union[int, None] = None
     deadline_ms: Union[float, None] = None

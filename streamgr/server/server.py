@@ -275,7 +275,8 @@ class Server:
             from ..errors import UnsupportedRequest
             raise UnsupportedRequest(f"spec {self.engine.spec.name} does not serve generate")
         from ..api import GenerateRequest
-        return await gen(GenerateRequest(user_id=msg.user_id, history=msg.history,
+        return await gen(GenerateRequest(user_id=msg.user_id,
+                                         history=unpacked(msg.history, "history"),
                                          top_k=msg.top_k, beam_width=msg.beam_width,
                                          beam_widths=msg.beam_widths,
                                          exclude_items=msg.exclude_items,

@@ -31,6 +31,38 @@ def test_generate_over_the_socket_equals_embedded():
     assert got.scores == ref.scores
 
 
+def test_a_numpy_history_travels_packed_and_answers_as_a_list(monkeypatch):
+    """A numpy history goes as packed ids (``packed-ids``) and gets the list's answer; a
+    packed history of a length no int64s make is INVALID_REQUEST."""
+    import numpy as np
+    import pytest
+    from streamgr import errors as E
+    from streamgr.client import AsyncClient
+    from streamgr.protocol import messages as m
+    from streamgr.server import server as server_mod
+    seen = []
+    unpacked = server_mod.unpacked
+    monkeypatch.setattr(server_mod, "unpacked",
+                        lambda ids, name: (seen.append(type(ids)), unpacked(ids, name))[1])
+    hist = np.array([4, 9, 1, 30, 2])
+
+    async def go():
+        async with Engine.from_spec("gen-small", {"engine.device": "cpu"}) as eng:
+            srv = Server(eng)
+            addr = (await srv.start("127.0.0.1", 0))[0]
+            async with AsyncClient(addr) as c:
+                packed = await c.generate(GenerateRequest(user_id=5, history=hist, top_k=7))
+                listed = await c.generate(GenerateRequest(user_id=5, history=hist.tolist(),
+                                                          top_k=7))
+                with pytest.raises(E.InvalidRequest, match="packed ids"):
+                    await c._call(lambda rid: m.GenerateRequest(rid, 1, b"\x00" * 12, 5), None)
+            await srv.shutdown(1.0)
+            return packed, listed
+    packed, listed = asyncio.run(go())
+    assert seen[:2] == [bytes, list]
+    assert packed.items == listed.items and packed.scores == listed.scores
+
+
 def test_one_engine_serves_rank_and_generate():
     from streamgr import RankRequest
     from streamgr.config import load_spec

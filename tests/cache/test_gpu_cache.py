@@ -105,6 +105,22 @@ def test_score_buffers_are_reused_and_answers_keep_their_scores():
         assert all(np.array_equal(s, k) for (s, _), k in zip(first, kept)), mode
 
 
+def serve_host_hits(eng, ref, rng, steps: int = 30) -> None:
+    """Returning users of up to 80 events on a small device tier (evictions, host hits): every
+    answer of ``eng`` within bf16 of ``ref``'s (recompute)."""
+    hist = {}
+    for _ in range(steps):
+        batch = []
+        for u in rng.choice(6, size=int(rng.integers(1, 4)), replace=False):
+            items, actions = hist.setdefault(int(u), ([], []))
+            n = min(int(rng.integers(1, 12)), 80 - len(items))
+            items += rng.integers(100, size=n).tolist()
+            actions += rng.integers(8, size=n).tolist()
+            batch.append(req(int(u), items, actions, rng.choice(100, size=4, replace=False)))
+        for g, r in zip(run_batch(eng, batch), run_batch(ref, batch)):
+            np.testing.assert_allclose(g[0], r[0], rtol=0.05, atol=0.05)
+
+
 @pytest.mark.parametrize("split", [0.5, 0.0, "auto"])
 def test_host_hits_that_recompute_part_equal_recompute(split):
     """cache.onload_split on CUDA: host hits onload a prefix (or nothing) and recompute the
@@ -119,18 +135,7 @@ def test_host_hits_that_recompute_part_equal_recompute(split):
         costs = eng.runner.onload_split
         assert isinstance(costs, SplitCosts) and costs.onload_s > 0, costs
         assert costs.recompute_s[-1] > 0, costs
-    rng = np.random.default_rng(5)
-    hist = {}
-    for _ in range(30):
-        batch = []
-        for u in rng.choice(6, size=int(rng.integers(1, 4)), replace=False):
-            items, actions = hist.setdefault(int(u), ([], []))
-            n = min(int(rng.integers(1, 12)), 80 - len(items))
-            items += rng.integers(100, size=n).tolist()
-            actions += rng.integers(8, size=n).tolist()
-            batch.append(req(int(u), items, actions, rng.choice(100, size=4, replace=False)))
-        for g, r in zip(run_batch(eng, batch), run_batch(ref, batch)):
-            np.testing.assert_allclose(g[0], r[0], rtol=0.05, atol=0.05)
+    serve_host_hits(eng, ref, np.random.default_rng(5))
     c = eng.runner.manager.counters
     if split != "auto":  # (auto may onload everything: this GPU's onload is cheap here)
         assert c["host_tokens_recomputed"] > 0, c
@@ -152,18 +157,7 @@ def test_split_feedback_updates_from_host_hit_batches_and_answers_stay_right():
     n = np.array([0.0, 8.0, 16.0, 32.0, 64.0, 128.0])
     eng.runner.onload_split = SplitCosts(1e-4, n, 1e-4 * n)  # onload and recompute alike
     fb = eng.runner.split_feedback = SplitFeedback()
-    rng = np.random.default_rng(7)
-    hist = {}
-    for _ in range(30):
-        batch = []
-        for u in rng.choice(6, size=int(rng.integers(1, 4)), replace=False):
-            items, actions = hist.setdefault(int(u), ([], []))
-            n_new = min(int(rng.integers(1, 12)), 80 - len(items))
-            items += rng.integers(100, size=n_new).tolist()
-            actions += rng.integers(8, size=n_new).tolist()
-            batch.append(req(int(u), items, actions, rng.choice(100, size=4, replace=False)))
-        for g, r in zip(run_batch(eng, batch), run_batch(ref, batch)):
-            np.testing.assert_allclose(g[0], r[0], rtol=0.05, atol=0.05)
+    serve_host_hits(eng, ref, np.random.default_rng(7))
     c = eng.runner.manager.counters
     assert c["host_tokens_recomputed"] > 0 and fb.updates > 0, (c, fb.updates)
     assert fb.lo <= fb.scale <= fb.hi and fb.scale != 1.0

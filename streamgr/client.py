@@ -191,10 +191,15 @@ class AsyncClient:
             raise error_for_code(reply.code, reply.message)
         return reply
 
+    @property
+    def _packs_ids(self) -> bool:
+        """The server takes packed ids (``messages.CAP_PACKED_IDS``)."""
+        info = self.server_info
+        return info is not None and m.CAP_PACKED_IDS in info.capabilities
+
     async def rank(self, request: api.RankRequest, deadline_ms: float | None = None,
                    timeout: float | None = None) -> api.RankResult:
-        info = self.server_info
-        packed = info is not None and m.CAP_PACKED_IDS in info.capabilities
+        packed = self._packs_ids
         reply = await self._call(lambda rid: m.RankRequest(
             rid, request.user_id, _ids(request.items, packed), _ids(request.actions, packed),
             _ids(request.candidates, packed), request.base_len, deadline_ms), timeout)
@@ -214,8 +219,7 @@ class AsyncClient:
     async def generate(self, request, deadline_ms: float | None = None,
                        timeout: float | None = None):
         opt = lambda x: None if x is None else _ints(x)  # noqa: E731
-        info = self.server_info
-        packed = info is not None and m.CAP_PACKED_IDS in info.capabilities
+        packed = self._packs_ids
         reply = await self._call(lambda rid: m.GenerateRequest(
             rid, request.user_id, _ids(request.history, packed), request.top_k, request.beam_width,
             deadline_ms, opt(getattr(request, "beam_widths", None)),

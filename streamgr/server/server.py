@@ -51,7 +51,6 @@ async def _refuse_live_socket(path: str) -> None:
     raise OSError(f"--unix {path}: a server is already listening there")
 
 
-
 def unpacked(ids, name: str):
     """A request's ids as sent: a list, or packed ids (``messages.CAP_PACKED_IDS``) read in place
     as an int64 array (the engine checks their range as it does a list's)."""
@@ -61,6 +60,7 @@ def unpacked(ids, name: str):
         raise InvalidRequest(f"`{name}`: packed ids are little-endian int64, and {len(ids)} "
                              f"bytes is not a whole number of them")
     return np.frombuffer(ids, dtype="<i8")
+
 
 class Server:
     def __init__(self, engine, limits: ServerLimits | None = None, token: str | None = None,

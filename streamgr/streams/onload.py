@@ -99,7 +99,7 @@ class OnloadPipeline:
         self.window_bytes = onload_window_bytes()
         self.inline = onload_inline()
         # The direct path's copies as raw cudaMemcpyAsync calls (CUDA with CuPy; None: torch's
-        # copy_ between views): the onload thread then holds the GIL a few microseconds a copy.
+        # copy_ between views): the issuing thread holds the GIL a few microseconds a copy.
         self.raw_copy = raw_h2d() if streams.cuda else None
         self._ids = PinnedPool(torch.int64, 1 << 14)  # page ids, one buffer a batch in flight
         self._staging: list[torch.Tensor] | None = None
@@ -145,7 +145,7 @@ class OnloadPipeline:
             return self._ready
         handles = LayerOnloadHandles(self.layers, self.streams, {u for u, _, _ in onload})
         if self.deferred:
-            handles.pump = self._pump(onload, after, handles)
+            handles.pump = _InlinePump(self, onload, after, handles)
             handles.pump(0)
             return handles
         if self.threaded:
@@ -183,9 +183,6 @@ class OnloadPipeline:
             page_ids = (self._ids.upload(ids, self.stores.device) if s.cuda
                         else torch.from_numpy(ids))
         return chunks, buf, page_ids
-
-    def _pump(self, onload, after, handles: LayerOnloadHandles) -> "_InlinePump":
-        return _InlinePump(self, onload, after, handles)
 
     def _transfer(self, onload, after, handles: LayerOnloadHandles) -> None:
         chunks, buf, page_ids = self._begin(onload, after)
@@ -235,12 +232,8 @@ class OnloadPipeline:
         g = self.layer_group
         delayed: set[int] = set()
         pace = _Window(self.window_bytes if s.cuda else 0, s)
-        layer_bytes = int(np.prod(self.slice_shape)) * self.stores.host.element_size()
         with s.use(s.onload):
-            if self.trace_events is not None:
-                self.trace_events["onload_start"] = s.onload.record_event(s.event(timing=True))
-                self.trace_events["host_onload_start"] = time.perf_counter()
-            copy = self._chunk_copier(chunks, buf, layer_bytes)
+            copy, layer_bytes = self._direct_start(chunks, buf)
             for l, i in units:
                 if l % g:
                     continue  # copied with its group's first layer
@@ -256,6 +249,16 @@ class OnloadPipeline:
                     for j in range(l, min(l + g, self.layers)):
                         self._layer_landed(j, buf, page_ids, handles)
         self._last_scatter = handles.ready[-1]
+
+    def _direct_start(self, chunks, buf):
+        """(``copy``, bytes of one layer of a chunk) for the direct path's copies of ``chunks``
+        into ``buf``; the onload's start marked for a trace."""
+        s = self.streams
+        layer_bytes = int(np.prod(self.slice_shape)) * self.stores.host.element_size()
+        if self.trace_events is not None:
+            self.trace_events["onload_start"] = s.onload.record_event(s.event(timing=True))
+            self.trace_events["host_onload_start"] = time.perf_counter()
+        return self._chunk_copier(chunks, buf, layer_bytes), layer_bytes
 
     def _chunk_copier(self, chunks, buf, layer_bytes: int):
         """``copy(i, l, n)``: ``n`` bytes of chunk ``chunks[i]`` from layer ``l`` on, store to
@@ -346,14 +349,9 @@ class _InlinePump:
             h.fail(err)
 
     def _start(self) -> None:
-        pipe, s = self.pipe, self.pipe.streams
-        chunks, self.buf, self.page_ids = pipe._begin(self.onload, self.after)
+        chunks, self.buf, self.page_ids = self.pipe._begin(self.onload, self.after)
         self.n = len(chunks)
-        self.layer_bytes = int(np.prod(pipe.slice_shape)) * pipe.stores.host.element_size()
-        self.copy = pipe._chunk_copier(chunks, self.buf, self.layer_bytes)
-        if pipe.trace_events is not None:
-            pipe.trace_events["onload_start"] = s.onload.record_event(s.event(timing=True))
-            pipe.trace_events["host_onload_start"] = time.perf_counter()
+        self.copy, self.layer_bytes = self.pipe._direct_start(chunks, self.buf)
 
     def _issue(self, l0: int) -> None:
         """Layer ``l0``'s group: every chunk's copy, then each of its layers signalled."""

@@ -133,7 +133,7 @@ class LayerOnloadHandles:
         self.issued = [threading.Event() for _ in range(layers)]
         self.ready = [streams.event() for _ in range(layers)]
         self.error: BaseException | None = None
-        # An inline onload's issuer (``OnloadPipeline._pump``): the waits drive it from the
+        # An inline onload's issuer (``onload._InlinePump``): the waits drive it from the
         # model's thread; None where a transfer thread issues the copies.
         self.pump = None
 

@@ -291,11 +291,6 @@ class RayEngine:
         """Deploy the application (and its update log) and wait until its replicas serve."""
         spec, ov, n, router, gpus = self._args
         self.log = update_log(self.app)
-        # Requests reach the replicas through deployment handles (and the socket ingress), never
-        # Serve's HTTP proxy: where this starts Serve, it starts none (a proxy actor per node
-        # that nothing uses, whose start-up timed out once under a loaded 2-core CI machine). A
-        # Serve already running keeps the options it was started with.
-        serve.start(proxy_location="Disabled")
         self.handle = serve.run(deployment(spec, ov, n, router, gpus, app=self.app),
                                 name=self.app, route_prefix=None)
         return self

@@ -71,7 +71,8 @@ MEANING = {
     "cache.onload_split": "host hits (hierarchical): the share of a user's held K/V onloaded, in "
                           "whole chunks, the rest recomputed while it moves; 1 onloads all, "
                           "`auto` chooses per batch by onload and recompute costs measured at "
-                          "start (the longest users onloaded first)",
+                          "start and corrected from each host-hit batch's device timings (the "
+                          "longest users onloaded first)",
     "catalog.path": "CSV `item_id,s1,s2,...` or `.npy` [items, 1 + depth]; excludes "
                     "`random_items`",
     "catalog.random_items": "without a path: this many items with random distinct SIDs",

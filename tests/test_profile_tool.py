@@ -26,15 +26,17 @@ def test_probe_hosthit_runs_on_the_cpu():
     each one's latency against recompute and its stages, then traces two batches' host calls."""
     p = subprocess.run([sys.executable, str(ROOT / "tools" / "probe_hosthit.py"), "--spec",
                         "rank-small", "--device", "cpu", "--profile", "small", "--users", "40",
-                        "--warmup", "40", "--window", "48", "--set", "cache.device_pages=64",
-                        "--configs", "1.0:0", "0.0::nopad", "auto::torch+thread+adapt", "--trace", "auto", "0.0"],
+                        "--warmup", "40", "--window", "96", "--set", "cache.device_pages=64",
+                        "--configs", "1.0:0", "0.0::nopad", "auto::torch+thread+fixed", "auto", "--trace", "auto", "0.0",
+                        "--cprofile", "5"],
                        capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
-    for config in ("1.0:0", "0.0::nopad", "auto::torch+thread+adapt"):
+    for config in ("1.0:0", "0.0::nopad", "auto::torch+thread+fixed", "auto"):
         m = re.search(rf"^{re.escape(config)}: (\d+) host-hit batches, mean [\d.]+ ms .*"
                       rf"recompute [\d.]+ ms", p.stdout, re.M)
         assert m and int(m.group(1)) > 0, p.stdout[-2000:]
     assert "stages ms: {" in p.stdout
+    assert "Ordered by: cumulative time" in p.stdout and "(_submit)" in p.stdout  # --cprofile
     assert "split feedback: scale 1.000 after 0 updates" in p.stdout  # no device timings here
     assert re.search(r"^0\.0::nopad: .*host tokens recomputed [1-9]", p.stdout, re.M), p.stdout
     assert re.search(r"^trace auto batch 0: \d+ us on the host", p.stdout, re.M), p.stdout

@@ -27,9 +27,9 @@
 #       from host chunks (issue 12's host-hit target; no tests), once per cache.onload_split
 #       in HOSTHIT_SPLITS (default "auto"; e.g. "auto 0.0 1.0" for the A/B)
 #     hostprobe: tools/probe_hosthit.py on rank-ref's host hits (onload_split / window / flag
-#       settings interleaved, default "auto auto::adapt auto::thread 1.0": the split as
-#       measured at start or corrected from device timings, the onload from the batch's
-#       thread or the onload thread (nopad: eager rows not bucketed); per-layer timeline,
+#       settings interleaved, default "auto auto::fixed auto::thread 1.0": the split
+#       corrected from device timings (the engine's default) or as measured at start, the
+#       onload from the batch's thread or the onload thread (nopad: eager rows not bucketed); per-layer timeline,
 #       then per PROBE_TRACE setting two batches' slow host calls and kernel table beside
 #       recompute's; PROBE_CONFIGS; no tests)
 #     attnprof: ncu on the attention forward kernels (mma.sync and wgmma) with stall reasons and
@@ -117,7 +117,7 @@ if [ "$mode" = hosthit ]; then
 fi
 if [ "$mode" = hostprobe ]; then
   python3 tools/probe_hosthit.py --spec rank-ref --set cache.device_pages=8192 --warmup 200 \
-    --window 640 --configs ${PROBE_CONFIGS:-auto auto::adapt auto::thread 1.0} --trace ${PROBE_TRACE:-auto} \
+    --window 640 --configs ${PROBE_CONFIGS:-auto auto::fixed auto::thread 1.0} --trace ${PROBE_TRACE:-auto} \
     --json "$out/probe_hosthit.json" 2>"$out/probe_hosthit.err" | tee "$out/probe_hosthit.txt"
   summary+=("$(grep -m1 '^auto: ' "$out/probe_hosthit.txt")")
 fi

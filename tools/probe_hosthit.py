@@ -13,13 +13,15 @@ their own layer's scatter. ``--trace CONFIG ...``: two more batches of each unde
 torch.profiler, their slow host calls and their kernels' device time beside recompute's.
 
     python3 tools/probe_hosthit.py --spec rank-ref --set cache.device_pages=8192   # the H200
-    python3 tools/probe_hosthit.py --spec rank-small --device cpu --users 40 --window 40  # smoke
+    python3 tools/probe_hosthit.py --spec rank-small --device cpu --profile small --users 40 --window 40  # smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -39,7 +41,7 @@ from bench_rank import drain_background  # noqa: E402
 from profile_rank import DEV_CATS, chrome_trace, range_events  # noqa: E402
 
 
-FLAGS = {"torch", "thread", "nopad", "adapt"}
+FLAGS = {"torch", "thread", "nopad", "fixed"}
 
 
 def parse_config(text: str) -> tuple[str, int | None, frozenset]:
@@ -47,9 +49,10 @@ def parse_config(text: str) -> tuple[str, int | None, frozenset]:
     joined by ``+``: ``torch``, the direct onload's copies as torch ``copy_`` calls, not raw
     ``cudaMemcpyAsync``; ``thread``, issued from the onload thread under the window, not from
     the batch's thread (``STREAMGR_ONLOAD_INLINE=0``); ``nopad``, eager batches over their own
-    row count, not bucketed (``RankRunner.pad_eager_rows``); ``adapt``, the split's recompute
-    costs corrected from device timings (``CachedRankRunner.split_feedback``, one for every
-    batch of that setting)."""
+    row count, not bucketed (``RankRunner.pad_eager_rows``); ``fixed``, the split's recompute
+    costs as measured at start, not corrected from device timings (the engine's
+    ``CachedRankRunner.split_feedback``; each setting otherwise has its own, kept across its
+    batches)."""
     split, _, rest = text.partition(":")
     window, _, flags = rest.partition(":")
     if split != "auto":
@@ -113,7 +116,7 @@ def apply(runner, costs, config, default_window: int, raw_copy=None, feedback=No
     runner.onload.raw_copy = None if "torch" in flags else raw_copy
     runner.onload.inline = "thread" not in flags
     runner.pad_eager_rows = "nopad" not in flags
-    runner.split_feedback = feedback if "adapt" in flags else None
+    runner.split_feedback = None if "fixed" in flags else feedback
 
 
 def trace_batches(eng, batches, name: str, least_us: float = 300.0, re_eng=None):
@@ -188,6 +191,9 @@ def main() -> int:
                     help="SPLIT[:WINDOW_MB[:torch]] per batch in turn (SPLIT a fraction or "
                          "auto; WINDOW_MB the onload's megabytes in flight, 0 no limit; torch: "
                          "the onload's copies by torch, not raw cudaMemcpyAsync)")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="profile the host's submit of every probed batch (cProfile) and "
+                         "print its N costliest calls by cumulative and by own time")
     ap.add_argument("--trace", nargs="*", default=[], metavar="CONFIG",
                     help="then two batches of each CONFIG under torch.profiler: the host calls of "
                          ">= 300 us in time order, and the kernels' device time beside "
@@ -224,7 +230,9 @@ def main() -> int:
     layers = spec.model.num_layers
     rows: dict[str, list[dict]] = {c: [] for c in args.configs}
     default_window, raw_copy = runner.onload.window_bytes, runner.onload.raw_copy
+    own_feedback = runner.split_feedback
     feedback = {c: SplitFeedback() for c in args.configs}
+    prof = cProfile.Profile() if args.cprofile else None
     try:
         held = 2 * len(args.trace)  # the traced batches: users the window left on host
         probed = batches[n_warm:len(batches) - held]
@@ -239,8 +247,12 @@ def main() -> int:
             ref.record(runner.streams.compute)
             moved = runner.bytes_onloaded
             t = t0 = time.perf_counter()
+            if prof is not None:
+                prof.enable()
             out = eng.run_batch(requests(batch), False, background=False)
             lat = (time.perf_counter() - t) * 1e3
+            if prof is not None:
+                prof.disable()
             if cuda:
                 torch.cuda.synchronize()
             events = timeline(runner, ref, t0) if cuda else {}
@@ -257,7 +269,7 @@ def main() -> int:
     finally:
         runner.onload.window_bytes, runner.onload.raw_copy = default_window, raw_copy
         runner.onload.inline, runner.pad_eager_rows = onload_inline(), True
-        runner.split_feedback = None
+        runner.split_feedback = own_feedback
         runner.trace_events = runner.onload.trace_events = None
     result = {c: summary(rows[c], layers) for c in args.configs}
     for c, s in result.items():
@@ -270,7 +282,7 @@ def main() -> int:
               f"({s['vs_recompute']:.2f}x); onloaded {s['onloaded_mb_per_batch']:.1f} MB a batch "
               f"at {gbs} GB/s; host tokens recomputed {s['host_recomputed_tokens']:.0f}")
         print(f"  stages ms: {s['stages_ms']}")
-        if "adapt" in parse_config(c)[2]:
+        if "fixed" not in parse_config(c)[2] and parse_config(c)[0] == "auto":
             fb = feedback[c]
             print(f"  split feedback: scale {fb.scale:.3f} after {fb.updates} updates")
         e = s["events_ms"]
@@ -282,11 +294,19 @@ def main() -> int:
                                                      "host_append")]
                 print(f"  {l:5d}  " + "  ".join("-".rjust(8) if v is None else f"{v:8.2f}"
                                                 for v in cells))
+            host = [(n, e[f"host_{n}"]) for n in ("submit", "metadata", "layout", "uploaded",
+                                                  "plans", "onload_start", "append_0")
+                    if f"host_{n}" in e]
+            print("  host reached: " + ", ".join(f"{n} {v:.2f}" for n, v in host))
             print(f"  onload start {e.get('onload_start', float('nan')):.2f} (issued by the "
                   f"host from {e.get('host_onload_start', float('nan')):.2f}), forward done "
                   f"{e.get('done', float('nan')):.2f} ms")
+    if prof is not None:  # (the batch's host work up to its scores' wait, all settings)
+        for key in ("cumulative", "tottime"):
+            pstats.Stats(prof).sort_stats(key).print_stats(args.cprofile)
     for k, config in enumerate(args.trace):  # two batches each, not yet seen (host hits)
-        apply(runner, costs, parse_config(config), default_window, raw_copy)
+        apply(runner, costs, parse_config(config), default_window, raw_copy,
+              feedback.get(config, own_feedback))
         trace_batches(eng, batches[len(batches) - 2 * (k + 1):len(batches) - 2 * k], config,
                       args.least_us, re_eng=re_eng)
     if args.json:

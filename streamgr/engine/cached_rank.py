@@ -65,7 +65,7 @@ class CachedRankRunner(RankRunner):
         # (measured at start, engine/onload_costs.py) to recompute part of it meanwhile.
         self.onload_split: float | SplitCosts = 1.0
         # A SplitFeedback: "auto"'s recompute costs corrected batch by batch from device
-        # timings (cache/onload_split.py; off by default, not yet measured on a GPU).
+        # timings (cache/onload_split.py; the factory sets one with "auto").
         self.split_feedback = None
 
     @property
@@ -132,6 +132,11 @@ class CachedRankRunner(RankRunner):
     def _submit(self, batch: list[PreparedRank], transient: frozenset) -> "InFlight":
         stages: dict[str, float] = {}
         t = time.perf_counter()
+        # tests and probes: timing events and host stamps (``host_*``) of this batch
+        ev = self.trace_events = {} if self.trace_events is not None else None
+        stamp = (lambda name: ev.__setitem__(name, time.perf_counter())) if ev is not None \
+            else (lambda name: None)
+        stamp("host_submit")
         resolved, live = self._resolve(batch)
         if not live:
             return InFlight(batch, resolved, live, stages, version=self.version)
@@ -147,6 +152,7 @@ class CachedRankRunner(RankRunner):
                 known)
             self._split(plans)
         t = self._mark(stages, "metadata", t)
+        stamp("host_metadata")
         s = self.streams
         handles = None
         try:
@@ -171,14 +177,17 @@ class CachedRankRunner(RankRunner):
                 pb = pack_jagged(users, self.staging)
                 desc, app = self._descriptor(plans, pb)
                 t = self._mark(stages, "layout", t)
+                stamp("host_layout")
                 # Batches that onload host chunks stay eager (per-layer onload events).
                 scores = None if jobs else self._forward_planned(pb, desc, app, stages)
                 if scores is None:
                     up = self._upload(pb, app)
+                    stamp("host_uploaded")
                     if deferred:  # behind the batch's uploads and attention plans, on its thread
                         cfg = self.model.cfg
                         prepare_plans(desc, self.device, self.model.item_embedding.weight.dtype,
                                       cfg.num_heads, cfg.head_dim)
+                        stamp("host_plans")
                         handles = self.onload.submit(jobs, after=self._compute_done)
                     scores = self._forward_eager(up, desc, handles, stages, marks)
                 pb.release()  # (the eager upload gave it back behind its copy already)
@@ -264,7 +273,7 @@ class CachedRankRunner(RankRunner):
         jb, (app_rows, app_p, app_o) = up
         store, cfg = self.stores.pages, self.model.cfg
         wait = [0.0]
-        ev = self.trace_events = {} if self.trace_events is not None else None
+        ev = self.trace_events
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
             if ev is not None:  # the layer's projections are queued: compute reached it

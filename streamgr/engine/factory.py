@@ -67,8 +67,10 @@ class Builder:
         runner = self._with_plans(CachedRankRunner(model, version, self.device, history, manager,
                                                    stores), stores.pages, c.page_tokens)
         if hierarchical and c.onload_split == "auto":
+            from ..cache.onload_split import SplitFeedback
             from .onload_costs import measure_split_costs
             runner.onload_split = measure_split_costs(runner)
+            runner.split_feedback = SplitFeedback()  # (updates from device timings only)
         elif hierarchical:
             runner.onload_split = float(c.onload_split)
         return runner

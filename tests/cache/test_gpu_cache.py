@@ -144,7 +144,7 @@ def test_host_hits_that_recompute_part_equal_recompute(split):
 
 
 def test_split_feedback_updates_from_host_hit_batches_and_answers_stay_right():
-    """``CachedRankRunner.split_feedback`` (off by default): batches that both onload and
+    """``CachedRankRunner.split_feedback`` (set with ``"auto"``): batches that both onload and
     recompute host tokens time where the compute reached the last layer's wait against when
     that layer's K/V landed, and the scale of the split's recompute costs moves within its
     bounds; answers stay within bf16 of recompute's. Costs are set so the split is interior

@@ -29,6 +29,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import time
 from typing import Any
 
 import ray
@@ -66,8 +67,23 @@ def replica_rank(replica) -> int | None:
     return None
 
 
+# How long a user's request waits (Serve's backoff) for a replica's rank to reach the router
+# before it is routed without it. Hashing without every rank would send a user's first
+# requests elsewhere than its later ones (the cache split over two replicas): seen right after
+# a deployment started, before its replicas' ranks were known.
+RANK_WAIT_S = 2.0
+
+
 class UserAffinityRouter(RequestRouter):
     """Each user's requests to the same replica while it lives (see the module docstring)."""
+
+    def _wait_for_ranks(self, unknown: list) -> bool:
+        """Whether a replica of ``unknown`` (no rank known yet) appeared less than
+        ``RANK_WAIT_S`` ago: the request waits for its rank rather than hash without it."""
+        since = self.__dict__.setdefault("_rank_unknown_since", {})
+        now = time.monotonic()
+        return any(now - since.setdefault(r.replica_id.unique_id, now) < RANK_WAIT_S
+                   for r in unknown)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -79,8 +95,12 @@ class UserAffinityRouter(RequestRouter):
             return [candidate_replicas]
         # Hash on the replica's Serve rank (0..N-1): a replacement takes the rank of the
         # replica it replaces, so its users come back to it and no other user moves. A replica
-        # whose rank is not known yet only takes spill-over.
+        # whose rank is still not known after RANK_WAIT_S only takes spill-over.
         ranks = {id(r): replica_rank(r) for r in candidate_replicas}
+        unknown = [r for r in candidate_replicas if ranks[id(r)] is None]
+        if unknown and pending_request is not None and self._wait_for_ranks(unknown):
+            pending_request.routing_context.should_backoff = True  # else Serve asks again at once
+            return []
         ranked = {f"rank{ranks[id(r)]}": r for r in candidate_replicas
                   if ranks[id(r)] is not None}
         rest = [r for r in candidate_replicas if r not in ranked.values()]

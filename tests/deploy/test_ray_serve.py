@@ -51,6 +51,46 @@ def test_a_replicas_rank_comes_from_its_metadata_first():
     assert replica_rank(Replica({"rank": "0"})) is None  # not an int: not a rank
 
 
+def test_a_users_request_waits_for_ranks_not_yet_known_then_spills(monkeypatch):
+    """Right after a deployment starts, a replica may reach the router before its rank does:
+    hashing then would send a user's first requests elsewhere than its later ones. A user's
+    request waits (Serve's backoff) until every replica's rank is known, at most
+    ``RANK_WAIT_S`` from when that replica appeared; after that the rank-less replica takes
+    spill-over only. Requests of no user (stats) never wait."""
+    import types
+
+    from ray.serve._private.request_router.common import PendingRequest
+
+    import streamgr.deploy.ray_serve as rs
+
+    def replica(uid, rank=None):
+        return types.SimpleNamespace(replica_id=types.SimpleNamespace(unique_id=uid),
+                                     replica_metadata={} if rank is None else {"rank": rank},
+                                     routing_stats={})
+    router = rs.UserAffinityRouter.__new__(rs.UserAffinityRouter)  # no Serve machinery
+    monkeypatch.setattr(rs, "RANK_WAIT_S", 0.2)
+
+    async def choose(reps, args, req=None):
+        req = req or PendingRequest(args=args, kwargs={}, metadata=None)
+        return await router.choose_replicas(reps, req), req
+
+    async def scenario():
+        a, b = replica("a", 0), replica("b")
+        got, req = await choose([a, b], [7])
+        assert got == [] and req.routing_context.should_backoff  # else asked again at once
+        assert (await choose([a, b], [None]))[0] == []
+        assert (await choose([a, b], []))[0] == [[a, b]]  # no user's request: at once
+        b_ranked = replica("b", 1)
+        for user in range(20):  # every rank known: each user's own replica, then the other
+            want = [{"rank0": a, "rank1": b_ranked}[k]
+                    for k in hrw_order(user, ["rank0", "rank1"])]
+            assert (await choose([a, b_ranked], [user]))[0] == [[r] for r in want]
+        await asyncio.sleep(0.25)  # b's rank unknown after RANK_WAIT_S: spill-over only
+        assert (await choose([a, b], [7]))[0] == [[a], [b]]
+        assert (await choose([a, b, replica("c")], [7]))[0] == []  # a newer one: its own wait
+    asyncio.run(scenario())
+
+
 @pytest.fixture(scope="module")
 def cluster():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)

@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Under pytest-xdist, each worker's share of the cores: torch's intra-op pool of every worker
+# at full width oversubscribes the machine, and tests whose batches hand work between threads
+# (onload/offload pipelines) then waited for time slices: on CI's 2-core VM with 2 workers,
+# some took 12-13 s that take 0.2-2.4 s alone (the suite: 328 -> 285 s). Child processes (CLI
+# tests) inherit it through OMP_NUM_THREADS.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(config, items):

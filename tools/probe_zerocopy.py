@@ -7,22 +7,27 @@ before its onload's first copy, and the onload starts only after the batch's hos
 ``--small-kb`` while a large pinned copy of ``--big-mb`` is in flight on another stream:
 
 - ``ce``: ``copy_`` (the copy engine), alone and issued just after the large copy;
-- ``sm``: a kernel reading the page-locked source in place over PCIe (unified addressing, no
-  copy engine), alone and beside the large copy;
-- the large copy's own time, alone and with the kernel's reads beside it.
+- ``sm`` (``--sm``): a kernel reading the page-locked source in place over PCIe (unified
+  addressing, no copy engine), alone and beside the large copy;
+- the large copy's own time, alone and with the small upload beside it.
 
-If ``sm`` beside the large copy stays near its time alone, uploads could go that way and the
-onload could start as soon as the split is known (not built: a finding for the next session).
+H200, session 24: two torch page-locked buffers' copies on two streams did not queue (a 1 MB
+upload beside 512 MB in flight: 0.028-0.030 ms), while in the engine a host hit's uploads
+waited behind all of its onload. ``--matrix`` varies what differs in the engine: the source
+page-locked by registration, raw ``cudaMemcpyAsync`` calls, high-priority streams.
 
-    python3 tools/probe_zerocopy.py            # the H200
+    python3 tools/probe_zerocopy.py --chunk-mb 2 --sm --matrix   # the H200
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def _timed(stream: torch.cuda.Stream, fn) -> tuple[torch.cuda.Event, torch.cuda.Event]:
@@ -47,24 +52,43 @@ def sm_copy(dst: torch.Tensor, src_pinned: torch.Tensor) -> None:
         cp.copyto(out, src)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--big-mb", type=int, default=512)
-    ap.add_argument("--small-kb", type=int, default=1024)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--chunk-mb", type=int, default=0,
-                    help="the large copy as copies of this many MB each (the onload's are 2)")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA device")
-        return 0
+def _source(nbytes: int, how: str) -> tuple[torch.Tensor, object]:
+    """A page-locked host buffer: torch's allocator (``torch``) or, as the engine's host store
+    is, an anonymous huge-page mapping page-locked in place (``registered``)."""
+    if how == "torch":
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None
+    from streamgr.cache.store import host_tensor
+    t = host_tensor((nbytes,), torch.uint8, True)
+    t.fill_(1)
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+    assert int(err) == 0, err
+    return t, lambda: torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+def measure(args, source: str, raw: bool, priority: int) -> dict[str, float]:
+    """Medians (ms) of every timing below for one setting: the large copy's source
+    (``source``), issued as torch copies or raw ``cudaMemcpyAsync`` calls (``raw``, as the
+    onload's), on streams of ``priority`` (the engine's batch streams: -1)."""
     dev = torch.device("cuda")
-    big_h = torch.empty(args.big_mb << 20, dtype=torch.uint8, pin_memory=True)
-    big_d = torch.empty_like(big_h, device=dev)
+    big_h, release = _source(args.big_mb << 20, source)
+    big_d = torch.empty(big_h.numel(), dtype=torch.uint8, device=dev)
     small_h = torch.randint(0, 255, (args.small_kb << 10,), dtype=torch.uint8).pin_memory()
     small_d = torch.empty_like(small_h, device=dev)
-    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    a, b = torch.cuda.Stream(priority=priority), torch.cuda.Stream(priority=priority)
     rows: dict[str, list[float]] = {}
+    step = (args.chunk_mb << 20) or big_h.numel()
+    if raw:
+        import cupy as cp
+        rt = cp.cuda.runtime
+
+    def big_copy() -> None:
+        for o in range(0, big_h.numel(), step):
+            n = min(step, big_h.numel() - o)
+            if raw:
+                rt.memcpyAsync(big_d.data_ptr() + o, big_h.data_ptr() + o, n,
+                               rt.memcpyHostToDevice, torch.cuda.current_stream().cuda_stream)
+            else:
+                big_d[o:o + n].copy_(big_h[o:o + n], non_blocking=True)
 
     def run(name: str, small, with_big: bool) -> None:
         torch.cuda.synchronize()
@@ -79,26 +103,46 @@ def main() -> int:
         if big is not None:
             rows.setdefault(f"{name}: large copy ms", []).append(big[0].elapsed_time(big[1]))
 
-    step = (args.chunk_mb << 20) or big_h.numel()
-
-    def big_copy() -> None:
-        for o in range(0, big_h.numel(), step):
-            big_d[o:o + step].copy_(big_h[o:o + step], non_blocking=True)
-
     ce = lambda: small_d.copy_(small_h, non_blocking=True)  # noqa: E731
     sm = lambda: sm_copy(small_d, small_h)  # noqa: E731
     for _ in range(args.repeats + 1):  # the first round warms up (kernel compile, allocations)
         run("alone", None, True)
         run("ce alone", ce, False)
-        run("sm alone", sm, False)
         run("ce beside", ce, True)
-        run("sm beside", sm, True)
-    print(f"large copy {args.big_mb} MB in copies of {step >> 20} MB, small upload "
-          f"{args.small_kb} KB, "
-          f"median of {args.repeats} (first round dropped)")
-    for k, v in rows.items():
-        v = sorted(v[1:])
-        print(f"  {k:32s} {v[len(v) // 2]:9.3f}")
+        if args.sm:
+            run("sm alone", sm, False)
+            run("sm beside", sm, True)
+    torch.cuda.synchronize()
+    if release is not None:
+        release()
+    return {k: sorted(v[1:])[len(v[1:]) // 2] for k, v in rows.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--big-mb", type=int, default=512)
+    ap.add_argument("--small-kb", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--chunk-mb", type=int, default=0,
+                    help="the large copy as copies of this many MB each (the onload's are 2)")
+    ap.add_argument("--sm", action="store_true", help="also the kernel reading in place")
+    ap.add_argument("--matrix", action="store_true",
+                    help="every setting of source (torch / registered), copies (torch / raw) "
+                         "and stream priority (0 / -1): which of them makes a small upload "
+                         "wait behind the large copy (the engine's onload uses registered, "
+                         "raw, -1)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA device")
+        return 0
+    settings = ([(s, r, p) for s in ("torch", "registered") for r in (False, True)
+                 for p in (0, -1)] if args.matrix else [("torch", False, 0)])
+    print(f"large copy {args.big_mb} MB in copies of {(args.chunk_mb or args.big_mb)} MB, small "
+          f"upload {args.small_kb} KB on a second stream, median ms of {args.repeats}")
+    for source, raw, prio in settings:
+        got = measure(args, source, raw, prio)
+        print(f"source {source:10s} copies {'raw' if raw else 'torch':5s} priority {prio:2d}: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in got.items()))
     return 0
 
 

@@ -13,7 +13,8 @@ their own layer's scatter. ``--trace CONFIG ...``: two more batches of each unde
 torch.profiler, their slow host calls and their kernels' device time beside recompute's.
 
     python3 tools/probe_hosthit.py --spec rank-ref --set cache.device_pages=8192   # the H200
-    python3 tools/probe_hosthit.py --spec rank-small --device cpu --profile small --users 40 --window 40  # smoke
+    python3 tools/probe_hosthit.py --spec rank-small --device cpu --profile small \
+        --users 40 --window 40                                                      # smoke
 """
 
 from __future__ import annotations
@@ -188,11 +189,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=200, help="requests replayed untimed first")
     ap.add_argument("--window", type=int, default=480, help="requests probed")
     ap.add_argument("--configs", nargs="+", default=["auto", "0.0", "1.0", "auto:0"],
-                    help="SPLIT[:WINDOW_MB[:torch]] per batch in turn (SPLIT a fraction or "
-                         "auto; WINDOW_MB the onload's megabytes in flight, 0 no limit; torch: "
-                         "the onload's copies by torch, not raw cudaMemcpyAsync)")
+                    help="SPLIT[:WINDOW_MB[:FLAGS]] per batch in turn (SPLIT a fraction or "
+                         "auto; WINDOW_MB the onload thread's megabytes in flight, 0 no limit; "
+                         f"FLAGS of {sorted(FLAGS)} joined by '+': parse_config says each)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
-                    help="profile the host's submit of every probed batch (cProfile) and "
+                    help="profile every probed batch's host work (run_batch, cProfile) and "
                          "print its N costliest calls by cumulative and by own time")
     ap.add_argument("--trace", nargs="*", default=[], metavar="CONFIG",
                     help="then two batches of each CONFIG under torch.profiler: the host calls of "

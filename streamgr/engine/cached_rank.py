@@ -132,11 +132,9 @@ class CachedRankRunner(RankRunner):
     def _submit(self, batch: list[PreparedRank], transient: frozenset) -> "InFlight":
         stages: dict[str, float] = {}
         t = time.perf_counter()
-        # tests and probes: timing events and host stamps (``host_*``) of this batch
-        ev = self.trace_events = {} if self.trace_events is not None else None
-        stamp = (lambda name: ev.__setitem__(name, time.perf_counter())) if ev is not None \
-            else (lambda name: None)
-        stamp("host_submit")
+        if self.trace_events is not None:  # tests and probes: this batch's events and stamps
+            self.trace_events = {}
+        self._stamp("host_submit")
         resolved, live = self._resolve(batch)
         if not live:
             return InFlight(batch, resolved, live, stages, version=self.version)
@@ -152,7 +150,7 @@ class CachedRankRunner(RankRunner):
                 known)
             self._split(plans)
         t = self._mark(stages, "metadata", t)
-        stamp("host_metadata")
+        self._stamp("host_metadata")
         s = self.streams
         handles = None
         try:
@@ -177,17 +175,17 @@ class CachedRankRunner(RankRunner):
                 pb = pack_jagged(users, self.staging)
                 desc, app = self._descriptor(plans, pb)
                 t = self._mark(stages, "layout", t)
-                stamp("host_layout")
+                self._stamp("host_layout")
                 # Batches that onload host chunks stay eager (per-layer onload events).
                 scores = None if jobs else self._forward_planned(pb, desc, app, stages)
                 if scores is None:
                     up = self._upload(pb, app)
-                    stamp("host_uploaded")
+                    self._stamp("host_uploaded")
                     if deferred:  # behind the batch's uploads and attention plans, on its thread
                         cfg = self.model.cfg
                         prepare_plans(desc, self.device, self.model.item_embedding.weight.dtype,
                                       cfg.num_heads, cfg.head_dim)
-                        stamp("host_plans")
+                        self._stamp("host_plans")
                         handles = self.onload.submit(jobs, after=self._compute_done)
                     scores = self._forward_eager(up, desc, handles, stages, marks)
                 pb.release()  # (the eager upload gave it back behind its copy already)
@@ -204,6 +202,11 @@ class CachedRankRunner(RankRunner):
             raise
         return InFlight(batch, resolved, live, stages, plans=plans, tokens=tokens, host=host,
                         event=event, version=self.version, pinned=pinned, marks=marks)
+
+    def _stamp(self, name: str) -> None:
+        """A traced batch's host stamp ``name`` (``host_*``): when this thread got there."""
+        if self.trace_events is not None:
+            self.trace_events[name] = time.perf_counter()
 
     def finish(self, f: "InFlight") -> BatchOutcome:
         """Wait for the batch's scores, then commit its users' K/V to the cache metadata."""

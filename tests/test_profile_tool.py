@@ -27,11 +27,11 @@ def test_probe_hosthit_runs_on_the_cpu():
     p = subprocess.run([sys.executable, str(ROOT / "tools" / "probe_hosthit.py"), "--spec",
                         "rank-small", "--device", "cpu", "--profile", "small", "--users", "40",
                         "--warmup", "40", "--window", "96", "--set", "cache.device_pages=64",
-                        "--configs", "1.0:0", "0.0::nopad", "auto::torch+thread+fixed", "auto", "--trace", "auto", "0.0",
+                        "--configs", "1.0:0", "0.0::nopad", "auto::torch+thread+fixed", "auto::early", "--trace", "auto", "0.0",
                         "--cprofile", "5"],
                        capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]
-    for config in ("1.0:0", "0.0::nopad", "auto::torch+thread+fixed", "auto"):
+    for config in ("1.0:0", "0.0::nopad", "auto::torch+thread+fixed", "auto::early"):
         m = re.search(rf"^{re.escape(config)}: (\d+) host-hit batches, mean [\d.]+ ms .*"
                       rf"recompute [\d.]+ ms", p.stdout, re.M)
         assert m and int(m.group(1)) > 0, p.stdout[-2000:]

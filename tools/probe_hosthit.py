@@ -42,7 +42,7 @@ from bench_rank import drain_background  # noqa: E402
 from profile_rank import DEV_CATS, chrome_trace, range_events  # noqa: E402
 
 
-FLAGS = {"torch", "thread", "nopad", "fixed"}
+FLAGS = {"torch", "thread", "nopad", "fixed", "early"}
 
 
 def parse_config(text: str) -> tuple[str, int | None, frozenset]:
@@ -53,7 +53,8 @@ def parse_config(text: str) -> tuple[str, int | None, frozenset]:
     row count, not bucketed (``RankRunner.pad_eager_rows``); ``fixed``, the split's recompute
     costs as measured at start, not corrected from device timings (the engine's
     ``CachedRankRunner.split_feedback``; each setting otherwise has its own, kept across its
-    batches)."""
+    batches); ``early``, an inline onload submitted right after the split, before the batch's
+    uploads (``CachedRankRunner.early_onload``)."""
     split, _, rest = text.partition(":")
     window, _, flags = rest.partition(":")
     if split != "auto":
@@ -118,6 +119,7 @@ def apply(runner, costs, config, default_window: int, raw_copy=None, feedback=No
     runner.onload.inline = "thread" not in flags
     runner.pad_eager_rows = "nopad" not in flags
     runner.split_feedback = None if "fixed" in flags else feedback
+    runner.early_onload = "early" in flags
 
 
 def trace_batches(eng, batches, name: str, least_us: float = 300.0, re_eng=None):
@@ -270,7 +272,7 @@ def main() -> int:
     finally:
         runner.onload.window_bytes, runner.onload.raw_copy = default_window, raw_copy
         runner.onload.inline, runner.pad_eager_rows = onload_inline(), True
-        runner.split_feedback = own_feedback
+        runner.split_feedback, runner.early_onload = own_feedback, False
         runner.trace_events = runner.onload.trace_events = None
     result = {c: summary(rows[c], layers) for c in args.configs}
     for c, s in result.items():

@@ -67,6 +67,10 @@ class CachedRankRunner(RankRunner):
         # A SplitFeedback: "auto"'s recompute costs corrected batch by batch from device
         # timings (cache/onload_split.py; the factory sets one with "auto").
         self.split_feedback = None
+        # A/B for tools/probe_hosthit.py (``early``): an inline onload submitted right after the
+        # split, before the batch's uploads (H200, session 24: 20.9 against 13.4 ms, the
+        # uploads landing after all of the onload; why is open: tools/probe_zerocopy.py).
+        self.early_onload = False
 
     @property
     def bytes_onloaded(self) -> int:
@@ -163,7 +167,7 @@ class CachedRankRunner(RankRunner):
                 # onload thread it starts now (the batch's own uploads then follow it on the
                 # copy engine behind at most its window of copies in flight); inline (the
                 # CUDA default, ``deferred``) once those uploads are queued, below.
-                deferred = bool(jobs) and self.onload.deferred
+                deferred = bool(jobs) and self.onload.deferred and not self.early_onload
                 # timing marks for split_feedback: a batch that both onloads and recomputes
                 marks = {} if (self.split_feedback is not None and s.cuda and jobs and any(
                     p.host_recomputed for p in plans)) else None

@@ -102,3 +102,20 @@ def test_inline_knob_says_what_it_expects(monkeypatch):
     _, _, onload, _ = _pipeline()
     onload.inline = False
     assert not onload.deferred
+
+
+def test_an_early_onload_goes_out_before_the_batch_uploads_and_answers_stay_right():
+    """``early_onload`` (an A/B of tools/probe_hosthit.py): the inline onload submitted right
+    after the split, its first layers issued ahead of the batch's own uploads. Answers equal
+    recompute's."""
+    engines, runner, onload, _ = _pipeline()
+    runner.early_onload = True
+    order = []
+    upload, begin = runner._upload, onload._begin
+    runner._upload = lambda *a: (order.append("upload"), upload(*a))[1]
+    onload._begin = lambda *a: (order.append("onload"), begin(*a))[1]
+    serve_equal_to_recompute(engines, steps=40)
+    assert "onload" in order and runner.bytes_onloaded > 0
+    for i, what in enumerate(order):
+        if what == "onload":
+            assert order[i + 1] == "upload"

@@ -73,11 +73,15 @@ def test_a_failed_inline_onload_raises_at_the_models_wait():
         handles.wait(0)
 
 
-def test_a_host_hit_batch_queues_its_uploads_before_its_onload():
+@pytest.mark.parametrize("early", [False, True])
+def test_a_host_hit_batch_queues_its_uploads_before_its_onload(early):
     """The batch's own host-to-device copies (rows, append slots, attention plans) share the
     copy engine with the onload in issue order: they go first, so the model's first layer
-    never waits behind the history's copies. Answers equal recompute's."""
+    never waits behind the history's copies. ``early_onload`` (an A/B of
+    tools/probe_hosthit.py): the onload submitted right after the split instead, its first
+    layers ahead of the uploads. Answers equal recompute's either way."""
     engines, runner, onload, _ = _pipeline()
+    runner.early_onload = early
     order = []
     upload, begin = runner._upload, onload._begin
     runner._upload = lambda *a: (order.append("upload"), upload(*a))[1]
@@ -86,7 +90,7 @@ def test_a_host_hit_batch_queues_its_uploads_before_its_onload():
     assert "onload" in order and runner.bytes_onloaded > 0
     for i, what in enumerate(order):
         if what == "onload":
-            assert order[i - 1] == "upload"
+            assert order[i + (1 if early else -1)] == "upload"
 
 
 def test_inline_knob_says_what_it_expects(monkeypatch):
@@ -102,20 +106,3 @@ def test_inline_knob_says_what_it_expects(monkeypatch):
     _, _, onload, _ = _pipeline()
     onload.inline = False
     assert not onload.deferred
-
-
-def test_an_early_onload_goes_out_before_the_batch_uploads_and_answers_stay_right():
-    """``early_onload`` (an A/B of tools/probe_hosthit.py): the inline onload submitted right
-    after the split, its first layers issued ahead of the batch's own uploads. Answers equal
-    recompute's."""
-    engines, runner, onload, _ = _pipeline()
-    runner.early_onload = True
-    order = []
-    upload, begin = runner._upload, onload._begin
-    runner._upload = lambda *a: (order.append("upload"), upload(*a))[1]
-    onload._begin = lambda *a: (order.append("onload"), begin(*a))[1]
-    serve_equal_to_recompute(engines, steps=40)
-    assert "onload" in order and runner.bytes_onloaded > 0
-    for i, what in enumerate(order):
-        if what == "onload":
-            assert order[i + 1] == "upload"

@@ -188,10 +188,10 @@ class OnloadPipeline:
         chunks, buf, page_ids = self._begin(onload, after)
         s = self.streams
         host = self.stores.host
-        units = [(l, i) for l in range(self.layers) for i in range(len(chunks))]
         if self.pin and host.is_pinned():  # a pinned host store needs no staging: DMA from it
-            self._direct(units, chunks, buf, page_ids, handles)
+            self._direct(chunks, buf, page_ids, handles)
             return
+        units = [(l, i) for l in range(self.layers) for i in range(len(chunks))]
         staging = self._staging_buffers()  # (only this path stages)
         per = self.layers * self.staging_chunks  # slices per staging buffer
         # numpy views: np.copyto is a plain memcpy that releases the GIL (bf16 seen as int16).
@@ -225,30 +225,36 @@ class OnloadPipeline:
                 self._layer_landed(l, buf, page_ids, handles)
         self._last_scatter = handles.ready[-1]
 
-    def _direct(self, units, chunks, buf, page_ids, handles) -> None:
+    def _direct(self, chunks, buf, page_ids, handles) -> None:
         """DMA from the page-locked store, ``layer_group`` layers of a chunk per copy (they are
         contiguous in a chunk): layer-major by default, so the first layers land first."""
         s = self.streams
-        g = self.layer_group
-        delayed: set[int] = set()
         pace = _Window(self.window_bytes if s.cuda else 0, s)
         with s.use(s.onload):
             copy, layer_bytes = self._direct_start(chunks, buf)
-            for l, i in units:
-                if l % g:
-                    continue  # copied with its group's first layer
-                if l not in delayed and self.delay_layers.get(l):
-                    delayed.add(l)
-                    time.sleep(self.delay_layers[l])
-                n = min(g, self.layers - l) * layer_bytes
-                pace.before(n)
-                copy(i, l, n)
-                pace.after(n)
-                self.bytes += n
-                if i == len(chunks) - 1:
-                    for j in range(l, min(l + g, self.layers)):
-                        self._layer_landed(j, buf, page_ids, handles)
+            for l0 in range(0, self.layers, self.layer_group):
+                self._issue_group(copy, l0, len(chunks), layer_bytes, buf, page_ids, handles,
+                                  pace)
         self._last_scatter = handles.ready[-1]
+
+    def _issue_group(self, copy, l0: int, n: int, layer_bytes: int, buf, page_ids, handles,
+                     pace: "_Window | None" = None) -> int:
+        """The direct path's layer group from ``l0``: each of the ``n`` chunks' copies (paced
+        by ``pace``), then each of its layers signalled; returns the next group's layer."""
+        g, L = self.layer_group, self.layers
+        if self.delay_layers.get(l0):
+            time.sleep(self.delay_layers[l0])
+        nb = min(g, L - l0) * layer_bytes
+        for i in range(n):
+            if pace is not None:
+                pace.before(nb)
+            copy(i, l0, nb)
+            if pace is not None:
+                pace.after(nb)
+            self.bytes += nb
+        for j in range(l0, min(l0 + g, L)):
+            self._layer_landed(j, buf, page_ids, handles)
+        return l0 + g
 
     def _direct_start(self, chunks, buf):
         """(``copy``, bytes of one layer of a chunk) for the direct path's copies of ``chunks``
@@ -340,7 +346,8 @@ class _InlinePump:
                 self._start()
             with s.use(s.onload):
                 while self.next <= min(L - 1, layer + INLINE_AHEAD):
-                    self._issue(self.next)
+                    self.next = pipe._issue_group(self.copy, self.next, self.n, self.layer_bytes,
+                                                  self.buf, self.page_ids, h)
             if self.next >= L:
                 pipe._last_scatter = h.ready[-1]
         except BaseException as err:  # noqa: BLE001 - the batch falls back to recompute
@@ -352,20 +359,6 @@ class _InlinePump:
         chunks, self.buf, self.page_ids = self.pipe._begin(self.onload, self.after)
         self.n = len(chunks)
         self.copy, self.layer_bytes = self.pipe._direct_start(chunks, self.buf)
-
-    def _issue(self, l0: int) -> None:
-        """Layer ``l0``'s group: every chunk's copy, then each of its layers signalled."""
-        pipe = self.pipe
-        g, L = pipe.layer_group, pipe.layers
-        if pipe.delay_layers.get(l0):
-            time.sleep(pipe.delay_layers[l0])
-        nb = min(g, L - l0) * self.layer_bytes
-        for i in range(self.n):
-            self.copy(i, l0, nb)
-            pipe.bytes += nb
-        for j in range(l0, min(l0 + g, L)):
-            pipe._layer_landed(j, self.buf, self.page_ids, self.handles)
-        self.next = l0 + g
 
 
 class _Window:

@@ -155,10 +155,35 @@ def trace_batches(eng, batches, name: str, least_us: float = 300.0, re_eng=None)
         for e in host:
             print(f"  {e['ts'] - t0:9.1f} {e['dur']:9.1f} tid {e.get('tid')} {e['cat']:12s} "
                   f"{e['name'][:70]}")
+    found = range_events(trace, f"traced_{name}_0", DEV_CATS)
+    if found is not None:
+        print(f"\ndevice timeline of {name} batch 0 (us from its start; runs of one op on one "
+              "stream collapsed):")
+        for row in device_runs(found[0], found[2])[:80]:
+            print("  " + row)
     for tag, _ in runs:
         print(f"\nkernels of {tag}, us per batch (mean of {len(picked)}):")
         for row in kernel_table(trace, [f"traced_{tag}_{i}" for i in range(len(picked))]):
             print(f"  {row[1]:9.1f} {row[2]:6.1f} {row[0][:90]}")
+
+
+def device_runs(t0: float, events: list[dict]) -> list[str]:
+    """The device events as ``start end stream count name`` rows by start, a stream's
+    consecutive events of one name as one row (whatever other streams ran between): which
+    stream's copies run when (does an upload wait behind onload copies issued before it?)."""
+    runs: list[list] = []
+    last: dict = {}  # stream -> its current run
+    for e in events:
+        stream = e.get("args", {}).get("stream")
+        r = last.get(stream)
+        if r is not None and r[0] == (e["name"], stream):
+            r[2], r[3] = e["ts"] + e["dur"], r[3] + 1
+        else:
+            last[stream] = r = [(e["name"], stream), e["ts"], e["ts"] + e["dur"], 1]
+            runs.append(r)
+    runs.sort(key=lambda r: r[1])
+    return [f"{a - t0:9.1f} {b - t0:9.1f} s{k[1]!s:>3} x{n:<4d} {k[0][:70]}"
+            for k, a, b, n in runs]
 
 
 def kernel_table(trace: list[dict], markers: list[str], rows: int = 14) -> list[tuple]:

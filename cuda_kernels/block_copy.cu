@@ -73,3 +73,14 @@ template __global__ void block_copy<unsigned int>(unsigned int*, const unsigned 
 template __global__ void block_copy<unsigned short>(unsigned short*, const unsigned short*,
                                                     const long long*, const long long*,
                                                     long long, long long);
+
+// A flat copy of n units, CUDA block x its part. The rank path's uploads use it to read a
+// page-locked host buffer in place (its pointer is valid on the device under unified
+// addressing): the SMs pull it over PCIe, so it cannot queue behind a host hit's onload copies
+// on the copy engine (streamgr/kernels/pinned.py).
+template <typename T>
+__global__ void linear_copy(T* __restrict__ dst, const T* __restrict__ src, long long n) {
+    const long long part = (n + gridDim.x - 1) / gridDim.x;
+    const long long lo = blockIdx.x * part;
+    copy_part(dst, src, lo, min(n, lo + part));
+}

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from streamgr import Engine  # noqa: E402
 from streamgr.api import RankRequest  # noqa: E402
 from streamgr.cache.onload_split import SplitFeedback  # noqa: E402
+from streamgr.kernels import pinned  # noqa: E402
 from streamgr.config import load_spec, parse_set_pairs  # noqa: E402
 from streamgr.streams.onload import onload_inline  # noqa: E402
 from streamgr.trace.replay import batches_of_distinct_users, replay_batches  # noqa: E402
@@ -42,7 +43,7 @@ from bench_rank import drain_background  # noqa: E402
 from profile_rank import DEV_CATS, chrome_trace, range_events  # noqa: E402
 
 
-FLAGS = {"torch", "thread", "nopad", "fixed", "early"}
+FLAGS = {"torch", "thread", "nopad", "fixed", "early", "smup"}
 
 
 def parse_config(text: str) -> tuple[str, int | None, frozenset]:
@@ -54,7 +55,8 @@ def parse_config(text: str) -> tuple[str, int | None, frozenset]:
     costs as measured at start, not corrected from device timings (the engine's
     ``CachedRankRunner.split_feedback``; each setting otherwise has its own, kept across its
     batches); ``early``, an inline onload submitted right after the split, before the batch's
-    uploads (``CachedRankRunner.early_onload``)."""
+    uploads (``CachedRankRunner.early_onload``); ``smup``, the batch's uploads read from
+    page-locked memory by a kernel, not copied by the copy engine (``pinned.UPLOAD_BY_SM``)."""
     split, _, rest = text.partition(":")
     window, _, flags = rest.partition(":")
     if split != "auto":
@@ -120,6 +122,7 @@ def apply(runner, costs, config, default_window: int, raw_copy=None, feedback=No
     runner.pad_eager_rows = "nopad" not in flags
     runner.split_feedback = None if "fixed" in flags else feedback
     runner.early_onload = "early" in flags
+    pinned.UPLOAD_BY_SM = "smup" in flags
 
 
 def trace_batches(eng, batches, name: str, least_us: float = 300.0, re_eng=None):

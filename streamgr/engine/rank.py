@@ -21,7 +21,7 @@ from ..errors import (EmptyCandidates, HistoryTooLong, IdOutOfRange, InvalidRequ
                       LengthMismatch, TooManyCandidates)
 from ..kernels.host_loops import pack_rows
 from ..kernels.hstu_attention import JaggedKV, kernel_runs
-from ..kernels.pinned import PinnedPool
+from ..kernels.pinned import PinnedPool, to_device
 from ..models.hstu import HSTU, HSTUConfig, JaggedBatch
 
 
@@ -129,7 +129,7 @@ def build_jagged(users: list[UserSlice], device: torch.device) -> JaggedBatch:
 def upload_jagged(pb: PackedBatch, device: torch.device) -> JaggedBatch:
     rows, cands = pb.packed.shape[1], len(pb.cand_rows)
     if device.type == "cuda" and pb.pinned is not None:  # one copy out of the staging buffer
-        dev = pb.pinned[:3 * rows + cands].to(device, non_blocking=True)
+        dev = to_device(pb.pinned[:3 * rows + cands], device)
         ev = torch.cuda.Event()
         ev.record()
         pb.release(ev)

@@ -14,6 +14,7 @@ import threading
 import numpy as np
 import torch
 
+from ..errors import StreamgrError
 from . import _cuda
 
 
@@ -51,11 +52,65 @@ class PinnedPool:
         buf = self.take(arr.size)
         host = buf[:arr.size].view(arr.shape)
         np.copyto(host.numpy(), arr)
-        dev = host.to(device, non_blocking=True)
+        dev = to_device(host, device)
         done = torch.cuda.Event()
         done.record()
         self.give_back(buf, done)
         return dev
+
+
+def upload_by_sm_default() -> bool:
+    """``STREAMGR_UPLOAD_BY_SM`` (default 0): the rank path's uploads read from page-locked
+    memory by a kernel (1) instead of copied by the copy engine (0). On the H200 a host hit's
+    uploads waited behind onload copies issued before them whenever the onload started first
+    (onload thread, ``early``: the first layer's compute 10 ms late); read by the SMs they did
+    not (session 25). The default path queues the uploads first, so it is off."""
+    raw = os.environ.get("STREAMGR_UPLOAD_BY_SM", "0")
+    if raw not in ("0", "1"):
+        raise StreamgrError(f"STREAMGR_UPLOAD_BY_SM={raw!r}: 0 (copy-engine uploads) or 1 "
+                            "(read by a kernel)")
+    return raw == "1"
+
+
+UPLOAD_BY_SM = upload_by_sm_default()  # (the probe's ``smup`` flag sets it per batch)
+_LINEAR = {16: "linear_copy<uint4>", 8: "linear_copy<uint2>", 4: "linear_copy<unsigned int>"}
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A contiguous page-locked ``host`` tensor on ``device``, queued on the current stream
+    without blocking: a copy-engine copy, or with :data:`UPLOAD_BY_SM` a kernel reading it in
+    place (:func:`read_host`). The caller keeps ``host`` unchanged until the copy is done."""
+    if UPLOAD_BY_SM and device.type == "cuda" and _cuda.usable_on(device) and host.is_pinned():
+        out = torch.empty(host.shape, dtype=host.dtype, device=device)
+        read_host(out, host)
+        return out
+    return host.to(device, non_blocking=True)
+
+
+def read_host(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[:] = src`` for a device ``dst`` and a page-locked host ``src`` (contiguous, one
+    dtype and size) by ``cuda_kernels/block_copy.cu``'s ``linear_copy`` on the current stream,
+    the widest unit both addresses and the size allow; else :func:`read_host_reference`."""
+    if dst.dtype != src.dtype or dst.numel() != src.numel() or not dst.is_contiguous() \
+            or not src.is_contiguous():
+        raise StreamgrError("read_host: contiguous tensors of one dtype and size required")
+    nbytes = dst.numel() * dst.element_size()
+    unit = next((u for u in _LINEAR if nbytes % u == 0 and dst.data_ptr() % u == 0
+                 and src.data_ptr() % u == 0), None)
+    if nbytes == 0 or unit is None or not (dst.is_cuda and src.is_pinned()
+                                           and _cuda.usable(dst)):
+        read_host_reference(dst, src)
+        return
+    fn = _cuda.kernel("block_copy.cu", tuple(_LINEAR.values()), _LINEAR[unit])
+    n = nbytes // unit
+    blocks = max(1, min(264, -(-n // 1024)))  # ~4 units a thread in flight, 256 threads
+    _cuda.launch(fn, (blocks,), (256,), (np.uint64(dst.data_ptr()), np.uint64(src.data_ptr()),
+                                         np.int64(n)))
+
+
+def read_host_reference(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """The torch reference of :func:`read_host`: a copy on the current stream."""
+    dst.copy_(src, non_blocking=True)
 
 
 def raw_h2d():

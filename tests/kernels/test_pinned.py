@@ -84,3 +84,65 @@ def test_raw_h2d_copies_page_locked_slices_to_device_offsets_on_a_stream():
         dev.add_(0)  # a kernel after them on the stream
     stream.synchronize()
     assert torch.equal(dev.cpu(), want)
+
+
+def test_read_host_checks_its_tensors_and_copies_on_the_cpu():
+    from streamgr.errors import StreamgrError
+    from streamgr.kernels.pinned import read_host
+    src = torch.arange(10, dtype=torch.int64)
+    dst = torch.zeros(10, dtype=torch.int64)
+    read_host(dst, src)  # no GPU: the reference
+    assert torch.equal(dst, src)
+    for bad in (torch.zeros(9, dtype=torch.int64), torch.zeros(10, dtype=torch.int32),
+                torch.zeros(20, dtype=torch.int64)[::2]):
+        with pytest.raises(StreamgrError, match="read_host"):
+            read_host(bad, src)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.uint8])
+def test_read_host_equals_a_copy_on_sizes_and_unaligned_slices(dtype):
+    """The kernel reading page-locked memory in place against ``copy_``: fresh random data,
+    sizes around the copy units and the blocks' parts, slices at odd offsets (narrower units,
+    or the reference where no unit fits), queued behind a spin on a side stream."""
+    from streamgr.kernels.pinned import read_host
+    g = torch.Generator().manual_seed(int(dtype.itemsize))
+    host = torch.randint(-100, 100, (1 << 20,), generator=g).to(dtype).pin_memory()
+    stream = torch.cuda.Stream()
+    for off, n in [(0, 1), (0, 7), (0, 16), (1, 33), (3, 1000), (8, 4097), (0, 1 << 19),
+                   (5, (1 << 20) - 5), (2, 0)]:
+        src = host[off:off + n]
+        dst = torch.full((n,), 7, dtype=dtype, device="cuda")
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(2_000_000)
+            read_host(dst, src)
+        stream.synchronize()
+        assert torch.equal(dst.cpu(), src), (off, n)
+
+
+@pytest.mark.gpu
+def test_uploads_by_the_sms_equal_the_copy_engines(monkeypatch):
+    """``UPLOAD_BY_SM`` (the probe's ``smup``): the pool's uploads and ``to_device`` read by a
+    kernel give the same tensors as copies."""
+    from streamgr.kernels import pinned
+    dev = torch.device("cuda")
+    monkeypatch.setattr(pinned, "UPLOAD_BY_SM", True)
+    pool = PinnedPool(torch.int64, 4)
+    rng = np.random.default_rng(1)
+    for shape in [(3, 5), (7,), (3, 1000), (1,), (2, 33)]:
+        arr = rng.integers(-2 ** 40, 2 ** 40, size=shape, dtype=np.int64)
+        np.testing.assert_array_equal(pool.upload(arr, dev).cpu().numpy(), arr)
+    host = torch.arange(12345, dtype=torch.int64).pin_memory()
+    assert torch.equal(pinned.to_device(host[3:], dev).cpu(), host[3:])
+
+
+def test_the_upload_knob_takes_0_or_1(monkeypatch):
+    from streamgr.errors import StreamgrError
+    from streamgr.kernels.pinned import upload_by_sm_default
+    monkeypatch.delenv("STREAMGR_UPLOAD_BY_SM", raising=False)
+    assert upload_by_sm_default() is False
+    monkeypatch.setenv("STREAMGR_UPLOAD_BY_SM", "1")
+    assert upload_by_sm_default() is True
+    monkeypatch.setenv("STREAMGR_UPLOAD_BY_SM", "yes")
+    with pytest.raises(StreamgrError, match="STREAMGR_UPLOAD_BY_SM"):
+        upload_by_sm_default()

@@ -108,8 +108,10 @@ class GenerateVersion:
             raise InvalidRequest(f"`beam_width` must be an int in 1..{MAX_BEAM}")
         widths = self._widths(req, bw)
         exclude = _ids(req.exclude_items, "exclude_items")
-        if exclude is not None and len(exclude):  # the answer keeps top_k items after the cut
-            widths[-1] = min(MAX_BEAM, max(widths[-1], req.top_k + len(exclude)))
+        # the last step keeps the beams the answer needs (top_k, and a deny list's more): never
+        # fewer than top_k items (Hugging Face refuses num_return_sequences > num_beams)
+        more = 0 if exclude is None else len(exclude)
+        widths[-1] = min(MAX_BEAM, max(widths[-1], req.top_k + more))
         mpp = req.max_per_prefix if req.max_per_prefix is not None else pol.max_per_prefix
         if not _int_in(mpp, 0, 2**31 - 1):
             raise InvalidRequest("`max_per_prefix` must be an int >= 0 (0: no cap)")
@@ -147,9 +149,8 @@ class GenerateVersion:
         return self.search.plans.keys() if self.search.plans is not None else []
 
     def warm_up(self, keys: list[tuple] | None = None) -> None:
-        """Capture plans before serving: the given shapes (a live update passes the active
-        version's, so the traffic's shapes are ready at the cutover), else every row bucket
-        for a full-length context and the policy's widths."""
+        """Capture plans before serving: the given shapes (an update passes the active one's:
+        ready at the cutover), else every row bucket at full context and the policy's widths."""
         plans = self.search.plans
         if plans is None:
             return
@@ -186,9 +187,8 @@ def _still_prepared(p: PreparedGenerate, v: "GenerateVersion") -> bool:
 
 def views_after_removal(views: tuple, removed) -> tuple:
     """:func:`catalog_views` of a catalog that lost the items ``removed`` (nothing added), from
-    the views of the catalog before: every row of a removed id goes and the rest keep their
-    order (by id, ties in SID order), so nothing is sorted again (~0.3 s for a million items,
-    in the build of an update beside serving)."""
+    the views before: a removed id's rows go, the rest keep their order (by id, ties in SID
+    order); nothing is sorted again (~0.3 s a million items, in an update's build)."""
     ids, _, tokens = views
     rm = np.asarray(removed, dtype=np.int64)  # ids sorted: each removed id's rows bisected
     lo, hi = np.searchsorted(ids, rm, "left"), np.searchsorted(ids, rm, "right")

@@ -83,23 +83,34 @@ class TraceWriter:
         self.close()
 
 
-def _frames(f) -> Iterator[bytes]:
+MAX_FRAME = 1 << 28  # a record holds one request: megabytes at most
+
+
+def _frames(f, path) -> Iterator[bytes]:
+    """The length-prefixed frames of ``f``; a short one names the file and the frame (frame 0
+    is the header: a file that is not a trace usually fails there)."""
+    i = 0
     while True:
         head = f.read(4)
         if not head:
             return
+        what = "the header (not a streamgr trace?)" if i == 0 else f"record {i - 1}"
         if len(head) < 4:
-            raise TraceError("truncated frame header")
+            raise TraceError(f"{path}: {what} is cut short (a truncated frame header)")
         (n,) = _LEN.unpack(head)
+        if n > MAX_FRAME:  # (not read: a text file's first bytes read as a length are ~2 GB)
+            raise TraceError(f"{path}: {what} claims {n} bytes, more than any trace frame "
+                             f"({MAX_FRAME})")
         body = f.read(n)
         if len(body) < n:
-            raise TraceError("truncated record")
+            raise TraceError(f"{path}: {what} is cut short ({len(body)} of {n} bytes)")
         yield body
+        i += 1
 
 
 def read_header(path: str | Path) -> Header:
     with open(path, "rb") as f:
-        first = next(_frames(f), None)
+        first = next(_frames(f, path), None)
     if first is None:
         raise TraceError(f"{path}: empty file, not a trace")
     try:
@@ -119,7 +130,7 @@ def read_trace(path: str | Path) -> Iterator[Record]:
     read_header(path)
     dec = msgspec.msgpack.Decoder(Record)
     with open(path, "rb") as f:
-        frames = _frames(f)
+        frames = _frames(f, path)
         next(frames)
         for i, body in enumerate(frames):
             try:

@@ -213,6 +213,8 @@ def replay_trace(trace, out, spec=None, overrides=None, server: str | None = Non
     if read_header(trace).kind == "generate":
         return _replay_generate(trace, out, sp, server, rate, concurrency, compare_modes, batch,
                                 limit, fold_ids, progress, token)
+    if sp is not None and sp.model.family != "hstu":  # before a run of failed requests
+        raise ReplayError(f"spec {sp.name} serves no rank model; the trace is rank")
     m = sp.model if sp is not None else None
     reqs, skipped = load_requests(trace, m and m.num_items, m and m.num_actions,
                                   m and m.max_history, fold_ids,

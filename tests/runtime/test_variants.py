@@ -84,12 +84,14 @@ async def test_variants_over_the_socket():
     assert got.items == want.items and not {1, 2, 3} & set(got.items)
 
 
-async def test_top_k_items_come_back_when_the_widths_are_narrower():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+async def test_top_k_items_come_back_when_the_widths_are_narrower(device):
     """A last step narrower than ``top_k`` (the request's widths or the policy's) keeps
     ``top_k`` beams: the answer is the one of asking for that last width, ``top_k`` items where
     the trie's leaves under the previous step's beams allow (gen-small: 8 under two beams, 11
     under four), never just the narrower width's count (the old answer, silently short)."""
-    async with Engine.from_spec("gen-small", {**GEN, "policy.beam_widths": [4, 4, 4]}) as eng:
+    ov = {**GEN, "engine.device": device, "policy.beam_widths": [4, 4, 4]}
+    async with Engine.from_spec("gen-small", ov) as eng:
         ids = eng.gen_runner.catalog_items
         hist = np.random.default_rng(3).choice(ids, 8).tolist()
         for asked, same, n in [({"beam_width": 2}, [2, 2, 12], 8), ({}, [4, 4, 12], 11),

@@ -98,3 +98,25 @@ def test_not_a_trace(tmp_path):
     p.write_bytes(b"\x00\x00\x00\x02\x92\x01")
     with pytest.raises(TraceError, match="not a streamgr trace"):
         read_header(p)
+
+
+def test_a_cut_trace_names_the_file_and_the_frame(tmp_path):
+    """A text file read as a trace fails at its header (its first bytes as a length too large to
+    read), a short file there too, a trace cut mid-record at that record:
+    each error names the file (the CLI prints it), not just "truncated record"."""
+    junk = tmp_path / "junk.trace"
+    junk.write_text("garbage\n")  # its first four bytes read as a length: ~1.7 GB, not read
+    with pytest.raises(TraceError, match=r"junk\.trace: the header \(not a streamgr trace\?\) "
+                                         r"claims \d+ bytes"):
+        read_header(junk)
+    junk.write_bytes(b"\x00\x00\x00\x09\x92")
+    with pytest.raises(TraceError, match=r"junk\.trace: the header .* is cut short"):
+        read_header(junk)
+    from streamgr.trace.synth import write_synth
+    whole = tmp_path / "t.trace"
+    write_synth("tiny", whole, users=3, seed=1)
+    cut = tmp_path / "cut.trace"
+    cut.write_bytes(whole.read_bytes()[:-3])
+    n = sum(1 for _ in read_trace(whole))
+    with pytest.raises(TraceError, match=rf"cut\.trace: record {n - 1} is cut short"):
+        list(read_trace(cut))

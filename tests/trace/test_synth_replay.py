@@ -134,6 +134,11 @@ def test_replay_generate_trace(tmp_path):
     with pytest.raises(ReplayError, match="serves no generate"):
         replay_trace(tmp_path / "g.trace", tmp_path / "x.jsonl", spec="rank-small",
                      overrides=small_overrides(), limit=4, progress=False)
+    write_synth("tiny", tmp_path / "r.trace", users=4, seed=4)
+    with pytest.raises(ReplayError, match="serves no rank"):  # the other way round
+        replay_trace(tmp_path / "r.trace", tmp_path / "x.jsonl", spec="gen-small",
+                     overrides={"engine.device": "cpu"}, limit=4, progress=False)
+    assert not (tmp_path / "x.jsonl").exists()
 
 
 def test_delta_replay_answers_as_full_histories():

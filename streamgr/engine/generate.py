@@ -24,7 +24,7 @@ from ..errors import IdOutOfRange, InvalidRequest, StreamgrError
 from ..runtime.beam import BeamRequest, BeamSearch
 from ..runtime.plans import PlanCache, bucket_rows
 from ..selection.vocabulary import ItemIndex
-from .rank import BatchOutcome
+from .rank import BatchOutcome, check_user_id
 
 MAX_BEAM = 4096
 
@@ -98,8 +98,7 @@ class GenerateVersion:
     def prepare(self, req: GenerateRequest) -> PreparedGenerate:
         if not isinstance(req, GenerateRequest):
             raise InvalidRequest(f"expected a GenerateRequest, got {type(req).__name__}")
-        if isinstance(req.user_id, bool) or not isinstance(req.user_id, (int, str)):
-            raise InvalidRequest("`user_id` must be an int or a str")
+        check_user_id(req.user_id)
         pol = self.policy
         if not _int_in(req.top_k, 1, pol.max_top_k):
             raise InvalidRequest(f"`top_k` must be an int in 1..{pol.max_top_k}")

@@ -66,12 +66,27 @@ def _ids(name: str, value, low: int, high: int) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+MAX_USER_ID = 1024  # characters of a str user id
+
+
+def check_user_id(user_id) -> None:
+    """A user id is an int of the wire's range (int64 or uint64) or a str of at most
+    ``MAX_USER_ID`` characters: the caches key their entries by it and count a user's entry as
+    a few dozen events, so a megabyte id per user would slip past their memory bounds."""
+    if isinstance(user_id, bool) or not isinstance(user_id, (int, str)):
+        raise InvalidRequest("`user_id` must be an int or a str")
+    if isinstance(user_id, str) and len(user_id) > MAX_USER_ID:
+        raise InvalidRequest(f"`user_id` is a str of {len(user_id)} characters, at most "
+                             f"{MAX_USER_ID}")
+    if isinstance(user_id, int) and not -2**63 <= user_id < 2**64:
+        raise InvalidRequest("`user_id` is an int outside int64/uint64")
+
+
 def prepare_rank(req: RankRequest, cfg: HSTUConfig) -> PreparedRank:
     """Validate a request against the model; raise a typed ``InvalidRequest`` subclass."""
     if not isinstance(req, RankRequest):
         raise InvalidRequest(f"expected a RankRequest, got {type(req).__name__}")
-    if isinstance(req.user_id, bool) or not isinstance(req.user_id, (int, str)):
-        raise InvalidRequest("`user_id` must be an int or a str")
+    check_user_id(req.user_id)
     items = _ids("items", req.items, 0, cfg.num_items)
     actions = _ids("actions", req.actions, 0, cfg.num_actions)
     candidates = _ids("candidates", req.candidates, 0, cfg.num_items)

@@ -54,7 +54,17 @@ BAD = [
     (E.TooManyCandidates, dict(candidates=list(range(17)))),
     (E.InvalidRequest, dict(items=[1.5], actions=[0])),
     (E.InvalidRequest, dict(user_id=None)),
+    (E.InvalidRequest, dict(user_id="u" * 1025)),  # past MAX_USER_ID (1,024 is served below)
+    (E.InvalidRequest, dict(user_id=2**64)),
+    (E.InvalidRequest, dict(user_id=-2**63 - 1)),
 ]
+
+
+async def test_user_ids_at_their_bounds_are_served():
+    async with Engine.from_spec("rank-small", small_overrides()) as eng:
+        for uid in ("u" * 1024, 2**64 - 1, -2**63, ""):
+            r = await eng.rank(RankRequest(user_id=uid, items=[1], actions=[0], candidates=[3]))
+            assert len(r.scores) == 1
 
 
 @pytest.mark.parametrize("err,fields", BAD, ids=[f"{e.__name__}-{i}" for i, (e, _) in enumerate(BAD)])

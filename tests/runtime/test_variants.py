@@ -58,6 +58,8 @@ async def test_variants_through_the_engine():
                     {"exclude_items": list(range(5000))}):
             with pytest.raises(InvalidRequest):
                 await eng.generate(GenerateRequest(user_id=1, history=hist, top_k=5, **bad))
+        with pytest.raises(InvalidRequest, match="user_id"):  # the rank path's bounds too
+            await eng.generate(GenerateRequest(user_id="u" * 1025, history=hist, top_k=5))
         assert (await eng.generate(GenerateRequest(user_id=1, history=hist, top_k=5))).items
 
 

@@ -27,6 +27,7 @@ from ..selection.vocabulary import ItemIndex
 from .rank import BatchOutcome, check_user_id
 
 MAX_BEAM = 4096
+MAX_EXCLUDE = 4096  # items in one request's deny list
 
 
 @dataclass
@@ -44,9 +45,6 @@ class PreparedGenerate:
     # version object alone does not say the preparation still holds.
     catalog: object = None
     policy: object = None
-
-
-MAX_EXCLUDE = 4096  # items in one request's deny list
 
 
 def _int_in(x, lo: int, hi: int) -> bool:
@@ -108,9 +106,11 @@ class GenerateVersion:
         widths = self._widths(req, bw)
         exclude = _ids(req.exclude_items, "exclude_items")
         # the last step keeps the beams the answer needs (top_k, and a deny list's more): never
-        # fewer than top_k items (Hugging Face refuses num_return_sequences > num_beams)
-        more = 0 if exclude is None else len(exclude)
-        widths[-1] = min(MAX_BEAM, max(widths[-1], req.top_k + more))
+        # fewer than top_k items (Hugging Face refuses num_return_sequences > num_beams); as a
+        # power of two, so batches share plan shapes (the answer's first beams are the same)
+        need = req.top_k + (0 if exclude is None else len(exclude))
+        if need > widths[-1]:
+            widths[-1] = min(MAX_BEAM, 1 << (need - 1).bit_length())
         mpp = req.max_per_prefix if req.max_per_prefix is not None else pol.max_per_prefix
         if not _int_in(mpp, 0, 2**31 - 1):
             raise InvalidRequest("`max_per_prefix` must be an int >= 0 (0: no cap)")

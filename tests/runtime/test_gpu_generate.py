@@ -97,11 +97,12 @@ def test_fused_attention_equals_reference(R, Q, S, monkeypatch):
 
 
 def _batches(runner, rng, sizes, own_width=()):
-    """Batches (of requests) of the given sizes: random histories, top-k up to 40; the batches
-    numbered in ``own_width`` have requests that set their own beam width (another plan key)."""
+    """Batches (of requests) of the given sizes: random histories, top-k up to gen-small's last
+    width (32: a larger one widens the last step, another plan key); the batches numbered in
+    ``own_width`` have requests that set their own beam width (another plan key)."""
     ids = runner.trie.leaf_items
     return [[GenerateRequest(user_id=0, history=rng.choice(ids, size=int(rng.integers(0, 60))).tolist(),
-                             top_k=int(rng.integers(1, 40)),
+                             top_k=int(rng.integers(1, 33)),
                              beam_width=int(rng.integers(1, 30)) if i in own_width else None)
              for _ in range(n)] for i, n in enumerate(sizes)]
 

@@ -7,14 +7,17 @@ before its onload's first copy, and the onload starts only after the batch's hos
 ``--small-kb`` while a large pinned copy of ``--big-mb`` is in flight on another stream:
 
 - ``ce``: ``copy_`` (the copy engine), alone and issued just after the large copy;
-- ``sm`` (``--sm``): a kernel reading the page-locked source in place over PCIe (unified
-  addressing, no copy engine), alone and beside the large copy;
+- ``sm`` (``--sm``): a kernel reading the page-locked source in place over PCIe, unified
+  addressing, no copy engine (``pinned.read_host``: the engine's ``STREAMGR_UPLOAD_BY_SM``
+  uploads), alone and beside the large copy;
 - the large copy's own time, alone and with the small upload beside it.
 
 H200, session 24: two torch page-locked buffers' copies on two streams did not queue (a 1 MB
 upload beside 512 MB in flight: 0.028-0.030 ms), while in the engine a host hit's uploads
 waited behind all of its onload. ``--matrix`` varies what differs in the engine: the source
-page-locked by registration, raw ``cudaMemcpyAsync`` calls, high-priority streams.
+page-locked by registration, raw ``cudaMemcpyAsync`` calls, high-priority streams; session 25:
+none of the eight queued (0.023-0.027 ms), so the engine's wait is not reproduced here; read
+by the SMs (``smup``) the engine's uploads did not wait.
 
     python3 tools/probe_zerocopy.py --chunk-mb 2 --sm --matrix   # the H200
 """
@@ -28,6 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from streamgr.kernels.pinned import read_host  # noqa: E402
 
 
 def _timed(stream: torch.cuda.Stream, fn) -> tuple[torch.cuda.Event, torch.cuda.Event]:
@@ -38,18 +42,6 @@ def _timed(stream: torch.cuda.Stream, fn) -> tuple[torch.cuda.Event, torch.cuda.
         fn()
         end.record(stream)
     return start, end
-
-
-def sm_copy(dst: torch.Tensor, src_pinned: torch.Tensor) -> None:
-    """``dst[:] = src_pinned`` by a kernel reading host memory (the pinned tensor's pointer is
-    valid on the device under unified addressing), on the current stream."""
-    import cupy as cp
-    n = src_pinned.numel() * src_pinned.element_size()
-    mem = cp.cuda.UnownedMemory(src_pinned.data_ptr(), n, src_pinned, 0)
-    src = cp.ndarray((n // 4,), cp.int32, cp.cuda.MemoryPointer(mem, 0))
-    out = cp.asarray(dst.view(torch.int32))
-    with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-        cp.copyto(out, src)
 
 
 def _source(nbytes: int, how: str) -> tuple[torch.Tensor, object]:
@@ -104,7 +96,7 @@ def measure(args, source: str, raw: bool, priority: int) -> dict[str, float]:
             rows.setdefault(f"{name}: large copy ms", []).append(big[0].elapsed_time(big[1]))
 
     ce = lambda: small_d.copy_(small_h, non_blocking=True)  # noqa: E731
-    sm = lambda: sm_copy(small_d, small_h)  # noqa: E731
+    sm = lambda: read_host(small_d, small_h)  # noqa: E731  (the engine's smup uploads)
     for _ in range(args.repeats + 1):  # the first round warms up (kernel compile, allocations)
         run("alone", None, True)
         run("ce alone", ce, False)

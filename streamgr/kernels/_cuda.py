@@ -66,6 +66,13 @@ def usable_on(device: torch.device) -> bool:
     return device.type == "cuda" and not FORCE_TORCH and _cupy() is not None
 
 
+def widest_unit(nbytes: int, units, *tensors: torch.Tensor) -> int | None:
+    """The widest copy unit of ``units`` (bytes, widest first) dividing ``nbytes`` and every
+    tensor's address; None where none does."""
+    return next((u for u in units if nbytes % u == 0
+                 and all(t.data_ptr() % u == 0 for t in tensors)), None)
+
+
 @functools.lru_cache(maxsize=None)
 def _include_dirs() -> tuple[str, ...]:
     """CUDA toolkit include folders that hold ``crt/mma.h``: some NVRTC wheels ship a

@@ -40,8 +40,7 @@ def block_copy(dst: torch.Tensor, src: torch.Tensor, dst_index: torch.Tensor,
     if _cuda.usable(dst, src, dst_index, src_index):
         es = dst.element_size()
         nbytes = block_elems * es
-        unit = next(u for u in (16, 4, 2) if nbytes % u == 0 and dst.data_ptr() % u == 0
-                    and src.data_ptr() % u == 0) if es in (2, 4) else None
+        unit = _cuda.widest_unit(nbytes, _COPY_UNITS, dst, src) if es in (2, 4) else None
         if unit is not None:
             fn = _cuda.kernel(_COPY_SRC, _COPY_EXPRS, f"block_copy<{_COPY_UNITS[unit]}>")
             per = nbytes // unit

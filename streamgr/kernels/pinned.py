@@ -80,7 +80,7 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A contiguous page-locked ``host`` tensor on ``device``, queued on the current stream
     without blocking: a copy-engine copy, or with :data:`UPLOAD_BY_SM` a kernel reading it in
     place (:func:`read_host`). The caller keeps ``host`` unchanged until the copy is done."""
-    if UPLOAD_BY_SM and device.type == "cuda" and _cuda.usable_on(device) and host.is_pinned():
+    if UPLOAD_BY_SM and _cuda.usable_on(device) and host.is_pinned():
         out = torch.empty(host.shape, dtype=host.dtype, device=device)
         read_host(out, host)
         return out
@@ -95,10 +95,8 @@ def read_host(dst: torch.Tensor, src: torch.Tensor) -> None:
             or not src.is_contiguous():
         raise StreamgrError("read_host: contiguous tensors of one dtype and size required")
     nbytes = dst.numel() * dst.element_size()
-    unit = next((u for u in _LINEAR if nbytes % u == 0 and dst.data_ptr() % u == 0
-                 and src.data_ptr() % u == 0), None)
-    if nbytes == 0 or unit is None or not (dst.is_cuda and src.is_pinned()
-                                           and _cuda.usable(dst)):
+    unit = _cuda.widest_unit(nbytes, _LINEAR, dst, src)
+    if nbytes == 0 or unit is None or not (_cuda.usable(dst) and src.is_pinned()):
         read_host_reference(dst, src)
         return
     fn = _cuda.kernel("block_copy.cu", tuple(_LINEAR.values()), _LINEAR[unit])

@@ -146,3 +146,15 @@ def test_the_upload_knob_takes_0_or_1(monkeypatch):
     monkeypatch.setenv("STREAMGR_UPLOAD_BY_SM", "yes")
     with pytest.raises(StreamgrError, match="STREAMGR_UPLOAD_BY_SM"):
         upload_by_sm_default()
+
+
+def test_widest_unit_divides_the_size_and_every_address():
+    """The copy unit block_copy and read_host launch with: the widest of the given units that
+    the byte count and each tensor's address allow (views at odd offsets narrow it)."""
+    from streamgr.kernels._cuda import widest_unit
+    base = torch.zeros(64, dtype=torch.int16)  # torch aligns a fresh allocation to 64 bytes
+    assert widest_unit(32, (16, 4, 2), base, base) == 16
+    assert widest_unit(32, (16, 4, 2), base, base[2:]) == 4  # 4 bytes in
+    assert widest_unit(32, (16, 4, 2), base[1:], base) == 2  # 2 bytes in
+    assert widest_unit(6, (16, 4, 2), base, base) == 2
+    assert widest_unit(6, (16, 8, 4), base, base) is None

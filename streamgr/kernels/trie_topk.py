@@ -14,11 +14,13 @@ candidate is a unique int64 key, its score's order-preserving bits then ``MAXC -
 from the top of the request's score range (``trie_topk_keys``), so no ties are left to break. A
 request of at most 1,024 candidates is one block that sorts them all in registers
 (``trie_topk_small``); one of at most ``ONE_MAX`` is one block of one launch: keys in shared
-memory, radix select by 10-bit digits, bitonic sort of the ``k``, decode (``trie_topk_one``).
-A longer one takes four grid launches as AIR top-k does: keys to a buffer, the first digit's
-histogram, the keys above its pick to the result and those in it to a buffer with the next
-digit's histogram, then one block per request selects the rest, sorts and decodes
-(``trie_topk_grid``).
+memory, one histogram round over bins of each score's distance below the best (8 an octave),
+then the bins from the ``k``-th up sorted whole, or radix select by 10-bit digits where they
+hold more than a block; decode (``trie_topk_one``). A longer one takes a memset and two grid
+launches: each block bins its candidates' scores below the request's best beam score (the last
+block picks the bin of the ``k``-th), then scores them again where a group of 32 reaches that
+bin and appends the keys to a list; the request's last block sorts the list (or radix-selects
+from it) and decodes (``trie_topk_bins``).
 ``NUMBA_ENABLE_CUDASIM=1`` runs the same kernels on the CPU with small sizes, so CI checks their
 logic. The torch reference (``trie_topk_reference``) carries the CPU path.
 """
@@ -82,9 +84,9 @@ def _check(scores, nodes, logp, k, fanout):
 
 
 # The Numba kernels serve by default on CUDA (STREAMGR_SELECTION=topk: the torch step). Against
-# torch.topk alone they run at 0.92x-1.78x over gen-ref's step shapes, and the torch step also
+# torch.topk alone they run at 1.19x-2.63x over gen-ref's step shapes, and the torch step also
 # gathers each candidate's log-probability out of the bf16 logits first, which the kernels read
-# in place: the whole bf16 step 2.86x-6.06x faster (docs/benchmarks.md, session 18). Their ties
+# in place: the whole bf16 step 3.69x-7.35x faster (docs/benchmarks.md, session 26). Their ties
 # go to the lower candidate index on every device; the CPU keeps torch.topk's.
 DEFAULT_IMPL = os.environ.get("STREAMGR_SELECTION", "numba").lower()
 

@@ -1,5 +1,5 @@
 """Block-wide device functions of the radix selection kernels (``trie_topk_one``,
-``trie_topk_grid``): min/max, histogram adds, list appends, scans, digit picks, the radix rounds
+``trie_topk_bins``): min/max, histogram adds, list appends, scans, digit picks, the radix rounds
 and the bitonic sort, over the keys of ``trie_topk_keys``.
 
 On the GPU a block is ``NT`` = 1,024 threads and a digit ``DIG`` = 10 bits, so a histogram has one
@@ -166,13 +166,13 @@ def block_scan(x, scan, nt):
 
 
 @cuda.jit(device=True, inline=True)
-def pick(hist, want, scan, res, nt):
-    """The bin holding the ``want``-th highest key of ``hist[:NB]`` (shared): (bin, how many
-    of its keys are still wanted, its count). Threads ``t < nt`` own ``NB // nt`` bins each,
-    the highest first. Every thread calls it; it ends synchronized."""
+def pick(hist, nbins, want, scan, res, nt):
+    """The bin holding the ``want``-th highest key of ``hist[:nbins]`` (shared): (bin, how
+    many of its keys are still wanted, its count). Threads ``t < nt`` own ``nbins // nt`` bins
+    each, the highest first. Every thread calls it; it ends synchronized."""
     tid = cuda.threadIdx.x
-    per = NB // nt
-    hi = NB - 1 - tid * per
+    per = nbins // nt
+    hi = nbins - 1 - tid * per
     own = int32(0)
     if tid < nt:
         for e in range(per):
@@ -224,7 +224,7 @@ def radix(k32, k64, mode, cnt, tmin, want, prefix, fixed, shift, hist, scan, res
                 hist_add(hist, int32((v >> shift) & DM),
                          ok and (v >> fixed) == (prefix >> fixed))
         cuda.syncthreads()
-        d, need, inbin = pick(hist, want, scan, res, nt)
+        d, need, inbin = pick(hist, NB, want, scan, res, nt)
         prefix |= d << shift
         if need == inbin or shift == 0:
             return prefix, shift

@@ -1,4 +1,4 @@
-"""Candidates and their keys for the selection kernels (``trie_topk_one``, ``trie_topk_grid``,
+"""Candidates and their keys for the selection kernels (``trie_topk_one``, ``trie_topk_bins``,
 ``trie_topk_small``): a candidate's score, child and code read from the trie and the
 log-probabilities (``cand``), its order-preserving key, and its answer (``decode``).
 
@@ -17,7 +17,7 @@ A request's candidates are ``c = b * F + j``; ``c // F`` is a multiply and a shi
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32, int32, int64
+from numba import cuda, float32, int32, int64, uint64
 
 from .trie_topk import SIMULATED
 
@@ -54,6 +54,13 @@ def okey(val):
 
 
 @cuda.jit(device=True, inline=True)
+def okey_float(u):
+    """The fp32 value of the order-preserving bits ``u`` (``okey``'s inverse)."""
+    b = (u ^ int64(0x80000000)) if u >= int64(0x80000000) else (LOW32 ^ u)
+    return _float(int32(b - (int64(1) << 32) if b >= (int64(1) << 31) else b))
+
+
+@cuda.jit(device=True, inline=True)
 def tkey(key32, c, tmin):
     """Candidate c's key from its okey and the request's smallest real okey."""
     t = key32 - tmin + 1 if key32 >= tmin else int64(0)
@@ -63,25 +70,30 @@ def tkey(key32, c, tmin):
 @cuda.jit(device=True, inline=True)
 def cand(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
     """Candidate c of request r: (score, -inf where no child; child node; code), with every
-    load issued at a clamped index before any branch, so that the loads of several candidates
-    computed in a row overlap; ``FM`` is ``magic(F)``. ``logp`` holds raw bits: fp32 (int32,
-    ``sh`` 0) or bf16 logits
-    (int16, ``sh`` 16) read with ``lse`` [2, rows] (each row's max and log-sum): the fp32
-    ``(x - max) - logsum`` of ``LogProbs.gather``, bit for bit."""
+    load issued at a clamped index and no branch (selects only), so that the loads of several
+    candidates computed in a row overlap; indices are unsigned (no negative-index wraparound
+    code: about a third of the instructions). ``FM`` is ``magic(F)``. ``logp`` holds raw bits:
+    fp32 (int32, ``sh`` 0) or bf16 logits (int16, ``sh`` 16) read with ``lse`` [2, rows] (each
+    row's max and log-sum): the fp32 ``(x - max) - logsum`` of ``LogProbs.gather``, bit for
+    bit; with ``sh`` 0, ``lse`` is any [1, rows] float array, read and unused."""
     b = div_f(c, FM)  # c // F without a division
     j = c - b * F
-    s = scores[r, b]
+    ur = uint64(r)
+    ub = uint64(b)
+    s = scores[ur, ub]
+    n = nodes[ur, ub]
     alive = s > NEG_INF
-    n = nodes[r, b]
-    n = n if alive else 0
-    lo = ptr[n]
-    real = alive and j < ptr[n + 1] - lo
+    n = n if alive else int64(0)
+    lo = ptr[uint64(n)]
+    hi = ptr[uint64(n + 1)]
+    real = alive & (j < hi - lo)
     ch = lo + j if real else int64(0)
-    cd = codes[ch]
-    row = r * B + b
-    x = _float(int32(logp[row, off + cd]) << sh)
-    if sh:
-        x = (x - lse[0, row]) - lse[1, row]
+    cd = codes[uint64(ch)]
+    row = uint64(r * B + b)
+    x = _float(int32(logp[row, uint64(off + cd)]) << sh)
+    m = lse[0, row]
+    ls = lse[uint64(sh >> 4), row]
+    x = (x - m) - ls if sh else x
     if real:
         return s + x, ch, cd
     return NEG_INF, int64(0), int64(0)

@@ -1,20 +1,20 @@
 """Host side of the Numba CUDA kernels of ``trie_topk`` (see its module docstring for what they
 compute): a request of at most ``SMALL_MAX`` candidates is one block that sorts them all
-(``trie_topk_small``), one of at most ``ONE_MAX`` one block that radix-selects first
-(``trie_topk_one``), a longer one four grid launches (``trie_topk_grid``); the keys, scans and
-sort they share are in ``trie_topk_keys`` and ``trie_topk_dev``.
+(``trie_topk_small``), one of at most ``ONE_MAX`` one block that bins (or radix-selects)
+first (``trie_topk_one``), a longer one a memset and two grid launches (``trie_topk_bins``);
+the keys, scans and sort they share are in ``trie_topk_keys`` and ``trie_topk_dev``.
 
 Imported only when they run: a CUDA device with numba-cuda, or ``NUMBA_ENABLE_CUDASIM=1``.
 Arrays come from torch without copies (``__cuda_array_interface__``, no stream sync, so a
-CUDA graph can capture the launches); kernels launch on torch's current stream, and nothing
-here allocates with a kernel (no memset: the grid path's first launch zeroes its workspace).
+CUDA graph can capture the launches); kernels launch on torch's current stream. The grid path
+zeroes its workspace (one fill node in a graph); the one-block paths need no global scratch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import trie_topk_grid as grid
+from . import trie_topk_bins as bins
 from .head_lse import LogProbs
 from .numba_common import as_array, torch_stream
 from .trie_topk import SIMULATED
@@ -50,7 +50,7 @@ def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
     elif N <= ONE_MAX:
         launch(one_select, (R,), NT)(N, k, KP, F, magic(F), B, sa, nd, *lp, *trie, *outs)
     else:
-        grid.run(launch, R, N, k, KP, F, magic(F), B, sa, nd, lp, trie, outs, dev, a)
+        bins.run(launch, R, N, k, KP, F, magic(F), B, sa, nd, lp, trie, outs, dev, a)
     return top, parent, child, code
 
 
@@ -58,7 +58,8 @@ def _log_probs(logp, a, sc) -> tuple:
     """(bits, [2, rows] max and log-sum, shift) for the kernels' ``cand``: a ``LogProbs`` over
     bf16 logits is read in place (int16 bits, shift 16: no [rows, vocab] fp32 matrix); fp32
     log-probabilities (int32 bits) need no table: shift 0 tells the kernels to skip it, and
-    ``sc`` stands in for it (a [2, rows] zeros tensor would be a memset in every graph)."""
+    ``sc`` viewed as [1, rows] stands in for it (read, unused: a [2, rows] zeros tensor would
+    be a memset in every graph)."""
     if isinstance(logp, LogProbs) and logp.logits.dtype == torch.bfloat16:
         return a(logp.logits.view(torch.int16)), a(logp.stats), 16
     if isinstance(logp, LogProbs):
@@ -66,4 +67,4 @@ def _log_probs(logp, a, sc) -> tuple:
     logp = logp.float()
     if logp.stride(-1) != 1:
         logp = logp.contiguous()
-    return a(logp.view(torch.int32)), a(sc), 0
+    return a(logp.view(torch.int32)), a(sc.view(1, -1)), 0

@@ -2,22 +2,41 @@
 steps 1 and 3: 8,192 and 768 at beams of 256, 3,072 at beams of 1,024): one block of ``NT``
 threads per request computes its candidates' okeys into shared memory (four candidates a thread
 at a time, so their load chains overlap), takes the block's smallest real and largest okey,
-radix-selects the ``k`` best keys (``trie_topk_dev.radix``: digits from the range's top bit,
-usually two or three rounds), sorts them and decodes. No global scratch, no memset: the whole
-step is one node of the decode plan's graph.
+then (for ``k`` up to half the block) counts them by ``obin``, the distance of their score below
+the best one, 8 bins an octave: where the bins from the ``k``-th up hold at most a block of
+keys, it sorts those whole (one histogram round; the usual case). Otherwise (ties, or ``k``
+over half the block) it radix-selects the ``k`` best keys (``trie_topk_dev.radix``: digits from
+the range's top bit, usually two or three rounds) and sorts them. Then it decodes. No global
+scratch, no memset: the whole step is one node of the decode plan's graph.
 """
 
 from __future__ import annotations
 
+import os
+
 from numba import cuda, int32, int64
 
 from .trie_topk import SIMULATED
-from .trie_topk_dev import (BIG, DIG, JIT_NT, NT, RED_N, SCAN_N, bit_length, collect, minmax, radix,
-                            sort_desc)
-from .trie_topk_keys import KEY_NEG_INF, ckey, decode, note, note4
+from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length, collect,
+                            hist_add, minmax, pick, radix, sort_desc)
+from .trie_topk_keys import (KEY_NEG_INF, LOW32, _bits, ckey, decode, note, note4, okey_float,
+                             tkey)
 
 ONE_MAX = 64 if SIMULATED else 8192  # okeys in shared memory: 32 KiB
 CPT = 4  # candidates a thread computes at once
+# obin's window: 8 bins an octave of the distance below the best score, NB // 8 octaves from
+# 2**-(NB // 16) up (closer is the best bin, farther or -inf the worst)
+OBASE = (127 - NB // 16) * 8
+BINS = os.environ.get("STREAMGR_TOPK_BINS", "1") == "1"  # 0: radix rounds only (A/B runs)
+
+
+@cuda.jit(device=True, inline=True)
+def obin(kx, ref):
+    """The bin (of NB, higher for higher scores) of the score whose okey's int32 bits are
+    ``kx``, by its distance below the request's best score ``ref``: monotone in the score."""
+    e = okey_float(int64(kx) & LOW32) - ref  # <= 0
+    g = int64((_bits(e) & 0x7FFFFFFF) >> 20) - OBASE
+    return int32(NB - 1 - min(max(g, int64(0)), int64(NB - 1)))
 
 
 @cuda.jit(**JIT_NT)
@@ -47,6 +66,30 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
                        off, lo, hi)
     lo, hi = minmax(lo, hi, red)  # its barriers also publish kx
     tmin = lo if lo != BIG else KEY_NEG_INF
+    if BINS and 2 * k <= NT and hi > KEY_NEG_INF:  # one round of bins below the best score
+        # (block-uniform; with k over half the block its bins rarely fit, measured slower)
+        ref = okey_float(hi)
+        hist[tid] = 0
+        cuda.syncthreads()
+        for base in range(0, N, NT):
+            i = base + tid
+            hist_add(hist, obin(kx[min(i, N - 1)], ref), i < N)
+        cuda.syncthreads()
+        d, need, n = pick(hist, NB, k, scan, res, NT)
+        total = k - need + n
+        if total <= NT:  # every key of the bins from d up fits: sort them all
+            srt[tid] = 0
+            cuda.syncthreads()
+            for base in range(0, N, NT):
+                i = min(base + tid, N - 1)
+                u = int64(kx[i]) & LOW32
+                take = base + tid < N and obin(kx[i], ref) >= d
+                append(srt, ctr, 0, tkey(u, int64(i), tmin), take)
+            cuda.syncthreads()
+            sort_desc(srt, max(KP, int64(1) << bit_length(max(total - 1, int64(1)))))
+            decode(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
+                   parent, child, code)
+            return
     top_bit = 31 + bit_length(max(hi - tmin + 1, int64(1)))  # keys < 2**top_bit
     shift = top_bit - DIG if top_bit > DIG else 0
     # every thread works the rounds: with 256 the kernel ran slower on the H200 (latency-bound)

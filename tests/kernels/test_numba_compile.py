@@ -5,7 +5,7 @@ simulator runs Python: a kernel can pass there and not compile for the GPU (a sh
 shape that is not a literal constant did, session 14). Where ``ptxas`` is on the PATH, their
 register caps are held to spilling nothing. (The selection kernels call non-inline device
 functions, which Numba links through the driver: they compile on a GPU machine only; the radix
-selection kernels of ``trie_topk_one``/``trie_topk_grid`` inline theirs and compile here.)"""
+selection kernels of ``trie_topk_one``/``trie_topk_bins`` inline theirs and compile here.)"""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_selection_kernels_fit_a_block_of_1024(tmp_path):
     most (Numba sets no launch bounds: on the H200 an unaligned logits view's indexing took 68
     and the launch failed). They carry that cap (``JIT_NT``) and compile under it spilling at
     most a word."""
-    from streamgr.kernels import trie_topk_dev as dev, trie_topk_grid as g
+    from streamgr.kernels import trie_topk_bins as bn, trie_topk_dev as dev
     from streamgr.kernels import trie_topk_one as one, trie_topk_small as small
     assert dev.NT == 1024 and dev.JIT_NT["max_registers"] == 64
     i16 = types.int16
@@ -84,9 +84,9 @@ def test_selection_kernels_fit_a_block_of_1024(tmp_path):
     outs = (A(i64, 1), A(f32, 2), A(i64, 2), A(i64, 2), A(i64, 2))
     for fn, sig in [(one.one_select, (i64, i64, i64) + head + lp + trie + outs),
                     (small.small_select, (i64, i64, i64) + head + lp + trie + outs),
-                    (g.final, (i64, i64) + head + lp + trie + (A(i64, 2),) * 3 + outs),
-                    (g.hist1, (i64, i64, i64, A(i32, 2), A(i64, 3), A(i64, 2))),
-                    (g.filter1, (i64, i64, A(i32, 2), A(i64, 2), A(i64, 2), A(i64, 2)))]:
+                    (bn.bin_hist, (i64, i64, i64) + head + lp + trie + (A(i64, 2), A(i32, 2))),
+                    (bn.bin_select, (i64, i64, i64, i64) + head + lp + trie
+                     + (A(i64, 2), A(i32, 2), A(i64, 2), A(i64, 2)) + outs)]:
         ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
         spills = _ptxas_spills(ptx, tmp_path, 64)
-        assert spills in (0, 8, None), (fn.py_func.__name__, spills)
+        assert spills is None or spills <= 8, (fn.py_func.__name__, spills)

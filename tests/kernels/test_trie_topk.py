@@ -102,14 +102,16 @@ SIM = textwrap.dedent("""
 
 
 # (seed, ties, beams, fan-out range, k) with the simulator's sizes (blocks of 32 threads, 5-bit
-# digits, SMALL_MAX = 32 candidates sorted whole, ONE_MAX = 64, 64 a grid block, 16 tied keys in
-# the last block's shared memory): one block (beams x F <= 32 sorted, <= 64 radix-selected), dead beams in every case, k = 1, every candidate wanted
-# (a digit that settles the set at once) ...
+# digits and 32 bins, SMALL_MAX = 32 candidates sorted whole, ONE_MAX = 64, 128 a grid block):
+# one block (beams x F <= 32 sorted, <= 64 binned, falling back to the radix where the bins from
+# the k-th up hold more than 32), dead beams in every case, k = 1, every candidate wanted (a bin
+# that settles the set at once) ...
 ONE_BLOCK = [(0, False, 3, (1, 5), 4), (1, True, 6, (2, 8), 8), (4, False, 9, (0, 3), 1),
              (5, False, 1, (6, 6), 6), (7, False, 10, (3, 3), 30), (10, True, 7, (6, 9), 20),
              (11, False, 8, (5, 8), 31), (12, False, 2, (1, 1), 2), (13, False, 1, (1, 1), 1)]
-# ... and the grid launches (> 64 candidates): ties, k reaching into the -inf slots so that more
-# keys stay tied than the last block holds (its select from the buffer in global memory), k = 1.
+# ... and the grid launches (> 64 candidates; 256 bins): ties, k reaching into the -inf slots,
+# so that the last block's list outgrows the block (its radix select from the list in global
+# memory) as well as fits it (sorted whole), k = 1.
 GRID = [(2, False, 40, (4, 12), 16), (8, True, 30, (4, 10), 32), (9, False, 20, (5, 10), 1)]
 
 

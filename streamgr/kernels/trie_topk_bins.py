@@ -1,0 +1,251 @@
+"""Binned grid selection of ``trie_topk`` for requests of more than ``ONE_MAX`` candidates
+(gen-ref's step 2: 45,312 at beams of 256, 181,248 at 1,024; one request's flat 2,097,152):
+one histogram round instead of a range pass and two radix digits, and no key buffer. Two
+launches after a memset of the workspace:
+
+1. ``bin_hist``: every block (``chunk`` candidates, one wave of 1,024-thread blocks over the GPU)
+   scores its candidates and adds each to the bin of ``x - ref`` (``gbin``: the top ``GBITS`` of
+   that difference's order-preserving bits, so bins are finest near the request's best beam
+   score ``ref``, where the ``k``-th best lies, and every score has one); the request's last
+   block to finish picks the bin ``D`` holding the ``k``-th best candidate.
+2. ``bin_select``: every block scores its candidates again (the logits are read twice, the
+   keys never written) and appends the keys of bins above ``D`` to ``sure`` (fewer than ``k``)
+   and those in ``D`` to ``buf``; the request's last block selects: if ``sure`` and ``buf`` fit
+   a block it sorts them all (the usual case: ``D`` holds tens to hundreds), else it
+   radix-selects the rest of the ``k`` from ``buf`` by the keys' bits below those they share
+   (ties; exact either way), sorts the ``k`` and decodes them.
+
+The binning is a monotone function of the score (``x - ref`` rounds monotonically), so every key
+of a bin above ``D`` beats every key in ``D``: the answer is the stable order's, exactly, with
+no assumption about the scores' range. ``ref`` is only where the bins are finest.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from numba import cuda, float32, int32, int64
+
+from .trie_topk import SIMULATED
+from .trie_topk_dev import (BIG, DIG, FULL, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length, collect,
+                            hist_add, minmax, pick, radix, sort_desc)
+from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, cand, decode, okey, okey_float
+
+GBITS = 8 if SIMULATED else 12  # bins of bin_hist: 16 KiB of shared counters on the GPU
+GB = 1 << GBITS
+GSHIFT = 32 - GBITS
+# ws columns: counters and the pick, then the request's histogram
+DONE1, DONE2, NSURE, NBUF, D, NEED, ND = range(7)
+HG = 8
+W_LEN = HG + GB
+MAXK = int64(0x7FFFFFFFFFFFFFFF)
+
+
+SMS_SIM = 4  # the simulator's "SMs" (blocks a wave)
+
+
+@cuda.jit(device=True, inline=True)
+def _last(ws, r, col, flag):
+    """True in the request's last block to get here (after its global adds are fenced)."""
+    cuda.threadfence()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        flag[0] = cuda.atomic.add(ws, (r, col), 1) == cuda.gridDim.x - 1
+    cuda.syncthreads()
+    return flag[0]
+
+
+@cuda.jit(device=True, inline=True)
+def best_beam(scores, r, B, red):
+    """The request's best beam score (0 where every beam is dead): the bins' reference."""
+    hi = int64(-1)
+    for b in range(cuda.threadIdx.x, B, cuda.blockDim.x):
+        hi = max(hi, okey(scores[r, b]))
+    _, hi = minmax(BIG, hi, red)
+    return okey_float(hi) if hi > KEY_NEG_INF else float32(0.0)
+
+
+@cuda.jit(device=True, inline=True)
+def gbin(x, ref):
+    """The bin of score ``x`` (higher bins hold higher scores)."""
+    return int32(okey(x - ref) >> GSHIFT)
+
+
+@cuda.jit(device=True, inline=True)
+def score(r, i, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
+    v, _, _ = cand(r, min(i, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    return v
+
+
+@cuda.jit(device=True, inline=True)
+def _count(hist, gm, r, i, end, g):
+    """Candidate i's bin ``g`` into the block's histogram, and the highest bin of its group of
+    32 (a warp's lanes: i's low five bits) into ``gm``; every lane calls it."""
+    ok = i < end
+    hist_add(hist, g, ok)
+    v = g if ok else int32(-1)
+    if SIMULATED:  # no shuffles: gm starts at -1
+        if ok:
+            cuda.atomic.max(gm, (r, i >> 5), v)
+        return
+    for o in (16, 8, 4, 2, 1):
+        v = max(v, cuda.shfl_xor_sync(FULL, v, o))
+    if (cuda.threadIdx.x & 31) == 0 and (i & ~31) < end:
+        gm[r, i >> 5] = v
+
+
+@cuda.jit(**JIT_NT)
+def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws, gm):
+    r = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    hist = cuda.shared.array(GB, int32)
+    scan = cuda.shared.array(SCAN_N, int32)
+    res = cuda.shared.array(3, int32)
+    red = cuda.shared.array(RED_N, int64)
+    flag = cuda.shared.array(1, int32)
+    for i in range(tid, GB, NT):
+        hist[i] = 0
+    ref = best_beam(scores, r, B, red)  # its barriers also publish the zeroed hist
+    start = cuda.blockIdx.x * ch
+    end = min(N, start + ch)
+    for base in range(start, end, 4 * NT):  # four load chains in flight before the adds
+        i0 = base + tid
+        x0 = score(r, i0, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+        x1 = score(r, i0 + NT, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+        x2 = score(r, i0 + 2 * NT, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+        x3 = score(r, i0 + 3 * NT, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+        _count(hist, gm, r, i0, end, gbin(x0, ref))
+        _count(hist, gm, r, i0 + NT, end, gbin(x1, ref))
+        _count(hist, gm, r, i0 + 2 * NT, end, gbin(x2, ref))
+        _count(hist, gm, r, i0 + 3 * NT, end, gbin(x3, ref))
+    cuda.syncthreads()
+    for i in range(tid, GB, NT):
+        if hist[i]:
+            cuda.atomic.add(ws, (r, HG + i), int64(hist[i]))
+    if not _last(ws, r, DONE1, flag):
+        return
+    cuda.threadfence()
+    for i in range(tid, GB, NT):  # atomically: not from a stale cache line
+        hist[i] = int32(cuda.atomic.add(ws, (r, HG + i), int64(0)))
+    cuda.syncthreads()
+    d, need, n = pick(hist, GB, k, scan, res, NT)
+    if tid == 0:
+        ws[r, D] = d
+        ws[r, NEED] = need
+        ws[r, ND] = n
+
+
+@cuda.jit(device=True, inline=True)
+def _route(sure, buf, ws, r, x, c, ok, ref, d, all_in):
+    """Candidate c's key to ``sure`` (its bin above D) or ``buf`` (in D); every lane calls it."""
+    g = gbin(x, ref)
+    v = (okey(x) << 31) | (MAXC - c)
+    append(sure[r], ws[r], NSURE, v, ok and (g > d or (g == d and all_in)))
+    append(buf[r], ws[r], NBUF, v, ok and g == d and not all_in)
+
+
+@cuda.jit(**JIT_NT)
+def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws, gm,
+               sure, buf, cap, top, parent, child, code):
+    r = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    srt = cuda.shared.array(NT, int64)
+    hist = cuda.shared.array(NB, int32)
+    scan = cuda.shared.array(SCAN_N, int32)
+    res = cuda.shared.array(3, int32)
+    red = cuda.shared.array(RED_N, int64)
+    flag = cuda.shared.array(1, int32)
+    cnt = cuda.shared.array(2, int64)
+    ref = best_beam(scores, r, B, red)
+    d, need = ws[r, D], ws[r, NEED]
+    all_in = need == ws[r, ND]
+    start = cuda.blockIdx.x * ch
+    end = min(N, start + ch)
+    if SIMULATED:  # no ballots: every group, in order
+        for i in range(start + tid, start + ch, NT):  # uniform: ch is a multiple of NT
+            if i - (tid & 31) < end and gm[r, i >> 5] >= d:  # a warp's group reaches D
+                x = score(r, i, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+                _route(sure, buf, ws, r, x, int64(i), i < end, ref, d, all_in)
+    else:  # each warp reads 32 of its groups' highest bins at once, then scores those at D+
+        lane = tid & 31
+        per = ch >> 10  # groups a warp: the chunk's (ch / 32) over the block's 32 warps
+        g0 = (start >> 5) + (tid >> 5) * per
+        gend = (end + 31) >> 5
+        for gg in range(g0, g0 + per, 32):
+            gi = gg + lane
+            hit = gi < g0 + per and gi < gend and gm[r, gi] >= d
+            m = int64(cuda.ballot_sync(FULL, hit)) & LOW32
+            while m != 0:
+                low = m & -m
+                m ^= low
+                i = (gg + cuda.popc(low - 1)) * 32 + lane
+                x = score(r, i, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+                _route(sure, buf, ws, r, x, int64(i), i < end, ref, d, all_in)
+    if not _last(ws, r, DONE2, flag):
+        return
+    cuda.threadfence()
+    if tid == 0:
+        cnt[0] = cuda.atomic.add(ws, (r, NSURE), int64(0))
+        cnt[1] = cuda.atomic.add(ws, (r, NBUF), int64(0))
+    cuda.syncthreads()
+    n_sure = cnt[0]
+    n_buf = cnt[1]
+    total = n_sure + n_buf
+    if total <= NT:  # sort them all (pad with 0, below every key)
+        P = max(KP, int64(1) << bit_length(max(total - 1, int64(1))))
+        for i in range(tid, P, NT):
+            srt[i] = sure[r, i] if i < n_sure else (buf[r, i - n_sure] if i < total else 0)
+        cuda.syncthreads()
+        sort_desc(srt, P)
+    else:  # many tied in D: the rest of the k by the bits below those buf's keys share
+        for i in range(tid, KP, NT):
+            srt[i] = sure[r, i] if i < n_sure else 0
+        lo = MAXK
+        hi = int64(-1)
+        for i in range(tid, n_buf, NT):
+            v = buf[r, i]
+            lo = min(lo, v)
+            hi = max(hi, v)
+        lo, hi = minmax(lo, hi, red)  # cnt[0], the collect's counter, holds n_sure
+        fixed = bit_length(lo ^ hi)  # n_buf > need >= 1: keys differ
+        prefix = (hi >> fixed) << fixed
+        shift = fixed - DIG if fixed > DIG else 0
+        p, s = radix(hist, buf[r], 1, n_buf, 0, need, prefix, fixed, shift, hist, scan, res, NT)
+        collect(hist, buf[r], 1, n_buf, 0, p, fixed, s, srt, cnt)
+        sort_desc(srt, KP)
+    decode(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
+           child, code)
+
+
+def chunk(N: int, R: int, sms: int) -> int:
+    """Candidates a block scores (a multiple of 4 NT): as many as leave one wave of blocks
+    (1,024 threads each, one an SM) where the requests fill the GPU; fewer blocks in a second
+    wave measured slower (the wave's latency, not its bytes, bounds them; session 19)."""
+    per = max(1, sms // max(R, 1))  # blocks a request
+    step = 4 * NT
+    n = -(-N // per)  # a block's share, rounded up to whole steps
+    return max(step, -(-n // step) * step)
+
+
+def run(launch, R, N, k, KP, F, FM, B, sc, nd, lp, trie, outs, dev, arr):
+    """The memset and two launches (``launch(fn, grid, threads)``) for R requests of N
+    candidates."""
+    ch = chunk(N, R, SMS_SIM if SIMULATED else _sms(dev))
+    g = -(-N // ch)
+    ws = torch.zeros(R, W_LEN, dtype=torch.int64, device=dev)
+    sure = torch.empty(R, k, dtype=torch.int64, device=dev)
+    buf = torch.empty(R, N, dtype=torch.int64, device=dev)
+    # each group of 32 candidates' highest bin (every group written by bin_hist)
+    groups = (R, -(-N // 32))
+    gm = torch.full(groups, -1, dtype=torch.int32, device=dev) if SIMULATED else \
+        torch.empty(groups, dtype=torch.int32, device=dev)
+    w, g_ = arr(ws), arr(gm)
+    launch(bin_hist, (g, R), NT)(N, k, ch, F, FM, B, sc, nd, *lp, *trie, w, g_)
+    launch(bin_select, (g, R), NT)(N, k, KP, ch, F, FM, B, sc, nd, *lp, *trie, w, g_, arr(sure),
+                                   arr(buf), *outs)
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(dev) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count

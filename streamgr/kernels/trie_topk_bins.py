@@ -30,13 +30,14 @@ from numba import cuda, float32, int32, int64
 from .trie_topk import SIMULATED
 from .trie_topk_dev import (BIG, DIG, FULL, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length, collect,
                             hist_add, minmax, pick, radix, sort_desc)
-from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, cand, decode, okey, okey_float
+from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, _bits, _float, cand, decode, okey,
+                             okey_float)
 
 GBITS = 8 if SIMULATED else 12  # bins of bin_hist: 16 KiB of shared counters on the GPU
 GB = 1 << GBITS
 GSHIFT = 32 - GBITS
 # ws columns: counters and the pick, then the request's histogram
-DONE1, DONE2, NSURE, NBUF, D, NEED, ND = range(7)
+DONE1, DONE2, NSURE, NBUF, D, NEED, ND, REF = range(8)
 HG = 8
 W_LEN = HG + GB
 MAXK = int64(0x7FFFFFFFFFFFFFFF)
@@ -134,6 +135,7 @@ def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, 
         ws[r, D] = d
         ws[r, NEED] = need
         ws[r, ND] = n
+        ws[r, REF] = _bits(ref)  # bin_select bins by the same reference, bit for bit
 
 
 @cuda.jit(device=True, inline=True)
@@ -157,7 +159,7 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     red = cuda.shared.array(RED_N, int64)
     flag = cuda.shared.array(1, int32)
     cnt = cuda.shared.array(2, int64)
-    ref = best_beam(scores, r, B, red)
+    ref = _float(int32(ws[r, REF]))
     d, need = ws[r, D], ws[r, NEED]
     all_in = need == ws[r, ND]
     start = cuda.blockIdx.x * ch

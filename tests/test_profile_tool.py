@@ -165,3 +165,34 @@ def test_bench_rank_interleaves_the_modes_batch_by_batch(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_rank.py"), "--interleave",
                           "--delta"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "--interleave replays whole requests" in bad.stderr
+
+
+NCU_SOURCE = """\
+Function Name: streamgr::kernels::trie_topk_bins::bin_hist[abi:v1,cw51](long long, long long)
+99                 def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, s
+100                r = cuda.blockIdx.y                                          249    96     249    590434  18893888 17000000 32
+125                cuda.atomic.add(ws, (r, HG + i), int64(hist[i]))             101    70     101    46426  1321155 1321155 730
+    0x7f00457a7400       LDC R1, c[0x0][0x28]                                   4      4      4      4096    131072    131072
+Function Name: streamgr::kernels::trie_topk_bins::bin_select[abi:v52,cw51](long long)
+177                hit = gi < g0 + per and gi < gend and gm[r, gi] >= d         56     20     56     131072  4194304 4194304 32
+161                d, need = ws[r, D], ws[r, NEED]                              33     10     33     82192   2630144 2630144 32
+"""
+
+
+def test_probe_topk_summarizes_ncu_source_pages(tmp_path):
+    """tools/probe_topk.py --summarize ranks each kernel's source lines by warp-stall samples
+    (rows copied from session 26's report; SASS rows and lines without counts skipped)."""
+    f = tmp_path / "ncu.txt"
+    f.write_text(NCU_SOURCE)
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "probe_topk.py"), "--summarize",
+                        str(f)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0] == "bin_hist: 350 samples over 2 lines"
+    assert re.match(r"\s+71\.1%\s+L 100\s+r = cuda.blockIdx.y\s+\(instructions 590434\)", lines[1])
+    assert "28.9%  L 125" in lines[2]
+    assert lines[3] == "bin_select: 89 samples over 2 lines"
+    assert "62.9%  L 177" in lines[4] and "37.1%  L 161" in lines[5]
+    bad = subprocess.run([sys.executable, str(ROOT / "tools" / "probe_topk.py"), "s9"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "unknown shapes ['s9']" in bad.stderr

@@ -1,19 +1,20 @@
 """Binned grid selection of ``trie_topk`` for requests of more than ``ONE_MAX`` candidates
 (gen-ref's step 2: 45,312 at beams of 256, 181,248 at 1,024; one request's flat 2,097,152):
 one histogram round instead of a range pass and two radix digits, and no key buffer. Two
-launches after a memset of the workspace:
+launches after the workspace is zeroed (torch's fill kernel):
 
 1. ``bin_hist``: every block (``chunk`` candidates, one wave of 1,024-thread blocks over the GPU)
    scores its candidates and adds each to the bin of ``x - ref`` (``gbin``: the top ``GBITS`` of
    that difference's order-preserving bits, so bins are finest near the request's best beam
    score ``ref``, where the ``k``-th best lies, and every score has one); the request's last
    block to finish picks the bin ``D`` holding the ``k``-th best candidate.
-2. ``bin_select``: every block scores its candidates again (the logits are read twice, the
-   keys never written) and appends the keys of bins above ``D`` to ``sure`` (fewer than ``k``)
-   and those in ``D`` to ``buf``; the request's last block selects: if ``sure`` and ``buf`` fit
-   a block it sorts them all (the usual case: ``D`` holds tens to hundreds), else it
-   radix-selects the rest of the ``k`` from ``buf`` by the keys' bits below those they share
-   (ties; exact either way), sorts the ``k`` and decodes them.
+2. ``bin_select``: every block scores again the candidates of its groups of 32 whose highest
+   bin (``gm``, recorded by ``bin_hist``) reaches ``D`` (the keys are never written) and appends
+   the keys of bins above ``D`` to ``sure`` (fewer than ``k``) and those in ``D`` to ``buf``;
+   the request's last block selects: if ``sure`` and ``buf`` fit a block it sorts them all
+   (the usual case: ``D`` holds tens to hundreds), else it radix-selects the rest of the ``k``
+   from ``buf`` by the keys' bits below those they share (ties; exact either way), sorts the
+   ``k`` and decodes them.
 
 The binning is a monotone function of the score (``x - ref`` rounds monotonically), so every key
 of a bin above ``D`` beats every key in ``D``: the answer is the stable order's, exactly, with
@@ -29,8 +30,8 @@ import torch
 from numba import cuda, float32, int32, int64
 
 from .trie_topk import SIMULATED
-from .trie_topk_dev import (BIG, DIG, FULL, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length, collect,
-                            hist_add, minmax, pick, radix, sort_desc)
+from .trie_topk_dev import (BIG, DIG, FULL, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length,
+                            collect, hist_add, minmax, pick, radix, sort_desc)
 from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, _bits, _float, cand, decode, okey,
                              okey_float)
 
@@ -48,8 +49,6 @@ MAXK = int64(0x7FFFFFFFFFFFFFFF)
 # atomics on the same counters (17% of bin_hist's stall samples at the flat shape, session 26);
 # not yet measured, so off by default.
 FLUSH_LOCAL = os.environ.get("STREAMGR_TOPK_FLUSH", "all") == "local"
-
-
 SMS_SIM = 4  # the simulator's "SMs" (blocks a wave)
 
 

@@ -106,3 +106,32 @@ def test_trie_topk_all_tied_and_one_block_sizes(R, B, fan, k, const):
     k = min(k, B * case[-1])
     cap = torch.full((R,), k, device=DEV)
     assert_kernels_equal_reference(case, k, cap)
+
+
+FLUSH_CHECK = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from tests.kernels.test_gpu_trie_topk import assert_kernels_equal_reference, level
+from streamgr.kernels import trie_topk_bins
+assert trie_topk_bins.FLUSH_LOCAL
+for R, B, fan, k, ties in [(16, 256, 177, 256, False), (1, 256, 8192, 256, False),
+                           (2, 1024, 40, 1024, True), (3, 512, 100, 700, False)]:
+    case = level(R, B, fan, V=max(fan, 64) * 2, seed=R + B + fan, ties=ties)
+    k = min(k, B * case[-1])
+    assert_kernels_equal_reference(case, k, torch.full((R,), k, device="cuda"))
+print("ok")
+"""
+
+
+def test_grid_path_with_the_local_flush():
+    """STREAMGR_TOPK_FLUSH=local (an A/B setting read at import, so in its own process): the
+    grid path's blocks add only their top bins, and the answers stay the reference's."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, "-c", FLUSH_CHECK.format(root=root)],
+                       env=dict(os.environ, STREAMGR_TOPK_FLUSH="local"), capture_output=True,
+                       text=True, timeout=600, cwd=root)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["ok"]

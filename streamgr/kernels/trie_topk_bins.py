@@ -30,8 +30,8 @@ import torch
 from numba import cuda, float32, int32, int64
 
 from .trie_topk import SIMULATED
-from .trie_topk_dev import (BIG, DIG, FULL, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length,
-                            collect, hist_add, minmax, pick, radix, sort_desc)
+from .trie_topk_dev import (BIG, DIG, FULL, JIT_NT, NB, NT, NW, RED_N, SCAN_N, append,
+                            bit_length, collect, hist_add, minmax, pick, radix, sort_desc)
 from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, _bits, _float, cand, decode, okey,
                              okey_float)
 
@@ -50,6 +50,7 @@ MAXK = int64(0x7FFFFFFFFFFFFFFF)
 # not yet measured, so off by default.
 FLUSH_LOCAL = os.environ.get("STREAMGR_TOPK_FLUSH", "all") == "local"
 SMS_SIM = 4  # the simulator's "SMs" (blocks a wave)
+VOTE_N = 32 if SIMULATED else 1  # ballot's scratch (the simulator's only)
 
 
 @cuda.jit(device=True, inline=True)
@@ -150,6 +151,23 @@ def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, 
 
 
 @cuda.jit(device=True, inline=True)
+def ballot(pred, vote):
+    """The warp's lanes whose ``pred`` holds, as bits; every lane calls it. The simulator has no
+    ballot: there a block is one warp, and ``vote`` (shared) gathers the lanes' votes."""
+    if SIMULATED:
+        lane = cuda.threadIdx.x & 31
+        vote[lane] = 1 if pred else 0
+        cuda.syncthreads()
+        m = int64(0)
+        for j in range(32):
+            if vote[j]:
+                m |= int64(1) << j
+        cuda.syncthreads()
+        return m
+    return int64(cuda.ballot_sync(FULL, pred)) & LOW32
+
+
+@cuda.jit(device=True, inline=True)
 def _route(sure, buf, ws, r, x, c, ok, ref, d, all_in):
     """Candidate c's key to ``sure`` (its bin above D) or ``buf`` (in D); every lane calls it."""
     g = gbin(x, ref)
@@ -170,31 +188,33 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     red = cuda.shared.array(RED_N, int64)
     flag = cuda.shared.array(1, int32)
     cnt = cuda.shared.array(2, int64)
+    vote = cuda.shared.array(VOTE_N, int32)
     ref = _float(int32(ws[r, REF]))
     d, need = ws[r, D], ws[r, NEED]
     all_in = need == ws[r, ND]
     start = cuda.blockIdx.x * ch
     end = min(N, start + ch)
-    if SIMULATED:  # no ballots: every group, in order
-        for i in range(start + tid, start + ch, NT):  # uniform: ch is a multiple of NT
-            if i - (tid & 31) < end and gm[r, i >> 5] >= d:  # a warp's group reaches D
-                x = score(r, i, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-                _route(sure, buf, ws, r, x, int64(i), i < end, ref, d, all_in)
-    else:  # each warp reads 32 of its groups' highest bins at once, then scores those at D+
-        lane = tid & 31
-        per = ch >> 10  # groups a warp: the chunk's (ch / 32) over the block's 32 warps
-        g0 = (start >> 5) + (tid >> 5) * per
-        gend = (end + 31) >> 5
-        for gg in range(g0, g0 + per, 32):
-            gi = gg + lane
-            hit = gi < g0 + per and gi < gend and gm[r, gi] >= d
-            m = int64(cuda.ballot_sync(FULL, hit)) & LOW32
-            while m != 0:
-                low = m & -m
-                m ^= low
-                i = (gg + cuda.popc(low - 1)) * 32 + lane
-                x = score(r, i, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-                _route(sure, buf, ws, r, x, int64(i), i < end, ref, d, all_in)
+    # each warp reads 32 of its groups' highest bins at once, then scores the groups reaching
+    # D two at a time (their load chains in flight together)
+    lane = tid & 31
+    per = (ch >> 5) // NW  # groups a warp: the chunk's over the block's warps
+    g0 = (start >> 5) + (tid >> 5) * per
+    gend = (end + 31) >> 5
+    for gg in range(g0, g0 + per, 32):
+        gi = gg + lane
+        m = ballot(gi < g0 + per and gi < gend and gm[r, gi] >= d, vote)
+        while m != 0:  # warp-uniform
+            low = m & -m
+            m ^= low
+            ia = (gg + cuda.popc(low - 1)) * 32 + lane
+            two = m != 0
+            low = m & -m
+            m ^= low
+            ib = (gg + cuda.popc(low - 1)) * 32 + lane if two else ia
+            xa = score(r, ia, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+            xb = score(r, ib, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+            _route(sure, buf, ws, r, xa, int64(ia), ia < end, ref, d, all_in)
+            _route(sure, buf, ws, r, xb, int64(ib), two and ib < end, ref, d, all_in)
     if not _last(ws, r, DONE2, flag):
         return
     cuda.threadfence()

@@ -38,6 +38,9 @@ from .head_lse import gather_log_probs
 NEG_INF = float("-inf")
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 MAX_K = 1024
+# The kernels' candidates of a request (beams x fan-out): their keys hold the index in 31 bits
+# and their c // F is exact below 2**30 (trie_topk_keys.magic); past it the stable reference.
+NUMBA_MAX_N = 1 << 30
 SIM_MAX_K = 32  # the simulator's select blocks (32 threads) sort at most this many
 
 
@@ -120,6 +123,8 @@ def trie_topk(scores: torch.Tensor, nodes: torch.Tensor, logp: torch.Tensor, ptr
     ``torch.topk``; ``"stable"``: the reference with stable ties."""
     _check(scores, nodes, logp, k, fanout)
     asked, impl = impl, impl or DEFAULT_IMPL
+    if impl == "numba" and scores.shape[1] * max(fanout, 1) > NUMBA_MAX_N:
+        impl = "stable"  # the kernels' candidate indices would not fit: the same order in torch
     if impl != "numba" or not (usable(scores) or SIMULATED and asked == "numba") \
             or SIMULATED and k > SIM_MAX_K:
         return trie_topk_reference(scores, nodes, logp, ptr, codes, off, fanout, k, cap,

@@ -138,3 +138,26 @@ def test_magic_division_is_exact():
         cs = [0, F - 1, F, F + 1, 2 ** 30 - 1] + [int(x) for x in rng.integers(0, 2 ** 30, 20)]
         for c in cs:
             assert (c * m) >> sh == c // F and c * m < 2 ** 63, (F, c)
+
+
+def test_requests_past_the_kernels_index_range_take_the_stable_reference(monkeypatch):
+    """More than 2**30 candidates a request (beams x fan-out) would overflow the kernels' key
+    index and their exact c // F: such a step runs the stable reference (the kernels' order)
+    instead of answering wrong; at the limit the kernels still serve."""
+    from streamgr.kernels import trie_topk as tt
+    from streamgr.kernels import trie_topk_numba as nb  # noqa: F401  (imported by the dispatch)
+    calls = []
+    monkeypatch.setattr(tt, "usable", lambda t: True)
+    monkeypatch.setattr(tt, "trie_topk_reference",
+                        lambda *a, stable: calls.append(("reference", stable)) or "ref")
+    monkeypatch.setattr(nb, "run", lambda *a: calls.append(("numba", a[6])) or "numba")
+    B = 1024
+    scores, nodes = torch.zeros(1, B), torch.zeros(1, B, dtype=torch.int64)
+    logp = torch.zeros(B, 8)
+    ptr, codes, cap = torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), \
+        torch.ones(1, dtype=torch.int64)
+    fan = tt.NUMBA_MAX_N // B
+    assert tt.trie_topk(scores, nodes, logp, ptr, codes, 0, fan, 4, cap, impl="numba") == "numba"
+    assert tt.trie_topk(scores, nodes, logp, ptr, codes, 0, fan + 1, 4, cap,
+                        impl="numba") == "ref"
+    assert calls == [("numba", fan), ("reference", True)]

@@ -69,11 +69,12 @@ def test_rms_norm(tmp_path):
         assert _ptxas_spills(ptx, tmp_path, rn._JIT["max_registers"]) in (0, None)
 
 
-def test_selection_kernels_fit_a_block_of_1024(tmp_path):
+@pytest.mark.parametrize("name", ["one_select", "small_select", "bin_hist", "bin_select"])
+def test_selection_kernels_fit_a_block_of_1024(name, tmp_path):
     """The select kernels launch 1,024 threads (the sort kernel 256), so 64 registers a thread at
     most (Numba sets no launch bounds: on the H200 an unaligned logits view's indexing took 68
     and the launch failed). They carry that cap (``JIT_NT``) and compile under it spilling at
-    most a word."""
+    most a word. (One case a kernel: xdist spreads the compiles over CI's workers.)"""
     from streamgr.kernels import trie_topk_bins as bn, trie_topk_dev as dev
     from streamgr.kernels import trie_topk_one as one, trie_topk_small as small
     assert dev.NT == 1024 and dev.JIT_NT["max_registers"] == 64
@@ -82,11 +83,12 @@ def test_selection_kernels_fit_a_block_of_1024(tmp_path):
     lp = (A(i16, 2, "A"), A(f32, 2), i64)  # unaligned logits: the most registers
     trie = (A(i64, 1), A(i64, 1), i64)
     outs = (A(i64, 1), A(f32, 2), A(i64, 2), A(i64, 2), A(i64, 2))
-    for fn, sig in [(one.one_select, (i64, i64, i64) + head + lp + trie + outs),
-                    (small.small_select, (i64, i64, i64) + head + lp + trie + outs),
-                    (bn.bin_hist, (i64, i64, i64) + head + lp + trie + (A(i64, 2), A(i32, 2))),
-                    (bn.bin_select, (i64, i64, i64, i64) + head + lp + trie
-                     + (A(i64, 2), A(i32, 2), A(i64, 2), A(i64, 2)) + outs)]:
-        ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
-        spills = _ptxas_spills(ptx, tmp_path, 64)
-        assert spills is None or spills <= 8, (fn.py_func.__name__, spills)
+    fn, sig = {
+        "one_select": (one.one_select, (i64, i64, i64) + head + lp + trie + outs),
+        "small_select": (small.small_select, (i64, i64, i64) + head + lp + trie + outs),
+        "bin_hist": (bn.bin_hist, (i64, i64, i64) + head + lp + trie + (A(i64, 2), A(i32, 2))),
+        "bin_select": (bn.bin_select, (i64, i64, i64, i64) + head + lp + trie
+                       + (A(i64, 2), A(i32, 2), A(i64, 2), A(i64, 2)) + outs)}[name]
+    ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
+    spills = _ptxas_spills(ptx, tmp_path, 64)
+    assert spills is None or spills <= 8, (name, spills)

@@ -7,7 +7,8 @@
 #     full: + the rank-ref bench at batch 1, 4, 8 (several minutes) + the gen-ref bench;
 #     rank: the rank-ref bench alone; gen: the generate GPU tests + the gen-ref bench;
 #     attn: the kernel, rank and cache GPU tests + tools/bench_attention.py (ATTN_ARGS=--quick);
-#     topk: the selection GPU tests + tools/bench_topk.py
+#     topk: the selection GPU tests + tools/bench_topk.py, then again under each NAME=VALUE of
+#       TOPK_AB (e.g. TOPK_AB="STREAMGR_TOPK_FLUSH=local STREAMGR_TOPK_BINS=0")
 #     inflight: rank-ref trace replays through the engine at engine.rank_in_flight 1 and 2
 #     genprof: the gen-ref bench alone with a torch.profiler kernel table and a host profile
 #       (no tests)
@@ -81,6 +82,11 @@ fi
 if [ "$mode" = topk ] || [ "$mode" = full ]; then
   python3 tools/bench_topk.py 2>"$out/bench_topk.err" | tee "$out/bench_topk.txt"
   summary+=("$(tail -n 1 "$out/bench_topk.txt")")
+  for ab in ${TOPK_AB:-}; do  # each NAME=VALUE setting's run right after, on the same machine
+    f="$out/bench_topk_${ab//[^A-Za-z0-9]/_}.txt"
+    env "$ab" python3 tools/bench_topk.py 2>>"$out/bench_topk.err" | tee "$f"
+    summary+=("$ab: $(tail -n 1 "$f")")
+  done
 fi
 if [ "$mode" = quick ] || [ "$mode" = full ]; then
   python3 tools/bench_transfer.py --chunks 64 2>"$out/bench_transfer.err" | tee "$out/bench_transfer.txt"

@@ -31,7 +31,8 @@ from numba import cuda, float32, int32, int64
 
 from .trie_topk import SIMULATED
 from .trie_topk_dev import (BIG, DIG, FULL, JIT_NT, NB, NT, NW, RED_N, SCAN_N, append,
-                            bit_length, collect, hist_add, minmax, pick, radix, sort_desc)
+                            bit_length, collect, hist_add, minmax, pick, radix, sort_desc,
+                            sort_span)
 from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, _bits, _float, cand, decode, okey,
                              okey_float)
 
@@ -127,8 +128,8 @@ def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, 
         _count(hist, gm, r, i0 + NT, end, gbin(x1, ref))
         _count(hist, gm, r, i0 + 2 * NT, end, gbin(x2, ref))
         _count(hist, gm, r, i0 + 3 * NT, end, gbin(x3, ref))
-    if tid == 0:
-        res[0] = 0
+    if FLUSH_LOCAL and tid == 0:
+        res[0] = 0  # the pick's answer where the block holds fewer than k
     cuda.syncthreads()
     lo = int64(0)
     if FLUSH_LOCAL:  # only the bins from the block's own k-th up (0 if it holds fewer than k)
@@ -226,7 +227,7 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     n_buf = cnt[1]
     total = n_sure + n_buf
     if total <= NT:  # sort them all (pad with 0, below every key)
-        P = max(KP, int64(1) << bit_length(max(total - 1, int64(1))))
+        P = sort_span(total, KP)
         for i in range(tid, P, NT):
             srt[i] = sure[r, i] if i < n_sure else (buf[r, i - n_sure] if i < total else 0)
         cuda.syncthreads()
@@ -262,8 +263,8 @@ def chunk(N: int, R: int, sms: int) -> int:
 
 
 def run(launch, R, N, k, KP, F, FM, B, sc, nd, lp, trie, outs, dev, arr):
-    """The memset and two launches (``launch(fn, grid, threads)``) for R requests of N
-    candidates."""
+    """The workspace zeroed (torch's fill) and the two launches (``launch(fn, grid,
+    threads)``) for R requests of N candidates."""
     ch = chunk(N, R, SMS_SIM if SIMULATED else _sms(dev))
     g = -(-N // ch)
     ws = torch.zeros(R, W_LEN, dtype=torch.int64, device=dev)

@@ -290,3 +290,10 @@ else:
     def bit_length(x):
         """Bits of a non-negative int64."""
         return 64 - cuda.clz(x)
+
+
+@cuda.jit(device=True, inline=True)
+def sort_span(total, KP):
+    """The keys ``sort_desc`` takes to sort ``total`` listed keys whole (padded with 0, below
+    every key): the power of two at or above ``total``, at least ``KP``."""
+    return max(KP, int64(1) << bit_length(max(total - 1, int64(1))))

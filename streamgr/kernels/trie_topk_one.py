@@ -18,7 +18,7 @@ from numba import cuda, int32, int64
 
 from .trie_topk import SIMULATED
 from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length, collect,
-                            hist_add, minmax, pick, radix, sort_desc)
+                            hist_add, minmax, pick, radix, sort_desc, sort_span)
 from .trie_topk_keys import (KEY_NEG_INF, LOW32, _bits, ckey, decode, note, note4, okey_float,
                              tkey)
 
@@ -86,7 +86,7 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
                 take = base + tid < N and obin(kx[i], ref) >= d
                 append(srt, ctr, 0, tkey(u, int64(i), tmin), take)
             cuda.syncthreads()
-            sort_desc(srt, max(KP, int64(1) << bit_length(max(total - 1, int64(1)))))
+            sort_desc(srt, sort_span(total, KP))
             decode(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
                    parent, child, code)
             return

@@ -188,7 +188,7 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     res = cuda.shared.array(3, int32)
     red = cuda.shared.array(RED_N, int64)
     flag = cuda.shared.array(1, int32)
-    cnt = cuda.shared.array(2, int64)
+    cnt = cuda.shared.array(2, int32)  # counts (a shared int32 atomic: no CAS loop)
     vote = cuda.shared.array(VOTE_N, int32)
     ref = _float(int32(ws[r, REF]))
     d, need = ws[r, D], ws[r, NEED]

@@ -102,8 +102,10 @@ def hist_add(hist, bin_, take):
 
 @cuda.jit(device=True, inline=True)
 def append(out, ctr, at, v, take):
-    """out[ctr[at]++] = v where ``take``, one atomic per warp; every lane calls it. ``ctr``
-    is a shared or global int64 array. Returns the slot (or -1)."""
+    """out[ctr[at]++] = v where ``take``, one atomic per warp; every lane calls it. ``ctr``:
+    a global int64 array or a shared int32 one (ptxas makes a 64-bit shared atomic add a
+    compare-and-swap loop: ~9 rounds an add under the block's contention, ncu, session 27).
+    Returns the slot (or -1)."""
     if SIMULATED:
         if take:
             p = cuda.atomic.add(ctr, at, 1)
@@ -114,7 +116,7 @@ def append(out, ctr, at, v, take):
     lane = cuda.threadIdx.x & 31
     base = int64(0)
     if lane == 0 and mask != 0:
-        base = cuda.atomic.add(ctr, at, int64(cuda.popc(mask)))
+        base = int64(cuda.atomic.add(ctr, at, cuda.popc(mask)))
     base = cuda.shfl_sync(FULL, base, 0)
     if take:
         p = base + cuda.popc(int64(mask) & lane_mask_lt(lane))
@@ -190,6 +192,40 @@ def pick(hist, nbins, want, scan, res, nt):
             above += h
     cuda.syncthreads()
     return int64(res[0]), int64(res[1]), int64(res[2])
+
+
+@cuda.jit(device=True, inline=True)
+def pick_segments(hist, want, scan, res, seg_max):
+    """``pick`` over ``NB`` = ``NT`` bins (a bin a thread) for the bins-then-rank path: (bin,
+    still wanted, its count, 1 if a bin from it up holds more than ``seg_max`` keys), and
+    ``hist`` rewritten to each bin's segment start, the keys in bins above it (the bins laid
+    out best first). ``res``: 4 shared int32. Every thread calls it; it ends synchronized."""
+    tid = cuda.threadIdx.x
+    b = NB - 1 - tid
+    if tid == 0:
+        res[3] = 0  # before the scan's barriers: every set below comes after them
+    own = hist[b]
+    above = block_scan(own, scan, NT) - own
+    if above < want:  # bins from the want-th key's up (the segments ranked one by one)
+        if want <= above + own:
+            res[0] = b
+            res[1] = want - above
+            res[2] = own
+        if own > seg_max:
+            res[3] = 1
+    hist[b] = above  # only this thread reads or writes bin b here
+    cuda.syncthreads()
+    return int64(res[0]), int64(res[1]), int64(res[2]), res[3]
+
+
+@cuda.jit(device=True, inline=True)
+def seg_rank(keys, v, s, e):
+    """Rank of key ``v`` among the distinct keys ``keys[s:e]`` (how many are above it)."""
+    n = int64(0)
+    for j in range(s, e):
+        if keys[j] > v:
+            n += 1
+    return n
 
 
 @cuda.jit(device=True, inline=True)

@@ -142,12 +142,20 @@ def decode(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, c
     """The sorted keys' candidates: scores (recomputed: the same fp32 add), parent beams, child
     nodes and codes; ranks at or past the request's width ``cap[r]`` score -inf."""
     for i in range(cuda.threadIdx.x, k, cuda.blockDim.x):
-        c = MAXC - (srt[i] & MAXC)
-        val, ch, cd = cand(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-        top[r, i] = val if i < cap[r] else NEG_INF
-        parent[r, i] = div_f(c, FM)
-        child[r, i] = ch
-        code[r, i] = cd
+        put(srt[i], i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
+            parent, child, code)
+
+
+@cuda.jit(device=True, inline=True)
+def put(v, i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
+        child, code):
+    """Rank i's answer from its key ``v`` (``decode``'s, for one key)."""
+    c = MAXC - (v & MAXC)
+    val, ch, cd = cand(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    top[r, i] = val if i < cap[r] else NEG_INF
+    parent[r, i] = div_f(c, FM)
+    child[r, i] = ch
+    code[r, i] = cd
 
 
 @cuda.jit(device=True, inline=True)

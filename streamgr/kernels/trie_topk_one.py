@@ -4,10 +4,13 @@ threads per request computes its candidates' okeys into shared memory (four cand
 at a time, so their load chains overlap), takes the block's smallest real and largest okey,
 then (for ``k`` up to half the block) counts them by ``obin``, the distance of their score below
 the best one, 8 bins an octave: where the bins from the ``k``-th up hold at most a block of
-keys, it sorts those whole (one histogram round; the usual case). Otherwise (ties, or ``k``
-over half the block) it radix-selects the ``k`` best keys (``trie_topk_dev.radix``: digits from
-the range's top bit, usually two or three rounds) and sorts them. Then it decodes. No global
-scratch, no memset: the whole step is one node of the decode plan's graph.
+keys (one histogram round; the usual case), it places each of those keys in its bin's segment
+of a list laid out best bin first and ranks it by counting the keys of its bin above it, so
+that the thread holding rank ``i < k`` answers it (no sort; where a bin holds over ``SEG_MAX``
+keys it sorts the list whole instead). Otherwise (ties, or ``k`` over half the block) it
+radix-selects the ``k`` best keys (``trie_topk_dev.radix``: digits from the range's top bit,
+usually two or three rounds), sorts and decodes them. No global scratch, no memset: the whole
+step is one node of the decode plan's graph.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from numba import cuda, int32, int64
 
 from .trie_topk import SIMULATED
 from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length, collect,
-                            hist_add, minmax, pick, radix, sort_desc, sort_span)
-from .trie_topk_keys import (KEY_NEG_INF, LOW32, _bits, ckey, decode, note, note4, okey_float,
-                             tkey)
+                            hist_add, minmax, pick, pick_segments, radix, seg_rank, sort_desc,
+                            sort_span)
+from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, _bits, ckey, decode, note, note4,
+                             okey_float, put, tkey)
 
 ONE_MAX = 64 if SIMULATED else 8192  # okeys in shared memory: 32 KiB
 CPT = 4  # candidates a thread computes at once
@@ -28,6 +32,11 @@ CPT = 4  # candidates a thread computes at once
 # 2**-(NB // 16) up (closer is the best bin, farther or -inf the worst)
 OBASE = (127 - NB // 16) * 8
 BINS = os.environ.get("STREAMGR_TOPK_BINS", "1") == "1"  # 0: radix rounds only (A/B runs)
+# The bins' keys ranked within their bins (each key counts the keys of its bin above it) where no
+# bin from the k-th's up holds more than SEG_MAX; else sorted whole (a bitonic network: 35% of
+# the kernel's instructions at step 1, ncu, session 27). STREAMGR_TOPK_SEG=0: always sorted (A/B).
+SEG = os.environ.get("STREAMGR_TOPK_SEG", "1") == "1"
+SEG_MAX = 4 if SIMULATED else 128
 
 
 @cuda.jit(device=True, inline=True)
@@ -48,9 +57,9 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
     hist = cuda.shared.array(NT, int32)
     srt = cuda.shared.array(NT, int64)
     scan = cuda.shared.array(SCAN_N, int32)
-    res = cuda.shared.array(3, int32)
+    res = cuda.shared.array(4, int32)
     red = cuda.shared.array(RED_N, int64)
-    ctr = cuda.shared.array(1, int64)
+    ctr = cuda.shared.array(1, int32)
     if tid == 0:
         ctr[0] = 0
     lo = BIG
@@ -75,8 +84,28 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
             i = base + tid
             hist_add(hist, obin(kx[min(i, N - 1)], ref), i < N)
         cuda.syncthreads()
-        d, need, n = pick(hist, NB, k, scan, res, NT)
+        big = int32(1)
+        if SEG:  # hist becomes the bins' segment starts
+            d, need, n, big = pick_segments(hist, k, scan, res, SEG_MAX)
+        else:
+            d, need, n = pick(hist, NB, k, scan, res, NT)
         total = k - need + n
+        if total <= NT and big == 0:  # each key of the bins from d up into its bin's segment
+            for base in range(0, N, NT):
+                i = min(base + tid, N - 1)
+                b = obin(kx[i], ref)
+                if base + tid < N and b >= d:
+                    srt[cuda.atomic.add(hist, b, 1)] = tkey(int64(kx[i]) & LOW32, int64(i), tmin)
+            cuda.syncthreads()  # hist[b]: bin b's segment end, the next lower bin's start
+            if tid < total:  # then ranked in it: the answer's rank, no sort
+                v = srt[tid]
+                b = obin(kx[MAXC - (v & MAXC)], ref)
+                s = int64(hist[b + 1]) if b < NB - 1 else int64(0)
+                rank = s + seg_rank(srt, v, s, int64(hist[b]))
+                if rank < k:
+                    put(v, rank, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap,
+                        top, parent, child, code)
+            return
         if total <= NT:  # every key of the bins from d up fits: sort them all
             srt[tid] = 0
             cuda.syncthreads()

@@ -105,10 +105,12 @@ SIM = textwrap.dedent("""
 # digits and 32 bins, SMALL_MAX = 32 candidates sorted whole, ONE_MAX = 64, 128 a grid block):
 # one block (beams x F <= 32 sorted, <= 64 binned, falling back to the radix where the bins from
 # the k-th up hold more than 32), dead beams in every case, k = 1, every candidate wanted (a bin
-# that settles the set at once) ...
+# that settles the set at once); of the binned, the bins' keys ranked in their bins (seeds 14,
+# 15: no bin over SEG_MAX = 4 keys) and sorted whole (seeds 1, 15: one over it) ...
 ONE_BLOCK = [(0, False, 3, (1, 5), 4), (1, True, 6, (2, 8), 8), (4, False, 9, (0, 3), 1),
              (5, False, 1, (6, 6), 6), (7, False, 10, (3, 3), 30), (10, True, 7, (6, 9), 20),
-             (11, False, 8, (5, 8), 31), (12, False, 2, (1, 1), 2), (13, False, 1, (1, 1), 1)]
+             (11, False, 8, (5, 8), 31), (12, False, 2, (1, 1), 2), (13, False, 1, (1, 1), 1),
+             (14, False, 8, (4, 8), 12), (15, False, 6, (8, 8), 16)]
 # ... and the grid launches (> 64 candidates; 256 bins): ties, k reaching into the -inf slots,
 # so that the last block's list outgrows the block (its radix select from the list in global
 # memory) as well as fits it (sorted whole), k = 1.

@@ -12,11 +12,12 @@ their parent beam, child node and code; ranks at or past a request's own width `
 Kernels (Numba CUDA, on torch's stream, captured inside the decode plans' CUDA graphs): every
 candidate is a unique int64 key, its score's order-preserving bits then ``MAXC - c``, read
 from the top of the request's score range (``trie_topk_keys``), so no ties are left to break. A
-request of at most 1,024 candidates is one block that sorts them all in registers
-(``trie_topk_small``); one of at most ``ONE_MAX`` is one block of one launch: keys in shared
-memory, one histogram round over bins of each score's distance below the best (8 an octave),
-then the bins from the ``k``-th up sorted whole, or radix select by 10-bit digits where they
-hold more than a block; decode (``trie_topk_one``). A longer one takes a memset and two grid
+request of at most ``ONE_MAX`` candidates is one block of one launch: keys in shared memory,
+one histogram round over bins of each score's distance below the best (8 an octave), then the
+keys of the bins from the ``k``-th up ranked within their bins (or sorted whole where a bin is
+crowded), or radix select by 10-bit digits where they hold more than a block; decode
+(``trie_topk_one``; ``STREAMGR_TOPK_SMALL=1``: one of at most 1,024 sorted whole in registers
+instead, ``trie_topk_small``). A longer one takes a memset and two grid
 launches: each block bins its candidates' scores below the request's best beam score (the last
 block picks the bin of the ``k``-th), then scores them again where a group of 32 reaches that
 bin and appends the keys to a list; the request's last block sorts the list (or radix-selects

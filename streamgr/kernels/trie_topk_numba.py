@@ -1,7 +1,8 @@
 """Host side of the Numba CUDA kernels of ``trie_topk`` (see its module docstring for what they
-compute): a request of at most ``SMALL_MAX`` candidates is one block that sorts them all
-(``trie_topk_small``), one of at most ``ONE_MAX`` one block that bins (or radix-selects)
-first (``trie_topk_one``), a longer one a memset and two grid launches (``trie_topk_bins``);
+compute): a request of at most ``SMALL_MAX`` candidates (none unless ``STREAMGR_TOPK_SMALL=1``)
+is one block that sorts them all (``trie_topk_small``), one of at most ``ONE_MAX`` one block
+that bins (or radix-selects) first (``trie_topk_one``), a longer one a memset and two grid
+launches (``trie_topk_bins``);
 the keys, scans and sort they share are in ``trie_topk_keys`` and ``trie_topk_dev``.
 
 Imported only when they run: a CUDA device with numba-cuda, or ``NUMBA_ENABLE_CUDASIM=1``.

@@ -1,11 +1,11 @@
-"""Sort selection of ``trie_topk`` for requests of at most ``SMALL_MAX`` candidates (gen-ref's
-step 3: 768 at beams of 256): one block of ``ST`` = 256 threads per request holds every
+"""Sort selection of ``trie_topk`` for requests of at most ``SMALL_MAX`` candidates (with
+``STREAMGR_TOPK_SMALL=1``, an A/B setting; gen-ref's step 3: 768 at beams of 256): one block of ``ST`` = 256 threads per request holds every
 candidate's key in registers (``E`` = 4 a thread, positions ``4 tid .. 4 tid + 3``), sorts them
 all with a bitonic network and answers the first ``k`` from the scores, children and codes it
-kept in shared memory while computing the keys. No radix rounds and no range pass: at
-this size the rounds' fixed cost (a histogram, a block scan and four barriers each, three or four
-rounds) is most of ``trie_topk_one``'s time, while a whole sort of 1,024 keys takes 55 stages of
-which 6 cross warps (the rest are in-thread swaps or shuffles, no barrier).
+kept in shared memory while computing the keys. No radix rounds and no range pass: against
+``trie_topk_one``'s radix rounds it won at this size, but since that kernel's bins round ranks
+the few keys from the ``k``-th's bin up without a sort, it wins (10.1 against 13.2 us at step 3
+on the H200, session 27), so this path is off by default.
 
 The keys are ``trie_topk_keys``' order without the request's minimum: ``okey << 31 | (MAXC -
 c)`` (the okey's 32 bits fit below the sign), 0 for a padding slot (below every candidate's,
@@ -25,7 +25,9 @@ from .trie_topk_keys import MAXC, NEG_INF, cand, div_f, okey
 ST = 8 if SIMULATED else 256  # threads a block
 E = 4  # keys a thread
 NS = ST * E  # keys a block
-SMALL_MAX = NS if os.environ.get("STREAMGR_TOPK_SMALL", "1") == "1" else 0
+# Off by default: at gen-ref's step 3 (768 candidates, k 256) trie_topk_one's bins took 10.1 us
+# against this sort's 13.2 (session 27); STREAMGR_TOPK_SMALL=1 routes such requests here (A/B).
+SMALL_MAX = NS if os.environ.get("STREAMGR_TOPK_SMALL", "0") == "1" else 0
 # strides at or above XS exchange through shared memory (the simulator has no shuffles)
 XS = E if SIMULATED else 32 * E
 

@@ -108,14 +108,17 @@ def test_trie_topk_all_tied_and_one_block_sizes(R, B, fan, k, const):
     assert_kernels_equal_reference(case, k, cap)
 
 
-FLUSH_CHECK = """
-import sys, torch
+AB_CHECK = """
+import os, sys, torch
 sys.path.insert(0, {root!r})
 from tests.kernels.test_gpu_trie_topk import assert_kernels_equal_reference, level
-from streamgr.kernels import trie_topk_bins
-assert trie_topk_bins.FLUSH_LOCAL
+from streamgr.kernels import trie_topk_bins, trie_topk_small
+assert trie_topk_bins.FLUSH_LOCAL == (os.environ.get("STREAMGR_TOPK_FLUSH") == "local")
+assert (trie_topk_small.SMALL_MAX > 0) == (os.environ.get("STREAMGR_TOPK_SMALL") == "1")
 for R, B, fan, k, ties in [(16, 256, 177, 256, False), (1, 256, 8192, 256, False),
-                           (2, 1024, 40, 1024, True), (3, 512, 100, 700, False)]:
+                           (2, 1024, 40, 1024, True), (3, 512, 100, 700, False),
+                           (16, 256, 3, 256, True), (3, 4, 256, 700, False), (1, 1, 1, 1, False),
+                           (5, 37, 13, 100, True)]:
     case = level(R, B, fan, V=max(fan, 64) * 2, seed=R + B + fan, ties=ties)
     k = min(k, B * case[-1])
     assert_kernels_equal_reference(case, k, torch.full((R,), k, device="cuda"))
@@ -123,15 +126,19 @@ print("ok")
 """
 
 
-def test_grid_path_with_the_local_flush():
-    """STREAMGR_TOPK_FLUSH=local (an A/B setting read at import, so in its own process): the
-    grid path's blocks add only their top bins, and the answers stay the reference's."""
+@pytest.mark.parametrize("name,value", [("STREAMGR_TOPK_FLUSH", "local"),
+                                        ("STREAMGR_TOPK_SMALL", "1")])
+def test_kernels_under_their_ab_settings(name, value):
+    """The A/B settings (read at import, so each in its own process) keep the reference's
+    answers: ``STREAMGR_TOPK_FLUSH=local`` (the grid path's blocks add only their top bins) and
+    ``STREAMGR_TOPK_SMALL=1`` (requests of at most 1,024 candidates sorted whole by
+    ``trie_topk_small`` instead of binned by ``trie_topk_one``)."""
     import os
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    p = subprocess.run([sys.executable, "-c", FLUSH_CHECK.format(root=root)],
-                       env=dict(os.environ, STREAMGR_TOPK_FLUSH="local"), capture_output=True,
-                       text=True, timeout=600, cwd=root)
+    p = subprocess.run([sys.executable, "-c", AB_CHECK.format(root=root)],
+                       env=dict(os.environ, **{name: value}), capture_output=True, text=True,
+                       timeout=600, cwd=root)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.split() == ["ok"]

@@ -117,12 +117,18 @@ ONE_BLOCK = [(0, False, 3, (1, 5), 4), (1, True, 6, (2, 8), 8), (4, False, 9, (0
 GRID = [(2, False, 40, (4, 12), 16), (8, True, 30, (4, 10), 32), (9, False, 20, (5, 10), 1)]
 
 
-@pytest.mark.parametrize("cases,flush", [(ONE_BLOCK, "all"), (GRID, "all"), (GRID, "local")],
-                         ids=["one_block", "grid", "grid_local_flush"])
-def test_numba_kernels_under_the_simulator(cases, flush):
-    """``flush``: STREAMGR_TOPK_FLUSH, the grid path's histogram flush (an A/B setting)."""
+# ... and with STREAMGR_TOPK_SMALL=1, requests of at most 32 candidates sorted whole instead
+SMALL = [c for c in ONE_BLOCK if c[2] * c[3][1] <= 32][:5]
+
+
+@pytest.mark.parametrize("cases,ab", [(ONE_BLOCK, {}), (GRID, {}),
+                                      (GRID, {"STREAMGR_TOPK_FLUSH": "local"}),
+                                      (SMALL, {"STREAMGR_TOPK_SMALL": "1"})],
+                         ids=["one_block", "grid", "grid_local_flush", "small_sort"])
+def test_numba_kernels_under_the_simulator(cases, ab):
+    """``ab``: A/B settings (read at import): the grid path's histogram flush, the sort path."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", STREAMGR_TOPK_FLUSH=flush)
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", **ab)
     p = subprocess.run([sys.executable, "-c", SIM.format(root=root, cases=cases)], env=env,
                        capture_output=True, text=True, timeout=600, cwd=root)
     assert p.returncode == 0, p.stderr[-3000:]

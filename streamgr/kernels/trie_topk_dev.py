@@ -28,6 +28,7 @@ RED_N = 2 + 2 * NW  # minmax scratch
 WARPX = 1 if SIMULATED else 32  # strides at or above this exchange through shared memory
 FULL = -1 if SIMULATED else int32(-1)  # every lane of a warp
 BIG = int64(1) << 40
+SEG_MAX = 4 if SIMULATED else 128  # keys a bin's segment ranks one by one (else a sort)
 # Histogram adds aggregated over a warp's lanes of one bin (match_any_sync) or one atomic each
 # (STREAMGR_TOPK_MATCH=0), for A/B runs.
 MATCH = os.environ.get("STREAMGR_TOPK_MATCH", "1") == "1"
@@ -216,6 +217,31 @@ def pick_segments(hist, want, scan, res, seg_max):
     hist[b] = above  # only this thread reads or writes bin b here
     cuda.syncthreads()
     return int64(res[0]), int64(res[1]), int64(res[2]), res[3]
+
+
+@cuda.jit(device=True, inline=True)
+def segments(cnt, at, cur, nbins, lo, seg_max, scan, res):
+    """``cur[b]`` = the keys in bins above ``b`` (``b < nbins``, bins laid out best first) of
+    the counts ``cnt[at + b]``; returns 1 if a bin from ``lo`` up holds more than ``seg_max``.
+    Each thread owns ``nbins // NT`` bins, the highest first. ``res``: 4 shared int32. Every
+    thread calls it; it ends synchronized."""
+    tid = cuda.threadIdx.x
+    per = nbins // NT
+    hi = nbins - 1 - tid * per
+    if tid == 0:
+        res[3] = 0  # before the scan's barriers: every set below comes after them
+    own = int32(0)
+    for e in range(per):
+        own += int32(cnt[at + hi - e])
+    above = block_scan(own, scan, NT) - own
+    for e in range(per):
+        h = int32(cnt[at + hi - e])
+        cur[hi - e] = above
+        if hi - e >= lo and h > seg_max:
+            res[3] = 1
+        above += h
+    cuda.syncthreads()
+    return res[3]
 
 
 @cuda.jit(device=True, inline=True)

@@ -21,8 +21,8 @@ from numba import cuda, int32, int64
 
 from .trie_topk import SIMULATED
 from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length, collect,
-                            hist_add, minmax, pick, pick_segments, radix, seg_rank, sort_desc,
-                            sort_span)
+                            hist_add, minmax, pick, pick_segments, radix, SEG_MAX, seg_rank,
+                            sort_desc, sort_span)
 from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, _bits, ckey, decode, note, note4,
                              okey_float, put, tkey)
 
@@ -37,7 +37,6 @@ BINS = os.environ.get("STREAMGR_TOPK_BINS", "1") == "1"  # 0: radix rounds only 
 # the kernel's instructions at step 1). On the H200 (session 27) step 3 takes 0.0102 ms ranked
 # against 0.0147 sorted; step 1 (issue-bound) the same. STREAMGR_TOPK_SEG=0: always sorted (A/B).
 SEG = os.environ.get("STREAMGR_TOPK_SEG", "1") == "1"
-SEG_MAX = 4 if SIMULATED else 128
 
 
 @cuda.jit(device=True, inline=True)

@@ -45,12 +45,6 @@ DONE1, DONE2, NSURE, NBUF, D, NEED, ND, REF = range(8)
 HG = 8
 W_LEN = HG + GB
 MAXK = int64(0x7FFFFFFFFFFFFFFF)
-# STREAMGR_TOPK_FLUSH=local: each bin_hist block adds to the request's histogram only its bins
-# from its own k-th key's up. Exact: a block holding k keys in bins >= b means the request's
-# k-th key is in a bin >= b, so every bin from the request's pick up is complete. Fewer global
-# atomics on the same counters (17% of bin_hist's stall samples at the flat shape, session 26);
-# not yet measured, so off by default.
-FLUSH_LOCAL = os.environ.get("STREAMGR_TOPK_FLUSH", "all") == "local"
 # STREAMGR_TOPK_GSEG=1: the last block ranks the listed keys within their bins (as trie_topk_one
 # does: 0.0102 against 0.0147 ms sorted at step 3, session 27) instead of sorting them; not yet
 # measured on the grid path, so off by default.
@@ -133,14 +127,11 @@ def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, 
         _count(hist, gm, r, i0 + NT, end, gbin(x1, ref))
         _count(hist, gm, r, i0 + 2 * NT, end, gbin(x2, ref))
         _count(hist, gm, r, i0 + 3 * NT, end, gbin(x3, ref))
-    if FLUSH_LOCAL and tid == 0:
-        res[0] = 0  # the pick's answer where the block holds fewer than k
     cuda.syncthreads()
-    lo = int64(0)
-    if FLUSH_LOCAL:  # only the bins from the block's own k-th up (0 if it holds fewer than k)
-        lo, _, _ = pick(hist, GB, k, scan, res, NT)
+    # every non-empty bin (adding only those from the block's own k-th up, exact too, measured
+    # no faster on the H200, session 27)
     for i in range(tid, GB, NT):
-        if hist[i] and i >= lo:
+        if hist[i]:
             cuda.atomic.add(ws, (r, HG + i), int64(hist[i]))
     if not _last(ws, r, DONE1, flag):
         return

@@ -112,8 +112,8 @@ AB_CHECK = """
 import os, sys, torch
 sys.path.insert(0, {root!r})
 from tests.kernels.test_gpu_trie_topk import assert_kernels_equal_reference, level
-from streamgr.kernels import trie_topk_bins, trie_topk_small
-assert trie_topk_bins.FLUSH_LOCAL == (os.environ.get("STREAMGR_TOPK_FLUSH") == "local")
+from streamgr.kernels import trie_topk_bins, trie_topk_one, trie_topk_small
+assert trie_topk_one.SEG == (os.environ.get("STREAMGR_TOPK_SEG") != "0")
 assert trie_topk_bins.GSEG == (os.environ.get("STREAMGR_TOPK_GSEG") == "1")
 assert (trie_topk_small.SMALL_MAX > 0) == (os.environ.get("STREAMGR_TOPK_SMALL") == "1")
 for R, B, fan, k, ties in [(16, 256, 177, 256, False), (1, 256, 8192, 256, False),
@@ -127,14 +127,14 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("name,value", [("STREAMGR_TOPK_FLUSH", "local"),
-                                        ("STREAMGR_TOPK_SMALL", "1"), ("STREAMGR_TOPK_GSEG", "1")])
+@pytest.mark.parametrize("name,value", [("STREAMGR_TOPK_SMALL", "1"), ("STREAMGR_TOPK_GSEG", "1"),
+                                        ("STREAMGR_TOPK_SEG", "0")])
 def test_kernels_under_their_ab_settings(name, value):
     """The A/B settings (read at import, so each in its own process) keep the reference's
-    answers: ``STREAMGR_TOPK_FLUSH=local`` (the grid path's blocks add only their top bins) and
-    ``STREAMGR_TOPK_SMALL=1`` (requests of at most 1,024 candidates sorted whole by
+    answers: ``STREAMGR_TOPK_SMALL=1`` (requests of at most 1,024 candidates sorted whole by
     ``trie_topk_small`` instead of binned by ``trie_topk_one``), ``STREAMGR_TOPK_GSEG=1`` (the
-    grid path's last block ranks its lists' keys within their bins)."""
+    grid path's last block ranks its lists' keys within their bins), ``STREAMGR_TOPK_SEG=0``
+    (the one-block path sorts its bins' keys instead of ranking them)."""
     import os
     import subprocess
     import sys

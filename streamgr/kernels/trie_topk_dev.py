@@ -21,6 +21,7 @@ from .trie_topk_keys import LOW32, tkey
 
 NT, DIG = (32, 5) if SIMULATED else (1024, 10)  # threads of a select block; digit bits
 NB = 1 << DIG  # bins; NT threads a block (a bin each in the grid passes)
+assert NB == NT  # a bin a thread: pick_segments and the one-block histogram rely on it
 DM = int64(NB - 1)
 NW = NT // 32  # warps of a block (the scan's totals; NT under the simulator: its scan array)
 SCAN_N = NT if SIMULATED else NW

@@ -66,7 +66,7 @@ WORKLOADS = dict(cache=caches, steps=st.lists(step, min_size=1, max_size=14),
                  seed=st.integers(0, 2**31))
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**WORKLOADS)
 def test_cached_scores_equal_recompute(cache, steps, seed):
     _run(cache, steps, seed, Counter())

@@ -13,7 +13,8 @@ launches after the workspace is zeroed (torch's fill kernel):
    the keys of bins above ``D`` to ``sure`` (fewer than ``k``) and those in ``D`` to ``buf``;
    the request's last block selects: if ``sure`` and ``buf`` fit a block it sorts them all
    (the usual case: ``D`` holds tens to hundreds; with ``STREAMGR_TOPK_GSEG=1`` it ranks each
-   key within its bin instead, as ``trie_topk_one`` does), else it radix-selects the rest of
+   key within its bin instead, as ``trie_topk_one`` does, for lists up to ``SEG_CAP`` keys),
+   else it radix-selects the rest of
    the ``k`` from ``buf`` by the keys' bits below those they share (ties; exact either way),
    sorts the ``k`` and decodes them.
 
@@ -49,6 +50,10 @@ MAXK = int64(0x7FFFFFFFFFFFFFFF)
 # does: 0.0102 against 0.0147 ms sorted at step 3, session 27) instead of sorting them; not yet
 # measured on the grid path, so off by default.
 GSEG = os.environ.get("STREAMGR_TOPK_GSEG", "0") == "1"
+SEG_CAP = 2 * NT  # keys the ranking lays out (16 KiB of shared memory on the GPU)
+# keys a bin ranks one by one: the simulator's 256 bins are about an octave wide, so its small
+# tests' bins hold more keys than the GPU's 4,096 do
+GSEG_MAX = 16 if SIMULATED else SEG_MAX
 SMS_SIM = 4  # the simulator's "SMs" (blocks a wave)
 VOTE_N = 32 if SIMULATED else 1  # ballot's scratch (the simulator's only)
 
@@ -181,6 +186,7 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     srt = cuda.shared.array(NT, int64)
     hist = cuda.shared.array(NB, int32)
     cur = cuda.shared.array(GB, int32)  # the bins' segments (GSEG)
+    lst = cuda.shared.array(SEG_CAP, int64)  # the keys laid out by bin (GSEG)
     scan = cuda.shared.array(SCAN_N, int32)
     res = cuda.shared.array(4, int32)
     red = cuda.shared.array(RED_N, int64)
@@ -223,18 +229,18 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     n_sure = cnt[0]
     n_buf = cnt[1]
     total = n_sure + n_buf
-    if GSEG and total <= NT and segments(ws[r], HG, cur, GB, d, SEG_MAX, scan, res) == 0:
-        # a key a thread into its bin's segment (bins best first), then ranked in it
-        v = int64(0)
-        b = int32(0)
-        if tid < total:
-            v = sure[r, tid] if tid < n_sure else buf[r, tid - n_sure]
-            b = gbin(okey_float(v >> 31), ref)
-            srt[cuda.atomic.add(cur, b, 1)] = v
+    if GSEG and total <= SEG_CAP and segments(ws[r], HG, cur, GB, d, GSEG_MAX, scan, res) == 0:
+        # each listed key into its bin's segment (bins best first), then ranked in it: also
+        # where the lists outgrow the block (k 1,024), which otherwise takes the radix rounds
+        for i in range(tid, total, NT):
+            v = sure[r, i] if i < n_sure else buf[r, i - n_sure]
+            lst[cuda.atomic.add(cur, gbin(okey_float(v >> 31), ref), 1)] = v
         cuda.syncthreads()  # cur[b]: bin b's segment end, the next lower bin's start
-        if tid < total:
+        for i in range(tid, total, NT):
+            v = lst[i]
+            b = gbin(okey_float(v >> 31), ref)
             s = int64(cur[b + 1]) if b < GB - 1 else int64(0)
-            rank = s + seg_rank(srt, v, s, int64(cur[b]))
+            rank = s + seg_rank(lst, v, s, int64(cur[b]))
             if rank < k:
                 put(v, rank, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap,
                     top, parent, child, code)

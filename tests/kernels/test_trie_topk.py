@@ -119,10 +119,11 @@ GRID = [(2, False, 40, (4, 12), 16), (8, True, 30, (4, 10), 32), (9, False, 20, 
 
 # ... and the A/B settings (read at import: a process of their own) in one run: with
 # STREAMGR_TOPK_SMALL=1, requests of at most 32 candidates sorted whole instead; with
-# STREAMGR_TOPK_GSEG=1 the grid's last block ranks the listed keys within their bins (seeds 9
-# and 17; seed 2's lists hold a bin over SEG_MAX: sorted)
-AB_CASES = [c for c in ONE_BLOCK if c[2] * c[3][1] <= 32][:4] \
-    + [GRID[0], GRID[2], (17, False, 30, (3, 6), 8)]
+# STREAMGR_TOPK_GSEG=1 the grid's last block ranks the listed keys within their bins: lists that
+# fit the block (seed 2), lists of up to twice that (seed 22's first request; its second holds a
+# bin over GSEG_MAX: radix), tied bins (seed 8: radix)
+AB_CASES = [c for c in ONE_BLOCK if c[2] * c[3][1] <= 32][:3] \
+    + [GRID[0], GRID[1], (22, False, 30, (4, 9), 30)]
 AB = {"STREAMGR_TOPK_SMALL": "1", "STREAMGR_TOPK_GSEG": "1"}
 
 

@@ -37,6 +37,28 @@ BINS = os.environ.get("STREAMGR_TOPK_BINS", "1") == "1"  # 0: radix rounds only 
 # the kernel's instructions at step 1). On the H200 (session 27) step 3 takes 0.0102 ms ranked
 # against 0.0147 sorted; step 1 (issue-bound) the same. STREAMGR_TOPK_SEG=0: always sorted (A/B).
 SEG = os.environ.get("STREAMGR_TOPK_SEG", "1") == "1"
+# STREAMGR_TOPK_WIDE=1: for k over half the block too (gen-ref's step 3 at beams of 1,024: 3,072
+# candidates, k 1,024), the bins round, then the bins' candidates listed in kx's unused tail
+# (past the request's N okeys) and ranked there, where they fit; else the radix rounds as
+# without it. Not yet measured on the H200, so off by default.
+WIDE = os.environ.get("STREAMGR_TOPK_WIDE", "0") == "1"
+
+
+@cuda.jit(device=True, inline=True)
+def ikey(kx, i):
+    """Candidate i's key from its okey's int32 bits (without the request's minimum: the same
+    order, and the same candidate bits for ``put``)."""
+    return ((int64(kx[i]) & LOW32) << 31) | (MAXC - i)
+
+
+@cuda.jit(device=True, inline=True)
+def tail_rank(kx, at, v, s, e):
+    """How many of the candidates listed at ``kx[at + s : at + e]`` have keys above ``v``."""
+    n = int64(0)
+    for j in range(s, e):
+        if ikey(kx, int64(kx[at + j])) > v:
+            n += 1
+    return n
 
 
 @cuda.jit(device=True, inline=True)
@@ -75,8 +97,10 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
                        off, lo, hi)
     lo, hi = minmax(lo, hi, red)  # its barriers also publish kx
     tmin = lo if lo != BIG else KEY_NEG_INF
-    if BINS and 2 * k <= NT and hi > KEY_NEG_INF:  # one round of bins below the best score
-        # (block-uniform; with k over half the block its bins rarely fit, measured slower)
+    wide = 2 * k > NT
+    if BINS and (WIDE or not wide) and hi > KEY_NEG_INF:  # a round of bins below the best score
+        # (block-uniform; with k over half the block its bins rarely fit a block: measured
+        # slower without WIDE's list)
         ref = okey_float(hi)
         hist[tid] = 0
         cuda.syncthreads()
@@ -90,7 +114,25 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
         else:
             d, need, n = pick(hist, NB, k, scan, res, NT)
         total = k - need + n
-        if total <= NT and big == 0:  # each key of the bins from d up into its bin's segment
+        if wide and big == 0 and N + total <= ONE_MAX:  # the bins' candidates into kx's tail
+            for base in range(0, N, NT):
+                i = min(base + tid, N - 1)
+                b = obin(kx[i], ref)
+                if base + tid < N and b >= d:
+                    kx[N + cuda.atomic.add(hist, b, 1)] = int32(i)
+            cuda.syncthreads()  # hist[b]: bin b's segment end, the next lower bin's start
+            for j in range(tid, total, NT):  # each ranked in its bin: its answer's rank
+                i = int64(kx[N + j])
+                v = ikey(kx, i)
+                b = obin(kx[i], ref)
+                s = int64(hist[b + 1]) if b < NB - 1 else int64(0)
+                rank = s + tail_rank(kx, N, v, s, int64(hist[b]))
+                if rank < k:
+                    put(v, rank, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap,
+                        top, parent, child, code)
+            return
+        if not wide and total <= NT and big == 0:  # each key of the bins from d up into its
+            # bin's segment
             for base in range(0, N, NT):
                 i = min(base + tid, N - 1)
                 b = obin(kx[i], ref)

@@ -121,16 +121,17 @@ GRID = [(2, False, 40, (4, 12), 16), (8, True, 30, (4, 10), 32), (9, False, 20, 
 # STREAMGR_TOPK_SMALL=1, requests of at most 32 candidates sorted whole instead; with
 # STREAMGR_TOPK_GSEG=1 the grid's last block ranks the listed keys within their bins: lists that
 # fit the block (seed 2), lists of up to twice that (seed 22's first request; its second holds a
-# bin over GSEG_MAX: radix), tied bins (seed 8: radix)
+# bin over GSEG_MAX: radix), tied bins (seed 8: radix); with STREAMGR_TOPK_WIDE=1 one block's
+# k over half the block ranked in the okeys' free tail (seed 24's first request)
 AB_CASES = [c for c in ONE_BLOCK if c[2] * c[3][1] <= 32][:3] \
-    + [GRID[0], GRID[1], (22, False, 30, (4, 9), 30)]
-AB = {"STREAMGR_TOPK_SMALL": "1", "STREAMGR_TOPK_GSEG": "1"}
+    + [GRID[0], GRID[1], (22, False, 30, (4, 9), 30), (24, False, 12, (2, 3), 18)]
+AB = {"STREAMGR_TOPK_SMALL": "1", "STREAMGR_TOPK_GSEG": "1", "STREAMGR_TOPK_WIDE": "1"}
 
 
 @pytest.mark.parametrize("cases,ab", [(ONE_BLOCK, {}), (GRID, {}), (AB_CASES, AB)],
                          ids=["one_block", "grid", "ab_settings"])
 def test_numba_kernels_under_the_simulator(cases, ab):
-    """``ab``: A/B settings: the sort path, the grid path's ranking."""
+    """``ab``: A/B settings: the sort path, the grid path's ranking, the one-block wide k."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", **ab)
     p = subprocess.run([sys.executable, "-c", SIM.format(root=root, cases=cases)], env=env,

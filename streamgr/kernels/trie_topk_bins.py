@@ -33,10 +33,10 @@ from numba import cuda, float32, int32, int64
 
 from .trie_topk import SIMULATED
 from .trie_topk_dev import (BIG, DIG, FULL, JIT_NT, NB, NT, NW, RED_N, SCAN_N, SEG_MAX, append,
-                            bit_length, collect, hist_add, minmax, pick, radix, seg_rank,
+                            bit_length, collect, hist_add, minmax, pick, radix, rank_put,
                             segments, sort_desc, sort_span)
 from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, _bits, _float, cand, decode, okey,
-                             okey_float, put)
+                             okey_float)
 
 GBITS = 8 if SIMULATED else 12  # bins of bin_hist: 16 KiB of shared counters on the GPU
 GB = 1 << GBITS
@@ -238,12 +238,8 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
         cuda.syncthreads()  # cur[b]: bin b's segment end, the next lower bin's start
         for i in range(tid, total, NT):
             v = lst[i]
-            b = gbin(okey_float(v >> 31), ref)
-            s = int64(cur[b + 1]) if b < GB - 1 else int64(0)
-            rank = s + seg_rank(lst, v, s, int64(cur[b]))
-            if rank < k:
-                put(v, rank, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap,
-                    top, parent, child, code)
+            rank_put(lst, v, gbin(okey_float(v >> 31), ref), cur, GB, k, r, F, FM, B, scores,
+                     nodes, logp, lse, sh, ptr, codes, off, cap, top, parent, child, code)
         return
     if total <= NT:  # sort them all (pad with 0, below every key)
         P = sort_span(total, KP)

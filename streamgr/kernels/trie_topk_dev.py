@@ -17,7 +17,7 @@ import os
 from numba import cuda, int32, int64
 
 from .trie_topk import SIMULATED
-from .trie_topk_keys import LOW32, tkey
+from .trie_topk_keys import LOW32, put, tkey
 
 NT, DIG = (32, 5) if SIMULATED else (1024, 10)  # threads of a select block; digit bits
 NB = 1 << DIG  # bins; NT threads a block (a bin each in the grid passes)
@@ -253,6 +253,18 @@ def seg_rank(keys, v, s, e):
         if keys[j] > v:
             n += 1
     return n
+
+
+@cuda.jit(device=True, inline=True)
+def rank_put(keys, v, b, cur, nbins, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
+             off, cap, top, parent, child, code):
+    """Key ``v`` of bin ``b``, laid out in ``keys`` by bin (``cur[b]``: bin b's segment end, the
+    next lower bin's start): ranked in its bin, and answered if its rank is below ``k``."""
+    s = int64(cur[b + 1]) if b < nbins - 1 else int64(0)
+    rank = s + seg_rank(keys, v, s, int64(cur[b]))
+    if rank < k:
+        put(v, rank, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
+            parent, child, code)
 
 
 @cuda.jit(device=True, inline=True)

@@ -21,7 +21,7 @@ from numba import cuda, int32, int64
 
 from .trie_topk import SIMULATED
 from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length, collect,
-                            hist_add, minmax, pick, pick_segments, radix, SEG_MAX, seg_rank,
+                            hist_add, minmax, pick, pick_segments, radix, rank_put, SEG_MAX,
                             sort_desc, sort_span)
 from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, _bits, ckey, decode, note, note4,
                              okey_float, put, tkey)
@@ -141,12 +141,9 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
             cuda.syncthreads()  # hist[b]: bin b's segment end, the next lower bin's start
             if tid < total:  # then ranked in it: the answer's rank, no sort
                 v = srt[tid]
-                b = obin(kx[MAXC - (v & MAXC)], ref)
-                s = int64(hist[b + 1]) if b < NB - 1 else int64(0)
-                rank = s + seg_rank(srt, v, s, int64(hist[b]))
-                if rank < k:
-                    put(v, rank, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap,
-                        top, parent, child, code)
+                rank_put(srt, v, obin(kx[MAXC - (v & MAXC)], ref), hist, NB, k, r, F, FM, B,
+                         scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent, child,
+                         code)
             return
         if total <= NT:  # every key of the bins from d up fits: sort them all
             srt[tid] = 0

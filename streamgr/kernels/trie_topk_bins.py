@@ -33,8 +33,8 @@ from numba import cuda, float32, int32, int64
 
 from .trie_topk import SIMULATED
 from .trie_topk_dev import (BIG, DIG, FULL, JIT_NT, NB, NT, NW, RED_N, SCAN_N, SEG_MAX, append,
-                            bit_length, collect, hist_add, minmax, pick, radix, rank_put,
-                            segments, sort_desc, sort_span)
+                            bit_length, collect, hist_add, minmax, pick, pick_segments, radix,
+                            rank_put, sort_desc, sort_span)
 from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, _bits, _float, cand, decode, okey,
                              okey_float)
 
@@ -229,7 +229,9 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     n_sure = cnt[0]
     n_buf = cnt[1]
     total = n_sure + n_buf
-    if GSEG and total <= SEG_CAP and segments(ws[r], HG, cur, GB, d, GSEG_MAX, scan, res) == 0:
+    # (bins from D up are those with fewer than k keys above them: the pick repeats D)
+    if GSEG and total <= SEG_CAP and \
+            pick_segments(ws[r], HG, cur, GB, k, GSEG_MAX, scan, res)[3] == 0:
         # each listed key into its bin's segment (bins best first), then ranked in it: also
         # where the lists outgrow the block (k 1,024), which otherwise takes the radix rounds
         for i in range(tid, total, NT):
@@ -238,8 +240,9 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
         cuda.syncthreads()  # cur[b]: bin b's segment end, the next lower bin's start
         for i in range(tid, total, NT):
             v = lst[i]
-            rank_put(lst, v, gbin(okey_float(v >> 31), ref), cur, GB, k, r, F, FM, B, scores,
-                     nodes, logp, lse, sh, ptr, codes, off, cap, top, parent, child, code)
+            rank_put(lst, lst, -1, int64(0), v, gbin(okey_float(v >> 31), ref), cur, GB, k, r,
+                     F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
+                     child, code)
         return
     if total <= NT:  # sort them all (pad with 0, below every key)
         P = sort_span(total, KP)

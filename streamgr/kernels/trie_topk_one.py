@@ -22,9 +22,9 @@ from numba import cuda, int32, int64
 from .trie_topk import SIMULATED
 from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length, collect,
                             hist_add, minmax, pick, pick_segments, radix, rank_put, SEG_MAX,
-                            sort_desc, sort_span)
+                            slot_key, sort_desc, sort_span)
 from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, _bits, ckey, decode, note, note4,
-                             okey_float, put, tkey)
+                             okey_float, tkey)
 
 ONE_MAX = 64 if SIMULATED else 8192  # okeys in shared memory: 32 KiB
 CPT = 4  # candidates a thread computes at once
@@ -42,23 +42,6 @@ SEG = os.environ.get("STREAMGR_TOPK_SEG", "1") == "1"
 # (past the request's N okeys) and ranked there, where they fit; else the radix rounds as
 # without it. Not yet measured on the H200, so off by default.
 WIDE = os.environ.get("STREAMGR_TOPK_WIDE", "0") == "1"
-
-
-@cuda.jit(device=True, inline=True)
-def ikey(kx, i):
-    """Candidate i's key from its okey's int32 bits (without the request's minimum: the same
-    order, and the same candidate bits for ``put``)."""
-    return ((int64(kx[i]) & LOW32) << 31) | (MAXC - i)
-
-
-@cuda.jit(device=True, inline=True)
-def tail_rank(kx, at, v, s, e):
-    """How many of the candidates listed at ``kx[at + s : at + e]`` have keys above ``v``."""
-    n = int64(0)
-    for j in range(s, e):
-        if ikey(kx, int64(kx[at + j])) > v:
-            n += 1
-    return n
 
 
 @cuda.jit(device=True, inline=True)
@@ -110,40 +93,29 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
         cuda.syncthreads()
         big = int32(1)
         if SEG:  # hist becomes the bins' segment starts
-            d, need, n, big = pick_segments(hist, k, scan, res, SEG_MAX)
+            d, need, n, big = pick_segments(hist, 0, hist, NB, k, SEG_MAX, scan, res)
         else:
             d, need, n = pick(hist, NB, k, scan, res, NT)
         total = k - need + n
-        if wide and big == 0 and N + total <= ONE_MAX:  # the bins' candidates into kx's tail
+        # each key of the bins from d up into its bin's segment of a list: the keys in srt, or
+        # for k over half the block (WIDE) their candidates' indices past the N okeys in kx
+        at = N if wide else -1
+        if big == 0 and total <= (ONE_MAX - N if wide else NT):
             for base in range(0, N, NT):
                 i = min(base + tid, N - 1)
                 b = obin(kx[i], ref)
                 if base + tid < N and b >= d:
-                    kx[N + cuda.atomic.add(hist, b, 1)] = int32(i)
+                    p = cuda.atomic.add(hist, b, 1)
+                    if wide:
+                        kx[N + p] = int32(i)
+                    else:
+                        srt[p] = tkey(int64(kx[i]) & LOW32, int64(i), tmin)
             cuda.syncthreads()  # hist[b]: bin b's segment end, the next lower bin's start
-            for j in range(tid, total, NT):  # each ranked in its bin: its answer's rank
-                i = int64(kx[N + j])
-                v = ikey(kx, i)
-                b = obin(kx[i], ref)
-                s = int64(hist[b + 1]) if b < NB - 1 else int64(0)
-                rank = s + tail_rank(kx, N, v, s, int64(hist[b]))
-                if rank < k:
-                    put(v, rank, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap,
-                        top, parent, child, code)
-            return
-        if not wide and total <= NT and big == 0:  # each key of the bins from d up into its
-            # bin's segment
-            for base in range(0, N, NT):
-                i = min(base + tid, N - 1)
-                b = obin(kx[i], ref)
-                if base + tid < N and b >= d:
-                    srt[cuda.atomic.add(hist, b, 1)] = tkey(int64(kx[i]) & LOW32, int64(i), tmin)
-            cuda.syncthreads()  # hist[b]: bin b's segment end, the next lower bin's start
-            if tid < total:  # then ranked in it: the answer's rank, no sort
-                v = srt[tid]
-                rank_put(srt, v, obin(kx[MAXC - (v & MAXC)], ref), hist, NB, k, r, F, FM, B,
-                         scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent, child,
-                         code)
+            for j in range(tid, total, NT):  # each ranked in its bin: its answer's rank, no sort
+                v = slot_key(srt, kx, at, j, tmin)
+                rank_put(srt, kx, at, tmin, v, obin(kx[MAXC - (v & MAXC)], ref), hist, NB, k, r,
+                         F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
+                         parent, child, code)
             return
         if total <= NT:  # every key of the bins from d up fits: sort them all
             srt[tid] = 0

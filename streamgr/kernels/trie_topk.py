@@ -16,8 +16,7 @@ request of at most ``ONE_MAX`` candidates is one block of one launch: keys in sh
 one histogram round over bins of each score's distance below the best (8 an octave), then the
 keys of the bins from the ``k``-th up ranked within their bins (or sorted whole where a bin is
 crowded), or radix select by 10-bit digits where they hold more than a block; decode
-(``trie_topk_one``; ``STREAMGR_TOPK_SMALL=1``: one of at most 1,024 sorted whole in registers
-instead, ``trie_topk_small``). A longer one takes a memset and two grid
+(``trie_topk_one``). A longer one takes a memset and two grid
 launches: each block bins its candidates' scores below the request's best beam score (the last
 block picks the bin of the ``k``-th), then scores them again where a group of 32 reaches that
 bin and appends the keys to a list; the request's last block sorts the list (or radix-selects

@@ -12,9 +12,8 @@ launches after the workspace is zeroed (torch's fill kernel):
    bin (``gm``, recorded by ``bin_hist``) reaches ``D`` (the keys are never written) and appends
    the keys of bins above ``D`` to ``sure`` (fewer than ``k``) and those in ``D`` to ``buf``;
    the request's last block selects: if ``sure`` and ``buf`` fit a block it sorts them all
-   (the usual case: ``D`` holds tens to hundreds; with ``STREAMGR_TOPK_GSEG=1`` it ranks each
-   key within its bin instead, as ``trie_topk_one`` does, for lists up to ``SEG_CAP`` keys),
-   else it radix-selects the rest of
+   (the usual case: ``D`` holds tens to hundreds; ranking each key within its bin, as
+   ``trie_topk_one`` does, measured slower here: session 28), else it radix-selects the rest of
    the ``k`` from ``buf`` by the keys' bits below those they share (ties; exact either way),
    sorts the ``k`` and decodes them.
 
@@ -26,15 +25,14 @@ no assumption about the scores' range. ``ref`` is only where the bins are finest
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from numba import cuda, float32, int32, int64
 
 from .trie_topk import SIMULATED
-from .trie_topk_dev import (BIG, DIG, FULL, JIT_NT, NB, NT, NW, RED_N, SCAN_N, SEG_MAX, append,
-                            bit_length, collect, hist_add, minmax, pick, pick_segments, radix,
-                            rank_put, sort_desc, sort_span)
+from .trie_topk_dev import (BIG, DIG, FULL, JIT_NT, NB, NT, NW, RED_N, SCAN_N, append,
+                            bit_length, collect, hist_add, minmax, pick, radix, sort_desc,
+                            sort_span)
 from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, _bits, _float, cand, decode, okey,
                              okey_float)
 
@@ -46,14 +44,6 @@ DONE1, DONE2, NSURE, NBUF, D, NEED, ND, REF = range(8)
 HG = 8
 W_LEN = HG + GB
 MAXK = int64(0x7FFFFFFFFFFFFFFF)
-# STREAMGR_TOPK_GSEG=1: the last block ranks the listed keys within their bins (as trie_topk_one
-# does: 0.0102 against 0.0147 ms sorted at step 3, session 27) instead of sorting them; not yet
-# measured on the grid path, so off by default.
-GSEG = os.environ.get("STREAMGR_TOPK_GSEG", "0") == "1"
-SEG_CAP = 2 * NT  # keys the ranking lays out (16 KiB of shared memory on the GPU)
-# keys a bin ranks one by one: the simulator's 256 bins are about an octave wide, so its small
-# tests' bins hold more keys than the GPU's 4,096 do
-GSEG_MAX = 16 if SIMULATED else SEG_MAX
 SMS_SIM = 4  # the simulator's "SMs" (blocks a wave)
 VOTE_N = 32 if SIMULATED else 1  # ballot's scratch (the simulator's only)
 
@@ -185,8 +175,6 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     tid = cuda.threadIdx.x
     srt = cuda.shared.array(NT, int64)
     hist = cuda.shared.array(NB, int32)
-    cur = cuda.shared.array(GB, int32)  # the bins' segments (GSEG)
-    lst = cuda.shared.array(SEG_CAP, int64)  # the keys laid out by bin (GSEG)
     scan = cuda.shared.array(SCAN_N, int32)
     res = cuda.shared.array(4, int32)
     red = cuda.shared.array(RED_N, int64)
@@ -229,21 +217,6 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     n_sure = cnt[0]
     n_buf = cnt[1]
     total = n_sure + n_buf
-    # (bins from D up are those with fewer than k keys above them: the pick repeats D)
-    if GSEG and total <= SEG_CAP and \
-            pick_segments(ws[r], HG, cur, GB, k, GSEG_MAX, scan, res)[3] == 0:
-        # each listed key into its bin's segment (bins best first), then ranked in it: also
-        # where the lists outgrow the block (k 1,024), which otherwise takes the radix rounds
-        for i in range(tid, total, NT):
-            v = sure[r, i] if i < n_sure else buf[r, i - n_sure]
-            lst[cuda.atomic.add(cur, gbin(okey_float(v >> 31), ref), 1)] = v
-        cuda.syncthreads()  # cur[b]: bin b's segment end, the next lower bin's start
-        for i in range(tid, total, NT):
-            v = lst[i]
-            rank_put(lst, lst, -1, int64(0), v, gbin(okey_float(v >> 31), ref), cur, GB, k, r,
-                     F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
-                     child, code)
-        return
     if total <= NT:  # sort them all (pad with 0, below every key)
         P = sort_span(total, KP)
         for i in range(tid, P, NT):

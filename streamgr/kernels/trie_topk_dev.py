@@ -197,13 +197,13 @@ def pick(hist, nbins, want, scan, res, nt):
 
 
 @cuda.jit(device=True, inline=True)
-def pick_segments(cnt, at, cur, nbins, want, seg_max, scan, res):
-    """``pick`` over the counts ``cnt[at + b]`` (``b < nbins``) that also lays the bins out best
-    first for ranking: ``cur[b]`` = the keys in bins above ``b`` (``cur`` may be the counts'
-    own array: a thread reads its bins before it writes them). Returns (the bin of the
-    ``want``-th key, how many of its keys are still wanted, its count, 1 if a bin from it up
-    holds more than ``seg_max`` keys). Threads own ``nbins // NT`` bins each, the highest
-    first. ``res``: 4 shared int32. Every thread calls it; it ends synchronized."""
+def pick_segments(cnt, nbins, want, seg_max, scan, res):
+    """``pick`` over the counts ``cnt[b]`` (``b < nbins``, shared) that also lays the bins out
+    best first for ranking: ``cnt[b]`` becomes the keys in bins above ``b`` (a thread reads its
+    bins before it writes them). Returns (the bin of the ``want``-th key, how many of its keys
+    are still wanted, its count, 1 if a bin from it up holds more than ``seg_max`` keys).
+    Threads own ``nbins // NT`` bins each, the highest first. ``res``: 4 shared int32. Every
+    thread calls it; it ends synchronized."""
     tid = cuda.threadIdx.x
     per = nbins // NT
     hi = nbins - 1 - tid * per
@@ -211,10 +211,10 @@ def pick_segments(cnt, at, cur, nbins, want, seg_max, scan, res):
         res[3] = 0  # before the scan's barriers: every set below comes after them
     own = int32(0)
     for e in range(per):
-        own += int32(cnt[at + hi - e])
+        own += cnt[hi - e]
     above = block_scan(own, scan, NT) - own
     for e in range(per):
-        h = int32(cnt[at + hi - e])
+        h = cnt[hi - e]
         if above < want:  # the bins from the want-th key's up (ranked one by one)
             if want <= above + h:
                 res[0] = hi - e
@@ -222,47 +222,23 @@ def pick_segments(cnt, at, cur, nbins, want, seg_max, scan, res):
                 res[2] = h
             if h > seg_max:
                 res[3] = 1
-        cur[hi - e] = above
+        cnt[hi - e] = above
         above += h
     cuda.syncthreads()
     return int64(res[0]), int64(res[1]), int64(res[2]), res[3]
 
 
 @cuda.jit(device=True, inline=True)
-def slot_key(keys, kx, at, j, tmin):
-    """Slot j's key of a list laid out by bin: ``keys[j]``, or (``at >= 0``) the key of the
-    candidate whose index ``kx[at + j]`` holds (``trie_topk_one``'s list of indices past its
-    request's okeys)."""
-    if at < 0:
-        return keys[j]
-    c = int64(kx[at + j])
-    return tkey(int64(kx[c]) & LOW32, c, tmin)
-
-
-@cuda.jit(device=True, inline=True)
-def seg_rank(keys, kx, at, tmin, v, s, e):
-    """Rank of key ``v`` among the distinct keys in slots ``s .. e-1`` (``slot_key``'s list):
-    how many are above it."""
-    n = int64(0)
-    if at < 0:  # (a loop each: no test of the list's kind in the loop)
-        for j in range(s, e):
-            if keys[j] > v:
-                n += 1
-    else:
-        for j in range(s, e):
-            if slot_key(keys, kx, at, j, tmin) > v:
-                n += 1
-    return n
-
-
-@cuda.jit(device=True, inline=True)
-def rank_put(keys, kx, at, tmin, v, b, cur, nbins, k, r, F, FM, B, scores, nodes, logp, lse,
-             sh, ptr, codes, off, cap, top, parent, child, code):
-    """Key ``v`` of bin ``b``, in a list laid out by bin (``slot_key``; ``cur[b]``: bin b's
-    segment end, the next lower bin's start): ranked in its bin, and answered if its rank is
-    below ``k``."""
+def rank_put(keys, v, b, cur, nbins, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
+             off, cap, top, parent, child, code):
+    """Key ``v`` of bin ``b``, in ``keys`` laid out by bin (``cur[b]``: bin b's segment end, the
+    next lower bin's start): ranked in its bin by counting the (distinct) keys of the bin above
+    it, and answered if its rank is below ``k``."""
     s = int64(cur[b + 1]) if b < nbins - 1 else int64(0)
-    rank = s + seg_rank(keys, kx, at, tmin, v, s, int64(cur[b]))
+    rank = s
+    for j in range(s, int64(cur[b])):
+        if keys[j] > v:
+            rank += 1
     if rank < k:
         put(v, rank, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
             parent, child, code)

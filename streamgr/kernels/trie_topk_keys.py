@@ -1,5 +1,5 @@
-"""Candidates and their keys for the selection kernels (``trie_topk_one``, ``trie_topk_bins``,
-``trie_topk_small``): a candidate's score, child and code read from the trie and the
+"""Candidates and their keys for the selection kernels (``trie_topk_one``, ``trie_topk_bins``):
+a candidate's score, child and code read from the trie and the
 log-probabilities (``cand``), its order-preserving key, and its answer (``decode``).
 
 A candidate ``c`` with fp32 score ``x`` becomes one int64 *key*: ``t << 31 | (MAXC - c)``, where

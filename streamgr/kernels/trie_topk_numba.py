@@ -1,8 +1,7 @@
 """Host side of the Numba CUDA kernels of ``trie_topk`` (see its module docstring for what they
-compute): a request of at most ``SMALL_MAX`` candidates (none unless ``STREAMGR_TOPK_SMALL=1``)
-is one block that sorts them all (``trie_topk_small``), one of at most ``ONE_MAX`` one block
-that bins (or radix-selects) first (``trie_topk_one``), a longer one a memset and two grid
-launches (``trie_topk_bins``);
+compute): a request of at most ``ONE_MAX`` candidates is one block that bins (or
+radix-selects) first (``trie_topk_one``), a longer one a memset and two grid launches
+(``trie_topk_bins``);
 the keys, scans and sort they share are in ``trie_topk_keys`` and ``trie_topk_dev``.
 
 Imported only when they run: a CUDA device with numba-cuda, or ``NUMBA_ENABLE_CUDASIM=1``.
@@ -22,7 +21,6 @@ from .trie_topk import SIMULATED
 from .trie_topk_dev import NT
 from .trie_topk_keys import magic
 from .trie_topk_one import ONE_MAX, one_select
-from .trie_topk_small import SMALL_MAX, ST, small_select
 
 
 def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
@@ -45,10 +43,7 @@ def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
     outs = (a(cap.contiguous()), a(top), a(parent), a(child), a(code))
     KP = 1 << max(0, (k - 1).bit_length())
     sa, nd = a(sc), a(nodes.contiguous())
-    if N <= SMALL_MAX:
-        NP = 1 << max(0, (N - 1).bit_length())
-        launch(small_select, (R,), ST)(N, NP, k, F, magic(F), B, sa, nd, *lp, *trie, *outs)
-    elif N <= ONE_MAX:
+    if N <= ONE_MAX:
         launch(one_select, (R,), NT)(N, k, KP, F, magic(F), B, sa, nd, *lp, *trie, *outs)
     else:
         bins.run(launch, R, N, k, KP, F, magic(F), B, sa, nd, lp, trie, outs, dev, a)

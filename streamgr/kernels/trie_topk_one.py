@@ -22,7 +22,7 @@ from numba import cuda, int32, int64
 from .trie_topk import SIMULATED
 from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length, collect,
                             hist_add, minmax, pick, pick_segments, radix, rank_put, SEG_MAX,
-                            slot_key, sort_desc, sort_span)
+                            sort_desc, sort_span)
 from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, _bits, ckey, decode, note, note4,
                              okey_float, tkey)
 
@@ -37,11 +37,6 @@ BINS = os.environ.get("STREAMGR_TOPK_BINS", "1") == "1"  # 0: radix rounds only 
 # the kernel's instructions at step 1). On the H200 (session 27) step 3 takes 0.0102 ms ranked
 # against 0.0147 sorted; step 1 (issue-bound) the same. STREAMGR_TOPK_SEG=0: always sorted (A/B).
 SEG = os.environ.get("STREAMGR_TOPK_SEG", "1") == "1"
-# STREAMGR_TOPK_WIDE=1: for k over half the block too (gen-ref's step 3 at beams of 1,024: 3,072
-# candidates, k 1,024), the bins round, then the bins' candidates listed in kx's unused tail
-# (past the request's N okeys) and ranked there, where they fit; else the radix rounds as
-# without it. Not yet measured on the H200, so off by default.
-WIDE = os.environ.get("STREAMGR_TOPK_WIDE", "0") == "1"
 
 
 @cuda.jit(device=True, inline=True)
@@ -80,10 +75,10 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
                        off, lo, hi)
     lo, hi = minmax(lo, hi, red)  # its barriers also publish kx
     tmin = lo if lo != BIG else KEY_NEG_INF
-    wide = 2 * k > NT
-    if BINS and (WIDE or not wide) and hi > KEY_NEG_INF:  # a round of bins below the best score
-        # (block-uniform; with k over half the block its bins rarely fit a block: measured
-        # slower without WIDE's list)
+    # a round of bins below the best score (block-uniform; for k over half the block the bins
+    # rarely fit a block, and ranking such lists in kx's free tail measured slower on the H200:
+    # step 3 at beams of 1,024 0.0321 against 0.0292 ms, session 28)
+    if BINS and 2 * k <= NT and hi > KEY_NEG_INF:
         ref = okey_float(hi)
         hist[tid] = 0
         cuda.syncthreads()
@@ -93,29 +88,22 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
         cuda.syncthreads()
         big = int32(1)
         if SEG:  # hist becomes the bins' segment starts
-            d, need, n, big = pick_segments(hist, 0, hist, NB, k, SEG_MAX, scan, res)
+            d, need, n, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
         else:
             d, need, n = pick(hist, NB, k, scan, res, NT)
         total = k - need + n
-        # each key of the bins from d up into its bin's segment of a list: the keys in srt, or
-        # for k over half the block (WIDE) their candidates' indices past the N okeys in kx
-        at = N if wide else -1
-        if big == 0 and total <= (ONE_MAX - N if wide else NT):
+        if big == 0 and total <= NT:  # each key of the bins from d up into its bin's segment
             for base in range(0, N, NT):
                 i = min(base + tid, N - 1)
                 b = obin(kx[i], ref)
                 if base + tid < N and b >= d:
-                    p = cuda.atomic.add(hist, b, 1)
-                    if wide:
-                        kx[N + p] = int32(i)
-                    else:
-                        srt[p] = tkey(int64(kx[i]) & LOW32, int64(i), tmin)
+                    srt[cuda.atomic.add(hist, b, 1)] = tkey(int64(kx[i]) & LOW32, int64(i), tmin)
             cuda.syncthreads()  # hist[b]: bin b's segment end, the next lower bin's start
             for j in range(tid, total, NT):  # each ranked in its bin: its answer's rank, no sort
-                v = slot_key(srt, kx, at, j, tmin)
-                rank_put(srt, kx, at, tmin, v, obin(kx[MAXC - (v & MAXC)], ref), hist, NB, k, r,
-                         F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
-                         parent, child, code)
+                v = srt[j]
+                rank_put(srt, v, obin(kx[MAXC - (v & MAXC)], ref), hist, NB, k, r, F, FM, B,
+                         scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent, child,
+                         code)
             return
         if total <= NT:  # every key of the bins from d up fits: sort them all
             srt[tid] = 0

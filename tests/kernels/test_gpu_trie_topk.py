@@ -112,11 +112,9 @@ AB_CHECK = """
 import os, sys, torch
 sys.path.insert(0, {root!r})
 from tests.kernels.test_gpu_trie_topk import assert_kernels_equal_reference, level
-from streamgr.kernels import trie_topk_bins, trie_topk_one, trie_topk_small
+from streamgr.kernels import trie_topk_one
 assert trie_topk_one.SEG == (os.environ.get("STREAMGR_TOPK_SEG") != "0")
-assert trie_topk_one.WIDE == (os.environ.get("STREAMGR_TOPK_WIDE") == "1")
-assert trie_topk_bins.GSEG == (os.environ.get("STREAMGR_TOPK_GSEG") == "1")
-assert (trie_topk_small.SMALL_MAX > 0) == (os.environ.get("STREAMGR_TOPK_SMALL") == "1")
+assert trie_topk_one.BINS == (os.environ.get("STREAMGR_TOPK_BINS") != "0")
 for R, B, fan, k, ties in [(16, 256, 177, 256, False), (1, 256, 8192, 256, False),
                            (2, 1024, 40, 1024, True), (3, 512, 100, 700, False),
                            (16, 256, 3, 256, True), (3, 4, 256, 700, False), (1, 1, 1, 1, False),
@@ -129,15 +127,12 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("name,value", [("STREAMGR_TOPK_SMALL", "1"), ("STREAMGR_TOPK_GSEG", "1"),
-                                        ("STREAMGR_TOPK_SEG", "0"), ("STREAMGR_TOPK_WIDE", "1")])
+@pytest.mark.parametrize("name,value", [("STREAMGR_TOPK_SEG", "0"), ("STREAMGR_TOPK_BINS", "0")])
 def test_kernels_under_their_ab_settings(name, value):
     """The A/B settings (read at import, so each in its own process) keep the reference's
-    answers: ``STREAMGR_TOPK_SMALL=1`` (requests of at most 1,024 candidates sorted whole by
-    ``trie_topk_small`` instead of binned by ``trie_topk_one``), ``STREAMGR_TOPK_GSEG=1`` (the
-    grid path's last block ranks its lists' keys within their bins), ``STREAMGR_TOPK_SEG=0``
-    (the one-block path sorts its bins' keys instead of ranking them), ``STREAMGR_TOPK_WIDE=1``
-    (the one-block path ranks in its okeys' free tail for k over half the block)."""
+    answers: ``STREAMGR_TOPK_SEG=0`` (the one-block path sorts its bins' keys instead of
+    ranking them), ``STREAMGR_TOPK_BINS=0`` (the one-block path's radix rounds without the bins
+    round)."""
     import os
     import subprocess
     import sys

@@ -87,9 +87,9 @@ def _check(scores, nodes, logp, k, fanout):
 
 
 # The Numba kernels serve by default on CUDA (STREAMGR_SELECTION=topk: the torch step). Against
-# torch.topk alone they run at 1.28x-2.85x over gen-ref's step shapes, and the torch step also
+# torch.topk alone they run at 1.36x-2.91x over gen-ref's step shapes, and the torch step also
 # gathers each candidate's log-probability out of the bf16 logits first, which the kernels read
-# in place: the whole bf16 step 3.95x-8.73x faster (docs/benchmarks.md, session 27). Their ties
+# in place: the whole bf16 step 3.94x-9.02x faster (docs/benchmarks.md, session 28). Their ties
 # go to the lower candidate index on every device; the CPU keeps torch.topk's.
 DEFAULT_IMPL = os.environ.get("STREAMGR_SELECTION", "numba").lower()
 

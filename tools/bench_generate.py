@@ -77,7 +77,10 @@ def trie_allowed(trie):
 
 
 def hugging_face(eng, reqs, results, n):
-    """The first ``n`` requests through HF one at a time: (requests/s, mean top-k agreement)."""
+    """The first ``n`` requests through HF one at a time: (requests/s, mean top-k agreement);
+    (0.0, None) for none (no HF model is built)."""
+    if n == 0:
+        return 0.0, None
     from transformers import logging as hf_logging
     hf_logging.set_verbosity_error()
     hf, runner = hf_model(eng), eng.gen_runner
@@ -304,8 +307,10 @@ def main() -> int:
                 return [await e32.generate(r) for r in reqs[:args.fp32_agreement]]
         _, agree32 = hugging_face(e32, reqs, asyncio.run(run32()), args.fp32_agreement)
 
+    # --beam-width overrides the policy's widths at every step (the requests carry it)
+    widths = [args.beam_width] * len(pol.beam_widths) if args.beam_width else pol.beam_widths
     print(f"spec {eng.spec.name} on {eng.device}/{str(eng.dtype).replace('torch.', '')}: "
-          f"history {n_hist} items, beam widths {pol.beam_widths}, top_k {pol.top_k}, "
+          f"history {n_hist} items, beam widths {widths}, top_k {pol.top_k}, "
           f"max_batch {eng.spec.engine.max_batch}, {args.requests} requests per run; "
           f"host probe {probe_ms():.0f} ms (tools/host_probe.py: the host's Python speed, "
           f"which moved gen-ref's closed loop 4,237-4,984 req/s in session 14)")
@@ -313,7 +318,8 @@ def main() -> int:
     for r in runs:
         name = f"closed x{r['concurrency']}" if r["mode"] == "closed" else f"open {r['rate']:g}/s"
         print(f"{name:<24}{r['throughput']:>10.1f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['errors']:>8}")
-    print(f"{'hugging face (bs 1)':<24}{hf_rps:>10.1f}")
+    if agree is not None:
+        print(f"{'hugging face (bs 1)':<24}{hf_rps:>10.1f}")
     for r in runs:
         if r.get("slowest"):
             print(f"open {r['rate']:g}/s slowest (index: latency = queue + compute ms, batch): "
@@ -331,7 +337,8 @@ def main() -> int:
     print(f"garbage collection during the runs: {pauses.summary()}")
     print(f"per batch of {bsz:.1f} (stages synchronized), ms: "
           + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
-    print(f"top-k agreement with Hugging Face over {args.hf_requests} requests: {agree:.3f}")
+    print(f"top-k agreement with Hugging Face over {args.hf_requests} requests: {agree:.3f}"
+          if agree is not None else "top-k agreement with Hugging Face: skipped (--hf-requests 0)")
     if agree32 is not None:
         print(f"top-k agreement with Hugging Face, both fp32, over {args.fp32_agreement} "
               f"requests: {agree32:.3f}")
@@ -340,7 +347,7 @@ def main() -> int:
           and r["errors"] == 0]
     closed = runs[0]["throughput"]
     line = f"bench_generate {eng.spec.name}: {closed:.1f} req/s closed-loop"
-    if hf_rps > 0:  # --hf-requests 0 skips Hugging Face
+    if agree is not None:  # --hf-requests 0 skips Hugging Face
         line += (f" vs Hugging Face {hf_rps:.1f} req/s ({closed / hf_rps:.1f}x); top-k agreement "
                  f"{agree:.3f}")
     if args.rates:

@@ -169,6 +169,11 @@ class CatalogSpec(_Section, kw_only=True):
             raise ValueError("`token_offset` must leave room for pad (0) and eos (1)")
 
 
+# A step keeps at most this many beams: the selection's largest k (kernels.trie_topk.MAX_K; a
+# test holds the two equal: config imports nothing of the runtime's)
+MAX_BEAMS = 1024
+
+
 class PolicySpec(_Section, kw_only=True):
     """The selection policy overlay of a generate deployment."""
 
@@ -180,8 +185,10 @@ class PolicySpec(_Section, kw_only=True):
     max_per_prefix: int = 0  # answered items per first SID code (diversity); 0: no cap
 
     def __post_init__(self) -> None:
-        if not self.beam_widths or min(self.beam_widths) < 1:
-            raise ValueError("`beam_widths` must be positive")
+        if not self.beam_widths or min(self.beam_widths) < 1 or max(self.beam_widths) > MAX_BEAMS:
+            raise ValueError(f"`beam_widths` must be in 1..{MAX_BEAMS}")
+        if not 1 <= self.max_top_k <= MAX_BEAMS:  # the answer is the last step's beams
+            raise ValueError(f"`max_top_k` must be in 1..{MAX_BEAMS}")
         if self.top_k < 1 or self.max_context_items < 1:
             raise ValueError("`top_k` and `max_context_items` must be >= 1")
         if self.max_per_prefix < 0:

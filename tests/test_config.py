@@ -158,3 +158,14 @@ def test_spec_reference_is_complete_and_in_sync():
     assert set(MEANING) == set(keys())  # and no meaning outlives its key
     doc = Path(__file__).resolve().parents[1] / "docs" / "specs.md"
     assert doc.read_text() == render() + "\n", "docs/specs.md is stale: streamgr spec-doc > docs/specs.md"
+
+
+@pytest.mark.parametrize("key,value", [("policy.beam_widths", [16, 1025, 16]),
+                                       ("policy.beam_widths", [0, 16, 16]),
+                                       ("policy.max_top_k", 2048)])
+def test_policy_stays_within_the_selections_beams(key, value):
+    """A step keeps at most MAX_BEAMS beams (the selection kernels' largest k), and the answer
+    is the last step's beams: a wider policy is refused at load, not at its first batch."""
+    from streamgr.config import MAX_BEAMS
+    with pytest.raises(SpecError, match=rf"`{key.split('.')[1]}` must be in 1..{MAX_BEAMS}"):
+        load_spec("gen-small", {key: value})

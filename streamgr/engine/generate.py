@@ -20,13 +20,13 @@ import numpy as np
 import torch
 
 from ..api import GenerateRequest
+from ..config import MAX_BEAMS as MAX_BEAM
 from ..errors import IdOutOfRange, InvalidRequest, StreamgrError
 from ..runtime.beam import BeamRequest, BeamSearch
 from ..runtime.plans import PlanCache, bucket_rows
 from ..selection.vocabulary import ItemIndex
 from .rank import BatchOutcome, check_user_id
 
-MAX_BEAM = 4096
 MAX_EXCLUDE = 4096  # items in one request's deny list
 
 

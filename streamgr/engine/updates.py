@@ -28,6 +28,7 @@ view. Here:
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections import deque
 from pathlib import Path
@@ -41,7 +42,7 @@ from ..selection.trie_delta import trie_without
 from ..selection.vocabulary import Catalog, CatalogDelta, apply_delta, load_catalog
 from ..runtime.deployment import build_generator
 from ..streams import off_stream
-from .generate import MAX_BEAM, CatalogRefit, catalog_views, views_after_removal
+from .generate import CatalogRefit, catalog_views, views_after_removal
 
 Target = Literal["auto", "rank", "generate"]
 
@@ -69,13 +70,12 @@ def merged_policy(current, changes, depth: int):
                             f"({', '.join(PolicySpec.__struct_fields__)})")
     try:
         pol = msgspec.convert({**msgspec.structs.asdict(current), **fields}, PolicySpec)
-    except (msgspec.ValidationError, ValueError) as err:
-        raise ContractError(f"policy: {err}") from None
+    except (msgspec.ValidationError, ValueError) as err:  # name the field where it says which
+        m = re.match(r"`(\w+)` (.*)", str(err))
+        raise ContractError(f"policy.{m[1]}: {m[2]}" if m else f"policy: {err}") from None
     if len(pol.beam_widths) != depth:
         raise ContractError(f"policy.beam_widths: {len(pol.beam_widths)} steps for SIDs of "
                             f"depth {depth}")
-    if max(pol.beam_widths) > MAX_BEAM:
-        raise ContractError(f"policy.beam_widths: {max(pol.beam_widths)} beams, at most {MAX_BEAM}")
     if pol.top_k > pol.max_top_k:
         raise ContractError(f"policy.top_k: {pol.top_k} over max_top_k {pol.max_top_k}")
     return pol

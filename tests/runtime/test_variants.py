@@ -63,6 +63,29 @@ async def test_variants_through_the_engine():
         assert (await eng.generate(GenerateRequest(user_id=1, history=hist, top_k=5))).items
 
 
+async def test_beams_past_the_selection_limit_are_refused_not_failed_in_a_batch():
+    """A step keeps at most ``MAX_BEAMS`` beams (the selection kernels' largest k): a wider
+    ``beam_width`` / ``beam_widths`` is a typed ``InvalidRequest`` at admission, and the requests
+    batched beside it are answered (it used to fail its whole batch inside the selection)."""
+    import asyncio
+    from streamgr.config import MAX_BEAMS
+    from streamgr.kernels.trie_topk import MAX_K
+    assert MAX_BEAMS == MAX_K
+    async with Engine.from_spec("gen-small", GEN) as eng:
+        hist = np.random.default_rng(0).choice(eng.gen_runner.catalog_items, 10).tolist()
+        good = GenerateRequest(user_id=1, history=hist, top_k=5)
+        for bad in ({"beam_width": MAX_BEAMS + 1}, {"beam_widths": [8, MAX_BEAMS + 1, 8]}):
+            got = await asyncio.gather(
+                eng.generate(good),
+                eng.generate(GenerateRequest(user_id=2, history=hist, top_k=5, **bad)),
+                eng.generate(good), return_exceptions=True)
+            assert isinstance(got[1], InvalidRequest) and str(MAX_BEAMS) in str(got[1]), got[1]
+            assert got[0].items and got[2].items == got[0].items
+        wide = await eng.generate(GenerateRequest(user_id=1, history=hist, top_k=5,
+                                                  beam_width=MAX_BEAMS))
+        assert len(wide.items) == 5
+
+
 async def test_policy_diversity_default_and_request_override():
     async with Engine.from_spec("gen-small", {**GEN, "policy.max_per_prefix": 1}) as eng:
         hist = eng.gen_runner.catalog_items[:6].tolist()

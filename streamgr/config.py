@@ -189,8 +189,10 @@ class PolicySpec(_Section, kw_only=True):
             raise ValueError(f"`beam_widths` must be in 1..{MAX_BEAMS}")
         if not 1 <= self.max_top_k <= MAX_BEAMS:  # the answer is the last step's beams
             raise ValueError(f"`max_top_k` must be in 1..{MAX_BEAMS}")
-        if self.top_k < 1 or self.max_context_items < 1:
-            raise ValueError("`top_k` and `max_context_items` must be >= 1")
+        if not 1 <= self.top_k <= self.max_top_k:
+            raise ValueError(f"`top_k` must be in 1..max_top_k ({self.max_top_k})")
+        if self.max_context_items < 1:
+            raise ValueError("`max_context_items` must be >= 1")
         if self.max_per_prefix < 0:
             raise ValueError("`max_per_prefix` must be >= 0 (0: no cap)")
 

@@ -162,10 +162,10 @@ def test_spec_reference_is_complete_and_in_sync():
 
 @pytest.mark.parametrize("key,value", [("policy.beam_widths", [16, 1025, 16]),
                                        ("policy.beam_widths", [0, 16, 16]),
-                                       ("policy.max_top_k", 2048)])
+                                       ("policy.max_top_k", 2048), ("policy.top_k", 1025)])
 def test_policy_stays_within_the_selections_beams(key, value):
     """A step keeps at most MAX_BEAMS beams (the selection kernels' largest k), and the answer
     is the last step's beams: a wider policy is refused at load, not at its first batch."""
     from streamgr.config import MAX_BEAMS
-    with pytest.raises(SpecError, match=rf"`{key.split('.')[1]}` must be in 1..{MAX_BEAMS}"):
+    with pytest.raises(SpecError, match=rf"`{key.split('.')[1]}` must be in 1\.\.(max_top_k \()?{MAX_BEAMS}"):
         load_spec("gen-small", {key: value})

@@ -76,8 +76,6 @@ def merged_policy(current, changes, depth: int):
     if len(pol.beam_widths) != depth:
         raise ContractError(f"policy.beam_widths: {len(pol.beam_widths)} steps for SIDs of "
                             f"depth {depth}")
-    if pol.top_k > pol.max_top_k:
-        raise ContractError(f"policy.top_k: {pol.top_k} over max_top_k {pol.max_top_k}")
     return pol
 
 

@@ -24,7 +24,8 @@ def _add_spec(p: argparse.ArgumentParser, required: bool = True, default: str | 
 
 
 def cmd_init_model(args) -> int:
-    from .config import load_spec, spec_to_toml
+    from .config import load_spec
+    from .spec_doc import spec_to_toml
     from .models import HSTU, hstu_config_from_spec
     from .models.checkpoint import save_checkpoint
     spec = load_spec(args.spec, parse_set_pairs(args.overrides))
@@ -49,7 +50,7 @@ def _init_generator(spec, args) -> int:
     import msgspec
     from safetensors.torch import save_file
 
-    from .config import spec_to_toml
+    from .spec_doc import spec_to_toml
     from .runtime.deployment import build_catalog, t5_config_from_spec
     from .models.t5 import T5
     from .selection.vocabulary import save_catalog

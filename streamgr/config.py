@@ -380,29 +380,3 @@ def load_spec(path_or_spec: str | Path | Spec | Mapping[str, Any],
         source = f"{source} (with --set {', '.join(f'{k}={v}' for k, v in overrides.items())})"
     spec = decode_spec(apply_overrides(raw, overrides), source, overrides)
     return spec
-
-
-def spec_to_toml(spec: Spec) -> str:
-    """Render a spec back to TOML (used by ``streamgr init-model`` to write a spec beside a model)."""
-    lines: list[str] = [f'name = "{spec.name}"']
-    for section, obj in msgspec.to_builtins(spec).items():
-        if not isinstance(obj, dict):
-            continue
-        lines.append(f"\n[{section}]")
-        for k, v in obj.items():
-            if v is None:
-                continue
-            lines.append(f"{k} = {_toml_value(v)}")
-    return "\n".join(lines) + "\n"
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {type(v).__name__} as TOML")

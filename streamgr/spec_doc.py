@@ -1,8 +1,11 @@
-"""``docs/specs.md``: every spec key with its type, default and meaning, generated from the spec
-structs of ``streamgr.config`` (``streamgr spec-doc`` prints it; a test keeps the file in
-sync and fails on a key without a meaning here)."""
+"""Specs rendered: ``docs/specs.md``, every spec key with its type, default and meaning,
+generated from the spec structs of ``streamgr.config`` (``streamgr spec-doc`` prints it; a
+test keeps the file in sync and fails on a key without a meaning here), and a spec back to
+TOML (``spec_to_toml``: ``streamgr init-model`` writes one beside a model)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 
@@ -137,3 +140,29 @@ def render() -> str:
             lines.append(f"| `{key}` | `{_type(f.type)}` | {_default(f)} | {MEANING[key]} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def spec_to_toml(spec: Spec) -> str:
+    """Render a spec back to TOML (used by ``streamgr init-model`` to write a spec beside a model)."""
+    lines: list[str] = [f'name = "{spec.name}"']
+    for section, obj in msgspec.to_builtins(spec).items():
+        if not isinstance(obj, dict):
+            continue
+        lines.append(f"\n[{section}]")
+        for k, v in obj.items():
+            if v is None:
+                continue
+            lines.append(f"{k} = {_toml_value(v)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} as TOML")

@@ -206,15 +206,19 @@ class AsyncClient:
         return api.RankResult(scores=reply.scores, stats=msgspec.convert(reply.stats, api.RankStats))
 
     async def rank_many(self, requests: list[api.RankRequest], deadline_ms: float | None = None,
-                        timeout: float | None = None) -> list[api.RankResult]:
+                        timeout: float | None = None,
+                        return_exceptions: bool = False) -> list[api.RankResult | Exception]:
         """All in flight at once on this connection (they can batch on the server); results
-        in order; the first error raises."""
-        return list(await asyncio.gather(*(self.rank(r, deadline_ms, timeout) for r in requests)))
+        in order; the first error raises, or with ``return_exceptions`` each failed
+        request's error stands in its place."""
+        return list(await asyncio.gather(*(self.rank(r, deadline_ms, timeout) for r in requests),
+                                         return_exceptions=return_exceptions))
 
     async def generate_many(self, requests: list, deadline_ms: float | None = None,
-                            timeout: float | None = None) -> list:
+                            timeout: float | None = None, return_exceptions: bool = False) -> list:
+        """``rank_many`` for generate."""
         return list(await asyncio.gather(*(self.generate(r, deadline_ms, timeout)
-                                           for r in requests)))
+                                           for r in requests), return_exceptions=return_exceptions))
 
     async def generate(self, request, deadline_ms: float | None = None,
                        timeout: float | None = None):
@@ -292,12 +296,15 @@ class Client:
     def generate(self, request, deadline_ms: float | None = None, timeout: float | None = None):
         return self._call(self._client.generate(request, deadline_ms, timeout))
 
-    def rank_many(self, requests, deadline_ms: float | None = None, timeout: float | None = None):
-        return self._call(self._client.rank_many(requests, deadline_ms, timeout))
+    def rank_many(self, requests, deadline_ms: float | None = None, timeout: float | None = None,
+                  return_exceptions: bool = False):
+        return self._call(self._client.rank_many(requests, deadline_ms, timeout,
+                                                 return_exceptions))
 
     def generate_many(self, requests, deadline_ms: float | None = None,
-                      timeout: float | None = None):
-        return self._call(self._client.generate_many(requests, deadline_ms, timeout))
+                      timeout: float | None = None, return_exceptions: bool = False):
+        return self._call(self._client.generate_many(requests, deadline_ms, timeout,
+                                                     return_exceptions))
 
     def health(self) -> m.HealthReply:
         return self._call(self._client.health())

@@ -1,5 +1,7 @@
 """A blocking wrapper of ``Engine`` for scripts and notebooks: the engine runs on its own event
-loop in a background thread; calls block the caller until the reply arrives."""
+loop in a background thread; calls block the caller until the reply arrives. The list calls
+keep at most ``engine.max_queue`` of their requests in flight, so a list of any length is
+served rather than refused with ``Overloaded``."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any, Mapping
 
 from ..api import GenerateRequest, GenerateResult, RankRequest, RankResult
 from ..config import Spec
+from ..errors import EngineClosed
 from .core import Engine
 
 
@@ -28,25 +31,39 @@ class BlockingEngine:
         self._call(self.engine.start())
 
     def _call(self, coro, timeout: float | None = None):
+        """``coro`` run on the engine's loop; once closed, dropped unstarted (no warning)."""
+        if self._loop.is_closed():
+            coro.close()
+            raise EngineClosed("engine closed (BlockingEngine.close)")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _many(self, fn, requests: list, return_exceptions: bool) -> list:
+        # at most max_queue of this list in flight (they still batch together), so a list
+        # longer than the queue is served; results in order
+        gate = asyncio.Semaphore(self.engine.spec.engine.max_queue)
+
+        async def one(r):
+            async with gate:
+                return await fn(r)
+        return list(await asyncio.gather(*(one(r) for r in requests),
+                                         return_exceptions=return_exceptions))
 
     def rank(self, request: RankRequest, timeout: float | None = None) -> RankResult:
         return self._call(self.engine.rank(request), timeout)
 
-    def rank_many(self, requests: list[RankRequest]) -> list[RankResult]:
-        """Submit all at once so they batch together; results in order."""
-        async def go():
-            return await asyncio.gather(*(self.engine.rank(r) for r in requests))
-        return self._call(go())
+    def rank_many(self, requests: list[RankRequest],
+                  return_exceptions: bool = False) -> list[RankResult | Exception]:
+        """Submitted together so they batch; results in order. The first error raises, or
+        with ``return_exceptions`` each failed request's error stands in its place."""
+        return self._call(self._many(self.engine.rank, requests, return_exceptions))
 
     def generate(self, request: GenerateRequest, timeout: float | None = None) -> GenerateResult:
         return self._call(self.engine.generate(request), timeout)
 
-    def generate_many(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
-        """Submit all at once so they batch together; results in order."""
-        async def go():
-            return await asyncio.gather(*(self.engine.generate(r) for r in requests))
-        return self._call(go())
+    def generate_many(self, requests: list[GenerateRequest],
+                      return_exceptions: bool = False) -> list[GenerateResult | Exception]:
+        """``rank_many`` for generate."""
+        return self._call(self._many(self.engine.generate, requests, return_exceptions))
 
     def stats(self) -> dict:
         return self.engine.stats()

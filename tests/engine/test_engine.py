@@ -122,6 +122,33 @@ def test_blocking_engine():
     assert len(many) == 6
 
 
+def test_blocking_engine_lists_past_the_queue_errors_in_place_and_after_close():
+    """``rank_many`` keeps at most ``engine.max_queue`` of its list in flight (a list longer
+    than the queue is served, not refused with ``Overloaded``); ``return_exceptions=True``
+    answers a bad request's typed error in its place and the others' results (by default the
+    first error raises); a closed engine raises ``EngineClosed``, not the loop's RuntimeError."""
+    rng = np.random.default_rng(5)
+    reqs = [req(rng, u, 10) for u in range(20)]
+    bad = RankRequest(user_id=99, items=[5000], actions=[1], candidates=[8])
+    eng = BlockingEngine("rank-small", small_overrides(**{"engine.max_queue": 4}))
+    try:
+        many = eng.rank_many(reqs)
+        assert len(many) == 20 and all(len(r.scores) == 5 for r in many)
+        mixed = eng.rank_many([reqs[0], bad, reqs[1]], return_exceptions=True)
+        assert isinstance(mixed[1], E.IdOutOfRange)
+        np.testing.assert_allclose(mixed[0].scores, many[0].scores, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(mixed[2].scores, many[1].scores, rtol=1e-5, atol=1e-6)
+        with pytest.raises(E.IdOutOfRange):
+            eng.rank_many([reqs[0], bad])
+    finally:
+        eng.close()
+    eng.close()  # twice: a no-op
+    with pytest.raises(E.EngineClosed):
+        eng.rank(reqs[0])
+    with pytest.raises(E.EngineClosed):
+        eng.rank_many(reqs[:2])
+
+
 async def test_a_failing_batch_fails_its_requests_and_the_engine_serves_on():
     rng = np.random.default_rng(9)
     async with Engine.from_spec("rank-small", small_overrides()) as eng:

@@ -94,6 +94,13 @@ def test_blocking_client_and_unix_socket():
         with Client(f"unix:{path}") as c:
             r = c.rank(RankRequest(user_id=1, items=[1, 2], actions=[0, 1], candidates=[3, 4]))
             assert len(r.scores) == 2 and c.stats()["server"]["connections"] == 1
+            bad = RankRequest(user_id=2, items=[10**6], actions=[0], candidates=[1])
+            got = c.rank_many([bad, RankRequest(user_id=1, items=[1, 2], actions=[0, 1],
+                                                candidates=[3, 4])], return_exceptions=True)
+            assert isinstance(got[0], E.IdOutOfRange)  # (a cache hit now: fp32 rounding apart)
+            np.testing.assert_allclose(got[1].scores, r.scores, rtol=1e-5, atol=1e-6)
+            with pytest.raises(E.IdOutOfRange):
+                c.rank_many([bad])
 
 
 @pytest.mark.parametrize("loop", LOOPS)

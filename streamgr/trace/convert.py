@@ -167,6 +167,9 @@ def _write(events: Iterable[Event], users: _Ids, items: _Ids, out: Path, source:
 
 def _convert(out: str | Path, source: str, num_actions: int, candidates: int, seed: int,
              gap_s: float, rows: Callable[[_ExternalSort, _Ids, _Ids], None]) -> Header:
+    if candidates < 0:  # before reading the log
+        raise ConvertError(f"--candidates must be >= 0 (0: the replay samples them), got "
+                           f"{candidates}")
     out = Path(out)
     with tempfile.TemporaryDirectory(prefix="streamgr-convert-") as tmpdir:
         tmp = Path(tmpdir)

@@ -11,6 +11,7 @@ and one ``request`` line per request (latency, stages, tier, tokens).
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -197,12 +198,24 @@ def summarize(mode: str, records: list[dict], wall: float, errors: list[dict],
             "held_ratio": held / hist if hist else 0.0, "stages_ms": stages, **extra}
 
 
+def _check_load(batch, rate, concurrency, limit, candidates) -> None:
+    """The load options, before any request (0 would read as "unset" where they are tested
+    for truth)."""
+    if rate is not None and not (math.isfinite(rate) and rate > 0):
+        raise ReplayError(f"--rate must be a finite number > 0 (requests/s), got {rate}")
+    for flag, value in (("--concurrency", concurrency), ("--batch", batch), ("--limit", limit),
+                        ("--candidates", candidates)):
+        if value is not None and value < 1:
+            raise ReplayError(f"{flag} must be at least 1, got {value}")
+
+
 def replay_trace(trace, out, spec=None, overrides=None, server: str | None = None,
                  batch: int | None = None, rate: float | None = None, concurrency: int = 8,
                  compare_modes: bool = False, limit: int | None = None, fold_ids: bool = False,
                  candidates: int = 32, progress: bool = True, token: str | None = None) -> list[dict]:
     from ..config import load_spec
     from ..engine import Engine
+    _check_load(batch, rate, concurrency, limit, candidates)
     if server is not None:
         ignored = [f for f, on in (("--batch", batch), ("--compare-modes", compare_modes),
                                    ("--fold-ids", fold_ids), ("--set", overrides)) if on]

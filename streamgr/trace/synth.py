@@ -154,6 +154,8 @@ def write_synth(profile: str, out, users: int | None = None, seed: int = 0, top_
     from ..progress import Progress
     from .format import GenerateEvent, Header, RankEvent, TraceWriter
     p = PROFILES[profile]
+    if users is not None and users < 1:  # (0 read as "the profile's count")
+        raise ValueError(f"--users must be at least 1, got {users}")
     with Progress(users or p.users, f"synth {profile} users", enabled=progress) as bar:
         trace = synth_trace(p, seed, users, bar)
     kind = "generate" if profile == "gen" else "rank"

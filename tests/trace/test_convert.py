@@ -81,6 +81,14 @@ def test_movielens_bad_row(tmp_path):
         convert_movielens(p, tmp_path / "m.trace", progress=False)
 
 
+def test_negative_candidates_are_refused_before_the_log_is_read(tmp_path):
+    src = tmp_path / "u.data"
+    src.write_text("1\t2\t5\t100\n")
+    with pytest.raises(ConvertError, match="--candidates must be >= 0"):
+        convert_movielens(src, tmp_path / "m.trace", candidates=-1)
+    assert not (tmp_path / "m.trace").exists()
+
+
 def test_sequences(tmp_path):
     p = tmp_path / "Beauty.txt"
     p.write_text("1 10 11 12\n2 11 13\n")

@@ -70,6 +70,21 @@ def test_server_replay_refuses_engine_options(tiny_trace, tmp_path, option):
                      **option)
 
 
+@pytest.mark.parametrize("option,flag", [({"rate": 0.0}, "--rate"), ({"rate": -5.0}, "--rate"),
+                                         ({"rate": float("nan")}, "--rate"),
+                                         ({"concurrency": 0}, "--concurrency"),
+                                         ({"batch": 0}, "--batch"), ({"limit": 0}, "--limit"),
+                                         ({"candidates": 0}, "--candidates")])
+def test_replay_refuses_empty_or_negative_load_options(tiny_trace, tmp_path, option, flag):
+    """Each was taken as "unset" (0 is falsy), replayed nothing, failed every request, or
+    reached numpy's "scale < 0": now an error that names the flag, before any request."""
+    out = tmp_path / "x.jsonl"
+    with pytest.raises(ReplayError, match=rf"{flag} must be"):
+        replay_trace(tiny_trace, out, spec="rank-small", overrides=small_overrides(),
+                     progress=False, **option)
+    assert not out.exists()
+
+
 def test_report_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
     with pytest.raises(StreamgrError, match=r"streamgr\[trace\]"):

@@ -38,6 +38,13 @@ def test_synth_kuairand_profile_statistics():
     assert all(np.all(np.diff(t) >= 0) for t in per_user_times.values())
 
 
+@pytest.mark.parametrize("users", [0, -3])
+def test_synth_refuses_fewer_than_one_user(tmp_path, users):
+    with pytest.raises(ValueError, match="--users must be at least 1"):
+        write_synth("tiny", tmp_path / "t.trace", users=users)
+    assert not (tmp_path / "t.trace").exists()
+
+
 def test_synth_gen_profile(tmp_path):
     h = write_synth("gen", tmp_path / "g.trace", users=20, seed=1)
     assert read_header(tmp_path / "g.trace").kind == "generate" and h.records > 20

@@ -121,8 +121,9 @@ def cmd_ray_config(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from .server.main import main_serve
+    from .server.main import main_serve, serve_limits
     ov = parse_set_pairs(args.overrides)
+    serve_limits(args)  # before Ray starts
     engine = None
     if args.ray:  # a Ray Serve application of engine replicas behind the socket
         from .deploy.ray_serve import RayEngine, connect

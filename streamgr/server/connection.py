@@ -36,6 +36,17 @@ class ServerLimits:
     # of idle sockets cannot starve clients that greet at once.
     max_ungreeted: int = 64
 
+    def __post_init__(self) -> None:  # (limits of 0 would serve nothing, or close everything)
+        for name in ("max_connections", "max_frame", "max_inflight", "max_conn_inflight",
+                     "max_ungreeted"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be at least 1, "
+                                 f"got {getattr(self, name)}")
+        for name in ("idle_timeout", "read_timeout", "hello_timeout"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be a number of "
+                                 f"seconds > 0, got {getattr(self, name)}")
+
 
 class Connection(asyncio.Protocol):
     """One client connection: frames parsed straight from ``data_received`` (no stream reader,

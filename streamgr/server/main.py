@@ -147,14 +147,30 @@ def run(coro, loop: str = "auto") -> int:
     return asyncio.run(coro)
 
 
-def main_serve(args, overrides, engine=None) -> int:
+def serve_limits(args) -> ServerLimits:
+    """``streamgr serve``'s options checked (before an engine or Ray starts) and its limits."""
     if not (args.host or "").strip():
         raise StreamgrError("--host must be an address (127.0.0.1, 0.0.0.0, ::); an empty one "
                             "would open no protocol listener")
-    limits = ServerLimits(max_connections=args.max_connections, max_frame=args.max_frame,
-                          max_inflight=args.max_inflight,
-                          max_conn_inflight=args.max_conn_inflight, idle_timeout=args.idle_timeout,
-                          read_timeout=args.read_timeout)
+    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if port is not None and not 0 <= port <= 65535:
+            raise StreamgrError(f"{flag} must be in 0..65535 (0: a free one), got {port}")
+    if getattr(args, "ray", False) and args.replicas < 1:
+        raise StreamgrError(f"--replicas must be at least 1, got {args.replicas}")
+    if not 0 <= args.drain_timeout < float("inf"):
+        raise StreamgrError(f"--drain-timeout must be a number of seconds >= 0, got "
+                            f"{args.drain_timeout}")
+    try:
+        return ServerLimits(max_connections=args.max_connections, max_frame=args.max_frame,
+                            max_inflight=args.max_inflight,
+                            max_conn_inflight=args.max_conn_inflight,
+                            idle_timeout=args.idle_timeout, read_timeout=args.read_timeout)
+    except ValueError as err:
+        raise StreamgrError(str(err)) from None
+
+
+def main_serve(args, overrides, engine=None) -> int:
+    limits = serve_limits(args)
     return run(serve(args.spec, overrides, args.host, args.port, args.unix,
                      read_token(args.token_file), args.metrics_port, limits, args.drain_timeout,
                      args.access_log, read_token(getattr(args, "admin_token_file", None)),

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -210,6 +213,35 @@ def test_metrics_port_caps_connections(monkeypatch):
 def test_empty_host_is_refused():
     from streamgr.cli import main
     assert main(["serve", "rank-small", "--host", "", "--set", "engine.device=cpu"]) == 2
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--port", "-1"], "--port must be in 0..65535"), (["--port", "70000"], "--port must be"),
+    (["--metrics-port", "-5"], "--metrics-port must be"),
+    (["--max-connections", "0"], "--max-connections) must be at least 1"),
+    (["--max-inflight", "0"], "--max-inflight) must be"),
+    (["--max-conn-inflight", "0"], "--max-conn-inflight) must be"),
+    (["--max-frame", "0"], "--max-frame) must be"),
+    (["--idle-timeout", "0"], "--idle-timeout) must be"),
+    (["--read-timeout", "-1"], "--read-timeout) must be"),
+    (["--read-timeout", "inf"], "--read-timeout) must be"),
+    (["--drain-timeout", "-1"], "--drain-timeout must be"),
+    (["--ray", "--replicas", "0"], "--replicas must be at least 1")])
+def test_serve_options_that_would_serve_nothing_are_refused(flags, says):
+    """Each of these started a server that refused every client (limits of 0), closed every
+    connection at once, or failed later with a resolver's or Ray's message."""
+    from streamgr.cli import build_parser
+    from streamgr.server.main import serve_limits
+    args = build_parser().parse_args(["serve", "rank-small", *flags])
+    with pytest.raises(StreamgrError, match=re.escape(says)):
+        serve_limits(args)
+
+
+def test_serve_checks_its_options_before_starting():
+    p = subprocess.run([sys.executable, "-m", "streamgr", "serve", "rank-small", "--set",
+                        "engine.device=cpu", "--max-frame", "0"], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2 and "--max-frame) must be at least 1" in p.stderr, p.stderr
 
 
 def test_hello_flood_then_abandoned_sockets_are_counted(srv):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from streamgr.config import load_spec
 
 
@@ -61,3 +63,14 @@ def test_demo_on_a_spec_too_large_for_the_machine_names_the_keys():
             "--set", "cache.host_chunks=100000000", timeout=60)
     assert p.returncode == 2 and "cache.host_chunks" in p.stderr and "GiB" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("kw,says", [({"replicas": 0}, "--replicas must be at least 1"),
+                                     ({"gpus": -1.0}, "--gpus must be")])
+def test_ray_config_refuses_what_the_cluster_would(kw, says):
+    """``streamgr ray-config --replicas 0`` printed a config Ray refuses only at deploy."""
+    pytest.importorskip("ray")  # the optional extra streamgr[ray]
+    from streamgr.deploy.ray_serve import serve_config
+    from streamgr.errors import StreamgrError
+    with pytest.raises(StreamgrError, match=says):
+        serve_config("rank-small", **kw)

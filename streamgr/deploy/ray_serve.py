@@ -273,6 +273,10 @@ def build_app(args: dict):
 def serve_config(spec: str, overrides: dict | None = None, replicas: int = 2,
                  router: str = "affinity", gpus: float | None = None) -> dict:
     """A Serve config (``serve run`` / ``serve deploy``, or a RayService's serveConfigV2)."""
+    if replicas < 1:  # else a config the cluster refuses at deploy
+        raise StreamgrError(f"--replicas must be at least 1, got {replicas}")
+    if gpus is not None and not 0 <= gpus < float("inf"):
+        raise StreamgrError(f"--gpus must be a number >= 0 (a replica's share), got {gpus}")
     args: dict[str, Any] = {"spec": spec, "overrides": dict(overrides or {}),
                             "replicas": replicas, "router": router}
     if gpus is not None:

@@ -39,6 +39,26 @@ def test_init_model_then_serve_from_checkpoint(tmp_path):
     assert p.returncode == 0, p.stderr
 
 
+async def test_a_rank_engine_names_a_wrong_checkpoint(tmp_path):
+    """A live update pointed at the checkpoint's config.json, or at a generate (T5)
+    checkpoint, says so (they read "no config.json" and "unknown field `model_type`"), and
+    the engine serves on with its weights."""
+    from streamgr import Engine, RankRequest
+    from streamgr.errors import CheckpointError
+    from streamgr.models.checkpoint import read_config
+    p = run("init-model", "--spec", "gen-small", "--out", str(tmp_path / "g"))
+    assert p.returncode == 0, p.stderr
+    with pytest.raises(CheckpointError, match="a file; give the checkpoint's directory"):
+        read_config(tmp_path / "g" / "config.json")
+    req = RankRequest(user_id=1, items=[5, 17], actions=[1, 0], candidates=[8, 9])
+    async with Engine.from_spec("rank-small", {"engine.device": "cpu"}) as eng:
+        before = (await eng.rank(req)).scores
+        with pytest.raises(CheckpointError, match="a 't5' checkpoint .*not an HSTU"):
+            await eng.update(weights=str(tmp_path / "g"))
+        after = (await eng.rank(req)).scores  # (a cache hit: fp32 rounding apart)
+        assert all(abs(x - y) <= 1e-5 * (1 + abs(y)) for x, y in zip(after, before))
+
+
 def test_bad_set_is_a_clean_error():
     p = run("demo", "--set", "engine.max_batch=zero")
     assert p.returncode == 2

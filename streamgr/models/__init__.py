@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelSpec
-from ..errors import SpecError
+from ..errors import CheckpointError, SpecError
 from .checkpoint import HostStaging, decode_config, load_weights, read_config, uninitialized
 from .hstu import HSTU, HSTUConfig, JaggedBatch
 
@@ -32,6 +32,9 @@ def build_ranker(spec: ModelSpec, device: torch.device, dtype: torch.dtype,
     """
     if spec.checkpoint is not None:
         raw = read_config(spec.checkpoint)
+        if "model_type" in raw:  # a Hugging Face config: a generate (T5) checkpoint
+            raise CheckpointError(f"{spec.checkpoint}: a {raw['model_type']!r} checkpoint "
+                                  f"(model_type), not an HSTU ranker's")
         cfg = decode_config(raw, HSTUConfig, f"{spec.checkpoint}/config.json")
         if cfg.family != "hstu":
             raise SpecError(f"model.checkpoint: family `{cfg.family}`, spec says `hstu`")

@@ -24,6 +24,9 @@ WEIGHTS_FILE = "model.safetensors"
 
 def read_config(directory: str | Path) -> dict:
     path = Path(directory) / CONFIG_FILE
+    if Path(directory).is_file():
+        raise CheckpointError(f"{directory}: a file; give the checkpoint's directory (its "
+                              f"{CONFIG_FILE} and {WEIGHTS_FILE})")
     if not path.is_file():
         raise CheckpointError(f"{directory}: no {CONFIG_FILE}")
     try:

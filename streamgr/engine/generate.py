@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..api import GenerateRequest
-from ..config import MAX_BEAMS as MAX_BEAM
+from ..config import MAX_BEAMS
 from ..errors import IdOutOfRange, InvalidRequest, StreamgrError
 from ..runtime.beam import BeamRequest, BeamSearch
 from ..runtime.plans import PlanCache, bucket_rows
@@ -101,8 +101,8 @@ class GenerateVersion:
         if not _int_in(req.top_k, 1, pol.max_top_k):
             raise InvalidRequest(f"`top_k` must be an int in 1..{pol.max_top_k}")
         bw = req.beam_width
-        if bw is not None and not _int_in(bw, 1, MAX_BEAM):
-            raise InvalidRequest(f"`beam_width` must be an int in 1..{MAX_BEAM}")
+        if bw is not None and not _int_in(bw, 1, MAX_BEAMS):
+            raise InvalidRequest(f"`beam_width` must be an int in 1..{MAX_BEAMS}")
         widths = self._widths(req, bw)
         exclude = _ids(req.exclude_items, "exclude_items")
         # the last step keeps the beams the answer needs (top_k, and a deny list's more): never
@@ -110,7 +110,7 @@ class GenerateVersion:
         # power of two, so batches share plan shapes (the answer's first beams are the same)
         need = req.top_k + (0 if exclude is None else len(exclude))
         if need > widths[-1]:
-            widths[-1] = min(MAX_BEAM, 1 << (need - 1).bit_length())
+            widths[-1] = min(MAX_BEAMS, 1 << (need - 1).bit_length())
         mpp = req.max_per_prefix if req.max_per_prefix is not None else pol.max_per_prefix
         if not _int_in(mpp, 0, 2**31 - 1):
             raise InvalidRequest("`max_per_prefix` must be an int >= 0 (0: no cap)")
@@ -138,8 +138,8 @@ class GenerateVersion:
             raise InvalidRequest("give `beam_width` or `beam_widths`, not both")
         ws = req.beam_widths
         if not isinstance(ws, list) or len(ws) != depth or \
-                not all(_int_in(w, 1, MAX_BEAM) for w in ws):
-            raise InvalidRequest(f"`beam_widths` must be {depth} ints in 1..{MAX_BEAM} "
+                not all(_int_in(w, 1, MAX_BEAMS) for w in ws):
+            raise InvalidRequest(f"`beam_widths` must be {depth} ints in 1..{MAX_BEAMS} "
                                  f"(one per SID level)")
         return list(ws)
 

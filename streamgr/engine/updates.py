@@ -70,9 +70,15 @@ def merged_policy(current, changes, depth: int):
                             f"({', '.join(PolicySpec.__struct_fields__)})")
     try:
         pol = msgspec.convert({**msgspec.structs.asdict(current), **fields}, PolicySpec)
-    except (msgspec.ValidationError, ValueError) as err:  # name the field where it says which
-        m = re.match(r"`(\w+)` (.*)", str(err))
-        raise ContractError(f"policy.{m[1]}: {m[2]}" if m else f"policy: {err}") from None
+    except (msgspec.ValidationError, ValueError) as err:  # the message names the field
+        msg = str(err)
+        if m := re.match(r"`(\w+)` (.*)", msg):  # the policy's checks: "`field` must ..."
+            msg = f"policy.{m[1]}: {m[2]}"
+        elif m := re.match(r"(?s)(.*) - at `\$\.(\w+)", msg):  # msgspec's: "... - at `$.field`"
+            msg = f"policy.{m[2]}: {m[1]}"
+        else:
+            msg = f"policy: {msg}"
+        raise ContractError(msg) from None
     if len(pol.beam_widths) != depth:
         raise ContractError(f"policy.beam_widths: {len(pol.beam_widths)} steps for SIDs of "
                             f"depth {depth}")

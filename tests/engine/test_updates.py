@@ -99,6 +99,7 @@ async def test_policy_update_changes_widths_and_keeps_the_contract():
     ({"policy": {"beam_widths": [8, 8, 99999]}}, "policy.beam_widths"),
     ({"policy": {"beam_widths": [8, 8, 1025]}}, "policy.beam_widths"),
     ({"policy": {"top_k": 2000}}, "policy.top_k"),
+    ({"policy": {"top_k": "x"}}, "policy.top_k"),
     ({"catalog": {"add": {10**6: [16, 0, 0]}}}, "catalog.s1"),
     ({"catalog": {"add": {10**6: [1, 2]}}}, "catalog.add"),
     ({"catalog": {"remove": [10**9]}}, "catalog.remove"),

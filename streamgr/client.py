@@ -23,11 +23,12 @@ from .protocol import framing, messages as m
 
 def parse_address(address: str) -> tuple[str, str | int | None]:
     """``("unix", path)`` or ``(host, port)``."""
-    if address.startswith("unix:"):
+    if address.startswith("unix:") and address[5:]:
         return "unix", address[5:]
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"address {address!r}: expected HOST:PORT or unix:PATH")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"address {address!r}: expected HOST:PORT (a port in 0..65535) or "
+                         f"unix:PATH")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 

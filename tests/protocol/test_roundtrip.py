@@ -32,8 +32,9 @@ def test_address_parsing():
     assert parse_address("127.0.0.1:7700") == ("127.0.0.1", 7700)
     assert parse_address("[::1]:80") == ("::1", 80)
     assert parse_address("unix:/tmp/s") == ("unix", "/tmp/s")
-    with pytest.raises(ValueError):
-        parse_address("localhost")
+    for bad in ("localhost", "127.0.0.1:99999", "unix:", ":", ""):
+        with pytest.raises(ValueError, match="expected HOST:PORT"):
+            parse_address(bad)
 
 
 @pytest.mark.parametrize("loop", LOOPS)

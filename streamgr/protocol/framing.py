@@ -7,6 +7,7 @@ reader's buffer limit does not bound ``readexactly(n)``).
 from __future__ import annotations
 
 import asyncio
+import numbers
 import struct
 
 import msgspec
@@ -23,11 +24,19 @@ class FrameTooLarge(Exception):
         self.length, self.limit = length, limit
 
 
+def _integral(obj):
+    """What msgspec cannot encode: numpy's integer scalars (a request's ``np.int64(8)``) go as
+    ints; anything else stays an error."""
+    if isinstance(obj, numbers.Integral) and not isinstance(obj, bool):
+        return int(obj)
+    raise TypeError(f"Encoding objects of type {type(obj).__name__} is unsupported")
+
+
 class Codec:
     """Encoder/decoder pair; one per connection (the encoder reuses its buffer)."""
 
     def __init__(self) -> None:
-        self._enc = msgspec.msgpack.Encoder()
+        self._enc = msgspec.msgpack.Encoder(enc_hook=_integral)
         self._dec = msgspec.msgpack.Decoder(Message)
         self._any = msgspec.msgpack.Decoder()
 

@@ -109,6 +109,32 @@ async def test_variants_over_the_socket():
     assert got.items == want.items and not {1, 2, 3} & set(got.items)
 
 
+async def test_numpy_ints_and_tuples_are_taken_as_lists_and_ints_embedded_and_remote():
+    """Ids and sizes from numpy (``np.int64`` scalars, int arrays) or tuples answer as the same
+    request in lists and ints do, embedded and over the socket (the deny list and per-step
+    widths were refused, and numpy scalars refused or unencodable)."""
+    async with Engine.from_spec("gen-small", GEN) as eng:
+        plain = GenerateRequest(user_id=3, history=[1, 2, 3], top_k=6, exclude_items=[1, 2],
+                                max_per_prefix=3, beam_widths=[16, 8, 8])
+        numpy = GenerateRequest(user_id=3, history=np.array([1, 2, 3]), top_k=np.int64(6),
+                                exclude_items=np.array([1, 2], dtype=np.int32),
+                                max_per_prefix=np.int16(3), beam_widths=(16, np.int64(8), 8))
+        want = await eng.generate(plain)
+        assert want.items  # (max_per_prefix may cut it below top_k: README)
+        assert (await eng.generate(numpy)).items == want.items
+        one = GenerateRequest(user_id=3, history=[1, 2, 3], top_k=np.int32(6),
+                              beam_width=np.int64(16))
+        assert (await eng.generate(one)).items == \
+            (await eng.generate(GenerateRequest(user_id=3, history=[1, 2, 3], top_k=6,
+                                                beam_width=16))).items
+        srv = Server(eng)
+        addr = (await srv.start("127.0.0.1", 0))[0]
+        async with AsyncClient(addr) as c:
+            got = await c.generate(numpy)
+        await srv.shutdown(1.0)
+    assert got.items == want.items
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 async def test_top_k_items_come_back_when_the_widths_are_narrower(device):
     """A last step narrower than ``top_k`` (the request's widths or the policy's) keeps

@@ -106,7 +106,7 @@ class GenerateVersion:
     def prepare(self, req: GenerateRequest) -> PreparedGenerate:
         if not isinstance(req, GenerateRequest):
             raise InvalidRequest(f"expected a GenerateRequest, got {type(req).__name__}")
-        check_user_id(req.user_id)
+        user = check_user_id(req.user_id)
         pol = self.policy
         if not _int_in(req.top_k, 1, pol.max_top_k):
             raise InvalidRequest(f"`top_k` must be an int in 1..{pol.max_top_k}")
@@ -140,7 +140,7 @@ class GenerateVersion:
         if bad.size:
             raise IdOutOfRange(f"`history` holds item {hist[bad[0]]}, not in the catalog "
                                f"(version {self.name})")
-        return PreparedGenerate(req.user_id, tokens, top_k, widths, req, self, exclude, mpp,
+        return PreparedGenerate(user, tokens, top_k, widths, req, self, exclude, mpp,
                                 self.trie.leaf_items, pol)
 
     def _widths(self, req: GenerateRequest, bw: int | None) -> list[int]:

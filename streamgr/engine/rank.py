@@ -8,6 +8,7 @@ engine's executor thread, never on the event loop.
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 from dataclasses import dataclass, field
@@ -69,24 +70,28 @@ def _ids(name: str, value, low: int, high: int) -> np.ndarray:
 MAX_USER_ID = 1024  # characters of a str user id
 
 
-def check_user_id(user_id) -> None:
+def check_user_id(user_id) -> int | str:
     """A user id is an int of the wire's range (int64 or uint64) or a str of at most
     ``MAX_USER_ID`` characters: the caches key their entries by it and count a user's entry as
-    a few dozen events, so a megabyte id per user would slip past their memory bounds."""
-    if isinstance(user_id, bool) or not isinstance(user_id, (int, str)):
+    a few dozen events, so a megabyte id per user would slip past their memory bounds.
+    Returns it as served: a numpy integer as the Python int it equals."""
+    if isinstance(user_id, bool) or not isinstance(user_id, (numbers.Integral, str)):
         raise InvalidRequest("`user_id` must be an int or a str")
+    if not isinstance(user_id, str):
+        user_id = int(user_id)
     if isinstance(user_id, str) and len(user_id) > MAX_USER_ID:
         raise InvalidRequest(f"`user_id` is a str of {len(user_id)} characters, at most "
                              f"{MAX_USER_ID}")
     if isinstance(user_id, int) and not -2**63 <= user_id < 2**64:
         raise InvalidRequest("`user_id` is an int outside int64/uint64")
+    return user_id
 
 
 def prepare_rank(req: RankRequest, cfg: HSTUConfig) -> PreparedRank:
     """Validate a request against the model; raise a typed ``InvalidRequest`` subclass."""
     if not isinstance(req, RankRequest):
         raise InvalidRequest(f"expected a RankRequest, got {type(req).__name__}")
-    check_user_id(req.user_id)
+    user = check_user_id(req.user_id)
     items = _ids("items", req.items, 0, cfg.num_items)
     actions = _ids("actions", req.actions, 0, cfg.num_actions)
     candidates = _ids("candidates", req.candidates, 0, cfg.num_items)
@@ -98,13 +103,15 @@ def prepare_rank(req: RankRequest, cfg: HSTUConfig) -> PreparedRank:
         raise TooManyCandidates(f"{len(candidates)} candidates, the model takes at most "
                                 f"{cfg.max_candidates}")
     base = req.base_len
-    if base is not None and (isinstance(base, bool) or not isinstance(base, int) or base < 0):
+    if base is not None and (isinstance(base, bool) or not isinstance(base, numbers.Integral)
+                             or base < 0):
         raise InvalidRequest("`base_len` must be a non-negative int")
+    base = None if base is None else int(base)
     total = len(items) + (base or 0)
     if total > cfg.max_history:
         raise HistoryTooLong(f"history of {total} events, the model takes at most "
                              f"{cfg.max_history}")
-    return PreparedRank(req.user_id, items, actions, candidates, base)
+    return PreparedRank(user, items, actions, candidates, base)
 
 
 @dataclass

@@ -149,6 +149,27 @@ def test_blocking_engine_lists_past_the_queue_errors_in_place_and_after_close():
         eng.rank_many(reqs[:2])
 
 
+async def test_numpy_integer_user_ids_are_the_same_users_as_ints():
+    """A user id from a numpy array (``np.int64``, ``np.uint64``) is served as that int: its
+    next visit with a plain int hits the K/V the first left (it was refused: "must be an int
+    or a str"); a numpy float stays refused."""
+    rng = np.random.default_rng(11)
+    async with Engine.from_spec("rank-small", small_overrides()) as eng:
+        for uid, same in ((np.int64(7), 7), (np.uint64(2**64 - 1), 2**64 - 1)):
+            first = req(rng, 0, 12)
+            first = RankRequest(user_id=uid, items=first.items, actions=first.actions,
+                                candidates=first.candidates)
+            a = await eng.rank(first)
+            assert a.stats.tokens_from_gpu == 0
+            b = await eng.rank(RankRequest(user_id=same, items=first.items,
+                                           actions=first.actions, candidates=first.candidates))
+            assert b.stats.tokens_from_gpu > 0  # the same user: its history cached
+            np.testing.assert_allclose(b.scores, a.scores, rtol=1e-5, atol=1e-6)
+        with pytest.raises(E.InvalidRequest, match="user_id"):
+            await eng.rank(RankRequest(user_id=np.float64(7), items=[1], actions=[1],
+                                       candidates=[2]))
+
+
 async def test_a_failing_batch_fails_its_requests_and_the_engine_serves_on():
     rng = np.random.default_rng(9)
     async with Engine.from_spec("rank-small", small_overrides()) as eng:

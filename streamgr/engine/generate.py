@@ -13,7 +13,6 @@ catalog, fails alone with its typed error).
 
 from __future__ import annotations
 
-import numbers
 import time
 from dataclasses import dataclass
 
@@ -26,9 +25,9 @@ from ..errors import IdOutOfRange, InvalidRequest, StreamgrError
 from ..runtime.beam import BeamRequest, BeamSearch
 from ..runtime.plans import PlanCache, bucket_rows
 from ..selection.vocabulary import ItemIndex
-from .rank import BatchOutcome, check_user_id
+from .fields import as_list, check_user_id, id_set, int_in
+from .rank import BatchOutcome
 
-MAX_EXCLUDE = 4096  # items in one request's deny list
 
 
 @dataclass
@@ -46,29 +45,6 @@ class PreparedGenerate:
     # version object alone does not say the preparation still holds.
     catalog: object = None
     policy: object = None
-
-
-def _int_in(x, lo: int, hi: int) -> bool:
-    """An int (numpy's integer scalars too; not a bool) in ``lo..hi``."""
-    return not isinstance(x, bool) and isinstance(x, numbers.Integral) and lo <= x <= hi
-
-
-def _seq(xs) -> list | None:
-    """A list, tuple or 1-d numpy array as a list (None for anything else)."""
-    if isinstance(xs, np.ndarray):
-        return xs.tolist() if xs.ndim == 1 else None
-    return list(xs) if isinstance(xs, (list, tuple)) else None
-
-
-def _ids(xs, name: str) -> np.ndarray | None:
-    """A request's list of item ids as a sorted unique array (None: not given)."""
-    if xs is None:
-        return None
-    xs = _seq(xs)
-    if xs is None or len(xs) > MAX_EXCLUDE or \
-            not all(_int_in(x, -2**63, 2**63 - 1) for x in xs):
-        raise InvalidRequest(f"`{name}` must be a list of at most {MAX_EXCLUDE} item ids")
-    return np.unique(np.asarray(xs, dtype=np.int64))
 
 
 class GenerateVersion:
@@ -108,15 +84,15 @@ class GenerateVersion:
             raise InvalidRequest(f"expected a GenerateRequest, got {type(req).__name__}")
         user = check_user_id(req.user_id)
         pol = self.policy
-        if not _int_in(req.top_k, 1, pol.max_top_k):
+        if not int_in(req.top_k, 1, pol.max_top_k):
             raise InvalidRequest(f"`top_k` must be an int in 1..{pol.max_top_k}")
         top_k = int(req.top_k)
         bw = req.beam_width
-        if bw is not None and not _int_in(bw, 1, MAX_BEAMS):
+        if bw is not None and not int_in(bw, 1, MAX_BEAMS):
             raise InvalidRequest(f"`beam_width` must be an int in 1..{MAX_BEAMS}")
         bw = None if bw is None else int(bw)
         widths = self._widths(req, bw)
-        exclude = _ids(req.exclude_items, "exclude_items")
+        exclude = id_set(req.exclude_items, "exclude_items")
         # the last step keeps the beams the answer needs (top_k, and a deny list's more): never
         # fewer than top_k items (Hugging Face refuses num_return_sequences > num_beams); as a
         # power of two, so batches share plan shapes (the answer's first beams are the same)
@@ -124,7 +100,7 @@ class GenerateVersion:
         if need > widths[-1]:
             widths[-1] = min(MAX_BEAMS, 1 << (need - 1).bit_length())
         mpp = req.max_per_prefix if req.max_per_prefix is not None else pol.max_per_prefix
-        if not _int_in(mpp, 0, 2**31 - 1):
+        if not int_in(mpp, 0, 2**31 - 1):
             raise InvalidRequest("`max_per_prefix` must be an int in 0..2**31-1 (0: no cap)")
         mpp = int(mpp)
         try:
@@ -149,8 +125,8 @@ class GenerateVersion:
             return [bw] * depth if bw is not None else list(self.policy.beam_widths)
         if bw is not None:
             raise InvalidRequest("give `beam_width` or `beam_widths`, not both")
-        ws = _seq(req.beam_widths)
-        if ws is None or len(ws) != depth or not all(_int_in(w, 1, MAX_BEAMS) for w in ws):
+        ws = as_list(req.beam_widths)
+        if ws is None or len(ws) != depth or not all(int_in(w, 1, MAX_BEAMS) for w in ws):
             raise InvalidRequest(f"`beam_widths` must be {depth} ints in 1..{MAX_BEAMS} "
                                  f"(one per SID level)")
         return [int(w) for w in ws]

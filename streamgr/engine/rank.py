@@ -24,6 +24,7 @@ from ..kernels.host_loops import pack_rows
 from ..kernels.hstu_attention import JaggedKV, kernel_runs
 from ..kernels.pinned import PinnedPool, to_device
 from ..models.hstu import HSTU, HSTUConfig, JaggedBatch
+from .fields import check_user_id
 
 
 @dataclass
@@ -65,26 +66,6 @@ def _ids(name: str, value, low: int, high: int) -> np.ndarray:
         bad = lo if lo < low else hi
         raise IdOutOfRange(f"`{name}` holds id {bad}, outside [{low}, {high})")
     return arr.astype(np.int64, copy=False)
-
-
-MAX_USER_ID = 1024  # characters of a str user id
-
-
-def check_user_id(user_id) -> int | str:
-    """A user id is an int of the wire's range (int64 or uint64) or a str of at most
-    ``MAX_USER_ID`` characters: the caches key their entries by it and count a user's entry as
-    a few dozen events, so a megabyte id per user would slip past their memory bounds.
-    Returns it as served: a numpy integer as the Python int it equals."""
-    if isinstance(user_id, bool) or not isinstance(user_id, (numbers.Integral, str)):
-        raise InvalidRequest("`user_id` must be an int or a str")
-    if not isinstance(user_id, str):
-        user_id = int(user_id)
-    if isinstance(user_id, str) and len(user_id) > MAX_USER_ID:
-        raise InvalidRequest(f"`user_id` is a str of {len(user_id)} characters, at most "
-                             f"{MAX_USER_ID}")
-    if isinstance(user_id, int) and not -2**63 <= user_id < 2**64:
-        raise InvalidRequest("`user_id` is an int outside int64/uint64")
-    return user_id
 
 
 def prepare_rank(req: RankRequest, cfg: HSTUConfig) -> PreparedRank:

@@ -1,0 +1,54 @@
+"""Request fields checked at admission, for rank and generate alike: user ids, ints in a range
+and id lists, with numpy's integer scalars and arrays (and tuples) taken as the Python ints
+and lists they equal; anything else is a typed ``InvalidRequest`` naming the field."""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from ..errors import InvalidRequest
+
+MAX_EXCLUDE = 4096  # items in one request's deny list
+MAX_USER_ID = 1024  # characters of a str user id
+
+
+def check_user_id(user_id) -> int | str:
+    """A user id is an int of the wire's range (int64 or uint64) or a str of at most
+    ``MAX_USER_ID`` characters: the caches key their entries by it and count a user's entry as
+    a few dozen events, so a megabyte id per user would slip past their memory bounds.
+    Returns it as served: a numpy integer as the Python int it equals."""
+    if isinstance(user_id, bool) or not isinstance(user_id, (numbers.Integral, str)):
+        raise InvalidRequest("`user_id` must be an int or a str")
+    if not isinstance(user_id, str):
+        user_id = int(user_id)
+    if isinstance(user_id, str) and len(user_id) > MAX_USER_ID:
+        raise InvalidRequest(f"`user_id` is a str of {len(user_id)} characters, at most "
+                             f"{MAX_USER_ID}")
+    if isinstance(user_id, int) and not -2**63 <= user_id < 2**64:
+        raise InvalidRequest("`user_id` is an int outside int64/uint64")
+    return user_id
+
+
+def int_in(x, lo: int, hi: int) -> bool:
+    """An int (numpy's integer scalars too; not a bool) in ``lo..hi``."""
+    return not isinstance(x, bool) and isinstance(x, numbers.Integral) and lo <= x <= hi
+
+
+def as_list(xs) -> list | None:
+    """A list, tuple or 1-d numpy array as a list (None for anything else)."""
+    if isinstance(xs, np.ndarray):
+        return xs.tolist() if xs.ndim == 1 else None
+    return list(xs) if isinstance(xs, (list, tuple)) else None
+
+
+def id_set(xs, name: str) -> np.ndarray | None:
+    """A request's list of item ids as a sorted unique array (None: not given)."""
+    if xs is None:
+        return None
+    xs = as_list(xs)
+    if xs is None or len(xs) > MAX_EXCLUDE or \
+            not all(int_in(x, -2**63, 2**63 - 1) for x in xs):
+        raise InvalidRequest(f"`{name}` must be a list of at most {MAX_EXCLUDE} item ids")
+    return np.unique(np.asarray(xs, dtype=np.int64))

@@ -29,7 +29,6 @@ from .fields import as_list, check_user_id, id_set, int_in
 from .rank import BatchOutcome
 
 
-
 @dataclass
 class PreparedGenerate:
     user: object

@@ -8,7 +8,7 @@ import numbers
 
 import numpy as np
 
-from ..errors import InvalidRequest
+from ..errors import IdOutOfRange, InvalidRequest
 
 MAX_EXCLUDE = 4096  # items in one request's deny list
 MAX_USER_ID = 1024  # characters of a str user id
@@ -52,3 +52,34 @@ def id_set(xs, name: str) -> np.ndarray | None:
             not all(int_in(x, -2**63, 2**63 - 1) for x in xs):
         raise InvalidRequest(f"`{name}` must be a list of at most {MAX_EXCLUDE} item ids")
     return np.unique(np.asarray(xs, dtype=np.int64))
+
+
+def id_array(name: str, value, low: int, high: int) -> np.ndarray:
+    """A request's ids (a list, or a numpy integer array read in place) as int64, each in
+    ``low..high-1``: else ``IdOutOfRange`` naming the id as sent (never wrapped or rounded),
+    or ``InvalidRequest`` for what is not a flat list of integers."""
+    try:
+        arr = np.asarray(value)
+    except Exception:
+        raise InvalidRequest(f"`{name}` is not a list of integers") from None
+    if arr.ndim != 1:
+        raise InvalidRequest(f"`{name}` must be a flat list of integers, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        if arr.dtype.kind in "fO" and all(type(v) is int for v in value):
+            # ints past int64/uint64 (numpy fell back to float or object): out of range, said
+            # as the id sent, never as a wrapped or rounded number
+            bad = max(value, key=lambda v: v if v >= high else (-v if v < low else -1))
+            raise IdOutOfRange(f"`{name}` holds id {bad}, outside [{low}, {high})")
+        raise InvalidRequest(f"`{name}` must hold integers, got {arr.dtype}")
+    if low == 0 and (arr.dtype.kind == "u" or high <= 1 << (8 * arr.itemsize - 1)) \
+            and int(arr.view(f"u{arr.itemsize}").max()) < high:
+        # one pass instead of min and max: read as unsigned, a negative id is at least
+        # 2**(bits-1), so at least ``high``
+        return arr.astype(np.int64, copy=False)
+    lo, hi = int(arr.min()), int(arr.max())  # before any cast: 2**63 (uint64) stays itself
+    if lo < low or hi >= high:
+        bad = lo if lo < low else hi
+        raise IdOutOfRange(f"`{name}` holds id {bad}, outside [{low}, {high})")
+    return arr.astype(np.int64, copy=False)

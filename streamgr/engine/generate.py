@@ -25,7 +25,7 @@ from ..errors import IdOutOfRange, InvalidRequest, StreamgrError
 from ..runtime.beam import BeamRequest, BeamSearch
 from ..runtime.plans import PlanCache, bucket_rows
 from ..selection.vocabulary import ItemIndex
-from .fields import as_list, check_user_id, id_set, int_in
+from .fields import as_list, check_user_id, id_array, id_set, int_in
 from .rank import BatchOutcome
 
 
@@ -102,13 +102,7 @@ class GenerateVersion:
         if not int_in(mpp, 0, 2**31 - 1):
             raise InvalidRequest("`max_per_prefix` must be an int in 0..2**31-1 (0: no cap)")
         mpp = int(mpp)
-        try:
-            hist = np.asarray(req.history)
-        except Exception:
-            raise InvalidRequest("`history` is not a list of integers") from None
-        if hist.ndim != 1 or (hist.size and hist.dtype.kind not in "iu"):
-            raise InvalidRequest("`history` must be a flat list of integers")
-        hist = hist.astype(np.int64)[-pol.max_context_items:]
+        hist = id_array("history", req.history, -2**63, 2**63)[-pol.max_context_items:]
         # each item's SID tokens, then the EOS where it ends the context (keeps the GIL)
         tokens, bad = self.index.context(hist, self._eos if pol.append_eos or not hist.size
                                          else None)

@@ -24,7 +24,7 @@ from ..kernels.host_loops import pack_rows
 from ..kernels.hstu_attention import JaggedKV, kernel_runs
 from ..kernels.pinned import PinnedPool, to_device
 from ..models.hstu import HSTU, HSTUConfig, JaggedBatch
-from .fields import check_user_id
+from .fields import check_user_id, id_array
 
 
 @dataclass
@@ -40,42 +40,14 @@ class PreparedRank:
         return 2 * len(self.items)
 
 
-def _ids(name: str, value, low: int, high: int) -> np.ndarray:
-    try:
-        arr = np.asarray(value)
-    except Exception:
-        raise InvalidRequest(f"`{name}` is not a list of integers") from None
-    if arr.ndim != 1:
-        raise InvalidRequest(f"`{name}` must be a flat list of integers, got shape {arr.shape}")
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.dtype.kind not in "iu":
-        if arr.dtype.kind in "fO" and all(type(v) is int for v in value):
-            # ints past int64/uint64 (numpy fell back to float or object): out of range, said
-            # as the id sent, never as a wrapped or rounded number
-            bad = max(value, key=lambda v: v if v >= high else (-v if v < low else -1))
-            raise IdOutOfRange(f"`{name}` holds id {bad}, outside [{low}, {high})")
-        raise InvalidRequest(f"`{name}` must hold integers, got {arr.dtype}")
-    if low == 0 and (arr.dtype.kind == "u" or high <= 1 << (8 * arr.itemsize - 1)) \
-            and int(arr.view(f"u{arr.itemsize}").max()) < high:
-        # one pass instead of min and max: read as unsigned, a negative id is at least
-        # 2**(bits-1), so at least ``high``
-        return arr.astype(np.int64, copy=False)
-    lo, hi = int(arr.min()), int(arr.max())  # before any cast: 2**63 (uint64) stays itself
-    if lo < low or hi >= high:
-        bad = lo if lo < low else hi
-        raise IdOutOfRange(f"`{name}` holds id {bad}, outside [{low}, {high})")
-    return arr.astype(np.int64, copy=False)
-
-
 def prepare_rank(req: RankRequest, cfg: HSTUConfig) -> PreparedRank:
     """Validate a request against the model; raise a typed ``InvalidRequest`` subclass."""
     if not isinstance(req, RankRequest):
         raise InvalidRequest(f"expected a RankRequest, got {type(req).__name__}")
     user = check_user_id(req.user_id)
-    items = _ids("items", req.items, 0, cfg.num_items)
-    actions = _ids("actions", req.actions, 0, cfg.num_actions)
-    candidates = _ids("candidates", req.candidates, 0, cfg.num_items)
+    items = id_array("items", req.items, 0, cfg.num_items)
+    actions = id_array("actions", req.actions, 0, cfg.num_actions)
+    candidates = id_array("candidates", req.candidates, 0, cfg.num_items)
     if len(items) != len(actions):
         raise LengthMismatch(f"{len(items)} items but {len(actions)} actions")
     if len(candidates) == 0:

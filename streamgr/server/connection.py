@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -167,7 +168,7 @@ class Connection(asyncio.Protocol):
                 self.close()
                 return
             srv.metrics.counters["invalid_frames"] += 1
-            self.send(m.Error(rid, "INVALID_REQUEST", str(err)))
+            self.send(m.Error(rid, "INVALID_REQUEST", _named(self.codec, body, str(err))))
             return
         except msgspec.DecodeError as err:  # not a message at all: close
             srv.metrics.counters["bad_frames"] += 1
@@ -216,6 +217,25 @@ class Connection(asyncio.Protocol):
 
 def _same(given: str, token: str | None) -> bool:
     return token is not None and hmac.compare_digest(given.encode(), token.encode())
+
+
+_BY_TAG = {cls.__struct_config__.tag: cls for cls in m.REQUESTS}
+_AT = re.compile(r"`\$\[(\d+)\]((?:\[\d+\]|\.\w+)*)`")
+
+
+def _named(codec: framing.Codec, body: bytes, text: str) -> str:
+    """A schema error's position in the wire's array (``$[4]``, after the tag) as the
+    request's field name (``top_k``); the text as it is where that cannot be told."""
+    at = _AT.search(text)
+    try:
+        cls = _BY_TAG.get(codec.decode_any(body)[0]) if at else None
+    except Exception:  # (_guess_id read it already; anything odd: leave the text)
+        cls = None
+    fields = cls.__struct_fields__ if cls is not None else ()
+    i = int(at[1]) - 1 if at else -1  # position 0 holds the tag
+    if not 0 <= i < len(fields):
+        return text
+    return f"{text[:at.start()]}`{fields[i]}{at[2]}`{text[at.end():]}"
 
 
 def _guess_id(codec: framing.Codec, body: bytes) -> int | None:

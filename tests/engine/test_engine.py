@@ -278,7 +278,7 @@ async def test_huge_ids_are_named_as_sent(bad):
 def test_id_check_in_one_pass_still_names_negative_and_large_ids(dtype):
     """The range check reads ids as unsigned in one pass; a negative id of a narrow signed
     dtype (int8 -1 reads as 255) must still be refused, with the id as sent."""
-    from streamgr.engine.rank import _ids
+    from streamgr.engine.fields import id_array as _ids
     from streamgr.errors import IdOutOfRange
     dt = np.dtype(dtype)
     ok = np.array([0, 3, 99], dtype=dt)

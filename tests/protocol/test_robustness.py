@@ -76,6 +76,23 @@ def test_wrong_types_keep_the_connection(srv):
         assert recv_msg(sock).id == 77  # same connection still serves
 
 
+def test_schema_errors_name_the_field(srv):
+    """msgspec reports positions in the wire's arrays (``$[4]``); the reply names the message's
+    field instead (``top_k``, ``candidates[0]``), and leaves other messages as they were."""
+    cases = [([3, 8, 1, [1], [0], ["x"]], "`candidates[0]`"),
+             ([5, 9, 1, [1, 2], "5"], "`top_k`"), ([3, 10, 1.5, [1], [0], [2]], "`user_id`")]
+    with connect(srv) as sock:
+        for body, field in cases:
+            sock.sendall(raw_frame(msgspec.msgpack.encode(body)))
+            reply = recv_msg(sock)
+            assert isinstance(reply, m.Error) and reply.id == body[1], reply
+            assert f"at {field}" in reply.message and "$[" not in reply.message, reply.message
+        sock.sendall(raw_frame(msgspec.msgpack.encode([99, 11])))  # no such tag: unchanged
+        assert isinstance(recv_msg(sock), m.Error)
+        sock.sendall(frame(rank_msg(78)))
+        assert recv_msg(sock).id == 78
+
+
 def test_huge_lengths_refused_unread(srv):
     for length in [1 << 16 + 1, 1 << 20, 2**31, 2**32 - 1] * 25:
         with connect(srv) as sock:

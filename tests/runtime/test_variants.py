@@ -10,7 +10,7 @@ import pytest
 from streamgr import Engine
 from streamgr.api import GenerateRequest
 from streamgr.client import AsyncClient
-from streamgr.errors import InvalidRequest
+from streamgr.errors import IdOutOfRange, InvalidRequest
 from streamgr.runtime.variants import keep_mask
 from streamgr.server import Server
 
@@ -127,10 +127,15 @@ async def test_numpy_ints_and_tuples_are_taken_as_lists_and_ints_embedded_and_re
         assert (await eng.generate(one)).items == \
             (await eng.generate(GenerateRequest(user_id=3, history=[1, 2, 3], top_k=6,
                                                 beam_width=16))).items
+        huge = GenerateRequest(user_id=3, history=np.array([1, 2**63], dtype=np.uint64), top_k=5)
+        with pytest.raises(IdOutOfRange, match="holds id 9223372036854775808,"):  # as sent
+            await eng.generate(huge)
         srv = Server(eng)
         addr = (await srv.start("127.0.0.1", 0))[0]
         async with AsyncClient(addr) as c:
             got = await c.generate(numpy)
+            with pytest.raises(IdOutOfRange, match="holds id 9223372036854775808,"):
+                await c.generate(huge)
         await srv.shutdown(1.0)
     assert got.items == want.items
 

@@ -46,8 +46,8 @@ async def test_a_rank_engine_names_a_wrong_checkpoint(tmp_path):
     from streamgr import Engine, RankRequest
     from streamgr.errors import CheckpointError
     from streamgr.models.checkpoint import read_config
-    p = run("init-model", "--spec", "gen-small", "--out", str(tmp_path / "g"))
-    assert p.returncode == 0, p.stderr
+    from streamgr.cli import main
+    assert main(["init-model", "--spec", "gen-small", "--out", str(tmp_path / "g")]) == 0
     with pytest.raises(CheckpointError, match="a file; give the checkpoint's directory"):
         read_config(tmp_path / "g" / "config.json")
     req = RankRequest(user_id=1, items=[5, 17], actions=[1, 0], candidates=[8, 9])

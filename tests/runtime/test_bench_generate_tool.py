@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_generate_with_a_beam_width_and_no_hugging_face(tmp_path):
     out = tmp_path / "gen.json"
     p = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_generate.py"), "--spec",
-                        "gen-small", "--device", "cpu", "--requests", "24", "--concurrency", "6",
-                        "--rates", "200", "--hf-requests", "0", "--beam-width", "8",
+                        "gen-small", "--device", "cpu", "--requests", "12", "--concurrency", "4",
+                        "--rates", "400", "--hf-requests", "0", "--beam-width", "8",
                         "--json", str(out)],
                        capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -123,13 +123,13 @@ def cmd_ray_config(args) -> int:
 def cmd_serve(args) -> int:
     from .server.main import main_serve, serve_limits
     ov = parse_set_pairs(args.overrides)
-    serve_limits(args)  # before Ray starts
+    limits = serve_limits(args)  # before Ray starts
     engine = None
     if args.ray:  # a Ray Serve application of engine replicas behind the socket
         from .deploy.ray_serve import RayEngine, connect
         connect(args.ray_address)
         engine = RayEngine(args.spec, ov, args.replicas, args.router)
-    return main_serve(args, ov, engine)
+    return main_serve(args, ov, engine, limits)
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

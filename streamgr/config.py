@@ -227,7 +227,7 @@ BUILTIN_SPECS = ("rank-small", "rank-ref", "gen-small", "gen-ref")
 _PATH_RE = re.compile(r"`\$((?:\.[A-Za-z_][\w-]*|\[\d+\])*)`")
 
 
-def _key_path(msg: str) -> str:
+def key_path(msg: str) -> str:
     """Turn msgspec's ``... - at `$.model.x` `` into ``model.x``."""
     m = _PATH_RE.search(msg)
     return m.group(1).lstrip(".") if m else ""
@@ -251,7 +251,7 @@ def _section_keys(where: str) -> list[str]:
 def _spec_error(err: msgspec.ValidationError, source: str,
                 overrides: Mapping[str, Any] | None = None) -> SpecError:
     msg = str(err)
-    where = _key_path(msg)
+    where = key_path(msg)
     head = msg.split(" - at ")[0]
     unknown = re.match(r"Object contains unknown field `([^`]+)`", head)
     if unknown:

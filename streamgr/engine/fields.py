@@ -44,14 +44,14 @@ def as_list(xs) -> list | None:
 
 
 def id_set(xs, name: str) -> np.ndarray | None:
-    """A request's list of item ids as a sorted unique array (None: not given)."""
+    """A request's list of item ids (``id_array``'s forms) as a sorted unique array of at most
+    ``MAX_EXCLUDE`` (None: not given)."""
     if xs is None:
         return None
-    xs = as_list(xs)
-    if xs is None or len(xs) > MAX_EXCLUDE or \
-            not all(int_in(x, -2**63, 2**63 - 1) for x in xs):
-        raise InvalidRequest(f"`{name}` must be a list of at most {MAX_EXCLUDE} item ids")
-    return np.unique(np.asarray(xs, dtype=np.int64))
+    ids = id_array(name, xs, -2**63, 2**63)
+    if len(ids) > MAX_EXCLUDE:
+        raise InvalidRequest(f"`{name}` holds {len(ids)} item ids, at most {MAX_EXCLUDE}")
+    return np.unique(ids)
 
 
 def id_array(name: str, value, low: int, high: int) -> np.ndarray:

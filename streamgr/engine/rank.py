@@ -8,7 +8,6 @@ engine's executor thread, never on the event loop.
 
 from __future__ import annotations
 
-import numbers
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from ..kernels.host_loops import pack_rows
 from ..kernels.hstu_attention import JaggedKV, kernel_runs
 from ..kernels.pinned import PinnedPool, to_device
 from ..models.hstu import HSTU, HSTUConfig, JaggedBatch
-from .fields import check_user_id, id_array
+from .fields import check_user_id, id_array, int_in
 
 
 @dataclass
@@ -56,8 +55,7 @@ def prepare_rank(req: RankRequest, cfg: HSTUConfig) -> PreparedRank:
         raise TooManyCandidates(f"{len(candidates)} candidates, the model takes at most "
                                 f"{cfg.max_candidates}")
     base = req.base_len
-    if base is not None and (isinstance(base, bool) or not isinstance(base, numbers.Integral)
-                             or base < 0):
+    if base is not None and not int_in(base, 0, 2**63 - 1):
         raise InvalidRequest("`base_len` must be a non-negative int")
     base = None if base is None else int(base)
     total = len(items) + (base or 0)

@@ -62,7 +62,7 @@ def _weights_spec(model_spec, weights):
 def merged_policy(current, changes, depth: int):
     """The current policy with ``changes`` (a PolicySpec or a dict of its fields) applied and
     validated against SIDs of ``depth`` levels; errors name the field."""
-    from ..config import PolicySpec
+    from ..config import PolicySpec, key_path
     fields = changes if isinstance(changes, dict) else msgspec.structs.asdict(changes)
     unknown = sorted(set(fields) - set(PolicySpec.__struct_fields__))
     if unknown:
@@ -71,14 +71,10 @@ def merged_policy(current, changes, depth: int):
     try:
         pol = msgspec.convert({**msgspec.structs.asdict(current), **fields}, PolicySpec)
     except (msgspec.ValidationError, ValueError) as err:  # the message names the field
-        msg = str(err)
-        if m := re.match(r"`(\w+)` (.*)", msg):  # the policy's checks: "`field` must ..."
-            msg = f"policy.{m[1]}: {m[2]}"
-        elif m := re.match(r"(?s)(.*) - at `\$\.(\w+)", msg):  # msgspec's: "... - at `$.field`"
-            msg = f"policy.{m[2]}: {m[1]}"
-        else:
-            msg = f"policy: {msg}"
-        raise ContractError(msg) from None
+        where, head = key_path(str(err)), str(err).split(" - at ")[0]
+        if not where and (m := re.match(r"`(\w+)` (.*)", head)):  # the policy's own checks
+            where, head = m[1], m[2]
+        raise ContractError(f"policy.{where}: {head}" if where else f"policy: {head}") from None
     if len(pol.beam_widths) != depth:
         raise ContractError(f"policy.beam_widths: {len(pol.beam_widths)} steps for SIDs of "
                             f"depth {depth}")

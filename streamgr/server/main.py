@@ -169,8 +169,9 @@ def serve_limits(args) -> ServerLimits:
         raise StreamgrError(str(err)) from None
 
 
-def main_serve(args, overrides, engine=None) -> int:
-    limits = serve_limits(args)
+def main_serve(args, overrides, engine=None, limits: ServerLimits | None = None) -> int:
+    """``streamgr serve``: ``limits`` as ``serve_limits`` made them (checked here if not)."""
+    limits = limits or serve_limits(args)
     return run(serve(args.spec, overrides, args.host, args.port, args.unix,
                      read_token(args.token_file), args.metrics_port, limits, args.drain_timeout,
                      args.access_log, read_token(getattr(args, "admin_token_file", None)),

@@ -49,7 +49,7 @@ VOTE_N = 32 if SIMULATED else 1  # ballot's scratch (the simulator's only)
 
 
 @cuda.jit(device=True, inline=True)
-def _last(ws, r, col, flag):
+def last_block(ws, r, col, flag):
     """True in the request's last block to get here (after its global adds are fenced)."""
     cuda.threadfence()
     cuda.syncthreads()
@@ -128,7 +128,7 @@ def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, 
     for i in range(tid, GB, NT):
         if hist[i]:
             cuda.atomic.add(ws, (r, HG + i), int64(hist[i]))
-    if not _last(ws, r, DONE1, flag):
+    if not last_block(ws, r, DONE1, flag):
         return
     cuda.threadfence()
     for i in range(tid, GB, NT):  # atomically: not from a stale cache line
@@ -207,7 +207,7 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
             xb = score(r, ib, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
             _route(sure, buf, ws, r, xa, int64(ia), ia < end, ref, d, all_in)
             _route(sure, buf, ws, r, xb, int64(ib), two and ib < end, ref, d, all_in)
-    if not _last(ws, r, DONE2, flag):
+    if not last_block(ws, r, DONE2, flag):
         return
     cuda.threadfence()
     if tid == 0:

@@ -116,15 +116,18 @@ def note(kx, i, key, lo, hi):
 
 
 @cuda.jit(device=True, inline=True)
-def note4(kx, i0, step, r, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, lo, hi):
-    """``note`` of the okeys of candidates ``i0 + j * step`` (j < 4, those below N): their four
-    load chains issued at clamped indices before any store, so that they overlap."""
-    k0 = ckey(r, min(i0, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-    k1 = ckey(r, min(i0 + step, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-    k2 = ckey(r, min(i0 + 2 * step, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
+def note4(kx, i0, step, c0, r, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, lo,
+          hi):
+    """``note`` of the okeys of candidates ``c0 + i0 + j * step`` at ``kx[i0 + j * step]``
+    (j < 4, those below N): their four load chains issued at clamped indices before any
+    store, so that they overlap."""
+    k0 = ckey(r, c0 + min(i0, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    k1 = ckey(r, c0 + min(i0 + step, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
               off)
-    k3 = ckey(r, min(i0 + 3 * step, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
-              off)
+    k2 = ckey(r, c0 + min(i0 + 2 * step, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr,
+              codes, off)
+    k3 = ckey(r, c0 + min(i0 + 3 * step, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr,
+              codes, off)
     if i0 < N:
         lo, hi = note(kx, i0, k0, lo, hi)
     if i0 + step < N:
@@ -133,6 +136,25 @@ def note4(kx, i0, step, r, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes
         lo, hi = note(kx, i0 + 2 * step, k2, lo, hi)
     if i0 + 3 * step < N:
         lo, hi = note(kx, i0 + 3 * step, k3, lo, hi)
+    return lo, hi
+
+
+@cuda.jit(device=True, inline=True)
+def note_all(kx, c0, n, nt, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
+    """``kx[i]`` = the okey of candidate ``c0 + i`` for ``i < n``, by the block's ``nt``
+    threads (four a thread at a time while more than a block's worth are left); returns the
+    thread's (smallest real, largest) okey (``2**40``, -1 where it noted none)."""
+    lo = int64(1) << 40
+    hi = int64(-1)
+    for base in range(0, n, 4 * nt):
+        i0 = base + cuda.threadIdx.x
+        if n - base <= nt:  # one candidate a thread left (block-uniform)
+            if i0 < n:
+                lo, hi = note(kx, i0, ckey(r, c0 + i0, F, FM, B, scores, nodes, logp, lse, sh,
+                                           ptr, codes, off), lo, hi)
+            continue
+        lo, hi = note4(kx, i0, nt, c0, r, n, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
+                       off, lo, hi)
     return lo, hi
 
 

@@ -1,6 +1,8 @@
 """Host side of the Numba CUDA kernels of ``trie_topk`` (see its module docstring for what they
-compute): a request of at most ``ONE_MAX`` candidates is one block that bins (or
-radix-selects) first (``trie_topk_one``), a longer one a memset and two grid launches
+compute): where a request's candidates split over a few blocks of at most ``ONE_MAX`` each, one
+launch whose blocks list their best and whose last block selects from the list
+(``trie_topk_merge``); else a request of at most ``ONE_MAX`` candidates is one block that bins
+(or radix-selects) first (``trie_topk_one``), a longer one a memset and two grid launches
 (``trie_topk_bins``);
 the keys, scans and sort they share are in ``trie_topk_keys`` and ``trie_topk_dev``.
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import trie_topk_bins as bins
+from . import trie_topk_merge as tm
 from .head_lse import LogProbs
 from .numba_common import as_array, torch_stream
 from .trie_topk import SIMULATED
@@ -43,7 +46,10 @@ def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
     outs = (a(cap.contiguous()), a(top), a(parent), a(child), a(code))
     KP = 1 << max(0, (k - 1).bit_length())
     sa, nd = a(sc), a(nodes.contiguous())
-    if N <= ONE_MAX:
+    merge = tm.plan_for(N, R, k, dev)
+    if merge is not None:
+        tm.run(launch, R, N, k, KP, *merge, F, magic(F), B, sa, nd, lp, trie, outs, dev, a)
+    elif N <= ONE_MAX:
         launch(one_select, (R,), NT)(N, k, KP, F, magic(F), B, sa, nd, *lp, *trie, *outs)
     else:
         bins.run(launch, R, N, k, KP, F, magic(F), B, sa, nd, lp, trie, outs, dev, a)

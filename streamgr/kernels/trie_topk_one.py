@@ -23,11 +23,10 @@ from .trie_topk import SIMULATED
 from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length, collect,
                             hist_add, minmax, pick, pick_segments, radix, rank_put, SEG_MAX,
                             sort_desc, sort_span)
-from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, _bits, ckey, decode, note, note4,
-                             okey_float, tkey)
+from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, _bits, decode, note_all, okey_float,
+                             tkey)
 
 ONE_MAX = 64 if SIMULATED else 8192  # okeys in shared memory: 32 KiB
-CPT = 4  # candidates a thread computes at once
 # obin's window: 8 bins an octave of the distance below the best score, NB // 8 octaves from
 # 2**-(NB // 16) up (closer is the best bin, farther or -inf the worst)
 OBASE = (127 - NB // 16) * 8
@@ -62,17 +61,7 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
     ctr = cuda.shared.array(1, int32)
     if tid == 0:
         ctr[0] = 0
-    lo = BIG
-    hi = int64(-1)
-    for base in range(0, N, CPT * NT):
-        i0 = base + tid
-        if N - base <= NT:  # one candidate a thread left (block-uniform)
-            if i0 < N:
-                lo, hi = note(kx, i0, ckey(r, i0, F, FM, B, scores, nodes, logp, lse, sh, ptr,
-                                            codes, off), lo, hi)
-            continue
-        lo, hi = note4(kx, i0, NT, r, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
-                       off, lo, hi)
+    lo, hi = note_all(kx, 0, N, NT, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
     lo, hi = minmax(lo, hi, red)  # its barriers also publish kx
     tmin = lo if lo != BIG else KEY_NEG_INF
     # a round of bins below the best score (block-uniform; for k over half the block the bins

@@ -91,13 +91,16 @@ def test_trie_topk_reads_bf16_logits_in_place(R, B, fan, k):
 @pytest.mark.parametrize("R,B,fan,k,const", [
     (4, 64, 300, 1000, True), (3, 512, 100, 700, True), (2, 8, 1024, 1024, True),
     (16, 1024, 3, 1024, False), (3, 1, 8192, 1024, False), (2, 4096, 2, 1024, False),
-    (2, 4, 256, 1024, True), (3, 4, 256, 700, False), (3, 5, 205, 1000, False)])
+    (2, 4, 256, 1024, True), (3, 4, 256, 700, False), (3, 5, 205, 1000, False),
+    (4, 64, 300, 256, True), (2, 8, 1024, 100, False), (48, 1, 8192, 256, True)])
 def test_trie_topk_all_tied_and_one_block_sizes(R, B, fan, k, const):
     """Every candidate's log-probability equal (``const``): the digits never separate the
     scores, so the grid path's last block selects more tied keys than it holds in shared memory
     and falls back to its buffer, and the one-block path resolves every key by its index; also
     the one-block path at its largest request (8,192 candidates) and k = 1,024; the sort path
-    at its largest (1,024 candidates, tied and not) and one past it (1,025: the radix path)."""
+    at its largest (1,024 candidates, tied and not) and one past it (1,025: the radix path);
+    the merge path with every key tied (each block's best by radix select, the list past the
+    last block's shared memory), with 8 blocks a request, and at 48 requests of 8,192."""
     case = list(level(R, B, fan, V=max(fan, 64) * 2, seed=R * 7 + B + fan, dead=0.0,
                       uniform=const))
     if const:
@@ -115,6 +118,8 @@ from tests.kernels.test_gpu_trie_topk import assert_kernels_equal_reference, lev
 from streamgr.kernels import trie_topk_one
 assert trie_topk_one.SEG == (os.environ.get("STREAMGR_TOPK_SEG") != "0")
 assert trie_topk_one.BINS == (os.environ.get("STREAMGR_TOPK_BINS") != "0")
+from streamgr.kernels import trie_topk_merge
+assert trie_topk_merge.MERGE == (os.environ.get("STREAMGR_TOPK_MERGE") != "0")
 for R, B, fan, k, ties in [(16, 256, 177, 256, False), (1, 256, 8192, 256, False),
                            (2, 1024, 40, 1024, True), (3, 512, 100, 700, False),
                            (16, 256, 3, 256, True), (3, 4, 256, 700, False), (1, 1, 1, 1, False),
@@ -127,12 +132,14 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("name,value", [("STREAMGR_TOPK_SEG", "0"), ("STREAMGR_TOPK_BINS", "0")])
+@pytest.mark.parametrize("name,value", [("STREAMGR_TOPK_SEG", "0"), ("STREAMGR_TOPK_BINS", "0"),
+                                        ("STREAMGR_TOPK_MERGE", "0")])
 def test_kernels_under_their_ab_settings(name, value):
     """The A/B settings (read at import, so each in its own process) keep the reference's
     answers: ``STREAMGR_TOPK_SEG=0`` (the one-block path sorts its bins' keys instead of
     ranking them), ``STREAMGR_TOPK_BINS=0`` (the one-block path's radix rounds without the bins
-    round)."""
+    round), ``STREAMGR_TOPK_MERGE=0`` (no one-launch merge: steps 1 and 2 on the one-block and
+    grid paths)."""
     import os
     import subprocess
     import sys

@@ -16,8 +16,9 @@ import torch
 from streamgr.kernels.trie_topk import trie_topk_reference
 
 
-def random_case(seed, R=3, B=5, V=40, fan=(1, 6), ties=False, dead=True):
-    """A random level: nodes with 0..fan children (codes increasing), beams on them."""
+def random_case(seed, R=3, B=5, V=40, fan=(1, 6), ties=False, dead=0.2):
+    """A random level: nodes with 0..fan children (codes increasing), beams on them; a ``dead``
+    share of the beams is -inf."""
     rng = np.random.default_rng(seed)
     n_nodes = 7
     counts = rng.integers(fan[0] - 1, fan[1] + 1, size=n_nodes).clip(0)
@@ -26,10 +27,12 @@ def random_case(seed, R=3, B=5, V=40, fan=(1, 6), ties=False, dead=True):
                            or [np.zeros(0, int)]).astype(np.int64)
     nodes = rng.integers(n_nodes, size=(R, B))
     scores = rng.normal(size=(R, B)).astype(np.float32)
-    if dead:
-        scores[rng.random((R, B)) < 0.2] = -np.inf
+    scores[rng.random((R, B)) < dead] = -np.inf
     logp = rng.normal(size=(R * B, V)).astype(np.float32)
-    if ties:  # many equal scores: the order must fall back to the lower candidate index
+    if ties == "const":  # every score equal: the order is the candidate index alone
+        logp[:] = -1.5
+        scores = np.where(np.isfinite(scores), 0, scores).astype(np.float32)
+    elif ties:  # many equal scores: the order must fall back to the lower candidate index
         logp = np.round(logp)
         scores = np.where(np.isfinite(scores), np.round(scores), scores).astype(np.float32)
     F = int(counts.max()) if len(counts) else 1
@@ -79,12 +82,16 @@ SIM = textwrap.dedent("""
     from tests.kernels.test_trie_topk import random_case
     from streamgr.kernels.head_lse import LogProbs, row_lse_reference
     from streamgr.kernels.trie_topk import trie_topk, trie_topk_reference
+    from streamgr.kernels import trie_topk_merge as tm
     n = 0
-    for seed, ties, B, fan, k in {cases!r}:
-        case = random_case(seed, R=2, B=B, fan=fan, ties=ties)
+    for seed, ties, B, fan, k, *more in {cases!r}:
+        R, dead = more or (2, 0.2)
+        case = random_case(seed, R=R, B=B, fan=fan, ties=ties, dead=dead)
         scores, nodes, logp, ptr, codes, off, F = case
         k = min(k, B * F)
-        cap = torch.tensor([k, max(1, k // 2)])
+        # the merge cases (a 6th field) run the merge path, the others not
+        assert (tm.plan_for(B * F, R, k, None) is not None) == bool(more), (seed, B * F, k)
+        cap = torch.tensor([k] + [max(1, k // 2)] * (R - 1))
         # bf16 logits read in place with each row's max and log-sum (the lazy head of
         # bf16 serving), on one case of each path (the simulator is slow)
         lg = (logp * 3).to(torch.bfloat16)
@@ -115,12 +122,21 @@ ONE_BLOCK = [(0, False, 3, (1, 5), 4), (1, True, 6, (2, 8), 8), (4, False, 9, (0
 # so that the last block's list outgrows the block (its radix select from the list in global
 # memory) as well as fits it (sorted whole), k = 1.
 GRID = [(2, False, 40, (4, 12), 16), (8, True, 30, (4, 10), 32), (9, False, 20, (5, 10), 1)]
+# ... and the one-launch merge (2-4 blocks of <= 64 candidates a request, the last block's list
+# held up to 32 keys; fields R and the dead share added): the list ranked in its bins (16), sorted
+# where a bin is crowded (17, 21), selected from global memory where it outgrows 32 (23) or holds
+# only -inf (22), blocks whose every beam is dead (19), k = 1 (20), each block's own best by radix
+# select where every score ties (21).
+MERGE = [(16, False, 12, (6, 6), 4, 1, 0.1), (17, True, 12, (6, 8), 6, 1, 0.1),
+         (19, False, 20, (4, 4), 4, 2, 0.85),
+         (20, False, 10, (6, 8), 1, 2, 0.2), (21, "const", 30, (6, 8), 6, 1, 0.0),
+         (22, False, 20, (4, 4), 4, 2, 1.0), (23, True, 30, (6, 8), 6, 1, 0.0)]
 
 
-@pytest.mark.parametrize("cases", [ONE_BLOCK, GRID], ids=["one_block", "grid"])
+@pytest.mark.parametrize("cases", [ONE_BLOCK, GRID, MERGE], ids=["one_block", "grid", "merge"])
 def test_numba_kernels_under_the_simulator(cases):
-    """The one-block and grid kernels equal the reference on small shapes (a process each:
-    the simulator is set at import)."""
+    """The one-block, grid and merge kernels equal the reference on small shapes (a process
+    each: the simulator is set at import)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     p = subprocess.run([sys.executable, "-c", SIM.format(root=root, cases=cases)], env=env,

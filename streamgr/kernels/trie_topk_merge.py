@@ -1,0 +1,222 @@
+"""Two-level selection of ``trie_topk`` in one launch, for requests whose candidates split over a
+few blocks (gen-ref's steps 1 and 2 at beams of 256: 8,192 and 45,312 candidates, ``k`` 256).
+
+Every block of a request takes a chunk of at most ``ONE_MAX`` candidates, computes their okeys
+into shared memory as ``trie_topk_one`` does, and hands on a superset of its own ``k`` best:
+one round of bins below its best score (``obin``), then every key of the bins from its ``k``-th
+key's up (where those hold at most a block of keys; else exactly its ``k`` best, by radix
+select) goes to the request's list in global memory, as an absolute key ``okey << 31 | (MAXC -
+c)`` (comparable across blocks: no per-block shift). The request's ``k`` best are among the
+blocks' ``k`` best, so the request's last block to finish selects from the list alone: loaded
+into shared memory (up to ``UCAP`` keys), one bins round below the list's best score, each key of
+the bins from the ``k``-th's up ranked within its bin (no sort) or, where a bin is crowded,
+sorted whole; a longer list (ties), or one of only ``-inf`` keys, by radix select over the list
+in global memory. Then decode, as every path does.
+
+Against the grid path (``trie_topk_bins``: a memset and two launches, a global histogram of
+4,096 bins flushed by every block, every candidate group near the pick scored twice, the
+last block sorting) this is one launch after a 2-word-a-request memset: each candidate is
+scored once, and no global histogram is built. It serves where every block's chunk fits shared
+memory and the blocks' lists are expected to fit ``UCAP`` (``plan``); elsewhere the grid path.
+``STREAMGR_TOPK_MERGE=0`` turns it off (A/B runs). Keys are distinct and the bins monotone in the
+score, so the answer is the stable order's, exactly, on every path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from numba import cuda, int32, int64
+
+from .trie_topk import SIMULATED
+from .trie_topk_bins import MAXK, SMS_SIM, _sms, last_block
+from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, SEG_MAX, append, bit_length,
+                            collect, hist_add, minmax, pick, pick_segments, radix, rank_put,
+                            sort_desc, sort_span)
+from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, decode, note_all, okey_float
+from .trie_topk_one import ONE_MAX, obin
+
+MERGE = os.environ.get("STREAMGR_TOPK_MERGE", "1") == "1"
+UCAP = ONE_MAX // 2  # list keys the last block holds in shared memory (okey and c: two int32)
+# Smaller requests stay one block (trie_topk_one): gen-ref's step 3 (768, or 3,072 candidates at
+# beams of 1,024).
+MERGE_MIN = min(ONE_MAX, 4 * NT)
+DONE, UCNT = 0, 1  # ws columns: blocks done, keys listed
+
+
+@cuda.jit(device=True, inline=True)
+def akey(u, c):
+    """Candidate c's absolute key from its okey ``u`` (32 bits): comparable across blocks."""
+    return (u << 31) | (MAXC - c)
+
+
+@cuda.jit(device=True, inline=True)
+def ukey(kx, j):
+    """Listed key j as the last block holds it: okey in ``kx[j]``, candidate in ``kx[UCAP+j]``."""
+    return akey(int64(kx[j]) & LOW32, int64(kx[UCAP + j]))
+
+
+@cuda.jit(device=True, inline=True)
+def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr):
+    """List a superset of the chunk's ``want`` best keys (``kx[:n]``, candidates ``c0 + i``):
+    those of the bins from its ``want``-th's up where they hold at most a block, else exactly
+    the ``want`` best (radix select); where every candidate is -inf, the ``want`` lowest."""
+    tid = cuda.threadIdx.x
+    if hi <= KEY_NEG_INF:  # block-uniform
+        for base in range(0, want, NT):
+            i = base + tid
+            append(ul[r], ws[r], UCNT, akey(KEY_NEG_INF, c0 + i), i < want)
+        return
+    ref = okey_float(hi)
+    hist[tid] = 0
+    cuda.syncthreads()
+    for base in range(0, n, NT):
+        i = base + tid
+        hist_add(hist, obin(kx[min(i, n - 1)], ref), i < n)
+    cuda.syncthreads()
+    d, need, nd = pick(hist, NB, want, scan, res, NT)
+    if want - need + nd <= NT:
+        for base in range(0, n, NT):
+            i = min(base + tid, n - 1)
+            take = base + tid < n and obin(kx[i], ref) >= d
+            append(ul[r], ws[r], UCNT, akey(int64(kx[i]) & LOW32, c0 + i), take)
+        return
+    tmin = lo if lo != BIG else KEY_NEG_INF  # ties: the want best exactly, by their digits
+    top_bit = 31 + bit_length(max(hi - tmin + 1, int64(1)))
+    shift = top_bit - DIG if top_bit > DIG else 0
+    prefix, shift = radix(kx, srt, 0, n, tmin, want, int64(0), int64(63), shift, hist, scan, res,
+                          NT)
+    collect(kx, srt, 0, n, tmin, prefix, int64(63), shift, srt, ctr)
+    if tid == 0:
+        red[0] = cuda.atomic.add(ws, (r, UCNT), int64(want))
+    cuda.syncthreads()
+    pos = red[0]
+    for j in range(tid, want, NT):
+        i = MAXC - (srt[j] & MAXC)
+        ul[r, pos + j] = akey(int64(kx[i]) & LOW32, c0 + i)
+
+
+@cuda.jit(**JIT_NT)
+def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws, ul,
+                 cap, top, parent, child, code):
+    r = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    kx = cuda.shared.array(ONE_MAX, int32)
+    hist = cuda.shared.array(NT, int32)
+    srt = cuda.shared.array(NT, int64)
+    scan = cuda.shared.array(SCAN_N, int32)
+    res = cuda.shared.array(4, int32)
+    red = cuda.shared.array(RED_N, int64)
+    ctr = cuda.shared.array(1, int32)
+    flag = cuda.shared.array(1, int32)
+    cnt = cuda.shared.array(1, int32)
+    if tid == 0:
+        ctr[0] = 0
+    c0 = int64(cuda.blockIdx.x) * ch
+    n = min(N - c0, ch)
+    lo, hi = note_all(kx, c0, n, NT, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    lo, hi = minmax(lo, hi, red)  # its barriers also publish kx
+    hand_on(kx, c0, n, min(k, n), lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr)
+    if not last_block(ws, r, DONE, flag):
+        return
+    cuda.threadfence()
+    if tid == 0:
+        ctr[0] = 0
+        cnt[0] = int32(cuda.atomic.add(ws, (r, UCNT), int64(0)))
+    cuda.syncthreads()
+    U = int64(cnt[0])  # >= k: each block listed min(k, its n)
+    if U <= UCAP:
+        hi = int64(-1)
+        for j in range(tid, U, NT):
+            v = ul[r, j]
+            u = v >> 31
+            kx[j] = int32(u - (int64(1) << 32) if u >= (int64(1) << 31) else u)
+            kx[UCAP + j] = int32(MAXC - (v & MAXC))
+            hi = max(hi, v)
+        _, hi = minmax(BIG, hi, red)  # also publishes kx
+        if (hi >> 31) > KEY_NEG_INF:  # a real score: the bins below the list's best
+            ref = okey_float(hi >> 31)
+            hist[tid] = 0
+            cuda.syncthreads()
+            for base in range(0, U, NT):
+                j = base + tid
+                hist_add(hist, obin(kx[min(j, U - 1)], ref), j < U)
+            cuda.syncthreads()
+            d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
+            total = k - need + nd
+            if big == 0 and total <= NT:  # each key of the bins from d up ranked in its bin
+                for base in range(0, U, NT):
+                    j = min(base + tid, U - 1)
+                    b = obin(kx[j], ref)
+                    if base + tid < U and b >= d:
+                        srt[cuda.atomic.add(hist, b, 1)] = ukey(kx, j)
+                cuda.syncthreads()
+                for j in range(tid, total, NT):
+                    v = srt[j]
+                    rank_put(srt, v, obin(v >> 31, ref), hist, NB, k, r, F, FM, B, scores,
+                             nodes, logp, lse, sh, ptr, codes, off, cap, top, parent, child,
+                             code)
+                return
+            if total <= NT:  # a crowded bin: the bins' keys sorted whole
+                srt[tid] = 0
+                cuda.syncthreads()
+                for base in range(0, U, NT):
+                    j = min(base + tid, U - 1)
+                    append(srt, ctr, 0, ukey(kx, j), base + tid < U and obin(kx[j], ref) >= d)
+                cuda.syncthreads()
+                sort_desc(srt, sort_span(total, KP))
+                decode(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap,
+                       top, parent, child, code)
+                return
+    # ties or only -inf: radix select over the list in global memory
+    lo = MAXK
+    hi = int64(-1)
+    for j in range(tid, U, NT):
+        v = ul[r, j]
+        lo = min(lo, v)
+        hi = max(hi, v)
+    lo, hi = minmax(lo, hi, red)
+    if U <= NT:  # the whole list sorted
+        srt[tid] = ul[r, tid] if tid < U else int64(0)
+        cuda.syncthreads()
+        sort_desc(srt, sort_span(U, KP))
+    else:
+        fixed = bit_length(lo ^ hi)  # U > k >= 1 distinct keys: they differ
+        prefix = (hi >> fixed) << fixed
+        shift = fixed - DIG if fixed > DIG else 0
+        p, s = radix(hist, ul[r], 1, U, 0, k, prefix, fixed, shift, hist, scan, res, NT)
+        collect(hist, ul[r], 1, U, 0, p, fixed, s, srt, ctr)
+        for i in range(k + tid, KP, NT):
+            srt[i] = 0
+        cuda.syncthreads()
+        sort_desc(srt, KP)
+    decode(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
+           child, code)
+
+
+def plan(N: int, R: int, k: int, sms: int):
+    """(chunk, blocks a request) where this path serves R requests of N candidates, else None:
+    more than ``MERGE_MIN`` candidates, at least two blocks a request, each chunk within ``ONE_MAX``, ``k`` within half a block
+    (the bins rounds), and blocks x ``k`` (plus a quarter for the pick bins' ties) within
+    ``UCAP``, so that the list usually fits the last block's shared memory."""
+    if not MERGE or 2 * k > NT or N <= MERGE_MIN:
+        return None
+    per = max(1, min(sms // max(R, 1), (4 * UCAP) // (5 * k)))
+    ch = -(-N // per)
+    ch = -(-ch // NT) * NT
+    g = -(-N // ch)
+    return (ch, g) if g >= 2 and ch <= ONE_MAX else None
+
+
+def plan_for(N: int, R: int, k: int, dev):
+    return plan(N, R, k, SMS_SIM if SIMULATED else _sms(dev))
+
+
+def run(launch, R, N, k, KP, ch, g, F, FM, B, sc, nd, lp, trie, outs, dev, arr):
+    """The list's counters zeroed (torch's fill) and the one launch (``launch(fn, grid,
+    threads)``)."""
+    ws = torch.zeros(R, 2, dtype=torch.int64, device=dev)
+    ul = torch.empty(R, g * NT, dtype=torch.int64, device=dev)  # a block lists <= NT (k <= NT)
+    launch(merge_select, (g, R), NT)(N, k, KP, ch, F, FM, B, sc, nd, *lp, *trie, arr(ws), arr(ul),
+                                     *outs)

@@ -39,9 +39,12 @@ from .trie_topk_one import ONE_MAX, obin
 
 MERGE = os.environ.get("STREAMGR_TOPK_MERGE", "1") == "1"
 UCAP = ONE_MAX // 2  # list keys the last block holds in shared memory (okey and c: two int32)
-# Smaller requests stay one block (trie_topk_one): gen-ref's step 3 (768, or 3,072 candidates at
-# beams of 1,024).
-MERGE_MIN = min(ONE_MAX, 4 * NT)
+# Requests that fit one block stay one block (trie_topk_one): on the H200 step 1 (8,192
+# candidates) took 0.0273 ms here over 2-8 blocks, 0.0251 there (session 29).
+MERGE_MIN = ONE_MAX
+# A block's chunk: whole rounds of four candidates a thread (note_all). At step 2 (16 requests)
+# 6 blocks of 8,192 took 0.0363 ms, 8 of 6,144 0.0374, 12 of 4,096 0.0447: fewer lists to merge.
+UNIT = min(4 * NT, ONE_MAX // 2)
 DONE, UCNT = 0, 1  # ws columns: blocks done, keys listed
 
 
@@ -204,7 +207,7 @@ def plan(N: int, R: int, k: int, sms: int):
         return None
     per = max(1, min(sms // max(R, 1), (4 * UCAP) // (5 * k)))
     ch = -(-N // per)
-    ch = -(-ch // NT) * NT
+    ch = -(-ch // UNIT) * UNIT
     g = -(-N // ch)
     return (ch, g) if g >= 2 and ch <= ONE_MAX else None
 

@@ -20,7 +20,9 @@ crowded), or radix select by 10-bit digits where they hold more than a block; de
 launches: each block bins its candidates' scores below the request's best beam score (the last
 block picks the bin of the ``k``-th), then scores them again where a group of 32 reaches that
 bin and appends the keys to a list; the request's last block sorts the list (or radix-selects
-from it) and decodes (``trie_topk_bins``).
+from it) and decodes (``trie_topk_bins``). Where a request splits over a few blocks of at most
+``ONE_MAX`` each and ``k`` is at most half a block, one launch instead: each block lists its
+own best keys, and the request's last block selects from that list (``trie_topk_merge``).
 ``NUMBA_ENABLE_CUDASIM=1`` runs the same kernels on the CPU with small sizes, so CI checks their
 logic. The torch reference (``trie_topk_reference``) carries the CPU path.
 """
@@ -87,9 +89,9 @@ def _check(scores, nodes, logp, k, fanout):
 
 
 # The Numba kernels serve by default on CUDA (STREAMGR_SELECTION=topk: the torch step). Against
-# torch.topk alone they run at 1.36x-2.91x over gen-ref's step shapes, and the torch step also
+# torch.topk alone they run at 1.31x-2.79x over gen-ref's step shapes, and the torch step also
 # gathers each candidate's log-probability out of the bf16 logits first, which the kernels read
-# in place: the whole bf16 step 3.94x-9.02x faster (docs/benchmarks.md, session 28). Their ties
+# in place: the whole bf16 step 3.93x-9.10x faster (docs/benchmarks.md, session 29). Their ties
 # go to the lower candidate index on every device; the CPU keeps torch.topk's.
 DEFAULT_IMPL = os.environ.get("STREAMGR_SELECTION", "numba").lower()
 

@@ -32,10 +32,10 @@ from numba import cuda, int32, int64
 from .trie_topk import SIMULATED
 from .trie_topk_bins import MAXK, SMS_SIM, _sms, last_block
 from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, SEG_MAX, append, bit_length,
-                            collect, hist_add, minmax, pick, pick_segments, radix, rank_put,
-                            sort_desc, sort_span)
+                            collect, minmax, pick, pick_segments, radix, rank_put, sort_desc,
+                            sort_span)
 from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, decode, note_all, okey_float
-from .trie_topk_one import ONE_MAX, obin
+from .trie_topk_one import ONE_MAX, obin, obin_hist
 
 MERGE = os.environ.get("STREAMGR_TOPK_MERGE", "1") == "1"
 UCAP = ONE_MAX // 2  # list keys the last block holds in shared memory (okey and c: two int32)
@@ -72,12 +72,7 @@ def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr):
             append(ul[r], ws[r], UCNT, akey(KEY_NEG_INF, c0 + i), i < want)
         return
     ref = okey_float(hi)
-    hist[tid] = 0
-    cuda.syncthreads()
-    for base in range(0, n, NT):
-        i = base + tid
-        hist_add(hist, obin(kx[min(i, n - 1)], ref), i < n)
-    cuda.syncthreads()
+    obin_hist(hist, kx, n, ref)
     d, need, nd = pick(hist, NB, want, scan, res, NT)
     if want - need + nd <= NT:
         for base in range(0, n, NT):
@@ -140,12 +135,7 @@ def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
         _, hi = minmax(BIG, hi, red)  # also publishes kx
         if (hi >> 31) > KEY_NEG_INF:  # a real score: the bins below the list's best
             ref = okey_float(hi >> 31)
-            hist[tid] = 0
-            cuda.syncthreads()
-            for base in range(0, U, NT):
-                j = base + tid
-                hist_add(hist, obin(kx[min(j, U - 1)], ref), j < U)
-            cuda.syncthreads()
+            obin_hist(hist, kx, U, ref)
             d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
             total = k - need + nd
             if big == 0 and total <= NT:  # each key of the bins from d up ranked in its bin

@@ -47,6 +47,19 @@ def obin(kx, ref):
     return int32(NB - 1 - min(max(g, int64(0)), int64(NB - 1)))
 
 
+@cuda.jit(device=True, inline=True)
+def obin_hist(hist, kx, n, ref):
+    """``hist[:NT]`` = the counts of ``kx[:n]``'s okeys by ``obin``. Every thread calls it; it
+    ends synchronized."""
+    tid = cuda.threadIdx.x
+    hist[tid] = 0
+    cuda.syncthreads()
+    for base in range(0, n, NT):
+        i = base + tid
+        hist_add(hist, obin(kx[min(i, n - 1)], ref), i < n)
+    cuda.syncthreads()
+
+
 @cuda.jit(**JIT_NT)
 def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
                child, code):
@@ -69,12 +82,7 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
     # step 3 at beams of 1,024 0.0321 against 0.0292 ms, session 28)
     if BINS and 2 * k <= NT and hi > KEY_NEG_INF:
         ref = okey_float(hi)
-        hist[tid] = 0
-        cuda.syncthreads()
-        for base in range(0, N, NT):
-            i = base + tid
-            hist_add(hist, obin(kx[min(i, N - 1)], ref), i < N)
-        cuda.syncthreads()
+        obin_hist(hist, kx, N, ref)
         big = int32(1)
         if SEG:  # hist becomes the bins' segment starts
             d, need, n, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)

@@ -29,45 +29,45 @@ def nvcc() -> str:
 @pytest.mark.parametrize("src", SOURCES, ids=[p.name for p in SOURCES])
 def test_compiles_for_sm90(src, tmp_path):
     """sm_90, and sm_90a for a source that says it is for that target (wgmma): its sm_90
-    build is an empty body, its sm_90a build the kernel that runs."""
-    for arch in ("sm_90",) + (("sm_90a",) if "// arch: sm_90a" in src.read_text() else ()):
-        compile_checked(src, tmp_path, arch)
+    build is an empty body, its sm_90a build the kernel that runs, holding warpgroup MMAs (its
+    feature macro is set there; a guard that never opened would compile an empty kernel
+    without complaint). The PTX is the builds' own intermediate (one nvcc run an arch)."""
+    if "// arch: sm_90a" not in src.read_text():
+        compile_checked(src, tmp_path, "sm_90")
+        return
+    ptx = {arch: compile_checked(src, tmp_path, arch) for arch in ("sm_90", "sm_90a")}
+    assert ptx["sm_90a"].count("wgmma.mma_async") >= 6 and "wgmma" not in ptx["sm_90"]
 
 
-def compile_checked(src, tmp_path, arch, defines=()):
-    out = tmp_path / f"{src.stem}.{arch}.cubin"
+def test_the_wgmma_sources_are_checked_for_wgmma():
+    assert {p.name for p in SOURCES if "// arch: sm_90a" in p.read_text()} >= {
+        "hstu_attention_wgmma.cu", "t5_attention_wgmma.cu"}
+
+
+def compile_checked(src, tmp_path, arch, defines=()) -> str:
+    """Builds ``src`` for ``arch`` (no spills, no serialized wgmma); returns its PTX."""
+    keep = tmp_path / f"keep.{arch}"
+    keep.mkdir()
+    out = keep / f"{src.stem}.cubin"
     p = subprocess.run([nvcc(), f"-arch={arch}", "-std=c++17", "-cubin", "-Xptxas", "-v",
-                        *(f"-D{d}" for d in defines),
+                        "-keep", f"-keep-dir={keep}", *(f"-D{d}" for d in defines),
                         "-o", str(out), str(src)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert out.stat().st_size > 0
     spills = re.findall(r"(\d+) bytes spill stores", p.stderr)
     assert spills and all(n == "0" for n in spills), p.stderr  # no kernel spills registers
     assert "C751" not in p.stderr, p.stderr  # ptxas serialized no wgmma (C7511-C7515)
+    return (keep / f"{src.stem}.ptx").read_text()
 
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_served_t5_configurations_compile(tmp_path, bias):
     """The tile configurations the T5 wrapper serves (64-row blocks, two an SM) build for
-    sm_90a without spills, as the default one does."""
+    sm_90a without spills and with warpgroup MMAs, as the default one does."""
     from streamgr.kernels import t5_attention as ta
     src = next(p for p in SOURCES if p.name == "t5_attention_wgmma.cu")
-    compile_checked(src, tmp_path, "sm_90a", ta._wg_defines(bias))
-
-
-@pytest.mark.parametrize("name", ["hstu_attention_wgmma.cu", "t5_attention_wgmma.cu"])
-def test_the_sm90a_attention_build_uses_wgmma(tmp_path, name):
-    """The sm_90a build of a wgmma attention holds warpgroup MMAs (its feature macro is set
-    there; a guard that never opened would compile an empty kernel without complaint)."""
-    src = next(p for p in SOURCES if p.name == name)
-    ptx = {}
-    for arch in ("sm_90", "sm_90a"):
-        out = tmp_path / f"{arch}.ptx"
-        p = subprocess.run([nvcc(), f"-arch={arch}", "-std=c++17", "-ptx", "-o", str(out),
-                            str(src)], capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stderr
-        ptx[arch] = out.read_text()
-    assert ptx["sm_90a"].count("wgmma.mma_async") >= 6 and "wgmma" not in ptx["sm_90"]
+    ptx = compile_checked(src, tmp_path, "sm_90a", ta._wg_defines(bias))
+    assert ptx.count("wgmma.mma_async") >= 6
 
 
 def test_local_headers_are_inlined_for_nvrtc():

@@ -116,7 +116,7 @@ SIM = textwrap.dedent("""
 # whole (seeds 1, 15: one over it) ...
 ONE_BLOCK = [(0, False, 3, (1, 5), 4), (1, True, 6, (2, 8), 8), (4, False, 9, (0, 3), 1),
              (5, False, 1, (6, 6), 6), (7, False, 10, (3, 3), 30), (10, True, 7, (6, 9), 20),
-             (11, False, 8, (5, 8), 31), (12, False, 2, (1, 1), 2), (13, False, 1, (1, 1), 1),
+             (12, False, 2, (1, 1), 2), (13, False, 1, (1, 1), 1),
              (14, False, 8, (4, 8), 12), (15, False, 6, (8, 8), 16)]
 # ... and the grid launches (> 64 candidates; 256 bins): ties, k reaching into the -inf slots,
 # so that the last block's list outgrows the block (its radix select from the list in global
@@ -124,10 +124,10 @@ ONE_BLOCK = [(0, False, 3, (1, 5), 4), (1, True, 6, (2, 8), 8), (4, False, 9, (0
 GRID = [(2, False, 40, (4, 12), 16), (8, True, 30, (4, 10), 32), (9, False, 20, (5, 10), 1)]
 # ... and the one-launch merge (2-4 blocks of <= 64 candidates a request, the last block's list
 # held up to 32 keys; fields R and the dead share added): the list ranked in its bins (16), sorted
-# where a bin is crowded (17, 21), selected from global memory where it outgrows 32 (23) or holds
+# where a bin is crowded (21), selected from global memory where it outgrows 32 (23) or holds
 # only -inf (22), blocks whose every beam is dead (19), k = 1 (20), each block's own best by radix
 # select where every score ties (21).
-MERGE = [(16, False, 12, (6, 6), 4, 1, 0.1), (17, True, 12, (6, 8), 6, 1, 0.1),
+MERGE = [(16, False, 12, (6, 6), 4, 1, 0.1),
          (19, False, 20, (4, 4), 4, 2, 0.85),
          (20, False, 10, (6, 8), 1, 2, 0.2), (21, "const", 30, (6, 8), 6, 1, 0.0),
          (22, False, 20, (4, 4), 4, 2, 1.0), (23, True, 30, (6, 8), 6, 1, 0.0)]

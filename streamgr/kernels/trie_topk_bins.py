@@ -256,7 +256,7 @@ def chunk(N: int, R: int, sms: int) -> int:
 def run(launch, R, N, k, KP, F, FM, B, sc, nd, lp, trie, outs, dev, arr):
     """The workspace zeroed (torch's fill) and the two launches (``launch(fn, grid,
     threads)``) for R requests of N candidates."""
-    ch = chunk(N, R, SMS_SIM if SIMULATED else _sms(dev))
+    ch = chunk(N, R, SMS_SIM if SIMULATED else sm_count(dev))
     g = -(-N // ch)
     ws = torch.zeros(R, W_LEN, dtype=torch.int64, device=dev)
     sure = torch.empty(R, k, dtype=torch.int64, device=dev)
@@ -272,5 +272,5 @@ def run(launch, R, N, k, KP, F, FM, B, sc, nd, lp, trie, outs, dev, arr):
 
 
 @functools.lru_cache(maxsize=None)
-def _sms(dev) -> int:
+def sm_count(dev) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count

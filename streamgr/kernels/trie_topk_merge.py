@@ -30,7 +30,7 @@ import torch
 from numba import cuda, int32, int64
 
 from .trie_topk import SIMULATED
-from .trie_topk_bins import MAXK, SMS_SIM, _sms, last_block
+from .trie_topk_bins import MAXK, SMS_SIM, last_block, sm_count
 from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, SEG_MAX, append, bit_length,
                             collect, minmax, pick, pick_segments, radix, rank_put, sort_desc,
                             sort_span)
@@ -203,7 +203,7 @@ def plan(N: int, R: int, k: int, sms: int):
 
 
 def plan_for(N: int, R: int, k: int, dev):
-    return plan(N, R, k, SMS_SIM if SIMULATED else _sms(dev))
+    return plan(N, R, k, SMS_SIM if SIMULATED else sm_count(dev))
 
 
 def run(launch, R, N, k, KP, ch, g, F, FM, B, sc, nd, lp, trie, outs, dev, arr):

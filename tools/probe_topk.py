@@ -14,6 +14,12 @@ summarize its per-source-line report.
    samples, and instructions executed). Numba attributes inlined device functions loosely (a
    kernel's own ``def`` or first lines often carry its inlined callees' samples).
 
+3. On the GPU, ``python3 tools/probe_topk.py --timeline [shapes]``: the kernels compiled with
+   phase stamps (``STREAMGR_NUMBA_STAMP``: thread 0's SM clock at each phase boundary, the
+   global timer at the kernel's start and end), then per shape and kind of block (one-block
+   requests; a merge's listing blocks and last blocks) each phase's median and slowest block in
+   us, and the launch's span from its first block's start to its last block's end.
+
 Shapes: ``s1`` (16 x 1 x 8,192, k 256), ``s2`` (16 x 256 x 177), ``s3`` (16 x 256 x 3),
 ``flat`` (1 x 256 x 8,192), ``s2b1024`` (16 x 1,024 x 177, k 1,024); all by default.
 """
@@ -73,11 +79,75 @@ def run(names: list[str]) -> None:
         torch.cuda.nvtx.range_pop()
 
 
+def timeline(names: list[str], reps: int) -> None:
+    import os
+
+    import torch
+    buf = torch.zeros(8192 * 16, dtype=torch.int64, device="cuda")
+    os.environ["STREAMGR_NUMBA_STAMP"] = str(buf.data_ptr())  # before any kernel module loads
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_topk import DEV, level
+    from streamgr.kernels import numba_common as nc
+    from streamgr.kernels import trie_topk as tt
+    assert nc.STAMP == buf.data_ptr(), "a kernel module was imported before the stamp address"
+    for name in names:
+        R, B, F, k = SHAPES[name]
+        case = level(R, B, F, seed=R + B + F + k)
+        cap = torch.full((R,), k, device=DEV)
+        tt.trie_topk(*case, k, cap, impl="numba")  # compiles
+        runs = []
+        for _ in range(reps):
+            buf.zero_()
+            torch.cuda.synchronize()
+            tt.trie_topk(*case, k, cap, impl="numba")
+            torch.cuda.synchronize()
+            st = buf.view(-1, 16).cpu()
+            runs.append(st[st[:, 14] > 0])
+        print(f"== {name} (R {R}, B {B}, F {F}, k {k}); {len(runs[0])} blocks, {reps} runs")
+        for line in _phases(runs):
+            print(line)
+
+
+def _phases(runs) -> list[str]:
+    """Per kind of block (the set of slots it stamped), each phase's median and slowest us over
+    blocks and runs (the clock's cycles over the timer's ns give its rate), and the span."""
+    import torch
+    kinds: dict[tuple, list] = {}
+    spans = []
+    for st in runs:
+        if len(st) == 0:
+            return ["  no stamps: this shape's kernels do not call stamp()"]
+        spans.append((st[:, 15].max() - st[:, 14].min()).item() / 1e3 if (st[:, 15] > 0).all()
+                     else float("nan"))
+        for row in st:
+            if row[15] == 0:  # no end stamp: a path left unstamped
+                kinds.setdefault(("unstamped end",), []).append(row)
+                continue
+            slots = tuple(int(s) for s in range(14) if row[s] != 0)
+            kinds.setdefault(slots, []).append(row)
+    out = [f"  launch span (first start -> last end): median {sorted(spans)[len(spans) // 2]:.2f} "
+           f"us over runs"]
+    for slots, rows in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
+        if slots == ("unstamped end",):
+            out.append(f"  {len(rows)} block-runs ended on a path without an end stamp")
+            continue
+        t = torch.stack(rows).double()
+        ghz = (t[:, 13] - t[:, 0]) / (t[:, 15] - t[:, 14]).clamp(min=1)
+        out.append(f"  {len(rows)} block-runs stamping {list(slots)} (clock {ghz.median():.2f} "
+                   f"GHz); whole block median {((t[:, 15] - t[:, 14]) / 1e3).median():.2f} us")
+        for a, b in zip(slots, slots[1:]):
+            us = (t[:, b] - t[:, a]) / ghz / 1e3
+            out.append(f"    {a:>2} -> {b:>2}: median {us.median():6.2f} us, max {us.max():6.2f}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("shapes", nargs="*", help=f"of {', '.join(SHAPES)} (default: all)")
     ap.add_argument("--summarize", metavar="NCU_TXT")
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--timeline", action="store_true", help="phase stamps (see 3. above)")
+    ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     bad = [s for s in args.shapes if s not in SHAPES]
     if bad:
@@ -86,6 +156,9 @@ def main() -> None:
         print("\n".join(summarize(Path(args.summarize).read_text(), args.top)))
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    if args.timeline:
+        timeline(args.shapes or list(SHAPES), args.reps)
+        return
     run(args.shapes or list(SHAPES))
 
 

@@ -9,12 +9,20 @@ through numpy, and the sums through shared memory (it has no warp shuffles)."""
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import torch
 from numba import cuda, int32, int64
 
 from .decoder_attention import SIMULATED
+
+
+# STREAMGR_NUMBA_STAMP=<device address of an int64 buffer>: kernels that call ``stamp`` write
+# thread 0's SM clock at their phase boundaries there (tools/probe_topk.py --timeline); unset
+# (the default) ``stamp`` compiles to nothing.
+STAMP = 0 if SIMULATED else int(os.environ.get("STREAMGR_NUMBA_STAMP", "0"), 0)
+STAMP_SLOTS = 16  # per block: slot s of block (y, x) at (y * gridDim.x + x) * 16 + s
 
 
 def as_array(t: torch.Tensor):
@@ -105,3 +113,48 @@ def lane_sum(width: int):
             w //= 2
         return x
     return total
+
+
+if STAMP == 0:
+    @cuda.jit(device=True, inline=True)
+    def stamp(slot):
+        """Thread 0's SM clock (``%clock64``) into the stamp buffer's ``slot`` (1-12) for its
+        block, where ``STREAMGR_NUMBA_STAMP`` names one: slot 14 (the kernel's start) and 15
+        (its end) take ``%globaltimer`` ns, with the clock at slots 0 and 13. Here nothing."""
+        return
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    def _reader(reg):
+        @intrinsic
+        def read(typingctx):
+            def codegen(context, builder, sig, args):
+                fnty = ir.FunctionType(ir.IntType(64), [])
+                return builder.call(ir.InlineAsm(fnty, f"mov.u64 $0, {reg};", "=l",
+                                                 side_effect=True), [])
+            return types.int64(), codegen
+        return read
+
+    _clock, _timer = _reader("%clock64"), _reader("%globaltimer")
+
+    @intrinsic
+    def _store(typingctx, addr, val):
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(64)])
+            builder.call(ir.InlineAsm(fnty, "st.global.u64 [$0], $1;", "l,l",
+                                      side_effect=True), list(args))
+            return context.get_dummy_value()
+        return types.void(addr, val), codegen
+
+    @cuda.jit(device=True, inline=True)
+    def stamp(slot):
+        if cuda.threadIdx.x == 0:
+            blk = int64(cuda.blockIdx.y) * cuda.gridDim.x + cuda.blockIdx.x
+            at = int64(STAMP) + (blk * STAMP_SLOTS + slot) * 8
+            if slot >= 14:
+                _store(at, _timer())
+                _store(at - (14 - 12 * (slot - 14)) * 8, _clock())
+            else:
+                _store(at, _clock())

@@ -19,6 +19,7 @@ import os
 
 from numba import cuda, int32, int64
 
+from .numba_common import STAMP, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length, collect,
                             hist_add, minmax, pick, pick_segments, radix, rank_put, SEG_MAX,
@@ -27,9 +28,13 @@ from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, _bits, decode, note_all, 
                              tkey)
 
 ONE_MAX = 64 if SIMULATED else 8192  # okeys in shared memory: 32 KiB
-# obin's window: 8 bins an octave of the distance below the best score, NB // 8 octaves from
-# 2**-(NB // 16) up (closer is the best bin, farther or -inf the worst)
-OBASE = (127 - NB // 16) * 8
+# obin's window: 2**OCT bins an octave of the distance below the best score, NB >> OCT octaves
+# centred on 1 (closer is the best bin, farther or -inf the worst). 16 an octave (OCT 4): on the
+# H200 step 1 0.0250 -> 0.0192 ms, step 2 0.0334 -> 0.0281, step 3 0.0099 -> 0.0081 against 8
+# (session 30: at 8 the k-th key's bin often held over SEG_MAX keys, and a sort of 1,024 keys
+# took 8.4 us). STREAMGR_TOPK_OCT sets it for A/B runs (3 under the simulator's 32 bins).
+OCT = 3 if SIMULATED else int(os.environ.get("STREAMGR_TOPK_OCT", "4"))
+OBASE = (127 - (NB >> OCT) // 2) << OCT
 BINS = os.environ.get("STREAMGR_TOPK_BINS", "1") == "1"  # 0: radix rounds only (A/B runs)
 # The bins' keys ranked within their bins (each key counts the keys of its bin above it) where no
 # bin from the k-th's up holds more than SEG_MAX; else sorted whole (a bitonic network: 35% of
@@ -43,7 +48,7 @@ def obin(kx, ref):
     """The bin (of NB, higher for higher scores) of the score whose okey's int32 bits are
     ``kx``, by its distance below the request's best score ``ref``: monotone in the score."""
     e = okey_float(int64(kx) & LOW32) - ref  # <= 0
-    g = int64((_bits(e) & 0x7FFFFFFF) >> 20) - OBASE
+    g = int64((_bits(e) & 0x7FFFFFFF) >> (23 - OCT)) - OBASE
     return int32(NB - 1 - min(max(g, int64(0)), int64(NB - 1)))
 
 
@@ -72,10 +77,13 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
     res = cuda.shared.array(4, int32)
     red = cuda.shared.array(RED_N, int64)
     ctr = cuda.shared.array(1, int32)
+    stamp(14)
     if tid == 0:
         ctr[0] = 0
     lo, hi = note_all(kx, 0, N, NT, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    stamp(1)
     lo, hi = minmax(lo, hi, red)  # its barriers also publish kx
+    stamp(2)
     tmin = lo if lo != BIG else KEY_NEG_INF
     # a round of bins below the best score (block-uniform; for k over half the block the bins
     # rarely fit a block, and ranking such lists in kx's free tail measured slower on the H200:
@@ -83,11 +91,13 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
     if BINS and 2 * k <= NT and hi > KEY_NEG_INF:
         ref = okey_float(hi)
         obin_hist(hist, kx, N, ref)
+        stamp(3)
         big = int32(1)
         if SEG:  # hist becomes the bins' segment starts
             d, need, n, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
         else:
             d, need, n = pick(hist, NB, k, scan, res, NT)
+        stamp(4)
         total = k - need + n
         if big == 0 and total <= NT:  # each key of the bins from d up into its bin's segment
             for base in range(0, N, NT):
@@ -96,11 +106,15 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
                 if base + tid < N and b >= d:
                     srt[cuda.atomic.add(hist, b, 1)] = tkey(int64(kx[i]) & LOW32, int64(i), tmin)
             cuda.syncthreads()  # hist[b]: bin b's segment end, the next lower bin's start
+            stamp(5)
             for j in range(tid, total, NT):  # each ranked in its bin: its answer's rank, no sort
                 v = srt[j]
                 rank_put(srt, v, obin(kx[MAXC - (v & MAXC)], ref), hist, NB, k, r, F, FM, B,
                          scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent, child,
                          code)
+            if STAMP:
+                cuda.syncthreads()
+                stamp(15)
             return
         if total <= NT:  # every key of the bins from d up fits: sort them all
             srt[tid] = 0
@@ -111,9 +125,14 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
                 take = base + tid < N and obin(kx[i], ref) >= d
                 append(srt, ctr, 0, tkey(u, int64(i), tmin), take)
             cuda.syncthreads()
+            stamp(6)
             sort_desc(srt, sort_span(total, KP))
+            stamp(7)
             decode(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
                    parent, child, code)
+            if STAMP:
+                cuda.syncthreads()
+                stamp(15)
             return
     top_bit = 31 + bit_length(max(hi - tmin + 1, int64(1)))  # keys < 2**top_bit
     shift = top_bit - DIG if top_bit > DIG else 0

@@ -36,16 +36,19 @@ from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, SEG_MAX, ap
                             collect, minmax, pick, pick_segments, radix, rank_put, sort_desc,
                             sort_span)
 from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, decode, note_all, okey_float
-from .trie_topk_one import ONE_MAX, obin, obin_hist
+from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, count_above, hold, obin,
+                               obin_hist, sample_floor, select_list, write_above)
 
 MERGE = os.environ.get("STREAMGR_TOPK_MERGE", "1") == "1"
-UCAP = ONE_MAX // 2  # list keys the last block holds in shared memory (okey and c: two int32)
 # Requests that fit one block stay one block (trie_topk_one): on the H200 step 1 (8,192
 # candidates) took 0.0273 ms here over 2-8 blocks, 0.0251 there (session 29).
 MERGE_MIN = ONE_MAX
 # A block's chunk: whole rounds of four candidates a thread (note_all). At step 2 (16 requests)
 # 6 blocks of 8,192 took 0.0363 ms, 8 of 6,144 0.0374, 12 of 4,096 0.0447: fewer lists to merge.
 UNIT = min(4 * NT, ONE_MAX // 2)
+# A block's list in quarters of k, for the plan: ~7/4 above a sampled floor (sample_floor's
+# margin), ~5/4 from the bins (and under the simulator, whose test cases are sized for it)
+LIST4 = 7 if SAMPLE and not SIMULATED else 5
 DONE, UCNT = 0, 1  # ws columns: blocks done, keys listed
 
 
@@ -53,12 +56,6 @@ DONE, UCNT = 0, 1  # ws columns: blocks done, keys listed
 def akey(u, c):
     """Candidate c's absolute key from its okey ``u`` (32 bits): comparable across blocks."""
     return (u << 31) | (MAXC - c)
-
-
-@cuda.jit(device=True, inline=True)
-def ukey(kx, j):
-    """Listed key j as the last block holds it: okey in ``kx[j]``, candidate in ``kx[UCAP+j]``."""
-    return akey(int64(kx[j]) & LOW32, int64(kx[UCAP + j]))
 
 
 @cuda.jit(device=True, inline=True)
@@ -82,6 +79,12 @@ def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr):
             ul[r, pos + i] = akey(KEY_NEG_INF, c0 + i)
         return
     ref = okey_float(hi)
+    if SAMPLE and n > SAMPLE_MIN:  # the keys at or above a sampled floor, if they fit
+        t = sample_floor(kx, n, want, ref, hist, scan, res, red)
+        at, cnt = count_above(kx, n, t, scan, res)
+        if want <= cnt and cnt <= NT:  # block-uniform; a block lists at most NT keys
+            write_above(kx, n, c0, t, ul[r], reserve(ws, r, cnt, red) + at)
+            return
     obin_hist(hist, kx, n, ref)
     stamp(10)
     d, need, nd = pick(hist, NB, want, scan, res, NT)
@@ -151,47 +154,18 @@ def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
         hi = int64(-1)
         for j in range(tid, U, NT):
             v = ul[r, j]
-            u = v >> 31
-            kx[j] = int32(u - (int64(1) << 32) if u >= (int64(1) << 31) else u)
-            kx[UCAP + j] = int32(MAXC - (v & MAXC))
+            hold(kx, j, v)
             hi = max(hi, v)
         _, hi = minmax(BIG, hi, red)  # also publishes kx
         stamp(5)
-        if (hi >> 31) > KEY_NEG_INF:  # a real score: the bins below the list's best
-            ref = okey_float(hi >> 31)
-            obin_hist(hist, kx, U, ref)
-            stamp(6)
-            d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
-            stamp(7)
-            total = k - need + nd
-            if big == 0 and total <= NT:  # each key of the bins from d up ranked in its bin
-                for base in range(0, U, NT):
-                    j = min(base + tid, U - 1)
-                    b = obin(kx[j], ref)
-                    if base + tid < U and b >= d:
-                        srt[cuda.atomic.add(hist, b, 1)] = ukey(kx, j)
+        if (hi >> 31) > KEY_NEG_INF and select_list(kx, U, okey_float(hi >> 31), k, KP, hist,
+                                                    srt, scan, res, ctr, r, F, FM, B, scores,
+                                                    nodes, logp, lse, sh, ptr, codes, off, cap,
+                                                    top, parent, child, code):
+            if STAMP:
                 cuda.syncthreads()
-                stamp(8)
-                for j in range(tid, total, NT):
-                    v = srt[j]
-                    rank_put(srt, v, obin(v >> 31, ref), hist, NB, k, r, F, FM, B, scores,
-                             nodes, logp, lse, sh, ptr, codes, off, cap, top, parent, child,
-                             code)
-                if STAMP:
-                    cuda.syncthreads()
-                    stamp(15)
-                return
-            if total <= NT:  # a crowded bin: the bins' keys sorted whole
-                srt[tid] = 0
-                cuda.syncthreads()
-                for base in range(0, U, NT):
-                    j = min(base + tid, U - 1)
-                    append(srt, ctr, 0, ukey(kx, j), base + tid < U and obin(kx[j], ref) >= d)
-                cuda.syncthreads()
-                sort_desc(srt, sort_span(total, KP))
-                decode(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap,
-                       top, parent, child, code)
-                return
+                stamp(15)
+            return
     # ties or only -inf: radix select over the list in global memory
     lo = MAXK
     hi = int64(-1)
@@ -220,12 +194,13 @@ def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
 
 def plan(N: int, R: int, k: int, sms: int):
     """(chunk, blocks a request) where this path serves R requests of N candidates, else None:
-    more than ``MERGE_MIN`` candidates, at least two blocks a request, each chunk within ``ONE_MAX``, ``k`` within half a block
-    (the bins rounds), and blocks x ``k`` (plus a quarter for the pick bins' ties) within
-    ``UCAP``, so that the list usually fits the last block's shared memory."""
+    more than ``MERGE_MIN`` candidates, at least two blocks a request, each chunk within
+    ``ONE_MAX``, ``k`` within half a block (the bins rounds), and the blocks' lists (each about
+    ``k`` x 7/4 above a sampled floor, ``k`` x 5/4 from the bins) within ``UCAP``, so that the
+    list usually fits the last block's shared memory."""
     if not MERGE or 2 * k > NT or N <= MERGE_MIN:
         return None
-    per = max(1, min(sms // max(R, 1), (4 * UCAP) // (5 * k)))
+    per = max(1, min(sms // max(R, 1), (4 * UCAP) // (LIST4 * k)))
     ch = -(-N // per)
     ch = -(-ch // UNIT) * UNIT
     g = -(-N // ch)

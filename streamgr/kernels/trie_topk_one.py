@@ -24,45 +24,16 @@ from .trie_topk import SIMULATED
 from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length, collect,
                             hist_add, minmax, pick, pick_segments, radix, rank_put, SEG_MAX,
                             sort_desc, sort_span)
-from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, _bits, decode, note_all, okey_float,
-                             tkey)
+from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, decode, note_all, okey_float, tkey
+from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, count_above, hold, obin, obin_hist,
+                               sample_floor, select_list, write_above)
 
-ONE_MAX = 64 if SIMULATED else 8192  # okeys in shared memory: 32 KiB
-# obin's window: 2**OCT bins an octave of the distance below the best score, NB >> OCT octaves
-# centred on 1 (closer is the best bin, farther or -inf the worst). 16 an octave (OCT 4): on the
-# H200 step 1 0.0250 -> 0.0192 ms, step 2 0.0334 -> 0.0281, step 3 0.0099 -> 0.0081 against 8
-# (session 30: at 8 the k-th key's bin often held over SEG_MAX keys, and a sort of 1,024 keys
-# took 8.4 us). STREAMGR_TOPK_OCT sets it for A/B runs (3 under the simulator's 32 bins).
-OCT = 3 if SIMULATED else int(os.environ.get("STREAMGR_TOPK_OCT", "4"))
-OBASE = (127 - (NB >> OCT) // 2) << OCT
 BINS = os.environ.get("STREAMGR_TOPK_BINS", "1") == "1"  # 0: radix rounds only (A/B runs)
 # The bins' keys ranked within their bins (each key counts the keys of its bin above it) where no
 # bin from the k-th's up holds more than SEG_MAX; else sorted whole (a bitonic network: 35% of
 # the kernel's instructions at step 1). On the H200 (session 27) step 3 takes 0.0102 ms ranked
 # against 0.0147 sorted; step 1 (issue-bound) the same. STREAMGR_TOPK_SEG=0: always sorted (A/B).
 SEG = os.environ.get("STREAMGR_TOPK_SEG", "1") == "1"
-
-
-@cuda.jit(device=True, inline=True)
-def obin(kx, ref):
-    """The bin (of NB, higher for higher scores) of the score whose okey's int32 bits are
-    ``kx``, by its distance below the request's best score ``ref``: monotone in the score."""
-    e = okey_float(int64(kx) & LOW32) - ref  # <= 0
-    g = int64((_bits(e) & 0x7FFFFFFF) >> (23 - OCT)) - OBASE
-    return int32(NB - 1 - min(max(g, int64(0)), int64(NB - 1)))
-
-
-@cuda.jit(device=True, inline=True)
-def obin_hist(hist, kx, n, ref):
-    """``hist[:NT]`` = the counts of ``kx[:n]``'s okeys by ``obin``. Every thread calls it; it
-    ends synchronized."""
-    tid = cuda.threadIdx.x
-    hist[tid] = 0
-    cuda.syncthreads()
-    for base in range(0, n, NT):
-        i = base + tid
-        hist_add(hist, obin(kx[min(i, n - 1)], ref), i < n)
-    cuda.syncthreads()
 
 
 @cuda.jit(**JIT_NT)
@@ -90,6 +61,24 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
     # step 3 at beams of 1,024 0.0321 against 0.0292 ms, session 28)
     if BINS and 2 * k <= NT and hi > KEY_NEG_INF:
         ref = okey_float(hi)
+        if SAMPLE and N > SAMPLE_MIN:  # the keys at or above a sampled floor, if they fit
+            t = sample_floor(kx, N, k, ref, hist, scan, res, red)
+            stamp(6)
+            at, U = count_above(kx, N, t, scan, res)
+            stamp(7)
+            if k <= U and U <= NT:  # block-uniform
+                write_above(kx, N, 0, t, srt, at)
+                cuda.syncthreads()
+                if tid < U:
+                    hold(kx, tid, srt[tid])
+                cuda.syncthreads()
+                stamp(8)
+                select_list(kx, U, ref, k, KP, hist, srt, scan, res, ctr, r, F, FM, B, scores,
+                            nodes, logp, lse, sh, ptr, codes, off, cap, top, parent, child, code)
+                if STAMP:
+                    cuda.syncthreads()
+                    stamp(15)
+                return  # a list of at most a block always answers
         obin_hist(hist, kx, N, ref)
         stamp(3)
         big = int32(1)

@@ -184,7 +184,7 @@ def test_requests_past_the_kernels_index_range_take_the_stable_reference(monkeyp
 ROUTING = """
 from streamgr.kernels import trie_topk_merge as tm
 assert tm.plan(45312, 16, 256, 132) == (8192, 6), tm.plan(45312, 16, 256, 132)
-assert tm.plan(45312, 8, 256, 132) == (4096, 12), tm.plan(45312, 8, 256, 132)
+assert tm.plan(45312, 8, 256, 132) == (8192, 6), tm.plan(45312, 8, 256, 132)
 assert max(R for R in range(1, 64) if tm.plan(45312, R, 256, 132)) == 22
 for args in [(8192, 16, 256), (45312, 48, 256), (181248, 16, 1024), (2097152, 1, 256)]:
     assert tm.plan(*args, 132) is None, args

@@ -1,0 +1,166 @@
+"""Score bins and sampled floors shared by the one-block and merge selection kernels
+(``trie_topk_one``, ``trie_topk_merge``), and their selection from a short list of keys.
+
+``obin`` bins a score by its distance below the best one (``2**OCT`` bins an octave): monotone in
+the score, so a bin pick bounds the ``k``-th key. Counting every key of a chunk by bin costs a
+histogram round and a second pass that recomputes the bins (on the H200, at 8,192 keys a block:
+5.4 and 3.2 us of step 1's 18 us, session 30). A spread sample of one key a thread does instead:
+its bins give a floor ``T`` (the smallest sampled key of the bins from the sample's scaled
+``k``-th key up, with a margin), the chunk's keys at or above ``T`` are counted and listed by
+plain compares and one block scan (no atomics), and where that list holds at least the ``k``
+wanted and fits a block (``sample_floor`` leaves the odds of missing far below one in a
+thousand; the callers fall back to the full rounds otherwise) the answer is selected from the
+list alone (``select_list``: one bins round over it, each key ranked in its bin; sorted where a
+bin is crowded).
+"""
+
+from __future__ import annotations
+
+import os
+
+from numba import cuda, int32, int64
+
+from .trie_topk import SIMULATED
+from .trie_topk_dev import BIG, NB, NT, SEG_MAX, append, block_scan, hist_add, minmax, pick, \
+    pick_segments, rank_put, sort_desc, sort_span
+from .trie_topk_keys import LOW32, MAXC, _bits, decode, okey_float
+
+# obin's window: 2**OCT bins an octave of the distance below the best score, NB >> OCT octaves
+# centred on 1 (closer is the best bin, farther or -inf the worst). 16 an octave (OCT 4): on the
+# H200 step 1 0.0250 -> 0.0192 ms, step 2 0.0334 -> 0.0281, step 3 0.0099 -> 0.0081 against 8
+# (session 30: at 8 the k-th key's bin often held over SEG_MAX keys, and a sort of 1,024 keys
+# took 8.4 us). STREAMGR_TOPK_OCT sets it for A/B runs (3 under the simulator's 32 bins).
+OCT = 3 if SIMULATED else int(os.environ.get("STREAMGR_TOPK_OCT", "4"))
+OBASE = (127 - (NB >> OCT) // 2) << OCT
+# Chunks of more keys than this take the sampled floor (STREAMGR_TOPK_SAMPLE=0: never, for A/B
+# runs); at or below a block the sample would be the whole chunk, and one bins round is cheaper.
+SAMPLE = os.environ.get("STREAMGR_TOPK_SAMPLE", "1") == "1"
+SAMPLE_MIN = NT if SIMULATED else 2 * NT
+ONE_MAX = 64 if SIMULATED else 8192  # okeys a block holds in shared memory: 32 KiB
+UCAP = ONE_MAX // 2  # list keys held there instead (kx's two int32 halves: okey, candidate)
+
+
+@cuda.jit(device=True, inline=True)
+def obin(kx, ref):
+    """The bin (of NB, higher for higher scores) of the score whose okey's int32 bits are
+    ``kx``, by its distance below the request's best score ``ref``: monotone in the score."""
+    e = okey_float(int64(kx) & LOW32) - ref  # <= 0
+    g = int64((_bits(e) & 0x7FFFFFFF) >> (23 - OCT)) - OBASE
+    return int32(NB - 1 - min(max(g, int64(0)), int64(NB - 1)))
+
+
+@cuda.jit(device=True, inline=True)
+def obin_hist(hist, kx, n, ref):
+    """``hist[:NT]`` = the counts of ``kx[:n]``'s okeys by ``obin``. Every thread calls it; it
+    ends synchronized."""
+    tid = cuda.threadIdx.x
+    hist[tid] = 0
+    cuda.syncthreads()
+    for base in range(0, n, NT):
+        i = base + tid
+        hist_add(hist, obin(kx[min(i, n - 1)], ref), i < n)
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True, inline=True)
+def sample_floor(kx, n, want, ref, hist, scan, res, red):
+    """A floor okey ``T`` for ``kx[:n]`` (n > NT): thread t samples key ``t * n // NT``; ``T`` is
+    the smallest sampled key in the bins from the sample's ``want * NT / n * 3 / 2 + 8``-th key
+    up (the margin: where the chunk held fewer than ``want`` keys at or above ``T``, its sample
+    would have run ~4 standard deviations high). Every thread calls it; it ends
+    synchronized."""
+    tid = cuda.threadIdx.x
+    x = kx[(int64(tid) * n) // NT]
+    b = obin(x, ref)
+    hist[tid] = 0
+    cuda.syncthreads()
+    hist_add(hist, b, True)
+    cuda.syncthreads()
+    ws = min(int64(NT), ((want * NT + n - 1) // n) * 3 // 2 + 8)
+    d, _, _ = pick(hist, NB, ws, scan, res, NT)
+    t, _ = minmax(int64(x) & LOW32 if b >= d else BIG, int64(-1), red)
+    return t
+
+
+@cuda.jit(device=True, inline=True)
+def count_above(kx, n, t, scan, res):
+    """(this thread's offset, the chunk's count) of the keys of ``kx[:n]`` at or above the okey
+    ``t``, thread ``tid`` taking keys ``tid + j * NT`` (as ``write_above``). Ends synchronized."""
+    tid = cuda.threadIdx.x
+    c = int32(0)
+    for i in range(tid, n, NT):
+        if (int64(kx[i]) & LOW32) >= t:
+            c += 1
+    incl = block_scan(c, scan, NT)
+    if tid == NT - 1:
+        res[3] = incl
+    cuda.syncthreads()
+    total = int64(res[3])
+    cuda.syncthreads()
+    return int64(incl - c), total
+
+
+@cuda.jit(device=True, inline=True)
+def write_above(kx, n, c0, t, out, at):
+    """``count_above``'s keys as absolute keys (candidates ``c0 + i``) into ``out`` from ``at``
+    (this thread's offset) on."""
+    for i in range(cuda.threadIdx.x, n, NT):
+        u = int64(kx[i]) & LOW32
+        if u >= t:
+            out[at] = (u << 31) | (MAXC - (c0 + i))
+            at += 1
+
+
+@cuda.jit(device=True, inline=True)
+def ukey(kx, j):
+    """Listed key j as ``select_list`` holds it: okey in ``kx[j]``, candidate in
+    ``kx[UCAP + j]``."""
+    return ((int64(kx[j]) & LOW32) << 31) | (MAXC - int64(kx[UCAP + j]))
+
+
+@cuda.jit(device=True, inline=True)
+def hold(kx, j, v):
+    """Absolute key ``v`` as listed key j (``ukey``'s inverse)."""
+    u = v >> 31
+    kx[j] = int32(u - (int64(1) << 32) if u >= (int64(1) << 31) else u)
+    kx[UCAP + j] = int32(MAXC - (v & MAXC))
+
+
+@cuda.jit(device=True, inline=True)
+def select_list(kx, U, ref, k, KP, hist, srt, scan, res, ctr, r, F, FM, B, scores, nodes, logp,
+                lse, sh, ptr, codes, off, cap, top, parent, child, code):
+    """Answer the request's ``k`` best from the ``U`` listed keys held in ``kx`` (``ukey``; a
+    superset of the ``k`` best, ``ref`` the best's score): one bins round, each key of the bins
+    from the ``k``-th's up ranked in its bin, or sorted whole where a bin holds over
+    ``SEG_MAX``. False (nothing answered) where those bins hold over a block of keys. Every
+    thread calls it."""
+    tid = cuda.threadIdx.x
+    obin_hist(hist, kx, U, ref)
+    d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
+    total = k - need + nd
+    if big == 0 and total <= NT:  # each key of the bins from d up ranked in its bin
+        for base in range(0, U, NT):
+            j = min(base + tid, U - 1)
+            b = obin(kx[j], ref)
+            if base + tid < U and b >= d:
+                srt[cuda.atomic.add(hist, b, 1)] = ukey(kx, j)
+        cuda.syncthreads()
+        for j in range(tid, total, NT):
+            v = srt[j]
+            rank_put(srt, v, obin(v >> 31, ref), hist, NB, k, r, F, FM, B, scores, nodes, logp,
+                     lse, sh, ptr, codes, off, cap, top, parent, child, code)
+        return True
+    if total <= NT:  # a crowded bin: the bins' keys sorted whole
+        if tid == 0:
+            ctr[0] = 0
+        srt[tid] = 0
+        cuda.syncthreads()
+        for base in range(0, U, NT):
+            j = min(base + tid, U - 1)
+            append(srt, ctr, 0, ukey(kx, j), base + tid < U and obin(kx[j], ref) >= d)
+        cuda.syncthreads()
+        sort_desc(srt, sort_span(total, KP))
+        decode(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
+               parent, child, code)
+        return True
+    return False

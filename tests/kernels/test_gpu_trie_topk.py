@@ -115,8 +115,8 @@ AB_CHECK = """
 import os, sys, torch
 sys.path.insert(0, {root!r})
 from tests.kernels.test_gpu_trie_topk import assert_kernels_equal_reference, level
-from streamgr.kernels import trie_topk_one
-assert trie_topk_one.SEG == (os.environ.get("STREAMGR_TOPK_SEG") != "0")
+from streamgr.kernels import trie_topk_one, trie_topk_sample
+assert trie_topk_sample.SAMPLE == (os.environ.get("STREAMGR_TOPK_SAMPLE") != "0")
 assert trie_topk_one.BINS == (os.environ.get("STREAMGR_TOPK_BINS") != "0")
 from streamgr.kernels import trie_topk_merge
 assert trie_topk_merge.MERGE == (os.environ.get("STREAMGR_TOPK_MERGE") != "0")
@@ -132,12 +132,12 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("name,value", [("STREAMGR_TOPK_SEG", "0"), ("STREAMGR_TOPK_BINS", "0"),
+@pytest.mark.parametrize("name,value", [("STREAMGR_TOPK_SAMPLE", "0"), ("STREAMGR_TOPK_BINS", "0"),
                                         ("STREAMGR_TOPK_MERGE", "0")])
 def test_kernels_under_their_ab_settings(name, value):
     """The A/B settings (read at import, so each in its own process) keep the reference's
-    answers: ``STREAMGR_TOPK_SEG=0`` (the one-block path sorts its bins' keys instead of
-    ranking them), ``STREAMGR_TOPK_BINS=0`` (the one-block path's radix rounds without the bins
+    answers: ``STREAMGR_TOPK_SAMPLE=0`` (no sampled floor: lists of every key, or the radix
+    rounds, on the one-block path; the bins round on the merge's listing blocks), ``STREAMGR_TOPK_BINS=0`` (the one-block path's radix rounds without the bins
     round), ``STREAMGR_TOPK_MERGE=0`` (no one-launch merge: steps 1 and 2 on the one-block and
     grid paths)."""
     import os

@@ -235,20 +235,10 @@ def rank_put(keys, v, b, cur, nbins, k, r, F, FM, B, scores, nodes, logp, lse, s
     next lower bin's start): ranked in its bin by counting the (distinct) keys of the bin above
     it, and answered if its rank is below ``k``."""
     s = int64(cur[b + 1]) if b < nbins - 1 else int64(0)
-    e = int64(cur[b])
     rank = s
-    j = s
-    while j + 4 <= e:  # four loads in flight: the loop is bound by shared-memory latency
-        a0 = keys[j]
-        a1 = keys[j + 1]
-        a2 = keys[j + 2]
-        a3 = keys[j + 3]
-        rank += int64(a0 > v) + int64(a1 > v) + int64(a2 > v) + int64(a3 > v)
-        j += 4
-    while j < e:
+    for j in range(s, int64(cur[b])):
         if keys[j] > v:
             rank += 1
-        j += 1
     if rank < k:
         put(v, rank, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
             parent, child, code)

@@ -43,9 +43,6 @@ MERGE = os.environ.get("STREAMGR_TOPK_MERGE", "1") == "1"
 # Requests that fit one block stay one block (trie_topk_one): on the H200 step 1 (8,192
 # candidates) took 0.0273 ms here over 2-8 blocks, 0.0251 there (session 29).
 MERGE_MIN = ONE_MAX
-# Sub-chunks a block may list one after another (chunks past ONE_MAX: step 2 at 23 to 66
-# requests, gen-ref's full batches of 48 among them); STREAMGR_TOPK_MERGE_SUB=1: one (A/B)
-SUB_MAX = int(os.environ.get("STREAMGR_TOPK_MERGE_SUB", "3"))
 # A block's chunk: whole rounds of four candidates a thread (note_all). At step 2 (16 requests)
 # 6 blocks of 8,192 took 0.0363 ms, 8 of 6,144 0.0374, 12 of 4,096 0.0447: fewer lists to merge.
 UNIT = min(4 * NT, ONE_MAX // 2)
@@ -117,8 +114,8 @@ def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr):
 
 
 @cuda.jit(**JIT_NT)
-def merge_select(N, k, KP, ch, sub, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws,
-                 ul, cap, top, parent, child, code):
+def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws, ul,
+                 cap, top, parent, child, code):
     r = cuda.blockIdx.y
     tid = cuda.threadIdx.x
     kx = cuda.shared.array(ONE_MAX, int32)
@@ -131,18 +128,15 @@ def merge_select(N, k, KP, ch, sub, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     flag = cuda.shared.array(1, int32)
     cnt = cuda.shared.array(1, int32)
     stamp(14)
-    end = min(N, int64(cuda.blockIdx.x + 1) * ch)
-    for c0 in range(int64(cuda.blockIdx.x) * ch, end, sub):  # a list per sub-chunk
-        cuda.syncthreads()  # the last sub-chunk's reads of kx and ctr are done
-        if tid == 0:
-            ctr[0] = 0
-        n = min(end - c0, sub)
-        lo, hi = note_all(kx, c0, n, NT, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
-                          off)
-        stamp(1)
-        lo, hi = minmax(lo, hi, red)  # its barriers also publish kx
-        stamp(2)
-        hand_on(kx, c0, n, min(k, n), lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr)
+    if tid == 0:
+        ctr[0] = 0
+    c0 = int64(cuda.blockIdx.x) * ch
+    n = min(N - c0, ch)
+    lo, hi = note_all(kx, c0, n, NT, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    stamp(1)
+    lo, hi = minmax(lo, hi, red)  # its barriers also publish kx
+    stamp(2)
+    hand_on(kx, c0, n, min(k, n), lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr)
     if STAMP:
         cuda.syncthreads()
         stamp(3)
@@ -199,34 +193,28 @@ def merge_select(N, k, KP, ch, sub, F, FM, B, scores, nodes, logp, lse, sh, ptr,
 
 
 def plan(N: int, R: int, k: int, sms: int):
-    """(chunk, blocks a request, sub-chunk) where this path serves R requests of N candidates,
-    else None: more than ``MERGE_MIN`` candidates, at least two blocks a request, a block's
-    chunk listed in at most ``SUB_MAX`` sub-chunks of at most ``ONE_MAX`` (one at a time in
-    shared memory), ``k`` within half a block (the bins rounds), and the lists (each about
-    ``k`` x 7/4 above a sampled floor, ``k`` x 5/4 from the bins) within ``UCAP``, so that they
-    usually fit the last block's shared memory."""
+    """(chunk, blocks a request) where this path serves R requests of N candidates, else None:
+    more than ``MERGE_MIN`` candidates, at least two blocks a request, each chunk within
+    ``ONE_MAX``, ``k`` within half a block (the bins rounds), and the blocks' lists (each about
+    ``k`` x 7/4 above a sampled floor, ``k`` x 5/4 from the bins) within ``UCAP``, so that the
+    list usually fits the last block's shared memory."""
     if not MERGE or 2 * k > NT or N <= MERGE_MIN:
         return None
     per = max(1, min(sms // max(R, 1), (4 * UCAP) // (LIST4 * k)))
     ch = -(-N // per)
     ch = -(-ch // UNIT) * UNIT
     g = -(-N // ch)
-    subs = -(-ch // ONE_MAX)
-    sub = -(-(-(-ch // subs)) // UNIT) * UNIT
-    if g < 2 or subs > SUB_MAX or g * subs * LIST4 * k > 4 * UCAP:
-        return None
-    return ch, g, sub
+    return (ch, g) if g >= 2 and ch <= ONE_MAX else None
 
 
 def plan_for(N: int, R: int, k: int, dev):
     return plan(N, R, k, SMS_SIM if SIMULATED else sm_count(dev))
 
 
-def run(launch, R, N, k, KP, ch, g, sub, F, FM, B, sc, nd, lp, trie, outs, dev, arr):
+def run(launch, R, N, k, KP, ch, g, F, FM, B, sc, nd, lp, trie, outs, dev, arr):
     """The list's counters zeroed (torch's fill) and the one launch (``launch(fn, grid,
     threads)``)."""
     ws = torch.zeros(R, 2, dtype=torch.int64, device=dev)
-    # a sub-chunk lists at most NT keys (k <= NT)
-    ul = torch.empty(R, g * -(-ch // sub) * NT, dtype=torch.int64, device=dev)
-    launch(merge_select, (g, R), NT)(N, k, KP, ch, sub, F, FM, B, sc, nd, *lp, *trie, arr(ws),
-                                     arr(ul), *outs)
+    ul = torch.empty(R, g * NT, dtype=torch.int64, device=dev)  # a block lists <= NT (k <= NT)
+    launch(merge_select, (g, R), NT)(N, k, KP, ch, F, FM, B, sc, nd, *lp, *trie, arr(ws), arr(ul),
+                                     *outs)

@@ -43,6 +43,10 @@ MERGE = os.environ.get("STREAMGR_TOPK_MERGE", "1") == "1"
 # Requests that fit one block stay one block (trie_topk_one): on the H200 step 1 (8,192
 # candidates) took 0.0273 ms here over 2-8 blocks, 0.0251 there (session 29).
 MERGE_MIN = ONE_MAX
+# Waves of blocks (one an SM) a launch may take: past one (step 2 at 23 to 66 requests, gen-ref's
+# full batches of 48 among them) the blocks of the later waves list while the first ones wait.
+# STREAMGR_TOPK_MERGE_WAVES=1: one wave, as before (A/B)
+WAVES = int(os.environ.get("STREAMGR_TOPK_MERGE_WAVES", "3"))
 # A block's chunk: whole rounds of four candidates a thread (note_all). At step 2 (16 requests)
 # 6 blocks of 8,192 took 0.0363 ms, 8 of 6,144 0.0374, 12 of 4,096 0.0447: fewer lists to merge.
 UNIT = min(4 * NT, ONE_MAX // 2)
@@ -194,17 +198,19 @@ def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
 
 def plan(N: int, R: int, k: int, sms: int):
     """(chunk, blocks a request) where this path serves R requests of N candidates, else None:
-    more than ``MERGE_MIN`` candidates, at least two blocks a request, each chunk within
-    ``ONE_MAX``, ``k`` within half a block (the bins rounds), and the blocks' lists (each about
-    ``k`` x 7/4 above a sampled floor, ``k`` x 5/4 from the bins) within ``UCAP``, so that the
-    list usually fits the last block's shared memory."""
+    more than ``MERGE_MIN`` candidates, at least two blocks a request of at most ``ONE_MAX``
+    each, in at most ``WAVES`` waves of one block an SM, ``k`` within half a block (the bins
+    rounds), and the blocks' lists (each about ``k`` x 7/4 above a sampled floor, ``k`` x 5/4
+    from the bins) within ``UCAP``, so that they usually fit the last block's shared memory."""
     if not MERGE or 2 * k > NT or N <= MERGE_MIN:
         return None
-    per = max(1, min(sms // max(R, 1), (4 * UCAP) // (LIST4 * k)))
+    fit = -(-N // ONE_MAX)  # blocks a request needs at the least
+    per = max(fit, min(sms // max(R, 1), (4 * UCAP) // (LIST4 * k)))
     ch = -(-N // per)
     ch = -(-ch // UNIT) * UNIT
     g = -(-N // ch)
-    return (ch, g) if g >= 2 and ch <= ONE_MAX else None
+    ok = 2 <= g and ch <= ONE_MAX and g * LIST4 * k <= 4 * UCAP and R * g <= WAVES * sms
+    return (ch, g) if ok else None
 
 
 def plan_for(N: int, R: int, k: int, dev):

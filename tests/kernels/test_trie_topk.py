@@ -121,16 +121,17 @@ ONE_BLOCK = [(0, False, 3, (1, 5), 4), (1, True, 6, (2, 8), 8), (4, False, 9, (0
 # ... and the grid launches (> 64 candidates; 256 bins): ties, k reaching into the -inf slots,
 # so that the last block's list outgrows the block (its radix select from the list in global
 # memory) as well as fits it (sorted whole), k = 1.
-GRID = [(2, False, 40, (4, 12), 16), (8, True, 30, (4, 10), 32), (9, False, 20, (5, 10), 1)]
+GRID = [(2, False, 40, (4, 12), 16), (8, True, 30, (4, 10), 32), (9, False, 40, (5, 10), 1)]
 # ... and the one-launch merge (2-4 blocks of <= 64 candidates a request, the last block's list
 # held up to 32 keys; fields R and the dead share added): the list ranked in its bins (16), sorted
 # where a bin is crowded (21), selected from global memory where it outgrows 32 (23) or holds
 # only -inf (22), blocks whose every beam is dead (19), k = 1 (20), each block's own best by radix
-# select where every score ties (21).
+# select where every score ties (21), blocks in three waves of the simulator's 4 "SMs" (24).
 MERGE = [(16, False, 12, (6, 6), 4, 1, 0.1),
          (19, False, 20, (4, 4), 4, 2, 0.85),
          (20, False, 10, (6, 8), 1, 2, 0.2), (21, "const", 30, (6, 8), 6, 1, 0.0),
-         (22, False, 20, (4, 4), 4, 2, 1.0), (23, True, 30, (6, 8), 6, 1, 0.0)]
+         (22, False, 20, (4, 4), 4, 2, 1.0), (23, True, 30, (6, 8), 6, 1, 0.0),
+         (24, False, 40, (6, 8), 4, 2, 0.1)]
 
 
 @pytest.mark.parametrize("cases", [ONE_BLOCK, GRID, MERGE], ids=["one_block", "grid", "merge"])
@@ -185,19 +186,20 @@ ROUTING = """
 from streamgr.kernels import trie_topk_merge as tm
 assert tm.plan(45312, 16, 256, 132) == (8192, 6), tm.plan(45312, 16, 256, 132)
 assert tm.plan(45312, 8, 256, 132) == (8192, 6), tm.plan(45312, 8, 256, 132)
-assert max(R for R in range(1, 64) if tm.plan(45312, R, 256, 132)) == 22
-for args in [(8192, 16, 256), (45312, 48, 256), (181248, 16, 1024), (2097152, 1, 256)]:
+assert tm.plan(45312, 48, 256, 132) == (8192, 6), tm.plan(45312, 48, 256, 132)
+assert max(R for R in range(1, 100) if tm.plan(45312, R, 256, 132)) == 66
+for args in [(8192, 16, 256), (181248, 16, 1024), (2097152, 1, 256)]:
     assert tm.plan(*args, 132) is None, args
 print("ok")
 """
 
 
 def test_merge_routing_on_the_h200s_132_sms():
-    """Where the one-launch merge serves (``trie_topk_merge.plan``, as measured on the H200 in
-    session 29): gen-ref's step 2 at 16 requests in 6 chunks of 8,192 (faster than 8 of 6,144
-    or 12 of 4,096), at 8 requests in 12 of 4,096; not step 1 (one block of 8,192 was faster),
-    not step 2 at 48 requests (chunks past 8,192), not k over 512, not one request's flat
-    2,097,152. In a process of its own without the simulator, whose block sizes differ."""
+    """Where the one-launch merge serves (``trie_topk_merge.plan``; H200 measurements in
+    docs/benchmarks.md, sessions 29-30): gen-ref's step 2 in 6 chunks of 8,192 (at 16 requests
+    faster than 8 of 6,144 or 12 of 4,096), from 1 request up to 66 (three waves of blocks, 48
+    among them); not step 1 (one block of 8,192 was faster), not k over 512, not one request's
+    flat 2,097,152. In a process of its own without the simulator, whose block sizes differ."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     p = subprocess.run([sys.executable, "-c", ROUTING], env=env, capture_output=True, text=True,

@@ -92,7 +92,8 @@ def test_trie_topk_reads_bf16_logits_in_place(R, B, fan, k):
     (4, 64, 300, 1000, True), (3, 512, 100, 700, True), (2, 8, 1024, 1024, True),
     (16, 1024, 3, 1024, False), (3, 1, 8192, 1024, False), (2, 4096, 2, 1024, False),
     (2, 4, 256, 1024, True), (3, 4, 256, 700, False), (3, 5, 205, 1000, False),
-    (4, 64, 300, 256, True), (2, 16, 1024, 100, False), (8, 256, 177, 256, True)])
+    (4, 64, 300, 256, True), (2, 16, 1024, 100, False), (8, 256, 177, 256, True),
+    (48, 256, 177, 256, False), (60, 256, 177, 256, True)])
 def test_trie_topk_all_tied_and_one_block_sizes(R, B, fan, k, const):
     """Every candidate's log-probability equal (``const``): the digits never separate the
     scores, so the grid path's last block selects more tied keys than it holds in shared memory
@@ -100,7 +101,8 @@ def test_trie_topk_all_tied_and_one_block_sizes(R, B, fan, k, const):
     the one-block path at its largest request (8,192 candidates) and k = 1,024; the sort path
     at its largest (1,024 candidates, tied and not) and one past it (1,025: the radix path);
     the merge path with every key tied (each block's best by radix select; the list past the
-    last block's bins, or past its shared memory) and untied at k = 100."""
+    last block's bins, or past its shared memory) and untied at k = 100, and in three waves of
+    blocks (48 and 60 requests)."""
     case = list(level(R, B, fan, V=max(fan, 64) * 2, seed=R * 7 + B + fan, dead=0.0,
                       uniform=const))
     if const:

@@ -126,12 +126,12 @@ GRID = [(2, False, 40, (4, 12), 16), (8, True, 30, (4, 10), 32), (9, False, 40, 
 # held up to 32 keys; fields R and the dead share added): the list ranked in its bins (16), sorted
 # where a bin is crowded (21), selected from global memory where it outgrows 32 (23) or holds
 # only -inf (22), blocks whose every beam is dead (19), k = 1 (20), each block's own best by radix
-# select where every score ties (21), blocks in three waves of the simulator's 4 "SMs" (24).
+# select where every score ties (21), blocks in two waves of the simulator's 4 "SMs" (24).
 MERGE = [(16, False, 12, (6, 6), 4, 1, 0.1),
          (19, False, 20, (4, 4), 4, 2, 0.85),
          (20, False, 10, (6, 8), 1, 2, 0.2), (21, "const", 30, (6, 8), 6, 1, 0.0),
          (22, False, 20, (4, 4), 4, 2, 1.0), (23, True, 30, (6, 8), 6, 1, 0.0),
-         (24, False, 40, (6, 8), 4, 2, 0.1)]
+         (24, False, 40, (6, 8), 4, 1, 0.1)]
 
 
 @pytest.mark.parametrize("cases", [ONE_BLOCK, GRID, MERGE], ids=["one_block", "grid", "merge"])

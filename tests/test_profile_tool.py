@@ -196,3 +196,36 @@ def test_probe_topk_summarizes_ncu_source_pages(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "tools" / "probe_topk.py"), "s9"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "unknown shapes ['s9']" in bad.stderr
+
+
+def test_probe_topk_timeline_turns_stamps_into_phases():
+    """tools/probe_topk.py --timeline's summary of the stamp buffer: per kind of block (the
+    clock slots it stamped), each phase in us at the rate the clock ran against the global
+    timer, the launch's span from the first start to the last end, and blocks that ended on an
+    unstamped path counted apart."""
+    import torch
+    sys.path.insert(0, str(ROOT / "tools"))
+    from probe_topk import _phases
+
+    def block(start_ns, clocks, slots, end=True):
+        row = torch.zeros(16, dtype=torch.int64)
+        for s, c in zip([0, *slots, 13], clocks):
+            row[s] = c
+        row[14] = start_ns
+        row[15] = start_ns + (clocks[-1] - clocks[0]) // 2 if end else 0  # a 2 GHz clock
+        return row
+    # two runs: a one-block kind (phases of 2,000 and 6,000 cycles: 1 and 3 us) twice, and in
+    # the second run a block whose path left no end stamp
+    run1 = torch.stack([block(1_000, [10, 2_010, 8_010], [1]),
+                        block(1_500, [7, 2_007, 8_007], [1])])
+    run2 = torch.stack([block(1_000, [10, 2_010, 8_010], [1]),
+                        block(1_200, [5, 2_005, 8_005], [1], end=False)])
+    out = _phases([run1, run2])
+    # run 1: from 1,000 ns to 1,500 + 4,000; run 2 has no span (a block without its end)
+    assert out[0] == "  launch span (first start -> last end): median 4.50 us over 1 runs"
+    assert "3 block-runs stamping [0, 1, 13] (clock 2.00 GHz); whole block median 4.00 us" in out[1]
+    assert out[2] == "     0 ->  1: median   1.00 us, max   1.00"
+    assert out[3] == "     1 -> 13: median   3.00 us, max   3.00"
+    assert out[4] == "  1 block-runs ended on a path without an end stamp"
+    assert _phases([torch.zeros(0, 16, dtype=torch.int64)]) == \
+        ["  no stamps: this shape's kernels do not call stamp()"]

@@ -117,8 +117,8 @@ def _phases(runs) -> list[str]:
     for st in runs:
         if len(st) == 0:
             return ["  no stamps: this shape's kernels do not call stamp()"]
-        spans.append((st[:, 15].max() - st[:, 14].min()).item() / 1e3 if (st[:, 15] > 0).all()
-                     else float("nan"))
+        if (st[:, 15] > 0).all():  # a span only where every block stamped its end
+            spans.append((st[:, 15].max() - st[:, 14].min()).item() / 1e3)
         for row in st:
             if row[15] == 0:  # no end stamp: a path left unstamped
                 kinds.setdefault(("unstamped end",), []).append(row)
@@ -126,7 +126,8 @@ def _phases(runs) -> list[str]:
             slots = tuple(int(s) for s in range(14) if row[s] != 0)
             kinds.setdefault(slots, []).append(row)
     out = [f"  launch span (first start -> last end): median {sorted(spans)[len(spans) // 2]:.2f} "
-           f"us over runs"]
+           f"us over {len(spans)} runs" if spans else
+           "  launch span: no run whose every block stamped its end"]
     for slots, rows in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
         if slots == ("unstamped end",):
             out.append(f"  {len(rows)} block-runs ended on a path without an end stamp")

@@ -12,17 +12,19 @@ their parent beam, child node and code; ranks at or past a request's own width `
 Kernels (Numba CUDA, on torch's stream, captured inside the decode plans' CUDA graphs): every
 candidate is a unique int64 key, its score's order-preserving bits then ``MAXC - c``, read
 from the top of the request's score range (``trie_topk_keys``), so no ties are left to break. A
-request of at most ``ONE_MAX`` candidates is one block of one launch: keys in shared memory,
-one histogram round over bins of each score's distance below the best (8 an octave), then the
-keys of the bins from the ``k``-th up ranked within their bins (or sorted whole where a bin is
-crowded), or radix select by 10-bit digits where they hold more than a block; decode
-(``trie_topk_one``). A longer one takes a memset and two grid
+request of at most ``ONE_MAX`` candidates is one block of one launch: keys in shared memory, a
+list of the keys at or above a floor sampled from them (or every key, up to ``UCAP``), one
+histogram round over bins of each listed score's distance below the best (16 an octave), then
+the keys of the bins from the ``k``-th up ranked within their bins (or sorted whole where a
+bin is crowded), or radix select by 10-bit digits where the list outgrows a block; decode
+(``trie_topk_one``, ``trie_topk_sample``). A longer one takes a memset and two grid
 launches: each block bins its candidates' scores below the request's best beam score (the last
 block picks the bin of the ``k``-th), then scores them again where a group of 32 reaches that
 bin and appends the keys to a list; the request's last block sorts the list (or radix-selects
 from it) and decodes (``trie_topk_bins``). Where a request splits over a few blocks of at most
-``ONE_MAX`` each and ``k`` is at most half a block, one launch instead: each block lists its
-own best keys, and the request's last block selects from that list (``trie_topk_merge``).
+``ONE_MAX`` each (in up to three waves) and ``k`` is at most half a block, one launch instead:
+each block lists its own best keys, and the request's last block selects from that list
+(``trie_topk_merge``).
 ``NUMBA_ENABLE_CUDASIM=1`` runs the same kernels on the CPU with small sizes, so CI checks their
 logic. The torch reference (``trie_topk_reference``) carries the CPU path.
 """

@@ -1,17 +1,20 @@
 """Two-level selection of ``trie_topk`` in one launch, for requests whose candidates split over a
-few blocks (gen-ref's steps 1 and 2 at beams of 256: 8,192 and 45,312 candidates, ``k`` 256).
+few blocks (gen-ref's step 2 at beams of 256: 45,312 candidates, ``k`` 256, 6 blocks a request,
+in up to three waves of blocks: up to 66 requests on 132 SMs).
 
 Every block of a request takes a chunk of at most ``ONE_MAX`` candidates, computes their okeys
-into shared memory as ``trie_topk_one`` does, and hands on a superset of its own ``k`` best:
-one round of bins below its best score (``obin``), then every key of the bins from its ``k``-th
-key's up (where those hold at most a block of keys; else exactly its ``k`` best, by radix
-select) goes to the request's list in global memory, as an absolute key ``okey << 31 | (MAXC -
-c)`` (comparable across blocks: no per-block shift). The request's ``k`` best are among the
-blocks' ``k`` best, so the request's last block to finish selects from the list alone: loaded
-into shared memory (up to ``UCAP`` keys), one bins round below the list's best score, each key of
-the bins from the ``k``-th's up ranked within its bin (no sort) or, where a bin is crowded,
-sorted whole; a longer list (ties), or one of only ``-inf`` keys, by radix select over the list
-in global memory. Then decode, as every path does.
+into shared memory as ``trie_topk_one`` does, and hands on a superset of its own ``k`` best to
+the request's list in global memory, as absolute keys ``okey << 31 | (MAXC - c)`` (comparable
+across blocks: no per-block shift): the keys at or above a floor sampled from its chunk
+(``trie_topk_sample``), or, where that list would not hold from ``k`` to a block of keys (or
+the chunk is small), every key of the bins from its ``k``-th's up (one round of ``obin`` bins
+below its best score; where those hold over a block of keys, exactly its ``k`` best by radix
+select). The request's ``k`` best are among the blocks' ``k`` best, so the request's last
+block to finish selects from the list alone: loaded into shared memory (up to ``UCAP`` keys),
+``select_list`` (one bins round below the list's best score, each key of the bins from the
+``k``-th's up ranked within its bin, or sorted whole where a bin is crowded); a longer list
+(ties), or one of only ``-inf`` keys, by radix select over the list in global memory. Then
+decode, as every path does.
 
 Against the grid path (``trie_topk_bins``: a memset and two launches, a global histogram of
 4,096 bins flushed by every block, every candidate group near the pick scored twice, the
@@ -32,9 +35,8 @@ from numba import cuda, int32, int64
 from .numba_common import STAMP, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_bins import MAXK, SMS_SIM, last_block, sm_count
-from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, SEG_MAX, append, bit_length,
-                            collect, minmax, pick, pick_segments, radix, rank_put, sort_desc,
-                            sort_span)
+from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length, collect,
+                            minmax, pick, radix, sort_desc, sort_span)
 from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, decode, note_all, okey_float
 from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, count_above, hold, obin,
                                obin_hist, sample_floor, select_list, write_above)

@@ -37,9 +37,9 @@ from .trie_topk import SIMULATED
 from .trie_topk_bins import MAXK, SMS_SIM, last_block, sm_count
 from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length, collect,
                             minmax, pick, radix, sort_desc, sort_span)
-from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, decode, note_all, okey_float
+from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, decode, okey_float
 from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, count_above, hold, obin,
-                               obin_hist, sample_floor, select_list, write_above)
+                               obin_hist, sample_floor, score_chunk, select_list, write_above)
 
 MERGE = os.environ.get("STREAMGR_TOPK_MERGE", "1") == "1"
 # Requests that fit one block stay one block (trie_topk_one): on the H200 step 1 (8,192
@@ -133,15 +133,10 @@ def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
     ctr = cuda.shared.array(1, int32)
     flag = cuda.shared.array(1, int32)
     cnt = cuda.shared.array(1, int32)
-    stamp(14)
-    if tid == 0:
-        ctr[0] = 0
     c0 = int64(cuda.blockIdx.x) * ch
     n = min(N - c0, ch)
-    lo, hi = note_all(kx, c0, n, NT, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-    stamp(1)
-    lo, hi = minmax(lo, hi, red)  # its barriers also publish kx
-    stamp(2)
+    lo, hi = score_chunk(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off,
+                         red, ctr)
     hand_on(kx, c0, n, min(k, n), lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr)
     if STAMP:
         cuda.syncthreads()

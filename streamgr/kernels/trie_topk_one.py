@@ -19,11 +19,10 @@ import os
 from numba import cuda, int32, int64
 
 from .numba_common import STAMP, stamp
-from .trie_topk_dev import (BIG, DIG, JIT_NT, NT, RED_N, SCAN_N, bit_length, collect, minmax,
-                            radix, sort_desc)
-from .trie_topk_keys import KEY_NEG_INF, decode, note_all, okey_float
+from .trie_topk_dev import BIG, DIG, JIT_NT, NT, RED_N, SCAN_N, bit_length, collect, radix, sort_desc
+from .trie_topk_keys import KEY_NEG_INF, decode, okey_float
 from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, count_above, hold, sample_floor,
-                               select_list, write_above)
+                               score_chunk, select_list, write_above)
 
 BINS = os.environ.get("STREAMGR_TOPK_BINS", "1") == "1"  # 0: radix rounds only (A/B runs)
 
@@ -40,13 +39,8 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
     res = cuda.shared.array(4, int32)
     red = cuda.shared.array(RED_N, int64)
     ctr = cuda.shared.array(1, int32)
-    stamp(14)
-    if tid == 0:
-        ctr[0] = 0
-    lo, hi = note_all(kx, 0, N, NT, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-    stamp(1)
-    lo, hi = minmax(lo, hi, red)  # its barriers also publish kx
-    stamp(2)
+    lo, hi = score_chunk(kx, 0, N, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off,
+                         red, ctr)
     tmin = lo if lo != BIG else KEY_NEG_INF
     # a list of the keys that may be among the k best, selected by one round of bins below the
     # best score (block-uniform; for k over half the block the bins rarely fit a block, and

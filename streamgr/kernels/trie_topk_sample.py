@@ -23,7 +23,8 @@ from numba import cuda, int32, int64
 from .trie_topk import SIMULATED
 from .trie_topk_dev import BIG, NB, NT, SEG_MAX, append, block_scan, hist_add, minmax, pick, \
     pick_segments, rank_put, sort_desc, sort_span
-from .trie_topk_keys import LOW32, MAXC, _bits, decode, okey_float
+from .numba_common import stamp
+from .trie_topk_keys import LOW32, MAXC, _bits, decode, note_all, okey_float
 
 # obin's window: 2**OCT bins an octave of the distance below the best score, NB >> OCT octaves
 # centred on 1 (closer is the best bin, farther or -inf the worst). 16 an octave (OCT 4): on the
@@ -60,6 +61,21 @@ def obin_hist(hist, kx, n, ref):
         i = base + tid
         hist_add(hist, obin(kx[min(i, n - 1)], ref), i < n)
     cuda.syncthreads()
+
+
+@cuda.jit(device=True, inline=True)
+def score_chunk(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, red, ctr):
+    """The selection kernels' first phases: ``ctr`` zeroed, the okeys of candidates ``c0 ..
+    c0 + n - 1`` into ``kx`` (``note_all``) and the block's (smallest real, largest) okey,
+    returned to every thread (its barriers also publish kx and ctr; stamps 14, 1, 2)."""
+    stamp(14)
+    if cuda.threadIdx.x == 0:
+        ctr[0] = 0
+    lo, hi = note_all(kx, c0, n, NT, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    stamp(1)
+    lo, hi = minmax(lo, hi, red)
+    stamp(2)
+    return lo, hi
 
 
 @cuda.jit(device=True, inline=True)

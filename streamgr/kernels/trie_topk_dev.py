@@ -17,7 +17,7 @@ import os
 from numba import cuda, int32, int64
 
 from .trie_topk import SIMULATED
-from .trie_topk_keys import LOW32, put, tkey
+from .trie_topk_keys import LOW32, put_abs, tkey
 
 NT, DIG = (32, 5) if SIMULATED else (1024, 10)  # threads of a select block; digit bits
 NB = 1 << DIG  # bins; NT threads a block (a bin each in the grid passes)
@@ -233,15 +233,15 @@ def rank_put(keys, v, b, cur, nbins, k, r, F, FM, B, scores, nodes, logp, lse, s
              off, cap, top, parent, child, code):
     """Key ``v`` of bin ``b``, in ``keys`` laid out by bin (``cur[b]``: bin b's segment end, the
     next lower bin's start): ranked in its bin by counting the (distinct) keys of the bin above
-    it, and answered if its rank is below ``k``."""
+    it, and answered if its rank is below ``k`` (``v`` absolute: ``put_abs``)."""
     s = int64(cur[b + 1]) if b < nbins - 1 else int64(0)
     rank = s
     for j in range(s, int64(cur[b])):
         if keys[j] > v:
             rank += 1
     if rank < k:
-        put(v, rank, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
-            parent, child, code)
+        put_abs(v, rank, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
+                parent, child, code)
 
 
 @cuda.jit(device=True, inline=True)

@@ -16,6 +16,8 @@ A request's candidates are ``c = b * F + j``; ``c // F`` is a multiply and a shi
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from numba import cuda, float32, int32, int64, uint64
 
@@ -26,6 +28,9 @@ LOW32 = int64(0xFFFFFFFF)
 KEY_NEG_INF = int64(0x007FFFFF)  # okey(-inf)
 M40 = int64((1 << 40) - 1)
 NEG_INF = float32(-np.inf)
+# Answers from absolute keys take their score from the key (``put_abs``: no log-probability
+# read); STREAMGR_TOPK_KEYDEC=0 recomputes it as ``put`` does, for A/B runs.
+KEYDEC = os.environ.get("STREAMGR_TOPK_KEYDEC", "1") == "1"
 
 if SIMULATED:
     def _bits(x):
@@ -159,6 +164,82 @@ def note_all(kx, c0, n, nt, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
 
 
 @cuda.jit(device=True, inline=True)
+def bkey(j, cnt, lo, s, row, m, ls, logp, sh, codes, off):
+    """The okey of child ``j`` of a beam read once (``note_beam``): its score ``s``, first child
+    ``lo`` and ``cnt`` children, its log-probabilities' row ``row`` with their max and log-sum
+    (``m``, ``ls``); the same fp32 operations as ``cand``, so the same bits."""
+    real = j < cnt
+    cd = codes[uint64(lo + j if real else int64(0))]
+    x = _float(int32(logp[row, uint64(off + cd)]) << sh)
+    x = (x - m) - ls if sh else x
+    y = s + x
+    return okey(y if real else NEG_INF)
+
+
+@cuda.jit(device=True, inline=True)
+def note_beam(kx, c0, n, nt, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
+    """``note_all`` for a chunk inside one beam (``c0 // F == (c0 + n - 1) // F``; step 1's
+    8,192 children of one beam): the beam's score, node, child range and log-sum read once, so a
+    candidate costs two dependent loads (its code, its log-probability) instead of four levels,
+    eight candidates a thread in flight while whole rounds of eight remain (step 1: one round),
+    else four. ``bkey`` computes its okey without a branch: with one (``okey(...) if real``),
+    the compiler sank each candidate's loads into it and issued them one candidate after
+    another (cuobjdump, session 31)."""
+    b = div_f(c0, FM)
+    j0 = c0 - b * F
+    s = scores[uint64(r), uint64(b)]
+    nd = nodes[uint64(r), uint64(b)]
+    alive = s > NEG_INF
+    nd = nd if alive else int64(0)
+    first = ptr[uint64(nd)]
+    cnt = ptr[uint64(nd + 1)] - first if alive else int64(0)
+    row = uint64(r * B + b)
+    m = lse[0, row]
+    ls = lse[uint64(sh >> 4), row]
+    lo = int64(1) << 40
+    hi = int64(-1)
+    base = 0
+    while n - base >= 8 * nt:  # eight a thread: every load of the round in flight at once
+        i0 = base + cuda.threadIdx.x
+        k0 = bkey(j0 + i0, cnt, first, s, row, m, ls, logp, sh, codes, off)
+        k1 = bkey(j0 + i0 + nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
+        k2 = bkey(j0 + i0 + 2 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
+        k3 = bkey(j0 + i0 + 3 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
+        k4 = bkey(j0 + i0 + 4 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
+        k5 = bkey(j0 + i0 + 5 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
+        k6 = bkey(j0 + i0 + 6 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
+        k7 = bkey(j0 + i0 + 7 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
+        lo, hi = note(kx, i0, k0, lo, hi)
+        lo, hi = note(kx, i0 + nt, k1, lo, hi)
+        lo, hi = note(kx, i0 + 2 * nt, k2, lo, hi)
+        lo, hi = note(kx, i0 + 3 * nt, k3, lo, hi)
+        lo, hi = note(kx, i0 + 4 * nt, k4, lo, hi)
+        lo, hi = note(kx, i0 + 5 * nt, k5, lo, hi)
+        lo, hi = note(kx, i0 + 6 * nt, k6, lo, hi)
+        lo, hi = note(kx, i0 + 7 * nt, k7, lo, hi)
+        base += 8 * nt
+    for base in range(base, n, 4 * nt):
+        i0 = base + cuda.threadIdx.x
+        if n - base <= nt:  # one candidate a thread left (block-uniform)
+            if i0 < n:
+                lo, hi = note(kx, i0, bkey(j0 + i0, cnt, first, s, row, m, ls, logp, sh, codes,
+                                           off), lo, hi)
+            continue
+        k0 = bkey(j0 + i0, cnt, first, s, row, m, ls, logp, sh, codes, off)
+        k1 = bkey(j0 + i0 + nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
+        k2 = bkey(j0 + i0 + 2 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
+        k3 = bkey(j0 + i0 + 3 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
+        lo, hi = note(kx, i0, k0, lo, hi)
+        if i0 + nt < n:
+            lo, hi = note(kx, i0 + nt, k1, lo, hi)
+        if i0 + 2 * nt < n:
+            lo, hi = note(kx, i0 + 2 * nt, k2, lo, hi)
+        if i0 + 3 * nt < n:
+            lo, hi = note(kx, i0 + 3 * nt, k3, lo, hi)
+    return lo, hi
+
+
+@cuda.jit(device=True, inline=True)
 def decode(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
            child, code):
     """The sorted keys' candidates: scores (recomputed: the same fp32 add), parent beams, child
@@ -178,6 +259,43 @@ def put(v, i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, t
     parent[r, i] = div_f(c, FM)
     child[r, i] = ch
     code[r, i] = cd
+
+
+@cuda.jit(device=True, inline=True)
+def put_abs(v, i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
+            child, code):
+    """``put`` for an absolute key (``okey << 31 | MAXC - c``, of the lists): the score is the
+    key's okey read back (the same fp32 bits; -0.0 comes back +0.0, its equal), so the answer
+    reads the beam, its child range and the code, and no log-probability (a dependent load
+    fewer)."""
+    if not KEYDEC:
+        put(v, i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
+            child, code)
+        return
+    c = MAXC - (v & MAXC)
+    b = div_f(c, FM)
+    j = c - b * F
+    s = scores[uint64(r), uint64(b)]
+    n = nodes[uint64(r), uint64(b)]
+    alive = s > NEG_INF
+    n = n if alive else int64(0)
+    lo = ptr[uint64(n)]
+    real = alive & (j < ptr[uint64(n + 1)] - lo)
+    ch = lo + j if real else int64(0)
+    cd = codes[uint64(ch)]
+    top[r, i] = okey_float(v >> 31) if i < cap[r] else NEG_INF
+    parent[r, i] = b
+    child[r, i] = ch
+    code[r, i] = cd if real else int64(0)
+
+
+@cuda.jit(device=True, inline=True)
+def decode_abs(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
+               parent, child, code):
+    """``decode`` of absolute keys (``put_abs``)."""
+    for i in range(cuda.threadIdx.x, k, cuda.blockDim.x):
+        put_abs(srt[i], i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
+                parent, child, code)
 
 
 @cuda.jit(device=True, inline=True)

@@ -1,7 +1,9 @@
 """One-launch selection of ``trie_topk`` for requests of at most ``ONE_MAX`` candidates (gen-ref's
 steps 1 and 3: 8,192 and 768 at beams of 256, 3,072 at beams of 1,024): one block of ``NT``
 threads per request computes its candidates' okeys into shared memory (four candidates a thread
-at a time, so their load chains overlap) and takes the block's smallest real and largest okey.
+at a time, so their load chains overlap; where they are one beam's children, as at step 1, the
+beam read once and eight at a time: ``note_beam``) and takes the block's smallest real and
+largest okey.
 Then, for ``k`` up to half the block, it lists the keys that may be among the ``k`` best and
 selects from the list (``trie_topk_sample.select_list``: one round of score bins, each key of the
 bins from the ``k``-th's up ranked within its bin, no sort unless a bin is crowded): over

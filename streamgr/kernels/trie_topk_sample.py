@@ -24,7 +24,7 @@ from .trie_topk import SIMULATED
 from .trie_topk_dev import BIG, NB, NT, SEG_MAX, append, block_scan, hist_add, minmax, pick, \
     pick_segments, rank_put, sort_desc, sort_span
 from .numba_common import stamp
-from .trie_topk_keys import LOW32, MAXC, _bits, decode, note_all, okey_float
+from .trie_topk_keys import LOW32, MAXC, _bits, decode_abs, div_f, note_all, note_beam, okey_float
 
 # obin's window: 2**OCT bins an octave of the distance below the best score, NB >> OCT octaves
 # centred on 1 (closer is the best bin, farther or -inf the worst). 16 an octave (OCT 4): on the
@@ -37,6 +37,9 @@ OBASE = (127 - (NB >> OCT) // 2) << OCT
 # runs); at or below a block the sample would be the whole chunk, and one bins round is cheaper.
 SAMPLE = os.environ.get("STREAMGR_TOPK_SAMPLE", "1") == "1"
 SAMPLE_MIN = NT if SIMULATED else 2 * NT
+# A chunk of one beam's children is scored with the beam read once (note_beam;
+# STREAMGR_TOPK_BEAM=0: every candidate as any other, for A/B runs).
+BEAM = os.environ.get("STREAMGR_TOPK_BEAM", "1") == "1"
 ONE_MAX = 64 if SIMULATED else 8192  # okeys a block holds in shared memory: 32 KiB
 UCAP = ONE_MAX // 2  # list keys held there instead (kx's two int32 halves: okey, candidate)
 
@@ -71,7 +74,12 @@ def score_chunk(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes
     stamp(14)
     if cuda.threadIdx.x == 0:
         ctr[0] = 0
-    lo, hi = note_all(kx, c0, n, NT, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    if BEAM and div_f(c0, FM) == div_f(c0 + n - 1, FM):  # one beam's children (block-uniform)
+        lo, hi = note_beam(kx, c0, n, NT, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
+                           off)
+    else:
+        lo, hi = note_all(kx, c0, n, NT, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
+                          off)
     stamp(1)
     lo, hi = minmax(lo, hi, red)
     stamp(2)
@@ -149,10 +157,11 @@ def select_list(kx, U, ref, k, KP, hist, srt, scan, res, ctr, r, F, FM, B, score
     superset of the ``k`` best, ``ref`` the best's score): one bins round, each key of the bins
     from the ``k``-th's up ranked in its bin, or sorted whole where a bin holds over
     ``SEG_MAX``. False (nothing answered) where those bins hold over a block of keys. Every
-    thread calls it."""
+    thread calls it (stamps 9: bins counted and picked; 12: their keys placed)."""
     tid = cuda.threadIdx.x
     obin_hist(hist, kx, U, ref)
     d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
+    stamp(9)
     total = k - need + nd
     if big == 0 and total <= NT:  # each key of the bins from d up ranked in its bin
         for base in range(0, U, NT):
@@ -161,6 +170,7 @@ def select_list(kx, U, ref, k, KP, hist, srt, scan, res, ctr, r, F, FM, B, score
             if base + tid < U and b >= d:
                 srt[cuda.atomic.add(hist, b, 1)] = ukey(kx, j)
         cuda.syncthreads()
+        stamp(12)
         for j in range(tid, total, NT):
             v = srt[j]
             rank_put(srt, v, obin(v >> 31, ref), hist, NB, k, r, F, FM, B, scores, nodes, logp,
@@ -176,7 +186,7 @@ def select_list(kx, U, ref, k, KP, hist, srt, scan, res, ctr, r, F, FM, B, score
             append(srt, ctr, 0, ukey(kx, j), base + tid < U and obin(kx[j], ref) >= d)
         cuda.syncthreads()
         sort_desc(srt, sort_span(total, KP))
-        decode(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
-               parent, child, code)
+        decode_abs(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
+                   parent, child, code)
         return True
     return False

@@ -16,9 +16,11 @@ import torch
 from streamgr.kernels.trie_topk import trie_topk_reference
 
 
-def random_case(seed, R=3, B=5, V=40, fan=(1, 6), ties=False, dead=0.2):
-    """A random level: nodes with 0..fan children (codes increasing), beams on them; a ``dead``
-    share of the beams is -inf."""
+def random_case(seed, R=3, B=5, V=None, fan=(1, 6), ties=False, dead=0.2):
+    """A random level: nodes with 0..fan children (codes increasing, of a vocabulary of ``V``,
+    by default 40 or room for the widest fan-out), beams on them; a ``dead`` share of the beams
+    is -inf."""
+    V = V or max(40, fan[1] + 8)
     rng = np.random.default_rng(seed)
     n_nodes = 7
     counts = rng.integers(fan[0] - 1, fan[1] + 1, size=n_nodes).clip(0)
@@ -113,11 +115,12 @@ SIM = textwrap.dedent("""
 # falling back to the radix where the bins from the k-th up hold more than 32), dead beams in
 # every case, k = 1, every candidate wanted (a bin that settles the set at once); of the binned,
 # the bins' keys ranked in their bins (seeds 14, 15: no bin over SEG_MAX = 4 keys) and sorted
-# whole (seeds 1, 15: one over it) ...
+# whole (seeds 1, 15: one over it), one beam of over a block of children (25: note_beam's rounds
+# of four a thread, as step 1's) ...
 ONE_BLOCK = [(0, False, 3, (1, 5), 4), (1, True, 6, (2, 8), 8), (4, False, 9, (0, 3), 1),
              (5, False, 1, (6, 6), 6), (7, False, 10, (3, 3), 30), (10, True, 7, (6, 9), 20),
              (12, False, 2, (1, 1), 2), (13, False, 1, (1, 1), 1),
-             (14, False, 8, (4, 8), 12), (15, False, 6, (8, 8), 16)]
+             (14, False, 8, (4, 8), 12), (15, False, 6, (8, 8), 16), (25, True, 1, (40, 60), 6)]
 # ... and the grid launches (> 64 candidates; 256 bins): ties, k reaching into the -inf slots,
 # so that the last block's list outgrows the block (its radix select from the list in global
 # memory) as well as fits it (sorted whole), k = 1.
@@ -131,7 +134,7 @@ MERGE = [(16, False, 12, (6, 6), 4, 1, 0.1),
          (19, False, 20, (4, 4), 4, 2, 0.85),
          (20, False, 10, (6, 8), 1, 2, 0.2), (21, "const", 30, (6, 8), 6, 1, 0.0),
          (22, False, 20, (4, 4), 4, 2, 1.0), (23, True, 30, (6, 8), 6, 1, 0.0),
-         (24, False, 40, (6, 8), 4, 1, 0.1)]
+         (24, False, 40, (6, 8), 4, 1, 0.1), (26, False, 2, (90, 100), 4, 1, 0.1)]
 
 
 @pytest.mark.parametrize("cases", [ONE_BLOCK, GRID, MERGE], ids=["one_block", "grid", "merge"])
@@ -206,3 +209,63 @@ def test_merge_routing_on_the_h200s_132_sms():
                        timeout=120, cwd=root)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.split() == ["ok"]
+
+
+NOTE = textwrap.dedent("""
+    import numpy as np, torch, sys
+    sys.path.insert(0, {root!r})
+    from numba import cuda, int32, int64
+    from tests.kernels.test_trie_topk import random_case
+    from streamgr.kernels import trie_topk_keys as K
+    from streamgr.kernels.head_lse import LogProbs, row_lse_reference
+    from streamgr.kernels.numba_common import as_array as a
+    from streamgr.kernels.trie_topk_numba import _log_probs
+    NT = 4
+
+    @cuda.jit
+    def both(out, kxs, c0, n, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
+        kx = cuda.shared.array(128, int32)
+        ky = cuda.shared.array(128, int32)
+        t = cuda.threadIdx.x
+        lo, hi = K.note_beam(kx, c0, n, NT, 1, F, FM, B, scores, nodes, logp, lse, sh, ptr,
+                             codes, off)
+        lo2, hi2 = K.note_all(ky, c0, n, NT, 1, F, FM, B, scores, nodes, logp, lse, sh, ptr,
+                              codes, off)
+        out[t, 0], out[t, 1], out[t, 2], out[t, 3] = lo, hi, lo2, hi2
+        cuda.syncthreads()
+        for i in range(t, n, NT):
+            kxs[0, i] = kx[i]
+            kxs[1, i] = ky[i]
+
+    n_runs = 0
+    for seed, dead in ((30, 0.0), (31, 0.5), (32, 1.0)):
+        scores, nodes, logp, ptr, codes, off, F = random_case(seed, R=2, B=3, fan=(70, 90),
+                                                              dead=dead)
+        lg = (logp * 3).to(torch.bfloat16)
+        for lp in (logp, LogProbs(lg, lg.shape[1], row_lse_reference(lg, lg.shape[1]))):
+            sc = scores.float().contiguous()
+            bits = _log_probs(lp, a, sc)
+            for c0, n in ((0, F), (F, F), (2 * F + 5, F - 9), (1, 33), (7, 36), (F + 2, 1)):
+                out = np.zeros((NT, 4), np.int64)
+                kxs = np.zeros((2, 128), np.int32)
+                both[1, NT](out, kxs, c0, n, F, K.magic(F), 3, a(sc), a(nodes), *bits, a(ptr),
+                            a(codes), off)
+                assert (out[:, :2] == out[:, 2:]).all(), (seed, c0, n, out)
+                assert (kxs[0, :n] == kxs[1, :n]).all(), (seed, c0, n, kxs[:, :n])
+                n_runs += 1
+    print("ok", n_runs)
+""")
+
+
+def test_one_beam_scoring_equals_the_general_loop_under_the_simulator():
+    """``note_beam`` (a chunk inside one beam: the beam read once, eight or four candidates a
+    thread in flight) writes the okeys and per-thread (smallest real, largest) okeys that
+    ``note_all`` does, on chunks from a beam's start and middle whose lengths take the rounds
+    of eight, of four and the one-a-thread tail (4 threads here), with fp32 and bf16
+    log-probabilities and live, mixed and dead beams."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    p = subprocess.run([sys.executable, "-c", NOTE.format(root=root)], env=env,
+                       capture_output=True, text=True, timeout=600, cwd=root)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["ok", "36"]

@@ -31,6 +31,10 @@ NEG_INF = float32(-np.inf)
 # Answers from absolute keys take their score from the key (``put_abs``: no log-probability
 # read); STREAMGR_TOPK_KEYDEC=0 recomputes it as ``put`` does, for A/B runs.
 KEYDEC = os.environ.get("STREAMGR_TOPK_KEYDEC", "1") == "1"
+# STREAMGR_TOPK_WIDE=1: the general scoring loop (note_all) takes eight candidates a thread at a
+# time, as note_beam does (a step-2 chunk of 8,192: its ~8 dependent load levels become ~4).
+# Not yet timed on the H200, so off: ptxas spills 24 bytes in merge_select with it (0 without).
+WIDE = os.environ.get("STREAMGR_TOPK_WIDE", "0") == "1"
 
 if SIMULATED:
     def _bits(x):
@@ -147,11 +151,33 @@ def note4(kx, i0, step, c0, r, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, c
 @cuda.jit(device=True, inline=True)
 def note_all(kx, c0, n, nt, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
     """``kx[i]`` = the okey of candidate ``c0 + i`` for ``i < n``, by the block's ``nt``
-    threads (four a thread at a time while more than a block's worth are left); returns the
-    thread's (smallest real, largest) okey (``2**40``, -1 where it noted none)."""
+    threads (four a thread at a time while more than a block's worth are left; with ``WIDE``,
+    eight while whole rounds of eight are); returns the thread's (smallest real, largest) okey
+    (``2**40``, -1 where it noted none)."""
     lo = int64(1) << 40
     hi = int64(-1)
-    for base in range(0, n, 4 * nt):
+    base = 0
+    while WIDE and n - base >= 8 * nt:  # eight a thread: a round's loads all in flight
+        i0 = base + cuda.threadIdx.x
+        c = c0 + i0
+        k0 = ckey(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+        k1 = ckey(r, c + nt, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+        k2 = ckey(r, c + 2 * nt, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+        k3 = ckey(r, c + 3 * nt, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+        k4 = ckey(r, c + 4 * nt, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+        k5 = ckey(r, c + 5 * nt, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+        k6 = ckey(r, c + 6 * nt, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+        k7 = ckey(r, c + 7 * nt, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+        lo, hi = note(kx, i0, k0, lo, hi)
+        lo, hi = note(kx, i0 + nt, k1, lo, hi)
+        lo, hi = note(kx, i0 + 2 * nt, k2, lo, hi)
+        lo, hi = note(kx, i0 + 3 * nt, k3, lo, hi)
+        lo, hi = note(kx, i0 + 4 * nt, k4, lo, hi)
+        lo, hi = note(kx, i0 + 5 * nt, k5, lo, hi)
+        lo, hi = note(kx, i0 + 6 * nt, k6, lo, hi)
+        lo, hi = note(kx, i0 + 7 * nt, k7, lo, hi)
+        base += 8 * nt
+    for base in range(base, n, 4 * nt):
         i0 = base + cuda.threadIdx.x
         if n - base <= nt:  # one candidate a thread left (block-uniform)
             if i0 < n:

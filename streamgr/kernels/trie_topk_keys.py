@@ -125,6 +125,34 @@ def note(kx, i, key, lo, hi):
 
 
 @cuda.jit(device=True, inline=True)
+def note8(kx, i0, nt, k0, k1, k2, k3, k4, k5, k6, k7, lo, hi):
+    """``note`` of a round of eight okeys, at ``kx[i0 + j * nt]`` (computed first, so that
+    their loads were in flight together)."""
+    lo, hi = note(kx, i0, k0, lo, hi)
+    lo, hi = note(kx, i0 + nt, k1, lo, hi)
+    lo, hi = note(kx, i0 + 2 * nt, k2, lo, hi)
+    lo, hi = note(kx, i0 + 3 * nt, k3, lo, hi)
+    lo, hi = note(kx, i0 + 4 * nt, k4, lo, hi)
+    lo, hi = note(kx, i0 + 5 * nt, k5, lo, hi)
+    lo, hi = note(kx, i0 + 6 * nt, k6, lo, hi)
+    return note(kx, i0 + 7 * nt, k7, lo, hi)
+
+
+@cuda.jit(device=True, inline=True)
+def note_upto4(kx, i0, step, n, k0, k1, k2, k3, lo, hi):
+    """``note`` of a round of four okeys at ``kx[i0 + j * step]``, those below ``n``."""
+    if i0 < n:
+        lo, hi = note(kx, i0, k0, lo, hi)
+    if i0 + step < n:
+        lo, hi = note(kx, i0 + step, k1, lo, hi)
+    if i0 + 2 * step < n:
+        lo, hi = note(kx, i0 + 2 * step, k2, lo, hi)
+    if i0 + 3 * step < n:
+        lo, hi = note(kx, i0 + 3 * step, k3, lo, hi)
+    return lo, hi
+
+
+@cuda.jit(device=True, inline=True)
 def note4(kx, i0, step, c0, r, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, lo,
           hi):
     """``note`` of the okeys of candidates ``c0 + i0 + j * step`` at ``kx[i0 + j * step]``
@@ -137,15 +165,7 @@ def note4(kx, i0, step, c0, r, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, c
               codes, off)
     k3 = ckey(r, c0 + min(i0 + 3 * step, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr,
               codes, off)
-    if i0 < N:
-        lo, hi = note(kx, i0, k0, lo, hi)
-    if i0 + step < N:
-        lo, hi = note(kx, i0 + step, k1, lo, hi)
-    if i0 + 2 * step < N:
-        lo, hi = note(kx, i0 + 2 * step, k2, lo, hi)
-    if i0 + 3 * step < N:
-        lo, hi = note(kx, i0 + 3 * step, k3, lo, hi)
-    return lo, hi
+    return note_upto4(kx, i0, step, N, k0, k1, k2, k3, lo, hi)
 
 
 @cuda.jit(device=True, inline=True)
@@ -168,14 +188,7 @@ def note_all(kx, c0, n, nt, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
         k5 = ckey(r, c + 5 * nt, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
         k6 = ckey(r, c + 6 * nt, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
         k7 = ckey(r, c + 7 * nt, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-        lo, hi = note(kx, i0, k0, lo, hi)
-        lo, hi = note(kx, i0 + nt, k1, lo, hi)
-        lo, hi = note(kx, i0 + 2 * nt, k2, lo, hi)
-        lo, hi = note(kx, i0 + 3 * nt, k3, lo, hi)
-        lo, hi = note(kx, i0 + 4 * nt, k4, lo, hi)
-        lo, hi = note(kx, i0 + 5 * nt, k5, lo, hi)
-        lo, hi = note(kx, i0 + 6 * nt, k6, lo, hi)
-        lo, hi = note(kx, i0 + 7 * nt, k7, lo, hi)
+        lo, hi = note8(kx, i0, nt, k0, k1, k2, k3, k4, k5, k6, k7, lo, hi)
         base += 8 * nt
     for base in range(base, n, 4 * nt):
         i0 = base + cuda.threadIdx.x
@@ -187,6 +200,19 @@ def note_all(kx, c0, n, nt, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
         lo, hi = note4(kx, i0, nt, c0, r, n, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
                        off, lo, hi)
     return lo, hi
+
+
+@cuda.jit(device=True, inline=True)
+def beam_of(r, c, F, FM, scores, nodes, ptr):
+    """Candidate c's beam ``b``, its child slot ``j``, the beam's score, first child and number
+    of children (0 where the beam is dead)."""
+    b = div_f(c, FM)
+    s = scores[uint64(r), uint64(b)]
+    n = nodes[uint64(r), uint64(b)]
+    alive = s > NEG_INF
+    n = n if alive else int64(0)
+    first = ptr[uint64(n)]
+    return b, c - b * F, s, first, ptr[uint64(n + 1)] - first if alive else int64(0)
 
 
 @cuda.jit(device=True, inline=True)
@@ -211,14 +237,7 @@ def note_beam(kx, c0, n, nt, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, cod
     else four. ``bkey`` computes its okey without a branch: with one (``okey(...) if real``),
     the compiler sank each candidate's loads into it and issued them one candidate after
     another (cuobjdump, session 31)."""
-    b = div_f(c0, FM)
-    j0 = c0 - b * F
-    s = scores[uint64(r), uint64(b)]
-    nd = nodes[uint64(r), uint64(b)]
-    alive = s > NEG_INF
-    nd = nd if alive else int64(0)
-    first = ptr[uint64(nd)]
-    cnt = ptr[uint64(nd + 1)] - first if alive else int64(0)
+    b, j0, s, first, cnt = beam_of(r, c0, F, FM, scores, nodes, ptr)
     row = uint64(r * B + b)
     m = lse[0, row]
     ls = lse[uint64(sh >> 4), row]
@@ -235,14 +254,7 @@ def note_beam(kx, c0, n, nt, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, cod
         k5 = bkey(j0 + i0 + 5 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
         k6 = bkey(j0 + i0 + 6 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
         k7 = bkey(j0 + i0 + 7 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
-        lo, hi = note(kx, i0, k0, lo, hi)
-        lo, hi = note(kx, i0 + nt, k1, lo, hi)
-        lo, hi = note(kx, i0 + 2 * nt, k2, lo, hi)
-        lo, hi = note(kx, i0 + 3 * nt, k3, lo, hi)
-        lo, hi = note(kx, i0 + 4 * nt, k4, lo, hi)
-        lo, hi = note(kx, i0 + 5 * nt, k5, lo, hi)
-        lo, hi = note(kx, i0 + 6 * nt, k6, lo, hi)
-        lo, hi = note(kx, i0 + 7 * nt, k7, lo, hi)
+        lo, hi = note8(kx, i0, nt, k0, k1, k2, k3, k4, k5, k6, k7, lo, hi)
         base += 8 * nt
     for base in range(base, n, 4 * nt):
         i0 = base + cuda.threadIdx.x
@@ -255,13 +267,7 @@ def note_beam(kx, c0, n, nt, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, cod
         k1 = bkey(j0 + i0 + nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
         k2 = bkey(j0 + i0 + 2 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
         k3 = bkey(j0 + i0 + 3 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
-        lo, hi = note(kx, i0, k0, lo, hi)
-        if i0 + nt < n:
-            lo, hi = note(kx, i0 + nt, k1, lo, hi)
-        if i0 + 2 * nt < n:
-            lo, hi = note(kx, i0 + 2 * nt, k2, lo, hi)
-        if i0 + 3 * nt < n:
-            lo, hi = note(kx, i0 + 3 * nt, k3, lo, hi)
+        lo, hi = note_upto4(kx, i0, nt, n, k0, k1, k2, k3, lo, hi)
     return lo, hi
 
 
@@ -299,14 +305,8 @@ def put_abs(v, i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ca
             child, code)
         return
     c = MAXC - (v & MAXC)
-    b = div_f(c, FM)
-    j = c - b * F
-    s = scores[uint64(r), uint64(b)]
-    n = nodes[uint64(r), uint64(b)]
-    alive = s > NEG_INF
-    n = n if alive else int64(0)
-    lo = ptr[uint64(n)]
-    real = alive & (j < ptr[uint64(n + 1)] - lo)
+    b, j, _, lo, cnt = beam_of(r, c, F, FM, scores, nodes, ptr)
+    real = j < cnt
     ch = lo + j if real else int64(0)
     cd = codes[uint64(ch)]
     top[r, i] = okey_float(v >> 31) if i < cap[r] else NEG_INF

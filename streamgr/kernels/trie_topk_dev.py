@@ -129,9 +129,9 @@ def append(out, ctr, at, v, take):
 
 @cuda.jit(device=True, inline=True)
 def block_scan(x, scan, nt):
-    """Inclusive prefix sum of ``x`` over threads ``0 .. nt-1`` (a multiple of 32 on the GPU;
-    the others pass the barriers only). ``scan``: SCAN_N shared int32. Every thread calls it;
-    it ends synchronized."""
+    """(inclusive prefix sum of ``x`` over threads ``0 .. nt-1``, their total), the total to
+    every thread (``nt`` a multiple of 32 on the GPU; the others pass the barriers only).
+    ``scan``: SCAN_N shared int32. Every thread calls it; it ends synchronized."""
     tid = cuda.threadIdx.x
     work = tid < nt
     if SIMULATED:  # one thread sums in order (each simulated barrier costs milliseconds)
@@ -143,8 +143,9 @@ def block_scan(x, scan, nt):
                 scan[i] += scan[i - 1]
         cuda.syncthreads()
         out = scan[tid] if work else 0
+        total = scan[nt - 1]
         cuda.syncthreads()
-        return out
+        return out, total
     lane = tid & 31
     w = tid >> 5
     if work:
@@ -165,8 +166,9 @@ def block_scan(x, scan, nt):
             scan[lane] = t
     cuda.syncthreads()
     out = x + (scan[w - 1] if w > 0 and work else 0)
+    total = scan[(nt >> 5) - 1]
     cuda.syncthreads()
-    return out
+    return out, total
 
 
 @cuda.jit(device=True, inline=True)
@@ -181,7 +183,7 @@ def pick(hist, nbins, want, scan, res, nt):
     if tid < nt:
         for e in range(per):
             own += hist[hi - e]
-    incl = block_scan(own, scan, nt)
+    incl, _ = block_scan(own, scan, nt)
     above = incl - own
     if tid < nt and above < want and want <= incl:
         for e in range(per):
@@ -212,7 +214,8 @@ def pick_segments(cnt, nbins, want, seg_max, scan, res):
     own = int32(0)
     for e in range(per):
         own += cnt[hi - e]
-    above = block_scan(own, scan, NT) - own
+    incl, _ = block_scan(own, scan, NT)
+    above = incl - own
     for e in range(per):
         h = cnt[hi - e]
         if above < want:  # the bins from the want-th key's up (ranked one by one)

@@ -87,7 +87,7 @@ def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr):
     ref = okey_float(hi)
     if SAMPLE and n > SAMPLE_MIN:  # the keys at or above a sampled floor, if they fit
         t = sample_floor(kx, n, want, ref, hist, scan, res, red)
-        at, cnt = count_above(kx, n, t, scan, res)
+        at, cnt = count_above(kx, n, t, scan)
         if want <= cnt and cnt <= NT:  # block-uniform; a block lists at most NT keys
             write_above(kx, n, c0, t, ul[r], reserve(ws, r, cnt, red) + at)
             return

@@ -53,7 +53,7 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
         if SAMPLE and N > SAMPLE_MIN:  # the keys at or above a sampled floor, if they fit
             t = sample_floor(kx, N, k, okey_float(hi), hist, scan, res, red)
             stamp(6)
-            at, U = count_above(kx, N, t, scan, res)
+            at, U = count_above(kx, N, t, scan)
             stamp(7)
             if k <= U and U <= NT:  # block-uniform
                 write_above(kx, N, 0, t, srt, at)

@@ -107,7 +107,7 @@ def sample_floor(kx, n, want, ref, hist, scan, res, red):
 
 
 @cuda.jit(device=True, inline=True)
-def count_above(kx, n, t, scan, res):
+def count_above(kx, n, t, scan):
     """(this thread's offset, the chunk's count) of the keys of ``kx[:n]`` at or above the okey
     ``t``, thread ``tid`` taking keys ``tid + j * NT`` (as ``write_above``). Ends synchronized."""
     tid = cuda.threadIdx.x
@@ -115,13 +115,8 @@ def count_above(kx, n, t, scan, res):
     for i in range(tid, n, NT):
         if (int64(kx[i]) & LOW32) >= t:
             c += 1
-    incl = block_scan(c, scan, NT)
-    if tid == NT - 1:
-        res[3] = incl
-    cuda.syncthreads()
-    total = int64(res[3])
-    cuda.syncthreads()
-    return int64(incl - c), total
+    incl, total = block_scan(c, scan, NT)
+    return int64(incl - c), int64(total)
 
 
 @cuda.jit(device=True, inline=True)

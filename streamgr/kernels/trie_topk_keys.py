@@ -77,6 +77,37 @@ def tkey(key32, c, tmin):
 
 
 @cuda.jit(device=True, inline=True)
+def beam_of(r, c, F, FM, scores, nodes, ptr):
+    """Candidate c's beam ``b``, its child slot ``j``, the beam's score, first child and number
+    of children (0 where the beam is dead)."""
+    b = div_f(c, FM)
+    s = scores[uint64(r), uint64(b)]
+    n = nodes[uint64(r), uint64(b)]
+    alive = s > NEG_INF
+    n = n if alive else int64(0)
+    first = ptr[uint64(n)]
+    return b, c - b * F, s, first, ptr[uint64(n + 1)] - first if alive else int64(0)
+
+
+@cuda.jit(device=True, inline=True)
+def child_of(r, c, F, FM, scores, nodes, ptr, codes):
+    """Candidate c's (beam, the beam's score, whether it is a child, child node, code): child
+    node and code 0 where it is not, every load at a valid index."""
+    b, j, s, lo, cnt = beam_of(r, c, F, FM, scores, nodes, ptr)
+    real = j < cnt
+    ch = lo + j if real else int64(0)
+    return b, s, real, ch, codes[uint64(ch)]
+
+
+@cuda.jit(device=True, inline=True)
+def logp_at(logp, row, col, sh, m, ls):
+    """The log-probability at ``logp[row, col]`` (raw bits, ``sh`` as in ``cand``; ``m``, ``ls``
+    the row's max and log-sum, used where ``sh`` is 16)."""
+    x = _float(int32(logp[row, uint64(col)]) << sh)
+    return (x - m) - ls if sh else x
+
+
+@cuda.jit(device=True, inline=True)
 def cand(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
     """Candidate c of request r: (score, -inf where no child; child node; code), with every
     load issued at a clamped index and no branch (selects only), so that the loads of several
@@ -85,24 +116,9 @@ def cand(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
     fp32 (int32, ``sh`` 0) or bf16 logits (int16, ``sh`` 16) read with ``lse`` [2, rows] (each
     row's max and log-sum): the fp32 ``(x - max) - logsum`` of ``LogProbs.gather``, bit for
     bit; with ``sh`` 0, ``lse`` is any [1, rows] float array, read and unused."""
-    b = div_f(c, FM)  # c // F without a division
-    j = c - b * F
-    ur = uint64(r)
-    ub = uint64(b)
-    s = scores[ur, ub]
-    n = nodes[ur, ub]
-    alive = s > NEG_INF
-    n = n if alive else int64(0)
-    lo = ptr[uint64(n)]
-    hi = ptr[uint64(n + 1)]
-    real = alive & (j < hi - lo)
-    ch = lo + j if real else int64(0)
-    cd = codes[uint64(ch)]
+    b, s, real, ch, cd = child_of(r, c, F, FM, scores, nodes, ptr, codes)
     row = uint64(r * B + b)
-    x = _float(int32(logp[row, uint64(off + cd)]) << sh)
-    m = lse[0, row]
-    ls = lse[uint64(sh >> 4), row]
-    x = (x - m) - ls if sh else x
+    x = logp_at(logp, row, off + cd, sh, lse[0, row], lse[uint64(sh >> 4), row])
     if real:
         return s + x, ch, cd
     return NEG_INF, int64(0), int64(0)
@@ -203,28 +219,13 @@ def note_all(kx, c0, n, nt, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
 
 
 @cuda.jit(device=True, inline=True)
-def beam_of(r, c, F, FM, scores, nodes, ptr):
-    """Candidate c's beam ``b``, its child slot ``j``, the beam's score, first child and number
-    of children (0 where the beam is dead)."""
-    b = div_f(c, FM)
-    s = scores[uint64(r), uint64(b)]
-    n = nodes[uint64(r), uint64(b)]
-    alive = s > NEG_INF
-    n = n if alive else int64(0)
-    first = ptr[uint64(n)]
-    return b, c - b * F, s, first, ptr[uint64(n + 1)] - first if alive else int64(0)
-
-
-@cuda.jit(device=True, inline=True)
 def bkey(j, cnt, lo, s, row, m, ls, logp, sh, codes, off):
     """The okey of child ``j`` of a beam read once (``note_beam``): its score ``s``, first child
     ``lo`` and ``cnt`` children, its log-probabilities' row ``row`` with their max and log-sum
     (``m``, ``ls``); the same fp32 operations as ``cand``, so the same bits."""
     real = j < cnt
     cd = codes[uint64(lo + j if real else int64(0))]
-    x = _float(int32(logp[row, uint64(off + cd)]) << sh)
-    x = (x - m) - ls if sh else x
-    y = s + x
+    y = s + logp_at(logp, row, off + cd, sh, m, ls)
     return okey(y if real else NEG_INF)
 
 
@@ -305,10 +306,7 @@ def put_abs(v, i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ca
             child, code)
         return
     c = MAXC - (v & MAXC)
-    b, j, _, lo, cnt = beam_of(r, c, F, FM, scores, nodes, ptr)
-    real = j < cnt
-    ch = lo + j if real else int64(0)
-    cd = codes[uint64(ch)]
+    b, _, real, ch, cd = child_of(r, c, F, FM, scores, nodes, ptr, codes)
     top[r, i] = okey_float(v >> 31) if i < cap[r] else NEG_INF
     parent[r, i] = b
     child[r, i] = ch

@@ -29,6 +29,8 @@ RED_N = 2 + 2 * NW  # minmax scratch
 WARPX = 1 if SIMULATED else 32  # strides at or above this exchange through shared memory
 FULL = -1 if SIMULATED else int32(-1)  # every lane of a warp
 BIG = int64(1) << 40
+I32MAX = int32(0x7FFFFFFF)
+HALF = int64(1) << 31
 SEG_MAX = 4 if SIMULATED else 128  # keys a bin's segment ranks one by one (else a sort)
 # Histogram adds aggregated over a warp's lanes of one bin (match_any_sync) or one atomic each
 # (STREAMGR_TOPK_MATCH=0), for A/B runs.
@@ -125,6 +127,42 @@ def append(out, ctr, at, v, take):
         out[p] = v
         return p
     return int64(-1)
+
+
+@cuda.jit(device=True, inline=True)
+def warp_min_into(m, cell, at):
+    """The block-wide min of the threads' int32 ``m``, returned to every thread: each warp's by
+    shuffles, then one shared atomic a warp into ``cell[at]`` (``I32MAX`` on entry, published).
+    Every thread calls it; it ends with one barrier (the callers leave ``cell[at]`` alone until
+    a later one)."""
+    if not SIMULATED:
+        for o in (16, 8, 4, 2, 1):
+            m = min(m, cuda.shfl_xor_sync(FULL, m, o))
+    if SIMULATED or (cuda.threadIdx.x & 31) == 0:
+        if m != I32MAX:
+            cuda.atomic.min(cell, at, m)
+    cuda.syncthreads()
+    return cell[at]
+
+
+@cuda.jit(device=True, inline=True)
+def reserve_slots(c, ctr):
+    """The first of this thread's ``c`` slots of a list counted at ``ctr[0]`` (shared int32):
+    the warp's lanes in order, one atomic a warp, no block barrier (the list's order across
+    warps is the atomics'). Every lane calls it."""
+    if SIMULATED:
+        return int64(cuda.atomic.add(ctr, 0, c))
+    lane = cuda.threadIdx.x & 31
+    x = int32(c)
+    for o in (1, 2, 4, 8, 16):
+        y = cuda.shfl_up_sync(FULL, x, o)
+        if lane >= o:
+            x += y
+    base = int32(0)
+    if lane == 31:
+        base = cuda.atomic.add(ctr, 0, x)
+    base = cuda.shfl_sync(FULL, base, 31)
+    return int64(base + x - c)
 
 
 @cuda.jit(device=True, inline=True)
@@ -233,10 +271,11 @@ def pick_segments(cnt, nbins, want, seg_max, scan, res):
 
 @cuda.jit(device=True, inline=True)
 def rank_put(keys, v, b, cur, nbins, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
-             off, cap, top, parent, child, code):
+             off, cap, top, parent, child, code, beam):
     """Key ``v`` of bin ``b``, in ``keys`` laid out by bin (``cur[b]``: bin b's segment end, the
     next lower bin's start): ranked in its bin by counting the (distinct) keys of the bin above
-    it, and answered if its rank is below ``k`` (``v`` absolute: ``put_abs``)."""
+    it, and answered if its rank is below ``k`` (``v`` absolute: ``put_abs``, ``beam`` as
+    there)."""
     s = int64(cur[b + 1]) if b < nbins - 1 else int64(0)
     rank = s
     for j in range(s, int64(cur[b])):
@@ -244,7 +283,7 @@ def rank_put(keys, v, b, cur, nbins, k, r, F, FM, B, scores, nodes, logp, lse, s
             rank += 1
     if rank < k:
         put_abs(v, rank, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
-                parent, child, code)
+                parent, child, code, beam)
 
 
 @cuda.jit(device=True, inline=True)

@@ -35,6 +35,9 @@ KEYDEC = os.environ.get("STREAMGR_TOPK_KEYDEC", "1") == "1"
 # time, as note_beam does (a step-2 chunk of 8,192: its ~8 dependent load levels become ~4).
 # Not yet timed on the H200, so off: ptxas spills 24 bytes in merge_select with it (0 without).
 WIDE = os.environ.get("STREAMGR_TOPK_WIDE", "0") == "1"
+# Answers of a one-beam chunk (step 1) read the code alone, the beam's child range kept from the
+# scoring (put_abs); STREAMGR_TOPK_ONEBEAM=0: the beam looked up again, for A/B runs.
+ONEBEAM = os.environ.get("STREAMGR_TOPK_ONEBEAM", "1") == "1"
 
 if SIMULATED:
     def _bits(x):
@@ -237,7 +240,8 @@ def note_beam(kx, c0, n, nt, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, cod
     eight candidates a thread in flight while whole rounds of eight remain (step 1: one round),
     else four. ``bkey`` computes its okey without a branch: with one (``okey(...) if real``),
     the compiler sank each candidate's loads into it and issued them one candidate after
-    another (cuobjdump, session 31)."""
+    another (cuobjdump, session 31). Returns the thread's (smallest real, largest) okey and the
+    beam as ``put_abs`` takes it (``first << 32 | cnt``)."""
     b, j0, s, first, cnt = beam_of(r, c0, F, FM, scores, nodes, ptr)
     row = uint64(r * B + b)
     m = lse[0, row]
@@ -269,7 +273,7 @@ def note_beam(kx, c0, n, nt, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, cod
         k2 = bkey(j0 + i0 + 2 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
         k3 = bkey(j0 + i0 + 3 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
         lo, hi = note_upto4(kx, i0, nt, n, k0, k1, k2, k3, lo, hi)
-    return lo, hi
+    return lo, hi, (first << 32) | cnt
 
 
 @cuda.jit(device=True, inline=True)
@@ -296,17 +300,25 @@ def put(v, i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, t
 
 @cuda.jit(device=True, inline=True)
 def put_abs(v, i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
-            child, code):
+            child, code, beam):
     """``put`` for an absolute key (``okey << 31 | MAXC - c``, of the lists): the score is the
     key's okey read back (the same fp32 bits; -0.0 comes back +0.0, its equal), so the answer
     reads the beam, its child range and the code, and no log-probability (a dependent load
-    fewer)."""
+    fewer). Where every candidate is one beam's child (``beam`` = its ``first << 32 | cnt``,
+    as ``note_beam`` read them; -1 otherwise) it reads the code alone (two levels fewer)."""
     if not KEYDEC:
         put(v, i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
             child, code)
         return
     c = MAXC - (v & MAXC)
-    b, _, real, ch, cd = child_of(r, c, F, FM, scores, nodes, ptr, codes)
+    if ONEBEAM and beam >= 0:  # block-uniform
+        b = div_f(c, FM)
+        j = c - b * F
+        real = j < (beam & LOW32)
+        ch = (beam >> 32) + j if real else int64(0)
+        cd = codes[uint64(ch)]
+    else:
+        b, _, real, ch, cd = child_of(r, c, F, FM, scores, nodes, ptr, codes)
     top[r, i] = okey_float(v >> 31) if i < cap[r] else NEG_INF
     parent[r, i] = b
     child[r, i] = ch
@@ -315,11 +327,11 @@ def put_abs(v, i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ca
 
 @cuda.jit(device=True, inline=True)
 def decode_abs(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
-               parent, child, code):
+               parent, child, code, beam):
     """``decode`` of absolute keys (``put_abs``)."""
     for i in range(cuda.threadIdx.x, k, cuda.blockDim.x):
         put_abs(srt[i], i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
-                parent, child, code)
+                parent, child, code, beam)
 
 
 @cuda.jit(device=True, inline=True)

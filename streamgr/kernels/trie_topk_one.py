@@ -23,8 +23,8 @@ from numba import cuda, int32, int64
 from .numba_common import STAMP, stamp
 from .trie_topk_dev import BIG, DIG, JIT_NT, NT, RED_N, SCAN_N, bit_length, collect, radix, sort_desc
 from .trie_topk_keys import KEY_NEG_INF, decode, okey_float
-from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, count_above, hold, sample_floor,
-                               score_chunk, select_list, write_above)
+from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, WARPLIST, count_above, hold,
+                               list_above, sample_floor, score_chunk, select_list, write_above)
 
 BINS = os.environ.get("STREAMGR_TOPK_BINS", "1") == "1"  # 0: radix rounds only (A/B runs)
 
@@ -41,8 +41,8 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
     res = cuda.shared.array(4, int32)
     red = cuda.shared.array(RED_N, int64)
     ctr = cuda.shared.array(1, int32)
-    lo, hi = score_chunk(kx, 0, N, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off,
-                         red, ctr)
+    lo, hi, beam = score_chunk(kx, 0, N, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
+                               off, red, ctr)
     tmin = lo if lo != BIG else KEY_NEG_INF
     # a list of the keys that may be among the k best, selected by one round of bins below the
     # best score (block-uniform; for k over half the block the bins rarely fit a block, and
@@ -53,15 +53,22 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
         if SAMPLE and N > SAMPLE_MIN:  # the keys at or above a sampled floor, if they fit
             t = sample_floor(kx, N, k, okey_float(hi), hist, scan, res, red)
             stamp(6)
-            at, U = count_above(kx, N, t, scan)
+            if WARPLIST:
+                U = list_above(kx, N, 0, t, srt, ctr)
+            else:
+                at, U = count_above(kx, N, t, scan)
+                if k <= U and U <= NT:
+                    write_above(kx, N, 0, t, srt, at)
+                    cuda.syncthreads()
             stamp(7)
             if k <= U and U <= NT:  # block-uniform
-                write_above(kx, N, 0, t, srt, at)
-                cuda.syncthreads()
                 if tid < U:
                     hold(kx, tid, srt[tid])
-            else:
-                U = 0  # ties or an unlucky sample: the radix rounds (kx untouched)
+            else:  # ties or an unlucky sample: the radix rounds (kx untouched, ctr zeroed)
+                U = 0
+                cuda.syncthreads()
+                if tid == 0:
+                    ctr[0] = 0
         elif N <= UCAP:  # every key listed: each okey stays, its candidate beside it
             for j in range(tid, N, NT):
                 kx[UCAP + j] = j
@@ -72,7 +79,7 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
         # and its okeys are still in kx for the radix rounds
         if U > 0 and select_list(kx, U, okey_float(hi), k, KP, hist, srt, scan, res, ctr, r, F,
                                  FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
-                                 parent, child, code):
+                                 parent, child, code, beam):
             if STAMP:
                 cuda.syncthreads()
                 stamp(15)

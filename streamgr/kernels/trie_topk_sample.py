@@ -21,8 +21,8 @@ import os
 from numba import cuda, int32, int64
 
 from .trie_topk import SIMULATED
-from .trie_topk_dev import BIG, NB, NT, SEG_MAX, append, block_scan, hist_add, minmax, pick, \
-    pick_segments, rank_put, sort_desc, sort_span
+from .trie_topk_dev import BIG, HALF, I32MAX, NB, NT, SEG_MAX, append, block_scan, hist_add, \
+    minmax, pick, pick_segments, rank_put, reserve_slots, sort_desc, sort_span, warp_min_into
 from .numba_common import stamp
 from .trie_topk_keys import LOW32, MAXC, _bits, decode_abs, div_f, note_all, note_beam, okey_float
 
@@ -40,6 +40,14 @@ SAMPLE_MIN = NT if SIMULATED else 2 * NT
 # A chunk of one beam's children is scored with the beam read once (note_beam;
 # STREAMGR_TOPK_BEAM=0: every candidate as any other, for A/B runs).
 BEAM = os.environ.get("STREAMGR_TOPK_BEAM", "1") == "1"
+# The keys above a sampled floor listed in one pass, each warp reserving its slots with one
+# shared atomic (list_above), instead of a count, a block scan and a second pass (count_above,
+# write_above); STREAMGR_TOPK_WARPLIST=0: the latter, for A/B runs.
+WARPLIST = os.environ.get("STREAMGR_TOPK_WARPLIST", "1") == "1"
+# sample_floor's floor (the smallest sampled key in the picked bins) by a 32-bit shared atomic
+# min after a warp's shuffles (one barrier) instead of a block min/max (three);
+# STREAMGR_TOPK_FLOORMIN=0: the latter, for A/B runs.
+FLOORMIN = os.environ.get("STREAMGR_TOPK_FLOORMIN", "1") == "1"
 ONE_MAX = 64 if SIMULATED else 8192  # okeys a block holds in shared memory: 32 KiB
 UCAP = ONE_MAX // 2  # list keys held there instead (kx's two int32 halves: okey, candidate)
 
@@ -70,20 +78,22 @@ def obin_hist(hist, kx, n, ref):
 def score_chunk(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, red, ctr):
     """The selection kernels' first phases: ``ctr`` zeroed, the okeys of candidates ``c0 ..
     c0 + n - 1`` into ``kx`` (``note_all``) and the block's (smallest real, largest) okey,
-    returned to every thread (its barriers also publish kx and ctr; stamps 14, 1, 2)."""
+    returned to every thread with the beam where the chunk is one beam's children (``put_abs``'s
+    ``beam``, else -1; its barriers also publish kx and ctr; stamps 14, 1, 2)."""
     stamp(14)
     if cuda.threadIdx.x == 0:
         ctr[0] = 0
+    beam = int64(-1)
     if BEAM and div_f(c0, FM) == div_f(c0 + n - 1, FM):  # one beam's children (block-uniform)
-        lo, hi = note_beam(kx, c0, n, NT, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
-                           off)
+        lo, hi, beam = note_beam(kx, c0, n, NT, r, F, FM, B, scores, nodes, logp, lse, sh, ptr,
+                                 codes, off)
     else:
         lo, hi = note_all(kx, c0, n, NT, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
                           off)
     stamp(1)
     lo, hi = minmax(lo, hi, red)
     stamp(2)
-    return lo, hi
+    return lo, hi, beam
 
 
 @cuda.jit(device=True, inline=True)
@@ -97,13 +107,19 @@ def sample_floor(kx, n, want, ref, hist, scan, res, red):
     x = kx[(int64(tid) * n) // NT]
     b = obin(x, ref)
     hist[tid] = 0
+    if tid == 0:
+        res[3] = I32MAX  # the floor's atomic min (pick's barriers publish it; it uses res[:3])
     cuda.syncthreads()
     hist_add(hist, b, True)
     cuda.syncthreads()
     ws = min(int64(NT), ((want * NT + n - 1) // n) * 3 // 2 + 8)
     d, _, _ = pick(hist, NB, ws, scan, res, NT)
-    t, _ = minmax(int64(x) & LOW32 if b >= d else BIG, int64(-1), red)
-    return t
+    if not FLOORMIN:
+        t, _ = minmax(int64(x) & LOW32 if b >= d else BIG, int64(-1), red)
+        return t
+    # okeys are unsigned 32-bit: less 2**31 they order as int32 do
+    m = int32((int64(x) & LOW32) - HALF) if b >= d else I32MAX
+    return (int64(warp_min_into(m, res, 3)) + HALF)
 
 
 @cuda.jit(device=True, inline=True)
@@ -117,6 +133,29 @@ def count_above(kx, n, t, scan):
             c += 1
     incl, total = block_scan(c, scan, NT)
     return int64(incl - c), int64(total)
+
+
+@cuda.jit(device=True, inline=True)
+def list_above(kx, n, c0, t, out, ctr):
+    """The keys of ``kx[:n]`` at or above the okey ``t`` as absolute keys (candidates ``c0 +
+    i``) into ``out[:NT]`` (shared int64; in the order of the warps' atomics: what reads the
+    list does not depend on it), and their count, returned to every thread: each thread counts
+    its keys, its warp reserves their slots at ``ctr[0]`` (0 on entry, published) at once, and
+    the thread writes them; keys past ``NT`` are counted, not written. Ends synchronized."""
+    tid = cuda.threadIdx.x
+    c = int32(0)
+    for i in range(tid, n, NT):
+        if (int64(kx[i]) & LOW32) >= t:
+            c += 1
+    at = reserve_slots(c, ctr)
+    for i in range(tid, n, NT):
+        u = int64(kx[i]) & LOW32
+        if u >= t:
+            if at < NT:
+                out[at] = (u << 31) | (MAXC - (c0 + i))
+            at += 1
+    cuda.syncthreads()
+    return int64(ctr[0])
 
 
 @cuda.jit(device=True, inline=True)
@@ -147,12 +186,13 @@ def hold(kx, j, v):
 
 @cuda.jit(device=True, inline=True)
 def select_list(kx, U, ref, k, KP, hist, srt, scan, res, ctr, r, F, FM, B, scores, nodes, logp,
-                lse, sh, ptr, codes, off, cap, top, parent, child, code):
+                lse, sh, ptr, codes, off, cap, top, parent, child, code, beam):
     """Answer the request's ``k`` best from the ``U`` listed keys held in ``kx`` (``ukey``; a
     superset of the ``k`` best, ``ref`` the best's score): one bins round, each key of the bins
     from the ``k``-th's up ranked in its bin, or sorted whole where a bin holds over
-    ``SEG_MAX``. False (nothing answered) where those bins hold over a block of keys. Every
-    thread calls it (stamps 9: bins counted and picked; 12: their keys placed)."""
+    ``SEG_MAX``. False (nothing answered) where those bins hold over a block of keys (``beam``:
+    ``put_abs``'s). Every thread calls it (stamps 9: bins counted and picked; 12: their keys
+    placed)."""
     tid = cuda.threadIdx.x
     obin_hist(hist, kx, U, ref)
     d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
@@ -169,7 +209,7 @@ def select_list(kx, U, ref, k, KP, hist, srt, scan, res, ctr, r, F, FM, B, score
         for j in range(tid, total, NT):
             v = srt[j]
             rank_put(srt, v, obin(v >> 31, ref), hist, NB, k, r, F, FM, B, scores, nodes, logp,
-                     lse, sh, ptr, codes, off, cap, top, parent, child, code)
+                     lse, sh, ptr, codes, off, cap, top, parent, child, code, beam)
         return True
     if total <= NT:  # a crowded bin: the bins' keys sorted whole
         if tid == 0:
@@ -182,6 +222,6 @@ def select_list(kx, U, ref, k, KP, hist, srt, scan, res, ctr, r, F, FM, B, score
         cuda.syncthreads()
         sort_desc(srt, sort_span(total, KP))
         decode_abs(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
-                   parent, child, code)
+                   parent, child, code, beam)
         return True
     return False

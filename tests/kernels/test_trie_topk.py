@@ -227,11 +227,11 @@ NOTE = textwrap.dedent("""
         kx = cuda.shared.array(128, int32)
         ky = cuda.shared.array(128, int32)
         t = cuda.threadIdx.x
-        lo, hi = K.note_beam(kx, c0, n, NT, 1, F, FM, B, scores, nodes, logp, lse, sh, ptr,
-                             codes, off)
+        lo, hi, beam = K.note_beam(kx, c0, n, NT, 1, F, FM, B, scores, nodes, logp, lse, sh,
+                                   ptr, codes, off)
         lo2, hi2 = K.note_all(ky, c0, n, NT, 1, F, FM, B, scores, nodes, logp, lse, sh, ptr,
                               codes, off)
-        out[t, 0], out[t, 1], out[t, 2], out[t, 3] = lo, hi, lo2, hi2
+        out[t, 0], out[t, 1], out[t, 2], out[t, 3], out[t, 4] = lo, hi, lo2, hi2, beam
         cuda.syncthreads()
         for i in range(t, n, NT):
             kxs[0, i] = kx[i]
@@ -246,11 +246,16 @@ NOTE = textwrap.dedent("""
             sc = scores.float().contiguous()
             bits = _log_probs(lp, a, sc)
             for c0, n in ((0, F), (F, F), (2 * F + 5, F - 9), (1, 33), (7, 36), (F + 2, 1)):
-                out = np.zeros((NT, 4), np.int64)
+                out = np.zeros((NT, 5), np.int64)
                 kxs = np.zeros((2, 128), np.int32)
                 both[1, NT](out, kxs, c0, n, F, K.magic(F), 3, a(sc), a(nodes), *bits, a(ptr),
                             a(codes), off)
-                assert (out[:, :2] == out[:, 2:]).all(), (seed, c0, n, out)
+                assert (out[:, :2] == out[:, 2:4]).all(), (seed, c0, n, out)
+                b = c0 // F  # the beam put_abs is handed: its first child << 32 | children
+                nd = int(nodes[1, b]) if np.isfinite(float(scores[1, b])) else 0  # dead: 0
+                cnt = int(ptr[nd + 1] - ptr[nd]) if np.isfinite(float(scores[1, b])) else 0
+                first = int(ptr[nd])
+                assert (out[:, 4] == (first << 32 | cnt)).all(), (seed, c0, n, out[:, 4])
                 assert (kxs[0, :n] == kxs[1, :n]).all(), (seed, c0, n, kxs[:, :n])
                 n_runs += 1
     print("ok", n_runs)
@@ -261,8 +266,9 @@ NOTE = textwrap.dedent("""
 def test_one_beam_scoring_equals_the_general_loop_under_the_simulator(wide):
     """``note_beam`` (a chunk inside one beam: the beam read once, eight or four candidates a
     thread in flight) writes the okeys and per-thread (smallest real, largest) okeys that
-    ``note_all`` does, on chunks from a beam's start and middle whose lengths take the rounds
-    of eight, of four and the one-a-thread tail (4 threads here), with fp32 and bf16
+    ``note_all`` does, and the beam's first child and children, on chunks from a beam's start
+    and middle whose lengths take the rounds of eight, of four and the one-a-thread tail (4
+    threads here), with fp32 and bf16
     log-probabilities and live, mixed and dead beams; ``STREAMGR_TOPK_WIDE=1`` runs the general
     loop's rounds of eight too."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

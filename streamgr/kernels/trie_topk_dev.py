@@ -153,16 +153,15 @@ def reserve_slots(c, ctr):
     if SIMULATED:
         return int64(cuda.atomic.add(ctr, 0, c))
     lane = cuda.threadIdx.x & 31
-    x = int32(c)
+    x = int32(c)  # kept 32-bit: Numba widens int32 sums to int64 (two shuffles a step)
     for o in (1, 2, 4, 8, 16):
         y = cuda.shfl_up_sync(FULL, x, o)
-        if lane >= o:
-            x += y
+        x = int32(x + y) if lane >= o else x
     base = int32(0)
     if lane == 31:
         base = cuda.atomic.add(ctr, 0, x)
     base = cuda.shfl_sync(FULL, base, 31)
-    return int64(base + x - c)
+    return int64(base) + int64(x) - int64(c)
 
 
 @cuda.jit(device=True, inline=True)

@@ -31,13 +31,6 @@ NEG_INF = float32(-np.inf)
 # Answers from absolute keys take their score from the key (``put_abs``: no log-probability
 # read); STREAMGR_TOPK_KEYDEC=0 recomputes it as ``put`` does, for A/B runs.
 KEYDEC = os.environ.get("STREAMGR_TOPK_KEYDEC", "1") == "1"
-# STREAMGR_TOPK_WIDE=1: the general scoring loop (note_all) takes eight candidates a thread at a
-# time, as note_beam does (a step-2 chunk of 8,192: its ~8 dependent load levels become ~4).
-# Not yet timed on the H200, so off: ptxas spills 24 bytes in merge_select with it (0 without).
-WIDE = os.environ.get("STREAMGR_TOPK_WIDE", "0") == "1"
-# Answers of a one-beam chunk (step 1) read the code alone, the beam's child range kept from the
-# scoring (put_abs); STREAMGR_TOPK_ONEBEAM=0: the beam looked up again, for A/B runs.
-ONEBEAM = os.environ.get("STREAMGR_TOPK_ONEBEAM", "1") == "1"
 
 if SIMULATED:
     def _bits(x):
@@ -190,26 +183,13 @@ def note4(kx, i0, step, c0, r, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, c
 @cuda.jit(device=True, inline=True)
 def note_all(kx, c0, n, nt, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
     """``kx[i]`` = the okey of candidate ``c0 + i`` for ``i < n``, by the block's ``nt``
-    threads (four a thread at a time while more than a block's worth are left; with ``WIDE``,
-    eight while whole rounds of eight are); returns the thread's (smallest real, largest) okey
-    (``2**40``, -1 where it noted none)."""
+    threads (four a thread at a time while more than a block's worth are left; eight, as
+    ``note_beam`` takes them, measured slower on the H200: step 2 0.0258 against 0.0252 ms,
+    session 32); returns the thread's (smallest real, largest) okey (``2**40``, -1 where it
+    noted none)."""
     lo = int64(1) << 40
     hi = int64(-1)
-    base = 0
-    while WIDE and n - base >= 8 * nt:  # eight a thread: a round's loads all in flight
-        i0 = base + cuda.threadIdx.x
-        c = c0 + i0
-        k0 = ckey(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-        k1 = ckey(r, c + nt, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-        k2 = ckey(r, c + 2 * nt, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-        k3 = ckey(r, c + 3 * nt, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-        k4 = ckey(r, c + 4 * nt, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-        k5 = ckey(r, c + 5 * nt, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-        k6 = ckey(r, c + 6 * nt, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-        k7 = ckey(r, c + 7 * nt, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-        lo, hi = note8(kx, i0, nt, k0, k1, k2, k3, k4, k5, k6, k7, lo, hi)
-        base += 8 * nt
-    for base in range(base, n, 4 * nt):
+    for base in range(0, n, 4 * nt):
         i0 = base + cuda.threadIdx.x
         if n - base <= nt:  # one candidate a thread left (block-uniform)
             if i0 < n:
@@ -311,7 +291,7 @@ def put_abs(v, i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ca
             child, code)
         return
     c = MAXC - (v & MAXC)
-    if ONEBEAM and beam >= 0:  # block-uniform
+    if beam >= 0:  # block-uniform (on the H200 step 1 0.0163 -> 0.0159 ms, session 32)
         b = div_f(c, FM)
         j = c - b * F
         real = j < (beam & LOW32)

@@ -87,7 +87,7 @@ def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr):
         return
     ref = okey_float(hi)
     if SAMPLE and n > SAMPLE_MIN:  # the keys at or above a sampled floor, if they fit
-        t = sample_floor(kx, n, want, ref, hist, scan, res, red)
+        t = sample_floor(kx, n, want, ref, hist, scan, res)
         if WARPLIST:  # listed in shared memory, then copied out whole
             cnt = list_above(kx, n, c0, t, srt, ctr)
             if want <= cnt and cnt <= NT:  # block-uniform; a block lists at most NT keys

@@ -51,7 +51,7 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
     if BINS and 2 * k <= NT and hi > KEY_NEG_INF:
         U = int64(0)
         if SAMPLE and N > SAMPLE_MIN:  # the keys at or above a sampled floor, if they fit
-            t = sample_floor(kx, N, k, okey_float(hi), hist, scan, res, red)
+            t = sample_floor(kx, N, k, okey_float(hi), hist, scan, res)
             stamp(6)
             if WARPLIST:
                 U = list_above(kx, N, 0, t, srt, ctr)

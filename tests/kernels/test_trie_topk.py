@@ -262,17 +262,14 @@ NOTE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("wide", ["0", "1"])
-def test_one_beam_scoring_equals_the_general_loop_under_the_simulator(wide):
+def test_one_beam_scoring_equals_the_general_loop_under_the_simulator():
     """``note_beam`` (a chunk inside one beam: the beam read once, eight or four candidates a
     thread in flight) writes the okeys and per-thread (smallest real, largest) okeys that
     ``note_all`` does, and the beam's first child and children, on chunks from a beam's start
     and middle whose lengths take the rounds of eight, of four and the one-a-thread tail (4
-    threads here), with fp32 and bf16
-    log-probabilities and live, mixed and dead beams; ``STREAMGR_TOPK_WIDE=1`` runs the general
-    loop's rounds of eight too."""
+    threads here), with fp32 and bf16 log-probabilities and live, mixed and dead beams."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", STREAMGR_TOPK_WIDE=wide)
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     p = subprocess.run([sys.executable, "-c", NOTE.format(root=root)], env=env,
                        capture_output=True, text=True, timeout=600, cwd=root)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -32,9 +32,11 @@ BIG = int64(1) << 40
 I32MAX = int32(0x7FFFFFFF)
 HALF = int64(1) << 31
 SEG_MAX = 4 if SIMULATED else 128  # keys a bin's segment ranks one by one (else a sort)
-# Histogram adds aggregated over a warp's lanes of one bin (match_any_sync) or one atomic each
-# (STREAMGR_TOPK_MATCH=0), for A/B runs.
-MATCH = os.environ.get("STREAMGR_TOPK_MATCH", "1") == "1"
+# Histogram adds one shared atomic a key, or aggregated over a warp's lanes of one bin
+# (match_any_sync; STREAMGR_TOPK_MATCH=1, for A/B runs): match_any costs more than the atomics
+# it saves where most lanes' bins differ, as in every phase here (on the H200 step 1 0.0142 ->
+# 0.0131 ms, step 2 0.0238 -> 0.0222, step 3 at beams of 1,024 0.0290 -> 0.0275, session 32).
+MATCH = os.environ.get("STREAMGR_TOPK_MATCH", "0") == "1"
 # The kernels' options: STREAMGR_NUMBA_LINEINFO=1 keeps source lines for ncu's stall attribution.
 JIT = {} if SIMULATED else {"lineinfo": os.environ.get("STREAMGR_NUMBA_LINEINFO") == "1"}
 # Kernels launched with NT = 1,024 threads may use 64 registers a thread at most, or the launch

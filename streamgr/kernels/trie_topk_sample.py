@@ -27,11 +27,13 @@ from .numba_common import stamp
 from .trie_topk_keys import LOW32, MAXC, _bits, decode_abs, div_f, note_all, note_beam, okey_float
 
 # obin's window: 2**OCT bins an octave of the distance below the best score, NB >> OCT octaves
-# centred on 1 (closer is the best bin, farther or -inf the worst). 16 an octave (OCT 4): on the
-# H200 step 1 0.0250 -> 0.0192 ms, step 2 0.0334 -> 0.0281, step 3 0.0099 -> 0.0081 against 8
-# (session 30: at 8 the k-th key's bin often held over SEG_MAX keys, and a sort of 1,024 keys
-# took 8.4 us). STREAMGR_TOPK_OCT sets it for A/B runs (3 under the simulator's 32 bins).
-OCT = 3 if SIMULATED else int(os.environ.get("STREAMGR_TOPK_OCT", "4"))
+# centred on 1 (closer is the best bin, farther or -inf the worst). Finer bins hold fewer keys
+# each, and every listed key is ranked against its bin's: 16 an octave (OCT 4) against 8 took
+# step 1 0.0250 -> 0.0192 ms on the H200 (session 30: at 8 the k-th key's bin often held over
+# SEG_MAX keys, and a sort of 1,024 keys took 8.4 us), 32 (OCT 5: 32 octaves, distances 2**-16
+# to 2**16) 0.0142 -> 0.0129, and step 2 0.0238 -> 0.0230 (session 32). STREAMGR_TOPK_OCT sets
+# it for A/B runs (3 under the simulator's 32 bins).
+OCT = 3 if SIMULATED else int(os.environ.get("STREAMGR_TOPK_OCT", "5"))
 OBASE = (127 - (NB >> OCT) // 2) << OCT
 # Chunks of more keys than this take the sampled floor (STREAMGR_TOPK_SAMPLE=0: never, for A/B
 # runs); at or below a block the sample would be the whole chunk, and one bins round is cheaper.

@@ -33,7 +33,7 @@ from .trie_topk_keys import LOW32, MAXC, _bits, decode_abs, div_f, note_all, not
 # SEG_MAX keys, and a sort of 1,024 keys took 8.4 us), 32 (OCT 5: 32 octaves, distances 2**-16
 # to 2**16) 0.0142 -> 0.0129, and step 2 0.0238 -> 0.0230 (session 32). STREAMGR_TOPK_OCT sets
 # it for A/B runs (3 under the simulator's 32 bins).
-OCT = 3 if SIMULATED else int(os.environ.get("STREAMGR_TOPK_OCT", "5"))
+OCT = 3 if SIMULATED else int(os.environ.get("STREAMGR_TOPK_OCT", "6"))
 OBASE = (127 - (NB >> OCT) // 2) << OCT
 # Chunks of more keys than this take the sampled floor (STREAMGR_TOPK_SAMPLE=0: never, for A/B
 # runs); at or below a block the sample would be the whole chunk, and one bins round is cheaper.

@@ -38,9 +38,8 @@ from .trie_topk_bins import MAXK, SMS_SIM, last_block, sm_count
 from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length, collect,
                             minmax, pick, radix, sort_desc, sort_span)
 from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, decode, okey_float
-from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, WARPLIST, count_above, hold,
-                               list_above, obin, obin_hist, sample_floor, score_chunk,
-                               select_list, write_above)
+from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, hold, list_above, obin,
+                               obin_hist, sample_floor, score_chunk, select_list)
 
 MERGE = os.environ.get("STREAMGR_TOPK_MERGE", "1") == "1"
 # Requests that fit one block stay one block (trie_topk_one): on the H200 step 1 (8,192
@@ -88,21 +87,15 @@ def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr):
     ref = okey_float(hi)
     if SAMPLE and n > SAMPLE_MIN:  # the keys at or above a sampled floor, if they fit
         t = sample_floor(kx, n, want, ref, hist, scan, res)
-        if WARPLIST:  # listed in shared memory, then copied out whole
-            cnt = list_above(kx, n, c0, t, srt, ctr)
-            if want <= cnt and cnt <= NT:  # block-uniform; a block lists at most NT keys
-                pos = reserve(ws, r, cnt, red)
-                if tid < cnt:
-                    ul[r, pos + tid] = srt[tid]
-                return
-            cuda.syncthreads()  # every thread has read ctr: zero it for the paths below
-            if tid == 0:
-                ctr[0] = 0
-        else:
-            at, cnt = count_above(kx, n, t, scan)
-            if want <= cnt and cnt <= NT:
-                write_above(kx, n, c0, t, ul[r], reserve(ws, r, cnt, red) + at)
-                return
+        cnt = list_above(kx, n, c0, t, srt, ctr)  # in shared memory, then copied out whole
+        if want <= cnt and cnt <= NT:  # block-uniform; a block lists at most NT keys
+            pos = reserve(ws, r, cnt, red)
+            if tid < cnt:
+                ul[r, pos + tid] = srt[tid]
+            return
+        cuda.syncthreads()  # every thread has read ctr: zero it for the paths below
+        if tid == 0:
+            ctr[0] = 0
     obin_hist(hist, kx, n, ref)
     stamp(10)
     d, need, nd = pick(hist, NB, want, scan, res, NT)

@@ -23,8 +23,8 @@ from numba import cuda, int32, int64
 from .numba_common import STAMP, stamp
 from .trie_topk_dev import BIG, DIG, JIT_NT, NT, RED_N, SCAN_N, bit_length, collect, radix, sort_desc
 from .trie_topk_keys import KEY_NEG_INF, decode, okey_float
-from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, WARPLIST, count_above, hold,
-                               list_above, sample_floor, score_chunk, select_list, write_above)
+from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, hold, list_above, sample_floor,
+                               score_chunk, select_list)
 
 BINS = os.environ.get("STREAMGR_TOPK_BINS", "1") == "1"  # 0: radix rounds only (A/B runs)
 
@@ -53,13 +53,7 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
         if SAMPLE and N > SAMPLE_MIN:  # the keys at or above a sampled floor, if they fit
             t = sample_floor(kx, N, k, okey_float(hi), hist, scan, res)
             stamp(6)
-            if WARPLIST:
-                U = list_above(kx, N, 0, t, srt, ctr)
-            else:
-                at, U = count_above(kx, N, t, scan)
-                if k <= U and U <= NT:
-                    write_above(kx, N, 0, t, srt, at)
-                    cuda.syncthreads()
+            U = list_above(kx, N, 0, t, srt, ctr)
             stamp(7)
             if k <= U and U <= NT:  # block-uniform
                 if tid < U:

@@ -6,8 +6,11 @@ the score, so a bin pick bounds the ``k``-th key. Counting every key of a chunk 
 histogram round and a second pass that recomputes the bins (on the H200, at 8,192 keys a block:
 5.4 and 3.2 us of step 1's 18 us, session 30). A spread sample of one key a thread does instead:
 its bins give a floor ``T`` (the smallest sampled key of the bins from the sample's scaled
-``k``-th key up, with a margin), the chunk's keys at or above ``T`` are counted and listed by
-plain compares and one block scan (no atomics), and where that list holds at least the ``k``
+``k``-th key up, with a margin), the chunk's keys at or above ``T`` are listed in one pass
+(each thread marks its keys in a bit mask, its warp reserves their slots with one shared atomic,
+it writes the marked: ``list_above``; a count, a block scan and a second pass over every key
+took the listing 3.48 -> 1.21 us of step 1 on the H200, session 32), and where that list holds
+at least the ``k``
 wanted and fits a block (``sample_floor`` leaves the odds of missing far below one in a
 thousand; the callers fall back to the full rounds otherwise) the answer is selected from the
 list alone (``select_list``: one bins round over it, each key ranked in its bin; sorted where a
@@ -21,7 +24,7 @@ import os
 from numba import cuda, int32, int64, uint32
 
 from .trie_topk import SIMULATED
-from .trie_topk_dev import HALF, I32MAX, NB, NT, SEG_MAX, append, block_scan, hist_add, minmax, \
+from .trie_topk_dev import HALF, I32MAX, NB, NT, SEG_MAX, append, hist_add, minmax, \
     pick, pick_segments, rank_put, reserve_slots, sort_desc, sort_span, warp_min_into
 from .numba_common import stamp
 from .trie_topk_keys import LOW32, MAXC, _bits, decode_abs, div_f, note_all, note_beam, okey_float
@@ -31,8 +34,10 @@ from .trie_topk_keys import LOW32, MAXC, _bits, decode_abs, div_f, note_all, not
 # each, and every listed key is ranked against its bin's: 16 an octave (OCT 4) against 8 took
 # step 1 0.0250 -> 0.0192 ms on the H200 (session 30: at 8 the k-th key's bin often held over
 # SEG_MAX keys, and a sort of 1,024 keys took 8.4 us), 32 (OCT 5: 32 octaves, distances 2**-16
-# to 2**16) 0.0142 -> 0.0129, and step 2 0.0238 -> 0.0230 (session 32). STREAMGR_TOPK_OCT sets
-# it for A/B runs (3 under the simulator's 32 bins).
+# to 2**16) 0.0142 -> 0.0129, and 64 (OCT 6: 16 octaves, distances 2**-8 to 2**8; closer or
+# farther keys share the end bins, which a sort then serves, exactly) 0.0117 -> 0.0113 with
+# step 2 0.0212 -> 0.0208 and step 3 0.0073 -> 0.0068 (session 32). STREAMGR_TOPK_OCT sets it
+# for A/B runs (3 under the simulator's 32 bins).
 OCT = 3 if SIMULATED else int(os.environ.get("STREAMGR_TOPK_OCT", "6"))
 OBASE = (127 - (NB >> OCT) // 2) << OCT
 # Chunks of more keys than this take the sampled floor (STREAMGR_TOPK_SAMPLE=0: never, for A/B
@@ -42,10 +47,6 @@ SAMPLE_MIN = NT if SIMULATED else 2 * NT
 # A chunk of one beam's children is scored with the beam read once (note_beam;
 # STREAMGR_TOPK_BEAM=0: every candidate as any other, for A/B runs).
 BEAM = os.environ.get("STREAMGR_TOPK_BEAM", "1") == "1"
-# The keys above a sampled floor listed in one pass, each warp reserving its slots with one
-# shared atomic (list_above), instead of a count, a block scan and a second pass (count_above,
-# write_above); STREAMGR_TOPK_WARPLIST=0: the latter, for A/B runs.
-WARPLIST = os.environ.get("STREAMGR_TOPK_WARPLIST", "1") == "1"
 ONE_MAX = 64 if SIMULATED else 8192  # okeys a block holds in shared memory: 32 KiB
 UCAP = ONE_MAX // 2  # list keys held there instead (kx's two int32 halves: okey, candidate)
 
@@ -120,19 +121,6 @@ def sample_floor(kx, n, want, ref, hist, scan, res):
 
 
 @cuda.jit(device=True, inline=True)
-def count_above(kx, n, t, scan):
-    """(this thread's offset, the chunk's count) of the keys of ``kx[:n]`` at or above the okey
-    ``t``, thread ``tid`` taking keys ``tid + j * NT`` (as ``write_above``). Ends synchronized."""
-    tid = cuda.threadIdx.x
-    c = int32(0)
-    for i in range(tid, n, NT):
-        if (int64(kx[i]) & LOW32) >= t:
-            c += 1
-    incl, total = block_scan(c, scan, NT)
-    return int64(incl - c), int64(total)
-
-
-@cuda.jit(device=True, inline=True)
 def list_above(kx, n, c0, t, out, ctr):
     """The keys of ``kx[:n]`` (``n <= ONE_MAX``) at or above the okey ``t`` as absolute keys
     (candidates ``c0 + i``) into ``out[:NT]`` (shared int64; in the order of the warps'
@@ -158,17 +146,6 @@ def list_above(kx, n, c0, t, out, ctr):
         at += 1
     cuda.syncthreads()
     return int64(ctr[0])
-
-
-@cuda.jit(device=True, inline=True)
-def write_above(kx, n, c0, t, out, at):
-    """``count_above``'s keys as absolute keys (candidates ``c0 + i``) into ``out`` from ``at``
-    (this thread's offset) on."""
-    for i in range(cuda.threadIdx.x, n, NT):
-        u = int64(kx[i]) & LOW32
-        if u >= t:
-            out[at] = (u << 31) | (MAXC - (c0 + i))
-            at += 1
 
 
 @cuda.jit(device=True, inline=True)

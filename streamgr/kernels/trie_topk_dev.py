@@ -4,8 +4,8 @@ and the bitonic sort, over the keys of ``trie_topk_keys``.
 
 On the GPU a block is ``NT`` = 1,024 threads and a digit ``DIG`` = 10 bits, so a histogram has one
 bin per thread and a bin pick is one block scan (warp shuffles, two barriers). Histogram adds are
-warp-aggregated (``match_any_sync``), list appends take one atomic per warp (``ballot_sync``),
-and the final bitonic sort exchanges through shuffles below a stride of 32 and shared memory
+one shared atomic a key (``MATCH``), list appends one atomic per warp (``ballot_sync``, or a
+shuffle scan: ``reserve_slots``), and the final bitonic sort exchanges through shuffles below a stride of 32 and shared memory
 above. The CUDA simulator has no warp intrinsics: there (``SIMULATED``) every exchange goes
 through shared memory, on small blocks, so CI runs the same networks of stages.
 """
@@ -17,7 +17,7 @@ import os
 from numba import cuda, int32, int64
 
 from .trie_topk import SIMULATED
-from .trie_topk_keys import LOW32, put_abs, tkey
+from .trie_topk_keys import LOW32, tkey
 
 NT, DIG = (32, 5) if SIMULATED else (1024, 10)  # threads of a select block; digit bits
 NB = 1 << DIG  # bins; NT threads a block (a bin each in the grid passes)
@@ -271,20 +271,16 @@ def pick_segments(cnt, nbins, want, seg_max, scan, res):
 
 
 @cuda.jit(device=True, inline=True)
-def rank_put(keys, v, b, cur, nbins, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
-             off, cap, top, parent, child, code, beam):
-    """Key ``v`` of bin ``b``, in ``keys`` laid out by bin (``cur[b]``: bin b's segment end, the
-    next lower bin's start): ranked in its bin by counting the (distinct) keys of the bin above
-    it, and answered if its rank is below ``k`` (``v`` absolute: ``put_abs``, ``beam`` as
-    there)."""
+def bin_rank(keys, v, b, cur, nbins):
+    """The rank of key ``v`` of bin ``b`` in ``keys`` laid out by bin (``cur[b]``: bin b's
+    segment end, the next lower bin's start): the keys of the bins above and the (distinct)
+    keys of its bin above it."""
     s = int64(cur[b + 1]) if b < nbins - 1 else int64(0)
     rank = s
     for j in range(s, int64(cur[b])):
         if keys[j] > v:
             rank += 1
-    if rank < k:
-        put_abs(v, rank, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
-                parent, child, code, beam)
+    return rank
 
 
 @cuda.jit(device=True, inline=True)

@@ -306,15 +306,6 @@ def put_abs(v, i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ca
 
 
 @cuda.jit(device=True, inline=True)
-def decode_abs(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
-               parent, child, code, beam):
-    """``decode`` of absolute keys (``put_abs``)."""
-    for i in range(cuda.threadIdx.x, k, cuda.blockDim.x):
-        put_abs(srt[i], i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
-                parent, child, code, beam)
-
-
-@cuda.jit(device=True, inline=True)
 def div_f(c, FM):
     """``c // F`` for ``FM = magic(F)``."""
     return (c * (FM & M40)) >> (FM >> 40)

@@ -25,9 +25,9 @@ from numba import cuda, int32, int64, uint32
 
 from .trie_topk import SIMULATED
 from .trie_topk_dev import HALF, I32MAX, NB, NT, SEG_MAX, append, hist_add, minmax, \
-    pick, pick_segments, rank_put, reserve_slots, sort_desc, sort_span, warp_min_into
+    bin_rank, pick, pick_segments, reserve_slots, sort_desc, sort_span, warp_min_into
 from .numba_common import stamp
-from .trie_topk_keys import LOW32, MAXC, _bits, decode_abs, div_f, note_all, note_beam, okey_float
+from .trie_topk_keys import LOW32, MAXC, _bits, div_f, note_all, note_beam, okey_float, put_abs
 
 # obin's window: 2**OCT bins an octave of the distance below the best score, NB >> OCT octaves
 # centred on 1 (closer is the best bin, farther or -inf the worst). Finer bins hold fewer keys
@@ -177,7 +177,13 @@ def select_list(kx, U, ref, k, KP, hist, srt, scan, res, ctr, r, F, FM, B, score
     d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
     stamp(9)
     total = k - need + nd
-    if big == 0 and total <= NT:  # each key of the bins from d up ranked in its bin
+    if total > NT:
+        return False
+    # one key a thread (k <= total <= NT) and one put_abs site for both ways (each inlined site
+    # adds seconds to the kernel's compile)
+    v = int64(0)
+    rank = int64(k)  # k: nothing to answer
+    if big == 0:  # each key of the bins from d up ranked in its bin
         for base in range(0, U, NT):
             j = min(base + tid, U - 1)
             b = obin(kx[j], ref)
@@ -185,12 +191,10 @@ def select_list(kx, U, ref, k, KP, hist, srt, scan, res, ctr, r, F, FM, B, score
                 srt[cuda.atomic.add(hist, b, 1)] = ukey(kx, j)
         cuda.syncthreads()
         stamp(12)
-        for j in range(tid, total, NT):
-            v = srt[j]
-            rank_put(srt, v, obin(v >> 31, ref), hist, NB, k, r, F, FM, B, scores, nodes, logp,
-                     lse, sh, ptr, codes, off, cap, top, parent, child, code, beam)
-        return True
-    if total <= NT:  # a crowded bin: the bins' keys sorted whole
+        if tid < total:
+            v = srt[tid]
+            rank = bin_rank(srt, v, obin(v >> 31, ref), hist, NB)
+    else:  # a crowded bin: the bins' keys sorted whole
         if tid == 0:
             ctr[0] = 0
         srt[tid] = 0
@@ -200,7 +204,10 @@ def select_list(kx, U, ref, k, KP, hist, srt, scan, res, ctr, r, F, FM, B, score
             append(srt, ctr, 0, ukey(kx, j), base + tid < U and obin(kx[j], ref) >= d)
         cuda.syncthreads()
         sort_desc(srt, sort_span(total, KP))
-        decode_abs(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
-                   parent, child, code, beam)
-        return True
-    return False
+        if tid < k:
+            v = srt[tid]
+            rank = int64(tid)
+    if rank < k:
+        put_abs(v, rank, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
+                parent, child, code, beam)
+    return True

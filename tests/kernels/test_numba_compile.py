@@ -93,7 +93,7 @@ def test_selection_kernels_fit_a_block_of_1024(name, tmp_path):
                        + (A(i64, 2), A(i32, 2), A(i64, 2), A(i64, 2)) + outs)}[name]
     ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
     spills = _ptxas_spills(ptx, tmp_path, 64)
-    # one_select's 32 bytes sit in its radix fallback's set-up (ties, k over half a block): 8
-    # words stored once and loaded once before its loops (cuobjdump, session 31), none in the
-    # scoring, list or answer paths
-    assert spills is None or spills <= (32 if name == "one_select" else 8), (name, spills)
+    # one_select's 12 bytes sit in its radix fallback's set-up (ties, k over half a block): 3
+    # words stored once and loaded once before its loops (cuobjdump, session 32; 32 bytes in
+    # session 31), none in the scoring, list or answer paths
+    assert spills is None or spills <= (16 if name == "one_select" else 8), (name, spills)

@@ -84,7 +84,8 @@ SIM = textwrap.dedent("""
     from tests.kernels.test_trie_topk import random_case
     from streamgr.kernels.head_lse import LogProbs, row_lse_reference
     from streamgr.kernels.trie_topk import trie_topk, trie_topk_reference
-    from streamgr.kernels import trie_topk_merge as tm
+    from streamgr.kernels import trie_topk_merge as tm, trie_topk_tab
+    assert trie_topk_tab.TAB
     n = 0
     for seed, ties, B, fan, k, *more in {cases!r}:
         R, dead = more or (2, 0.2)
@@ -140,9 +141,10 @@ MERGE = [(16, False, 12, (6, 6), 4, 1, 0.1),
 @pytest.mark.parametrize("cases", [ONE_BLOCK, GRID, MERGE], ids=["one_block", "grid", "merge"])
 def test_numba_kernels_under_the_simulator(cases):
     """The one-block, grid and merge kernels equal the reference on small shapes (a process
-    each: the simulator is set at import)."""
+    each: the simulator is set at import), the merge's chunks of two to eight beams scored
+    through their beam table (``STREAMGR_TOPK_TAB=1``, off by default on the GPU until timed)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", STREAMGR_TOPK_TAB="1")
     p = subprocess.run([sys.executable, "-c", SIM.format(root=root, cases=cases)], env=env,
                        capture_output=True, text=True, timeout=600, cwd=root)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -216,7 +218,8 @@ NOTE = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from numba import cuda, int32, int64
     from tests.kernels.test_trie_topk import random_case
-    from streamgr.kernels import trie_topk_keys as K
+    from numba import float32
+    from streamgr.kernels import trie_topk_keys as K, trie_topk_tab as T
     from streamgr.kernels.head_lse import LogProbs, row_lse_reference
     from streamgr.kernels.numba_common import as_array as a
     from streamgr.kernels.trie_topk_numba import _log_probs
@@ -236,6 +239,43 @@ NOTE = textwrap.dedent("""
         for i in range(t, n, NT):
             kxs[0, i] = kx[i]
             kxs[1, i] = ky[i]
+
+    @cuda.jit
+    def tab(out, kxs, c0, n, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
+        kx = cuda.shared.array(128, int32)
+        ky = cuda.shared.array(128, int32)
+        ti = cuda.shared.array(16, int64)  # BT = 8 beams under the simulator
+        tf = cuda.shared.array(24, float32)
+        red = cuda.shared.array(4, int64)
+        ctr = cuda.shared.array(1, int32)
+        t = cuda.threadIdx.x
+        lo, hi = T.score_tab(kx, c0, n, 1, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
+                             off, red, ctr, ti, tf)
+        lo2, hi2 = K.note_all(ky, c0, n, NT, 1, F, FM, B, scores, nodes, logp, lse, sh, ptr,
+                              codes, off)
+        out[t, 0], out[t, 1], out[t, 2], out[t, 3] = lo, hi, lo2, hi2
+        cuda.syncthreads()
+        for i in range(t, n, NT):
+            kxs[0, i] = kx[i]
+            kxs[1, i] = ky[i]
+
+    n_tab = 0  # chunks over two to eight beams through the beam table, against note_all
+    for seed, dead in ((33, 0.0), (34, 0.5)):
+        scores, nodes, logp, ptr, codes, off, F = random_case(seed, R=2, B=12, fan=(0, 12),
+                                                              dead=dead)
+        lg = (logp * 3).to(torch.bfloat16)
+        for lp in (logp, LogProbs(lg, lg.shape[1], row_lse_reference(lg, lg.shape[1]))):
+            sc = scores.float().contiguous()
+            bits = _log_probs(lp, a, sc)
+            for c0, n in ((0, 2 * F), (F + 3, 3 * F), (5, 7 * F - 6), (4 * F - 1, 2), (2, 17)):
+                out = np.zeros((NT, 4), np.int64)
+                kxs = np.zeros((2, 128), np.int32)
+                tab[1, NT](out, kxs, c0, n, F, K.magic(F), 12, a(sc), a(nodes), *bits, a(ptr),
+                           a(codes), off)
+                assert (out[:, 0] == out[:, 2].min()).all(), (seed, c0, n, out)
+                assert (out[:, 1] == out[:, 3].max()).all(), (seed, c0, n, out)
+                assert (kxs[0, :n] == kxs[1, :n]).all(), (seed, c0, n, kxs[:, :n])
+                n_tab += 1
 
     n_runs = 0
     for seed, dead in ((30, 0.0), (31, 0.5), (32, 1.0)):
@@ -258,7 +298,7 @@ NOTE = textwrap.dedent("""
                 assert (out[:, 4] == (first << 32 | cnt)).all(), (seed, c0, n, out[:, 4])
                 assert (kxs[0, :n] == kxs[1, :n]).all(), (seed, c0, n, kxs[:, :n])
                 n_runs += 1
-    print("ok", n_runs)
+    print("ok", n_runs, n_tab)
 """)
 
 
@@ -267,10 +307,12 @@ def test_one_beam_scoring_equals_the_general_loop_under_the_simulator():
     thread in flight) writes the okeys and per-thread (smallest real, largest) okeys that
     ``note_all`` does, and the beam's first child and children, on chunks from a beam's start
     and middle whose lengths take the rounds of eight, of four and the one-a-thread tail (4
-    threads here), with fp32 and bf16 log-probabilities and live, mixed and dead beams."""
+    threads here), with fp32 and bf16 log-probabilities and live, mixed and dead beams; and
+    ``score_tab`` (a chunk over two to eight beams read once into a table) writes the okeys and
+    block-wide (smallest real, largest) okey that ``note_all`` does."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     p = subprocess.run([sys.executable, "-c", NOTE.format(root=root)], env=env,
                        capture_output=True, text=True, timeout=600, cwd=root)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.split() == ["ok", "36"]
+    assert p.stdout.split() == ["ok", "36", "20"]

@@ -5,9 +5,10 @@ and the bitonic sort, over the keys of ``trie_topk_keys``.
 On the GPU a block is ``NT`` = 1,024 threads and a digit ``DIG`` = 10 bits, so a histogram has one
 bin per thread and a bin pick is one block scan (warp shuffles, two barriers). Histogram adds are
 one shared atomic a key (``MATCH``), list appends one atomic per warp (``ballot_sync``, or a
-shuffle scan: ``reserve_slots``), and the final bitonic sort exchanges through shuffles below a stride of 32 and shared memory
-above. The CUDA simulator has no warp intrinsics: there (``SIMULATED``) every exchange goes
-through shared memory, on small blocks, so CI runs the same networks of stages.
+shuffle scan: ``reserve_slots``), and the final bitonic sort exchanges through shuffles below a
+stride of 32 and shared memory above. The CUDA simulator has no warp intrinsics: there
+(``SIMULATED``) every exchange goes through shared memory, on small blocks, so CI runs the same
+networks of stages.
 """
 
 from __future__ import annotations

@@ -10,11 +10,10 @@ its bins give a floor ``T`` (the smallest sampled key of the bins from the sampl
 (each thread marks its keys in a bit mask, its warp reserves their slots with one shared atomic,
 it writes the marked: ``list_above``; a count, a block scan and a second pass over every key
 took the listing 3.48 -> 1.21 us of step 1 on the H200, session 32), and where that list holds
-at least the ``k``
-wanted and fits a block (``sample_floor`` leaves the odds of missing far below one in a
-thousand; the callers fall back to the full rounds otherwise) the answer is selected from the
-list alone (``select_list``: one bins round over it, each key ranked in its bin; sorted where a
-bin is crowded).
+at least the ``k`` wanted and fits a block (``sample_floor`` leaves the odds of missing far below
+one in a thousand; the callers fall back to the full rounds otherwise) the answer is selected
+from the list alone (``select_list``: one bins round over it, each key ranked in its bin; sorted
+where a bin is crowded).
 """
 
 from __future__ import annotations

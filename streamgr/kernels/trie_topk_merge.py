@@ -88,15 +88,12 @@ def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr):
     ref = okey_float(hi)
     if SAMPLE and n > SAMPLE_MIN:  # the keys at or above a sampled floor, if they fit
         t = sample_floor(kx, n, want, ref, hist, scan, res)
-        cnt = list_above(kx, n, c0, t, srt, ctr)  # in shared memory, then copied out whole
+        cnt = list_above(kx, n, c0, t, want, srt, ctr)  # in shared memory, then copied out
         if want <= cnt and cnt <= NT:  # block-uniform; a block lists at most NT keys
             pos = reserve(ws, r, cnt, red)
             if tid < cnt:
                 ul[r, pos + tid] = srt[tid]
             return
-        cuda.syncthreads()  # every thread has read ctr: zero it for the paths below
-        if tid == 0:
-            ctr[0] = 0
     obin_hist(hist, kx, n, ref)
     stamp(10)
     d, need, nd = pick(hist, NB, want, scan, res, NT)

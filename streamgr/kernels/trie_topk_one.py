@@ -53,16 +53,13 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
         if SAMPLE and N > SAMPLE_MIN:  # the keys at or above a sampled floor, if they fit
             t = sample_floor(kx, N, k, okey_float(hi), hist, scan, res)
             stamp(6)
-            U = list_above(kx, N, 0, t, srt, ctr)
+            U = list_above(kx, N, 0, t, k, srt, ctr)
             stamp(7)
             if k <= U and U <= NT:  # block-uniform
                 if tid < U:
                     hold(kx, tid, srt[tid])
             else:  # ties or an unlucky sample: the radix rounds (kx untouched, ctr zeroed)
                 U = 0
-                cuda.syncthreads()
-                if tid == 0:
-                    ctr[0] = 0
         elif N <= UCAP:  # every key listed: each okey stays, its candidate beside it
             for j in range(tid, N, NT):
                 kx[UCAP + j] = j

@@ -73,14 +73,31 @@ def obin_hist(hist, kx, n, ref):
 
 
 @cuda.jit(device=True, inline=True)
-def score_chunk(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, red, ctr):
-    """The selection kernels' first phases: ``ctr`` zeroed, the okeys of candidates ``c0 ..
-    c0 + n - 1`` into ``kx`` (``note_all``) and the block's (smallest real, largest) okey,
-    returned to every thread with the beam where the chunk is one beam's children (``put_abs``'s
-    ``beam``, else -1; its barriers also publish kx and ctr; stamps 14, 1, 2)."""
+def chunk_begin(ctr):
+    """A scoring phase's start (``score_chunk``, ``trie_topk_tab.score_tab``): stamp 14, and
+    ``ctr`` zeroed (published by the phase's barriers)."""
     stamp(14)
     if cuda.threadIdx.x == 0:
         ctr[0] = 0
+
+
+@cuda.jit(device=True, inline=True)
+def chunk_end(lo, hi, red):
+    """A scoring phase's end: the threads' (smallest real, largest) okeys reduced over the
+    block, to every thread (its barriers publish the okeys; stamps 1, 2)."""
+    stamp(1)
+    lo, hi = minmax(lo, hi, red)
+    stamp(2)
+    return lo, hi
+
+
+@cuda.jit(device=True, inline=True)
+def score_chunk(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, red, ctr):
+    """The selection kernels' first phases: ``ctr`` zeroed, the okeys of candidates ``c0 ..
+    c0 + n - 1`` into ``kx`` (``note_beam`` where they are one beam's children, else
+    ``note_all``) and the block's (smallest real, largest) okey, returned to every thread with
+    the beam where the chunk is one beam's children (``put_abs``'s ``beam``, else -1)."""
+    chunk_begin(ctr)
     beam = int64(-1)
     if BEAM and div_f(c0, FM) == div_f(c0 + n - 1, FM):  # one beam's children (block-uniform)
         lo, hi, beam = note_beam(kx, c0, n, NT, r, F, FM, B, scores, nodes, logp, lse, sh, ptr,
@@ -88,9 +105,7 @@ def score_chunk(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes
     else:
         lo, hi = note_all(kx, c0, n, NT, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
                           off)
-    stamp(1)
-    lo, hi = minmax(lo, hi, red)
-    stamp(2)
+    lo, hi = chunk_end(lo, hi, red)
     return lo, hi, beam
 
 
@@ -120,14 +135,17 @@ def sample_floor(kx, n, want, ref, hist, scan, res):
 
 
 @cuda.jit(device=True, inline=True)
-def list_above(kx, n, c0, t, out, ctr):
+def list_above(kx, n, c0, t, want, out, ctr):
     """The keys of ``kx[:n]`` (``n <= ONE_MAX``) at or above the okey ``t`` as absolute keys
     (candidates ``c0 + i``) into ``out[:NT]`` (shared int64; in the order of the warps'
     atomics: what reads the list does not depend on it), and their count, returned to every
     thread. Each thread marks its keys (``tid + j * NT``) at or above ``t`` in a bit mask (a
     loop of constant trip count: unrolled, 32-bit compares), its warp reserves their slots at
     ``ctr[0]`` (0 on entry, published) at once, and it writes the marked keys alone (at step 1
-    about one in sixteen); keys past ``NT`` are counted, not written. Ends synchronized."""
+    about one in sixteen); keys past ``NT`` are counted, not written. Ends synchronized, except
+    where the count is not from ``want`` to ``NT`` (the list unused: ties or an unlucky
+    sample): there ``ctr[0]`` is zeroed again for the caller's fallback, published by the
+    caller's next barrier."""
     tid = cuda.threadIdx.x
     t32 = uint32(t)
     m = uint32(0)
@@ -144,7 +162,12 @@ def list_above(kx, n, c0, t, out, ctr):
             out[at] = (int64(uint32(kx[uint32(i)])) << 31) | (MAXC - (c0 + i))
         at += 1
     cuda.syncthreads()
-    return int64(ctr[0])
+    cnt = int64(ctr[0])
+    if cnt < want or cnt > NT:  # block-uniform
+        cuda.syncthreads()  # every thread has read ctr
+        if tid == 0:
+            ctr[0] = 0
+    return cnt
 
 
 @cuda.jit(device=True, inline=True)

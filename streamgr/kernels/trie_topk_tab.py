@@ -20,10 +20,9 @@ import os
 
 from numba import cuda, int64, uint64
 
-from .numba_common import stamp
 from .trie_topk import SIMULATED
-from .trie_topk_dev import minmax
 from .trie_topk_keys import beam_of, bkey, div_f, note, note_upto4
+from .trie_topk_sample import chunk_begin, chunk_end
 
 TAB = os.environ.get("STREAMGR_TOPK_TAB", "0") == "1"
 BT = 8 if SIMULATED else 64  # beams a table holds (64: 1.25 KiB of the merge block's shared)
@@ -71,10 +70,8 @@ def score_tab(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, 
     (four candidates a thread at a time while more than a block's worth are left, as
     ``note_all``) and the block's (smallest real, largest) okey to every thread (stamps 14, 1,
     2)."""
-    stamp(14)
+    chunk_begin(ctr)
     nt = cuda.blockDim.x
-    if cuda.threadIdx.x == 0:
-        ctr[0] = 0
     b0 = beam_table(ti, tf, c0, n, r, F, FM, B, scores, nodes, lse, sh, ptr)
     lo = int64(1) << 40
     hi = int64(-1)
@@ -90,7 +87,4 @@ def score_tab(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, 
         k2 = tab_key(c0 + min(i0 + 2 * nt, n - 1), b0, F, FM, r, B, ti, tf, logp, sh, codes, off)
         k3 = tab_key(c0 + min(i0 + 3 * nt, n - 1), b0, F, FM, r, B, ti, tf, logp, sh, codes, off)
         lo, hi = note_upto4(kx, i0, nt, n, k0, k1, k2, k3, lo, hi)
-    stamp(1)
-    lo, hi = minmax(lo, hi, red)
-    stamp(2)
-    return lo, hi
+    return chunk_end(lo, hi, red)

@@ -259,45 +259,46 @@ NOTE = textwrap.dedent("""
             kxs[0, i] = kx[i]
             kxs[1, i] = ky[i]
 
+    def levels(seeds, B, fan):
+        # each seed's level (dead share as given) with fp32 and with bf16 log-probabilities:
+        # (seed, case, the scores as the kernels read them, the log-probabilities' bits)
+        for seed, dead in seeds:
+            case = random_case(seed, R=2, B=B, fan=fan, dead=dead)
+            logp = case[2]
+            lg = (logp * 3).to(torch.bfloat16)
+            for lp in (logp, LogProbs(lg, lg.shape[1], row_lse_reference(lg, lg.shape[1]))):
+                sc = case[0].float().contiguous()
+                yield seed, case, sc, _log_probs(lp, a, sc)
+
     n_tab = 0  # chunks over two to eight beams through the beam table, against note_all
-    for seed, dead in ((33, 0.0), (34, 0.5)):
-        scores, nodes, logp, ptr, codes, off, F = random_case(seed, R=2, B=12, fan=(0, 12),
-                                                              dead=dead)
-        lg = (logp * 3).to(torch.bfloat16)
-        for lp in (logp, LogProbs(lg, lg.shape[1], row_lse_reference(lg, lg.shape[1]))):
-            sc = scores.float().contiguous()
-            bits = _log_probs(lp, a, sc)
-            for c0, n in ((0, 2 * F), (F + 3, 3 * F), (5, 7 * F - 6), (4 * F - 1, 2), (2, 17)):
-                out = np.zeros((NT, 4), np.int64)
-                kxs = np.zeros((2, 128), np.int32)
-                tab[1, NT](out, kxs, c0, n, F, K.magic(F), 12, a(sc), a(nodes), *bits, a(ptr),
-                           a(codes), off)
-                assert (out[:, 0] == out[:, 2].min()).all(), (seed, c0, n, out)
-                assert (out[:, 1] == out[:, 3].max()).all(), (seed, c0, n, out)
-                assert (kxs[0, :n] == kxs[1, :n]).all(), (seed, c0, n, kxs[:, :n])
-                n_tab += 1
+    for seed, (scores, nodes, _, ptr, codes, off, F), sc, bits in levels(
+            ((33, 0.0), (34, 0.5)), 12, (0, 12)):
+        for c0, n in ((0, 2 * F), (F + 3, 3 * F), (5, 7 * F - 6), (4 * F - 1, 2), (2, 17)):
+            out = np.zeros((NT, 4), np.int64)
+            kxs = np.zeros((2, 128), np.int32)
+            tab[1, NT](out, kxs, c0, n, F, K.magic(F), 12, a(sc), a(nodes), *bits, a(ptr),
+                       a(codes), off)
+            assert (out[:, 0] == out[:, 2].min()).all(), (seed, c0, n, out)
+            assert (out[:, 1] == out[:, 3].max()).all(), (seed, c0, n, out)
+            assert (kxs[0, :n] == kxs[1, :n]).all(), (seed, c0, n, kxs[:, :n])
+            n_tab += 1
 
     n_runs = 0
-    for seed, dead in ((30, 0.0), (31, 0.5), (32, 1.0)):
-        scores, nodes, logp, ptr, codes, off, F = random_case(seed, R=2, B=3, fan=(70, 90),
-                                                              dead=dead)
-        lg = (logp * 3).to(torch.bfloat16)
-        for lp in (logp, LogProbs(lg, lg.shape[1], row_lse_reference(lg, lg.shape[1]))):
-            sc = scores.float().contiguous()
-            bits = _log_probs(lp, a, sc)
-            for c0, n in ((0, F), (F, F), (2 * F + 5, F - 9), (1, 33), (7, 36), (F + 2, 1)):
-                out = np.zeros((NT, 5), np.int64)
-                kxs = np.zeros((2, 128), np.int32)
-                both[1, NT](out, kxs, c0, n, F, K.magic(F), 3, a(sc), a(nodes), *bits, a(ptr),
-                            a(codes), off)
-                assert (out[:, :2] == out[:, 2:4]).all(), (seed, c0, n, out)
-                b = c0 // F  # the beam put_abs is handed: its first child << 32 | children
-                nd = int(nodes[1, b]) if np.isfinite(float(scores[1, b])) else 0  # dead: 0
-                cnt = int(ptr[nd + 1] - ptr[nd]) if np.isfinite(float(scores[1, b])) else 0
-                first = int(ptr[nd])
-                assert (out[:, 4] == (first << 32 | cnt)).all(), (seed, c0, n, out[:, 4])
-                assert (kxs[0, :n] == kxs[1, :n]).all(), (seed, c0, n, kxs[:, :n])
-                n_runs += 1
+    for seed, (scores, nodes, _, ptr, codes, off, F), sc, bits in levels(
+            ((30, 0.0), (31, 0.5), (32, 1.0)), 3, (70, 90)):
+        for c0, n in ((0, F), (F, F), (2 * F + 5, F - 9), (1, 33), (7, 36), (F + 2, 1)):
+            out = np.zeros((NT, 5), np.int64)
+            kxs = np.zeros((2, 128), np.int32)
+            both[1, NT](out, kxs, c0, n, F, K.magic(F), 3, a(sc), a(nodes), *bits, a(ptr),
+                        a(codes), off)
+            assert (out[:, :2] == out[:, 2:4]).all(), (seed, c0, n, out)
+            b = c0 // F  # the beam put_abs is handed: its first child << 32 | children
+            nd = int(nodes[1, b]) if np.isfinite(float(scores[1, b])) else 0  # dead: 0
+            cnt = int(ptr[nd + 1] - ptr[nd]) if np.isfinite(float(scores[1, b])) else 0
+            first = int(ptr[nd])
+            assert (out[:, 4] == (first << 32 | cnt)).all(), (seed, c0, n, out[:, 4])
+            assert (kxs[0, :n] == kxs[1, :n]).all(), (seed, c0, n, kxs[:, :n])
+            n_runs += 1
     print("ok", n_runs, n_tab)
 """)
 

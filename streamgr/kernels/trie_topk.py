@@ -12,9 +12,11 @@ their parent beam, child node and code; ranks at or past a request's own width `
 Kernels (Numba CUDA, on torch's stream, captured inside the decode plans' CUDA graphs): every
 candidate is a unique int64 key, its score's order-preserving bits then ``MAXC - c``, read
 from the top of the request's score range (``trie_topk_keys``), so no ties are left to break. A
-request of at most ``ONE_MAX`` candidates is one block of one launch: keys in shared memory, a
-list of the keys at or above a floor sampled from them (or every key, up to ``UCAP``), one
-histogram round over bins of each listed score's distance below the best (16 an octave), then
+request of at most a block of candidates (step 3) is one block of one candidate a thread, each
+thread ranking its own key in one round of score bins and answering for it from its registers
+(``trie_topk_own``). One of at most ``ONE_MAX`` candidates is one block of one launch: keys in
+shared memory, a list of the keys at or above a floor sampled from them (or every key, up to
+``UCAP``), one histogram round over bins of each listed score's distance below the best, then
 the keys of the bins from the ``k``-th up ranked within their bins (or sorted whole where a
 bin is crowded), or radix select by 10-bit digits where the list outgrows a block; decode
 (``trie_topk_one``, ``trie_topk_sample``). A longer one takes a memset and two grid

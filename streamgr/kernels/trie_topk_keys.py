@@ -19,14 +19,15 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from numba import cuda, float32, int32, int64, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from .trie_topk import SIMULATED
 
 MAXC = int64(0x7FFFFFFF)  # candidate indices below 2**31
 LOW32 = int64(0xFFFFFFFF)
 KEY_NEG_INF = int64(0x007FFFFF)  # okey(-inf)
-M40 = int64((1 << 40) - 1)
+NONE_LO = int64(1) << 40  # a (smallest real okey) where there is none
+NO_LO = uint32(0xFFFFFFFF)  # note's form of it
 NEG_INF = float32(-np.inf)
 # Answers from absolute keys take their score from the key (``put_abs``: no log-probability
 # read); STREAMGR_TOPK_KEYDEC=0 recomputes it as ``put`` does, for A/B runs.
@@ -52,10 +53,10 @@ else:
 
 @cuda.jit(device=True, inline=True)
 def okey(val):
-    """The fp32 score's order-preserving 32 bits as an int64 (-0.0 as +0.0: they tie)."""
-    b = int64(_bits(val + float32(0.0)))
-    u = b & LOW32
-    return (LOW32 ^ u) if b < 0 else (u | int64(0x80000000))
+    """The fp32 score's order-preserving 32 bits as an int64 (-0.0 as +0.0: they tie), computed
+    in 32 bits."""
+    b = int32(_bits(val + float32(0.0)))
+    return int64(uint32(b ^ int32(-1)) if b < 0 else uint32(uint32(b) | uint32(0x80000000)))
 
 
 @cuda.jit(device=True, inline=True)
@@ -73,16 +74,27 @@ def tkey(key32, c, tmin):
 
 
 @cuda.jit(device=True, inline=True)
+def ix(x):
+    """An index below 2**32 as the unsigned 64 bits an array takes: zero-extended from 32, so
+    the arithmetic that made it can stay 32-bit and no negative-index wraparound is emitted."""
+    return uint64(uint32(x))
+
+
+@cuda.jit(device=True, inline=True)
 def beam_of(r, c, F, FM, scores, nodes, ptr):
     """Candidate c's beam ``b``, its child slot ``j``, the beam's score, first child and number
-    of children (0 where the beam is dead)."""
+    of children (0 where the beam is dead). Indices are 32-bit (a request's candidates, the
+    trie's nodes and children below 2**31), returned widened: Numba's 64-bit index arithmetic
+    was most of a candidate's instructions."""
     b = div_f(c, FM)
-    s = scores[uint64(r), uint64(b)]
-    n = nodes[uint64(r), uint64(b)]
+    j = uint32(uint32(c) - uint32(b) * uint32(F))
+    s = scores[ix(r), ix(b)]
+    n = nodes[ix(r), ix(b)]
     alive = s > NEG_INF
-    n = n if alive else int64(0)
-    first = ptr[uint64(n)]
-    return b, c - b * F, s, first, ptr[uint64(n + 1)] - first if alive else int64(0)
+    n = uint32(n) if alive else uint32(0)
+    first = uint32(ptr[ix(n)])
+    cnt = uint32(uint32(ptr[ix(n + uint32(1))]) - first) if alive else uint32(0)
+    return b, int64(j), s, int64(first), int64(cnt)
 
 
 @cuda.jit(device=True, inline=True)
@@ -90,16 +102,16 @@ def child_of(r, c, F, FM, scores, nodes, ptr, codes):
     """Candidate c's (beam, the beam's score, whether it is a child, child node, code): child
     node and code 0 where it is not, every load at a valid index."""
     b, j, s, lo, cnt = beam_of(r, c, F, FM, scores, nodes, ptr)
-    real = j < cnt
-    ch = lo + j if real else int64(0)
-    return b, s, real, ch, codes[uint64(ch)]
+    real = uint32(j) < uint32(cnt)
+    ch = uint32(uint32(lo) + uint32(j)) if real else uint32(0)
+    return b, s, real, int64(ch), int64(codes[ix(ch)])
 
 
 @cuda.jit(device=True, inline=True)
 def logp_at(logp, row, col, sh, m, ls):
     """The log-probability at ``logp[row, col]`` (raw bits, ``sh`` as in ``cand``; ``m``, ``ls``
     the row's max and log-sum, used where ``sh`` is 16)."""
-    x = _float(int32(logp[row, uint64(col)]) << sh)
+    x = _float(int32(logp[row, ix(col)]) << sh)
     return (x - m) - ls if sh else x
 
 
@@ -113,8 +125,8 @@ def cand(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
     row's max and log-sum): the fp32 ``(x - max) - logsum`` of ``LogProbs.gather``, bit for
     bit; with ``sh`` 0, ``lse`` is any [1, rows] float array, read and unused."""
     b, s, real, ch, cd = child_of(r, c, F, FM, scores, nodes, ptr, codes)
-    row = uint64(r * B + b)
-    x = logp_at(logp, row, off + cd, sh, lse[0, row], lse[uint64(sh >> 4), row])
+    row = ix(uint32(r) * uint32(B) + uint32(b))
+    x = logp_at(logp, row, uint32(off) + uint32(cd), sh, lse[0, row], lse[ix(sh >> 4), row])
     if real:
         return s + x, ch, cd
     return NEG_INF, int64(0), int64(0)
@@ -128,12 +140,28 @@ def ckey(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
 
 @cuda.jit(device=True, inline=True)
 def note(kx, i, key, lo, hi):
-    """``kx[i]`` = the okey ``key`` as int32 bits; the running (smallest real, largest) okey."""
+    """``kx[i]`` = the okey ``key`` as int32 bits; the running (smallest real less one, largest)
+    okey, both uint32 (from ``note_start``; ``note_end`` widens them): 64-bit min/max took
+    about a tenth of a candidate's instructions."""
     kx[i] = int32(key - (int64(1) << 32) if key >= (int64(1) << 31) else key)
-    hi = max(hi, key)
-    if key > KEY_NEG_INF:
-        lo = min(lo, key)
+    hi = max(hi, uint32(key))
+    lo = min(lo, uint32(key - 1) if key > KEY_NEG_INF else NO_LO)  # key - 1 < NO_LO
     return lo, hi
+
+
+@cuda.jit(device=True, inline=True)
+def note_start():
+    """``note``'s running (lo, hi) before any key."""
+    return NO_LO, uint32(0)
+
+
+@cuda.jit(device=True, inline=True)
+def note_end(lo, hi, n):
+    """The thread's (smallest real, largest) okey as int64 from ``note``'s, for a chunk of ``n``
+    candidates noted from ``threadIdx.x`` up: ``2**40`` where it noted no real one, -1 where it
+    noted none."""
+    return (int64(lo) + 1 if lo != NO_LO else NONE_LO,
+            int64(hi) if cuda.threadIdx.x < n else int64(-1))
 
 
 @cuda.jit(device=True, inline=True)
@@ -165,17 +193,23 @@ def note_upto4(kx, i0, step, n, k0, k1, k2, k3, lo, hi):
 
 
 @cuda.jit(device=True, inline=True)
+def at(c0, i, n):
+    """Candidate ``c0 + min(i, n - 1)`` (a clamped load index), in 32 bits."""
+    return int64(uint32(uint32(c0) + min(uint32(i), uint32(n - 1))))
+
+
+@cuda.jit(device=True, inline=True)
 def note4(kx, i0, step, c0, r, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, lo,
           hi):
     """``note`` of the okeys of candidates ``c0 + i0 + j * step`` at ``kx[i0 + j * step]``
     (j < 4, those below N): their four load chains issued at clamped indices before any
     store, so that they overlap."""
-    k0 = ckey(r, c0 + min(i0, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-    k1 = ckey(r, c0 + min(i0 + step, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
+    k0 = ckey(r, at(c0, i0, N), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    k1 = ckey(r, at(c0, i0 + step, N), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
               off)
-    k2 = ckey(r, c0 + min(i0 + 2 * step, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr,
+    k2 = ckey(r, at(c0, i0 + 2 * step, N), F, FM, B, scores, nodes, logp, lse, sh, ptr,
               codes, off)
-    k3 = ckey(r, c0 + min(i0 + 3 * step, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr,
+    k3 = ckey(r, at(c0, i0 + 3 * step, N), F, FM, B, scores, nodes, logp, lse, sh, ptr,
               codes, off)
     return note_upto4(kx, i0, step, N, k0, k1, k2, k3, lo, hi)
 
@@ -187,8 +221,7 @@ def note_all(kx, c0, n, nt, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
     ``note_beam`` takes them, measured slower on the H200: step 2 0.0258 against 0.0252 ms,
     session 32); returns the thread's (smallest real, largest) okey (``2**40``, -1 where it
     noted none)."""
-    lo = int64(1) << 40
-    hi = int64(-1)
+    lo, hi = note_start()
     for base in range(0, n, 4 * nt):
         i0 = base + cuda.threadIdx.x
         if n - base <= nt:  # one candidate a thread left (block-uniform)
@@ -198,18 +231,30 @@ def note_all(kx, c0, n, nt, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
             continue
         lo, hi = note4(kx, i0, nt, c0, r, n, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
                        off, lo, hi)
-    return lo, hi
+    return note_end(lo, hi, n)
+
+
+@cuda.jit(device=True, inline=True)
+def bcode(j, cnt, lo, codes):
+    """The code of child ``j`` of a beam of ``cnt`` children from ``lo`` (``codes[0]`` where
+    it is none: a valid load), for ``bval``. Its index stays 64-bit: with a 32-bit one ptxas
+    interleaved a round's code and log-probability loads (see ``note_beam``)."""
+    return codes[uint64(lo + j if j < cnt else int64(0))]
+
+
+@cuda.jit(device=True, inline=True)
+def bval(cd, j, cnt, s, row, m, ls, logp, sh, off):
+    """The okey of child ``j`` of code ``cd`` (``bcode``) of a beam read once (``note_beam``):
+    its score ``s``, ``cnt`` children, its log-probabilities' row ``row`` with their max and
+    log-sum (``m``, ``ls``); the same fp32 operations as ``cand``, so the same bits."""
+    y = s + logp_at(logp, row, uint32(off) + uint32(cd), sh, m, ls)
+    return okey(y if uint32(j) < uint32(cnt) else NEG_INF)
 
 
 @cuda.jit(device=True, inline=True)
 def bkey(j, cnt, lo, s, row, m, ls, logp, sh, codes, off):
-    """The okey of child ``j`` of a beam read once (``note_beam``): its score ``s``, first child
-    ``lo`` and ``cnt`` children, its log-probabilities' row ``row`` with their max and log-sum
-    (``m``, ``ls``); the same fp32 operations as ``cand``, so the same bits."""
-    real = j < cnt
-    cd = codes[uint64(lo + j if real else int64(0))]
-    y = s + logp_at(logp, row, off + cd, sh, m, ls)
-    return okey(y if real else NEG_INF)
+    """``bval`` of ``bcode``: child ``j``'s okey."""
+    return bval(bcode(j, cnt, lo, codes), j, cnt, s, row, m, ls, logp, sh, off)
 
 
 @cuda.jit(device=True, inline=True)
@@ -226,19 +271,30 @@ def note_beam(kx, c0, n, nt, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, cod
     row = uint64(r * B + b)
     m = lse[0, row]
     ls = lse[uint64(sh >> 4), row]
-    lo = int64(1) << 40
-    hi = int64(-1)
+    lo, hi = note_start()
     base = 0
     while n - base >= 8 * nt:  # eight a thread: every load of the round in flight at once
         i0 = base + cuda.threadIdx.x
-        k0 = bkey(j0 + i0, cnt, first, s, row, m, ls, logp, sh, codes, off)
-        k1 = bkey(j0 + i0 + nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
-        k2 = bkey(j0 + i0 + 2 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
-        k3 = bkey(j0 + i0 + 3 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
-        k4 = bkey(j0 + i0 + 4 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
-        k5 = bkey(j0 + i0 + 5 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
-        k6 = bkey(j0 + i0 + 6 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
-        k7 = bkey(j0 + i0 + 7 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
+        # the round's eight codes, then their log-probabilities (bcode's 64-bit index: with a
+        # 32-bit one, ptxas issued two codes, their two log-probabilities, then the other six
+        # codes, a load level more: step 1's scoring 3.35 -> 4.19 us on the H200, session 33)
+        j = j0 + i0
+        d0 = bcode(j, cnt, first, codes)
+        d1 = bcode(j + nt, cnt, first, codes)
+        d2 = bcode(j + 2 * nt, cnt, first, codes)
+        d3 = bcode(j + 3 * nt, cnt, first, codes)
+        d4 = bcode(j + 4 * nt, cnt, first, codes)
+        d5 = bcode(j + 5 * nt, cnt, first, codes)
+        d6 = bcode(j + 6 * nt, cnt, first, codes)
+        d7 = bcode(j + 7 * nt, cnt, first, codes)
+        k0 = bval(d0, j, cnt, s, row, m, ls, logp, sh, off)
+        k1 = bval(d1, j + nt, cnt, s, row, m, ls, logp, sh, off)
+        k2 = bval(d2, j + 2 * nt, cnt, s, row, m, ls, logp, sh, off)
+        k3 = bval(d3, j + 3 * nt, cnt, s, row, m, ls, logp, sh, off)
+        k4 = bval(d4, j + 4 * nt, cnt, s, row, m, ls, logp, sh, off)
+        k5 = bval(d5, j + 5 * nt, cnt, s, row, m, ls, logp, sh, off)
+        k6 = bval(d6, j + 6 * nt, cnt, s, row, m, ls, logp, sh, off)
+        k7 = bval(d7, j + 7 * nt, cnt, s, row, m, ls, logp, sh, off)
         lo, hi = note8(kx, i0, nt, k0, k1, k2, k3, k4, k5, k6, k7, lo, hi)
         base += 8 * nt
     for base in range(base, n, 4 * nt):
@@ -253,6 +309,7 @@ def note_beam(kx, c0, n, nt, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, cod
         k2 = bkey(j0 + i0 + 2 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
         k3 = bkey(j0 + i0 + 3 * nt, cnt, first, s, row, m, ls, logp, sh, codes, off)
         lo, hi = note_upto4(kx, i0, nt, n, k0, k1, k2, k3, lo, hi)
+    lo, hi = note_end(lo, hi, n)
     return lo, hi, (first << 32) | cnt
 
 
@@ -307,12 +364,14 @@ def put_abs(v, i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ca
 
 @cuda.jit(device=True, inline=True)
 def div_f(c, FM):
-    """``c // F`` for ``FM = magic(F)``."""
-    return (c * (FM & M40)) >> (FM >> 40)
+    """``c // F`` for ``FM = magic(F)``: one 32 x 32 -> 64-bit multiply (c < 2**30, and the
+    multiplier is below 2**32) and a shift."""
+    return int64((ix(c) * uint64(FM & LOW32)) >> uint64(FM >> 40))
 
 
 def magic(F: int) -> int:
     """``c // F`` for 0 <= c < 2**30 as ``(c * m) >> s`` (Hacker's Delight, round-up method:
-    exact, checked in the tests), packed as ``m | s << 40`` (m <= 2**32 + 1)."""
+    exact, checked in the tests), packed as ``m | s << 40`` (m < 2**32 for F < 2**32, so that
+    ``div_f`` multiplies 32 x 32 bits)."""
     sh = 31 + (F - 1).bit_length()
     return ((1 << sh) // F + 1) | (sh << 40)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 
 import torch
-from numba import cuda, float32, int32, int64
+from numba import cuda, int32, int64
 
 from .numba_common import STAMP, stamp
 from .trie_topk import SIMULATED
@@ -38,7 +38,6 @@ from .trie_topk_bins import MAXK, SMS_SIM, last_block, sm_count
 from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length, collect,
                             minmax, pick, radix, sort_desc, sort_span)
 from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, decode, okey_float
-from .trie_topk_tab import TF_N, TI_N, fits_table, score_tab
 from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, hold, list_above, obin,
                                obin_hist, sample_floor, score_chunk, select_list)
 
@@ -136,16 +135,10 @@ def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
     ctr = cuda.shared.array(1, int32)
     flag = cuda.shared.array(1, int32)
     cnt = cuda.shared.array(1, int32)
-    ti = cuda.shared.array(TI_N, int64)
-    tf = cuda.shared.array(TF_N, float32)
     c0 = int64(cuda.blockIdx.x) * ch
     n = min(N - c0, ch)
-    if fits_table(c0, n, FM):  # a few beams: each read once into a table (block-uniform)
-        lo, hi = score_tab(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off,
-                           red, ctr, ti, tf)
-    else:
-        lo, hi, _ = score_chunk(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr,
-                                codes, off, red, ctr)
+    lo, hi, _ = score_chunk(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
+                            off, red, ctr)
     hand_on(kx, c0, n, min(k, n), lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr)
     if STAMP:
         cuda.syncthreads()

@@ -74,7 +74,7 @@ def obin_hist(hist, kx, n, ref):
 
 @cuda.jit(device=True, inline=True)
 def chunk_begin(ctr):
-    """A scoring phase's start (``score_chunk``, ``trie_topk_tab.score_tab``): stamp 14, and
+    """A scoring phase's start (``score_chunk``): stamp 14, and
     ``ctr`` zeroed (published by the phase's barriers)."""
     stamp(14)
     if cuda.threadIdx.x == 0:

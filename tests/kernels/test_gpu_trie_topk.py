@@ -122,8 +122,8 @@ assert trie_topk_sample.SAMPLE == (os.environ.get("STREAMGR_TOPK_SAMPLE") != "0"
 assert trie_topk_one.BINS == (os.environ.get("STREAMGR_TOPK_BINS") != "0")
 from streamgr.kernels import trie_topk_merge
 assert trie_topk_merge.MERGE == (os.environ.get("STREAMGR_TOPK_MERGE") != "0")
-from streamgr.kernels import trie_topk_tab
-assert trie_topk_tab.TAB == (os.environ.get("STREAMGR_TOPK_TAB") == "1")
+from streamgr.kernels import trie_topk_own
+assert trie_topk_own.OWN == (os.environ.get("STREAMGR_TOPK_OWN") != "0")
 for R, B, fan, k, ties in [(16, 256, 177, 256, False), (1, 256, 8192, 256, False),
                            (2, 1024, 40, 1024, True), (3, 512, 100, 700, False),
                            (16, 256, 3, 256, True), (3, 4, 256, 700, False), (1, 1, 1, 1, False),
@@ -137,14 +137,14 @@ print("ok")
 
 
 @pytest.mark.parametrize("name,value", [("STREAMGR_TOPK_SAMPLE", "0"), ("STREAMGR_TOPK_BINS", "0"),
-                                        ("STREAMGR_TOPK_MERGE", "0"), ("STREAMGR_TOPK_TAB", "1")])
+                                        ("STREAMGR_TOPK_MERGE", "0"), ("STREAMGR_TOPK_OWN", "0")])
 def test_kernels_under_their_ab_settings(name, value):
     """The A/B settings (read at import, so each in its own process) keep the reference's
     answers: ``STREAMGR_TOPK_SAMPLE=0`` (no sampled floor: lists of every key, or the radix
     rounds, on the one-block path; the bins round on the merge's listing blocks), ``STREAMGR_TOPK_BINS=0`` (the one-block path's radix rounds without the bins
     round), ``STREAMGR_TOPK_MERGE=0`` (no one-launch merge: steps 1 and 2 on the one-block and
-    grid paths), ``STREAMGR_TOPK_TAB=1`` (the merge's chunks of a few beams scored through a
-    table of them)."""
+    grid paths), ``STREAMGR_TOPK_OWN=0`` (requests of at most a block of candidates on the
+    one-block path instead of one candidate a thread)."""
     import os
     import subprocess
     import sys

@@ -84,8 +84,7 @@ SIM = textwrap.dedent("""
     from tests.kernels.test_trie_topk import random_case
     from streamgr.kernels.head_lse import LogProbs, row_lse_reference
     from streamgr.kernels.trie_topk import trie_topk, trie_topk_reference
-    from streamgr.kernels import trie_topk_merge as tm, trie_topk_tab
-    assert trie_topk_tab.TAB
+    from streamgr.kernels import trie_topk_merge as tm
     n = 0
     for seed, ties, B, fan, k, *more in {cases!r}:
         R, dead = more or (2, 0.2)
@@ -112,7 +111,9 @@ SIM = textwrap.dedent("""
 
 
 # (seed, ties, beams, fan-out range, k) with the simulator's sizes (blocks of 32 threads, 5-bit
-# digits and 32 bins, ONE_MAX = 64, 128 a grid block): one block (beams x F <= 64 binned,
+# digits and 32 bins, ONE_MAX = 64, 128 a grid block): one candidate a thread (beams x F <= 32:
+# seeds 0, 4, 5, 7, 12, 13, 27, 28; ranked in their bins, or sorted whole where a bin holds over
+# SEG_MAX = 4, as every -inf level and every tie of 27 does), one block (beams x F <= 64 binned,
 # falling back to the radix where the bins from the k-th up hold more than 32), dead beams in
 # every case, k = 1, every candidate wanted (a bin that settles the set at once); of the binned,
 # the bins' keys ranked in their bins (seeds 14, 15: no bin over SEG_MAX = 4 keys) and sorted
@@ -121,7 +122,8 @@ SIM = textwrap.dedent("""
 ONE_BLOCK = [(0, False, 3, (1, 5), 4), (1, True, 6, (2, 8), 8), (4, False, 9, (0, 3), 1),
              (5, False, 1, (6, 6), 6), (7, False, 10, (3, 3), 30), (10, True, 7, (6, 9), 20),
              (12, False, 2, (1, 1), 2), (13, False, 1, (1, 1), 1),
-             (14, False, 8, (4, 8), 12), (15, False, 6, (8, 8), 16), (25, True, 1, (40, 60), 6)]
+             (14, False, 8, (4, 8), 12), (15, False, 6, (8, 8), 16), (25, True, 1, (40, 60), 6),
+             (27, "const", 4, (6, 8), 8), (28, True, 5, (4, 6), 10)]
 # ... and the grid launches (> 64 candidates; 256 bins): ties, k reaching into the -inf slots,
 # so that the last block's list outgrows the block (its radix select from the list in global
 # memory) as well as fits it (sorted whole), k = 1.
@@ -141,10 +143,9 @@ MERGE = [(16, False, 12, (6, 6), 4, 1, 0.1),
 @pytest.mark.parametrize("cases", [ONE_BLOCK, GRID, MERGE], ids=["one_block", "grid", "merge"])
 def test_numba_kernels_under_the_simulator(cases):
     """The one-block, grid and merge kernels equal the reference on small shapes (a process
-    each: the simulator is set at import), the merge's chunks of two to eight beams scored
-    through their beam table (``STREAMGR_TOPK_TAB=1``, off by default on the GPU until timed)."""
+    each: the simulator is set at import)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", STREAMGR_TOPK_TAB="1")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     p = subprocess.run([sys.executable, "-c", SIM.format(root=root, cases=cases)], env=env,
                        capture_output=True, text=True, timeout=600, cwd=root)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -159,6 +160,7 @@ def test_magic_division_is_exact():
     for F in list(range(1, 5001)) + [8192, 177, 2 ** 20 + 3, 2 ** 29 - 1]:
         fm = magic(F)
         m, sh = fm & ((1 << 40) - 1), fm >> 40
+        assert m < 2 ** 32, F  # div_f multiplies 32 x 32 bits
         cs = [0, F - 1, F, F + 1, 2 ** 30 - 1] + [int(x) for x in rng.integers(0, 2 ** 30, 20)]
         for c in cs:
             assert (c * m) >> sh == c // F and c * m < 2 ** 63, (F, c)
@@ -218,8 +220,7 @@ NOTE = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from numba import cuda, int32, int64
     from tests.kernels.test_trie_topk import random_case
-    from numba import float32
-    from streamgr.kernels import trie_topk_keys as K, trie_topk_tab as T
+    from streamgr.kernels import trie_topk_keys as K
     from streamgr.kernels.head_lse import LogProbs, row_lse_reference
     from streamgr.kernels.numba_common import as_array as a
     from streamgr.kernels.trie_topk_numba import _log_probs
@@ -240,25 +241,6 @@ NOTE = textwrap.dedent("""
             kxs[0, i] = kx[i]
             kxs[1, i] = ky[i]
 
-    @cuda.jit
-    def tab(out, kxs, c0, n, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
-        kx = cuda.shared.array(128, int32)
-        ky = cuda.shared.array(128, int32)
-        ti = cuda.shared.array(16, int64)  # BT = 8 beams under the simulator
-        tf = cuda.shared.array(24, float32)
-        red = cuda.shared.array(4, int64)
-        ctr = cuda.shared.array(1, int32)
-        t = cuda.threadIdx.x
-        lo, hi = T.score_tab(kx, c0, n, 1, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
-                             off, red, ctr, ti, tf)
-        lo2, hi2 = K.note_all(ky, c0, n, NT, 1, F, FM, B, scores, nodes, logp, lse, sh, ptr,
-                              codes, off)
-        out[t, 0], out[t, 1], out[t, 2], out[t, 3] = lo, hi, lo2, hi2
-        cuda.syncthreads()
-        for i in range(t, n, NT):
-            kxs[0, i] = kx[i]
-            kxs[1, i] = ky[i]
-
     def levels(seeds, B, fan):
         # each seed's level (dead share as given) with fp32 and with bf16 log-probabilities:
         # (seed, case, the scores as the kernels read them, the log-probabilities' bits)
@@ -269,19 +251,6 @@ NOTE = textwrap.dedent("""
             for lp in (logp, LogProbs(lg, lg.shape[1], row_lse_reference(lg, lg.shape[1]))):
                 sc = case[0].float().contiguous()
                 yield seed, case, sc, _log_probs(lp, a, sc)
-
-    n_tab = 0  # chunks over two to eight beams through the beam table, against note_all
-    for seed, (scores, nodes, _, ptr, codes, off, F), sc, bits in levels(
-            ((33, 0.0), (34, 0.5)), 12, (0, 12)):
-        for c0, n in ((0, 2 * F), (F + 3, 3 * F), (5, 7 * F - 6), (4 * F - 1, 2), (2, 17)):
-            out = np.zeros((NT, 4), np.int64)
-            kxs = np.zeros((2, 128), np.int32)
-            tab[1, NT](out, kxs, c0, n, F, K.magic(F), 12, a(sc), a(nodes), *bits, a(ptr),
-                       a(codes), off)
-            assert (out[:, 0] == out[:, 2].min()).all(), (seed, c0, n, out)
-            assert (out[:, 1] == out[:, 3].max()).all(), (seed, c0, n, out)
-            assert (kxs[0, :n] == kxs[1, :n]).all(), (seed, c0, n, kxs[:, :n])
-            n_tab += 1
 
     n_runs = 0
     for seed, (scores, nodes, _, ptr, codes, off, F), sc, bits in levels(
@@ -299,7 +268,7 @@ NOTE = textwrap.dedent("""
             assert (out[:, 4] == (first << 32 | cnt)).all(), (seed, c0, n, out[:, 4])
             assert (kxs[0, :n] == kxs[1, :n]).all(), (seed, c0, n, kxs[:, :n])
             n_runs += 1
-    print("ok", n_runs, n_tab)
+    print("ok", n_runs)
 """)
 
 
@@ -308,12 +277,10 @@ def test_one_beam_scoring_equals_the_general_loop_under_the_simulator():
     thread in flight) writes the okeys and per-thread (smallest real, largest) okeys that
     ``note_all`` does, and the beam's first child and children, on chunks from a beam's start
     and middle whose lengths take the rounds of eight, of four and the one-a-thread tail (4
-    threads here), with fp32 and bf16 log-probabilities and live, mixed and dead beams; and
-    ``score_tab`` (a chunk over two to eight beams read once into a table) writes the okeys and
-    block-wide (smallest real, largest) okey that ``note_all`` does."""
+    threads here), with fp32 and bf16 log-probabilities and live, mixed and dead beams."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     p = subprocess.run([sys.executable, "-c", NOTE.format(root=root)], env=env,
                        capture_output=True, text=True, timeout=600, cwd=root)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.split() == ["ok", "36", "20"]
+    assert p.stdout.split() == ["ok", "36"]

@@ -1,0 +1,95 @@
+"""One-launch selection of ``trie_topk`` for requests of at most a block of candidates (gen-ref's
+step 3: 768 at beams of 256): one block of ``NT`` threads per request, one candidate a thread,
+and each thread answers for its own candidate.
+
+A thread computes its candidate's score, child and code (``cand``) and keeps them in registers.
+The block's best okey comes from a warp min and one shared atomic (one barrier, instead of
+``minmax``'s three), then one round of score bins below it (``obin``, the bins of
+``trie_topk_sample``) and ``pick_segments``. A thread whose key is in the bins from the
+``k``-th's up places its key in its bin's segment and counts the keys of its bin above it: its
+rank. Where a bin is crowded (ties, or every candidate ``-inf``) the bins' keys are sorted whole
+instead and each rank below ``k`` is handed to its candidate's thread through shared memory.
+Every key is distinct and the bins are monotone in the score, so the ranks are the stable
+order's, exactly. A rank below ``k`` writes its answer from the registers: no second read of
+the beams, the trie or the log-probabilities (``trie_topk_one`` answers from the key, reading
+the beam, its child range and the code again: three dependent load levels). ``N <= NT``
+always fits a sort of a block, so no radix fallback is needed. ``STREAMGR_TOPK_OWN=0`` sends
+these requests to ``trie_topk_one`` instead (A/B runs).
+"""
+
+from __future__ import annotations
+
+import os
+
+from numba import cuda, int32, int64
+
+from .numba_common import STAMP, stamp
+from .trie_topk_dev import (HALF, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, append, bin_rank,
+                            pick_segments, sort_desc, sort_span, warp_min_into, hist_add)
+from .trie_topk_keys import LOW32, MAXC, NEG_INF, cand, div_f, okey, okey_float
+from .trie_topk_sample import obin
+
+OWN = os.environ.get("STREAMGR_TOPK_OWN", "1") == "1"
+
+
+@cuda.jit(**JIT_NT)
+def own_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
+               parent, child, code):
+    r = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    hist = cuda.shared.array(NT, int32)
+    srt = cuda.shared.array(NT, int64)
+    rk = cuda.shared.array(NT, int32)
+    scan = cuda.shared.array(SCAN_N, int32)
+    res = cuda.shared.array(4, int32)
+    ctr = cuda.shared.array(1, int32)
+    stamp(14)
+    mine = tid < N
+    c = int64(min(tid, N - 1))
+    val, ch, cd = cand(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    u = okey(val)
+    v = (u << 31) | (MAXC - c)  # the candidate's key (trie_topk_keys)
+    hist[tid] = 0
+    rk[tid] = int32(k)  # no rank (the sorted way writes those below k)
+    if tid == 0:
+        res[3] = I32MAX
+        ctr[0] = 0
+    cuda.syncthreads()
+    # the block's best okey by a min of the bit-reversed okeys (unsigned okeys less 2**31
+    # order as int32 do, and ~x reverses an int32 order without overflow)
+    m = ~int32((u & LOW32) - HALF) if mine else I32MAX
+    hi = (int64(~warp_min_into(m, res, 3)) + HALF) & LOW32
+    stamp(1)
+    ref = okey_float(hi)
+    b = obin(int32(u - (int64(1) << 32) if u >= (int64(1) << 31) else u), ref)
+    hist_add(hist, b, mine)
+    cuda.syncthreads()
+    d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
+    stamp(9)
+    take = mine and b >= d
+    rank = int64(k)
+    if big == 0:  # each key of the bins from d up ranked in its bin
+        if take:
+            srt[cuda.atomic.add(hist, b, 1)] = v
+        cuda.syncthreads()
+        if take:
+            rank = bin_rank(srt, v, b, hist, NB)
+    else:  # a crowded bin: the bins' keys sorted whole (total <= N <= NT), ranks handed back
+        srt[tid] = 0
+        cuda.syncthreads()
+        append(srt, ctr, 0, v, take)
+        cuda.syncthreads()
+        sort_desc(srt, sort_span(k - need + nd, KP))
+        if tid < k:
+            rk[MAXC - (srt[tid] & MAXC)] = int32(tid)
+        cuda.syncthreads()
+        rank = int64(rk[tid]) if mine else int64(k)
+    stamp(12)
+    if rank < k:
+        top[r, rank] = val if rank < cap[r] else NEG_INF
+        parent[r, rank] = div_f(c, FM)
+        child[r, rank] = ch
+        code[r, rank] = cd
+    if STAMP:
+        cuda.syncthreads()
+        stamp(15)

@@ -87,18 +87,20 @@ SIM = textwrap.dedent("""
     from streamgr.kernels import trie_topk_merge as tm
     n = 0
     for seed, ties, B, fan, k, *more in {cases!r}:
-        R, dead = more or (2, 0.2)
+        R, dead = more[:2] if more else (2, 0.2)
         case = random_case(seed, R=R, B=B, fan=fan, ties=ties, dead=dead)
         scores, nodes, logp, ptr, codes, off, F = case
         k = min(k, B * F)
-        # the merge cases (a 6th field) run the merge path, the others not
-        assert (tm.plan_for(B * F, R, k, None) is not None) == bool(more), (seed, B * F, k)
+        # the merge cases (R and the dead share added) run the merge path, the others not (a
+        # one-block case with them marks itself "one")
+        merge = len(more) == 2
+        assert (tm.plan_for(B * F, R, k, None) is not None) == merge, (seed, B * F, k)
         cap = torch.tensor([k] + [max(1, k // 2)] * (R - 1))
         # bf16 logits read in place with each row's max and log-sum (the lazy head of
         # bf16 serving), on one case of each path (the simulator is slow)
         lg = (logp * 3).to(torch.bfloat16)
         lazy = [LogProbs(lg, lg.shape[1], row_lse_reference(lg, lg.shape[1]))] \
-            if seed in (1, 2) else []
+            if seed in (1, 2, 28) else []
         for lp in [logp] + lazy:
             case = (scores, nodes, lp, ptr, codes, off, F)
             ref = trie_topk_reference(*case, k, cap)
@@ -112,9 +114,10 @@ SIM = textwrap.dedent("""
 
 # (seed, ties, beams, fan-out range, k) with the simulator's sizes (blocks of 32 threads, 5-bit
 # digits and 32 bins, ONE_MAX = 64, 128 a grid block): one candidate a thread (beams x F <= 32:
-# seeds 0, 4, 5, 7, 12, 13, 27, 28; ranked in their bins, or sorted whole where a bin holds over
-# SEG_MAX = 4, as every -inf level and every tie of 27 does), one block (beams x F <= 64 binned,
-# falling back to the radix where the bins from the k-th up hold more than 32), dead beams in
+# seeds 0, 4, 5, 7, 12, 13, 27-29, bf16 logits on 28; ranked in their bins, or sorted whole
+# where a bin holds over SEG_MAX = 4, as every tie of 27 and 29's every beam dead do), one
+# block (beams x F <= 64 binned, falling back to the radix where the bins from the k-th up hold
+# more than 32), dead beams in
 # every case, k = 1, every candidate wanted (a bin that settles the set at once); of the binned,
 # the bins' keys ranked in their bins (seeds 14, 15: no bin over SEG_MAX = 4 keys) and sorted
 # whole (seeds 1, 15: one over it), one beam of over a block of children (25: note_beam's rounds
@@ -123,7 +126,8 @@ ONE_BLOCK = [(0, False, 3, (1, 5), 4), (1, True, 6, (2, 8), 8), (4, False, 9, (0
              (5, False, 1, (6, 6), 6), (7, False, 10, (3, 3), 30), (10, True, 7, (6, 9), 20),
              (12, False, 2, (1, 1), 2), (13, False, 1, (1, 1), 1),
              (14, False, 8, (4, 8), 12), (15, False, 6, (8, 8), 16), (25, True, 1, (40, 60), 6),
-             (27, "const", 4, (6, 8), 8), (28, True, 5, (4, 6), 10)]
+             (27, "const", 4, (6, 8), 8), (28, True, 5, (4, 6), 10),
+             (29, False, 4, (3, 5), 6, 2, 1.0, "one")]
 # ... and the grid launches (> 64 candidates; 256 bins): ties, k reaching into the -inf slots,
 # so that the last block's list outgrows the block (its radix select from the list in global
 # memory) as well as fits it (sorted whole), k = 1.

@@ -1,5 +1,6 @@
 """One-launch selection of ``trie_topk`` for requests of at most ``ONE_MAX`` candidates (gen-ref's
-steps 1 and 3: 8,192 and 768 at beams of 256, 3,072 at beams of 1,024): one block of ``NT``
+step 1: 8,192 at beams of 256; step 3 at beams of 1,024: 3,072; requests of at most a block take
+``trie_topk_own`` unless ``STREAMGR_TOPK_OWN=0``): one block of ``NT``
 threads per request computes its candidates' okeys into shared memory (four candidates a thread
 at a time, so their load chains overlap; where they are one beam's children, as at step 1, the
 beam read once and eight at a time: ``note_beam``) and takes the block's smallest real and

@@ -13,15 +13,16 @@ Every key is distinct and the bins are monotone in the score, so the ranks are t
 order's, exactly. A rank below ``k`` writes its answer from the registers: no second read of
 the beams, the trie or the log-probabilities (``trie_topk_one`` answers from the key, reading
 the beam, its child range and the code again: three dependent load levels). ``N <= NT``
-always fits a sort of a block, so no radix fallback is needed. ``STREAMGR_TOPK_OWN=0`` sends
-these requests to ``trie_topk_one`` instead (A/B runs).
+always fits a sort of a block, so no radix fallback is needed. ``STREAMGR_TOPK_OWN=2`` ranks
+the keys by the threads of their slots instead and answers from shared memory (``MODE``);
+``STREAMGR_TOPK_OWN=0`` sends these requests to ``trie_topk_one`` (A/B runs).
 """
 
 from __future__ import annotations
 
 import os
 
-from numba import cuda, int32, int64
+from numba import cuda, float32, int32, int64
 
 from .numba_common import STAMP, stamp
 from .trie_topk_dev import (HALF, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, append, bin_rank,
@@ -29,7 +30,15 @@ from .trie_topk_dev import (HALF, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, appen
 from .trie_topk_keys import LOW32, MAXC, NEG_INF, cand, div_f, okey, okey_float
 from .trie_topk_sample import obin
 
-OWN = os.environ.get("STREAMGR_TOPK_OWN", "1") == "1"
+# STREAMGR_TOPK_OWN: 1 (the default) each thread ranks its own key and answers for it; 2 the
+# keys ranked by the threads of their slots in the bins' layout, as trie_topk_sample's
+# select_list does (whole warps of ranks, where owners of selected keys are scattered over the
+# block: step 3's placement and ranks took 1.52 us against select_list's 0.62 + ranks within
+# 1.08, H200 session 33), each answer read from the candidates' (score, child, code) held in
+# shared memory (not yet timed); 0 these requests on trie_topk_one (A/B runs).
+MODE = os.environ.get("STREAMGR_TOPK_OWN", "1")
+OWN, COMPACT = MODE != "0", MODE == "2"
+HELD_N = NT if COMPACT else 1  # the candidates' answers in shared memory (a literal shape)
 
 
 @cuda.jit(**JIT_NT)
@@ -43,10 +52,17 @@ def own_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
     scan = cuda.shared.array(SCAN_N, int32)
     res = cuda.shared.array(4, int32)
     ctr = cuda.shared.array(1, int32)
+    hv = cuda.shared.array(HELD_N, float32)
+    hc = cuda.shared.array(HELD_N, int32)
+    hd = cuda.shared.array(HELD_N, int32)
     stamp(14)
     mine = tid < N
     c = int64(min(tid, N - 1))
     val, ch, cd = cand(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    if COMPACT:  # published by the barriers below
+        hv[tid] = val
+        hc[tid] = int32(ch)
+        hd[tid] = int32(cd)
     u = okey(val)
     v = (u << 31) | (MAXC - c)  # the candidate's key (trie_topk_keys)
     hist[tid] = 0
@@ -72,19 +88,33 @@ def own_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
         if take:
             srt[cuda.atomic.add(hist, b, 1)] = v
         cuda.syncthreads()
-        if take:
+        if COMPACT:  # thread t ranks the key of slot t (k <= total <= N)
+            if tid < k - need + nd:
+                w = srt[tid]
+                rank = bin_rank(srt, w, obin(w >> 31, ref), hist, NB)
+                c = MAXC - (w & MAXC)
+        elif take:
             rank = bin_rank(srt, v, b, hist, NB)
-    else:  # a crowded bin: the bins' keys sorted whole (total <= N <= NT), ranks handed back
+    else:  # a crowded bin: the bins' keys sorted whole (total <= N <= NT)
         srt[tid] = 0
         cuda.syncthreads()
         append(srt, ctr, 0, v, take)
         cuda.syncthreads()
         sort_desc(srt, sort_span(k - need + nd, KP))
-        if tid < k:
-            rk[MAXC - (srt[tid] & MAXC)] = int32(tid)
-        cuda.syncthreads()
-        rank = int64(rk[tid]) if mine else int64(k)
+        if COMPACT:
+            if tid < k:
+                rank = int64(tid)
+                c = MAXC - (srt[tid] & MAXC)
+        else:  # each rank below k handed to its candidate's thread
+            if tid < k:
+                rk[MAXC - (srt[tid] & MAXC)] = int32(tid)
+            cuda.syncthreads()
+            rank = int64(rk[tid]) if mine else int64(k)
     stamp(12)
+    if COMPACT and rank < k:  # candidate c's answer, held by its thread
+        val = hv[c]
+        ch = int64(hc[c])
+        cd = int64(hd[c])
     if rank < k:
         top[r, rank] = val if rank < cap[r] else NEG_INF
         parent[r, rank] = div_f(c, FM)

@@ -137,14 +137,16 @@ print("ok")
 
 
 @pytest.mark.parametrize("name,value", [("STREAMGR_TOPK_SAMPLE", "0"), ("STREAMGR_TOPK_BINS", "0"),
-                                        ("STREAMGR_TOPK_MERGE", "0"), ("STREAMGR_TOPK_OWN", "0")])
+                                        ("STREAMGR_TOPK_MERGE", "0"), ("STREAMGR_TOPK_OWN", "0"),
+                                        ("STREAMGR_TOPK_OWN", "2")])
 def test_kernels_under_their_ab_settings(name, value):
     """The A/B settings (read at import, so each in its own process) keep the reference's
     answers: ``STREAMGR_TOPK_SAMPLE=0`` (no sampled floor: lists of every key, or the radix
     rounds, on the one-block path; the bins round on the merge's listing blocks), ``STREAMGR_TOPK_BINS=0`` (the one-block path's radix rounds without the bins
     round), ``STREAMGR_TOPK_MERGE=0`` (no one-launch merge: steps 1 and 2 on the one-block and
     grid paths), ``STREAMGR_TOPK_OWN=0`` (requests of at most a block of candidates on the
-    one-block path instead of one candidate a thread)."""
+    one-block path instead of one candidate a thread), ``STREAMGR_TOPK_OWN=2`` (their keys
+    ranked by the threads of their slots, answered from shared memory)."""
     import os
     import subprocess
     import sys

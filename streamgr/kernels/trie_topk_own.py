@@ -28,7 +28,7 @@ from .numba_common import STAMP, stamp
 from .trie_topk_dev import (HALF, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, append, bin_rank,
                             pick_segments, sort_desc, sort_span, warp_min_into, hist_add)
 from .trie_topk_keys import LOW32, MAXC, NEG_INF, cand, div_f, okey, okey_float
-from .trie_topk_sample import obin
+from .trie_topk_sample import obin, slot_rank
 
 # STREAMGR_TOPK_OWN: 1 (the default) each thread ranks its own key and answers for it; 2 the
 # keys ranked by the threads of their slots in the bins' layout, as trie_topk_sample's
@@ -83,29 +83,25 @@ def own_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
     d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
     stamp(9)
     take = mine and b >= d
-    rank = int64(k)
-    if big == 0:  # each key of the bins from d up ranked in its bin
+    total = k - need + nd  # <= N <= NT
+    if big == 0:  # the keys of the bins from d up laid out by bin
         if take:
             srt[cuda.atomic.add(hist, b, 1)] = v
-        cuda.syncthreads()
-        if COMPACT:  # thread t ranks the key of slot t (k <= total <= N)
-            if tid < k - need + nd:
-                w = srt[tid]
-                rank = bin_rank(srt, w, obin(w >> 31, ref), hist, NB)
-                c = MAXC - (w & MAXC)
-        elif take:
-            rank = bin_rank(srt, v, b, hist, NB)
-    else:  # a crowded bin: the bins' keys sorted whole (total <= N <= NT)
+    else:  # a crowded bin: those keys appended, to be sorted whole
         srt[tid] = 0
         cuda.syncthreads()
         append(srt, ctr, 0, v, take)
+    if COMPACT:  # thread t ranks the key of slot t, as select_list does
+        w, rank = slot_rank(srt, hist, ref, k, KP, total, big)
+        c = MAXC - (w & MAXC)  # read where rank < k
+    else:
+        rank = int64(k)
         cuda.syncthreads()
-        sort_desc(srt, sort_span(k - need + nd, KP))
-        if COMPACT:
-            if tid < k:
-                rank = int64(tid)
-                c = MAXC - (srt[tid] & MAXC)
-        else:  # each rank below k handed to its candidate's thread
+        if big == 0:  # each thread ranks its own key in its bin
+            if take:
+                rank = bin_rank(srt, v, b, hist, NB)
+        else:  # the sorted ranks below k handed to their candidates' threads
+            sort_desc(srt, sort_span(total, KP))
             if tid < k:
                 rk[MAXC - (srt[tid] & MAXC)] = int32(tid)
             cuda.syncthreads()

@@ -186,6 +186,30 @@ def hold(kx, j, v):
 
 
 @cuda.jit(device=True, inline=True)
+def slot_rank(srt, hist, ref, k, KP, total, big):
+    """(the key of this thread's slot, its rank; ``k`` where it has none) once the ``total``
+    keys of the bins from the ``k``-th's up are in ``srt``: laid out by bin (``big`` 0;
+    ``hist[b]``: bin b's segment end, as ``pick_segments`` and the placements left it), each
+    ranked in its bin; else appended (``srt`` zeroed past them), sorted whole. Every thread
+    calls it; its first barrier publishes ``srt`` (stamp 12: the keys placed)."""
+    tid = cuda.threadIdx.x
+    v = int64(0)
+    rank = int64(k)
+    cuda.syncthreads()
+    if big == 0:
+        stamp(12)
+        if tid < total:
+            v = srt[tid]
+            rank = bin_rank(srt, v, obin(v >> 31, ref), hist, NB)
+    else:
+        sort_desc(srt, sort_span(total, KP))
+        if tid < k:
+            v = srt[tid]
+            rank = int64(tid)
+    return v, rank
+
+
+@cuda.jit(device=True, inline=True)
 def select_list(kx, U, ref, k, KP, hist, srt, scan, res, ctr, r, F, FM, B, scores, nodes, logp,
                 lse, sh, ptr, codes, off, cap, top, parent, child, code, beam):
     """Answer the request's ``k`` best from the ``U`` listed keys held in ``kx`` (``ukey``; a
@@ -201,22 +225,13 @@ def select_list(kx, U, ref, k, KP, hist, srt, scan, res, ctr, r, F, FM, B, score
     total = k - need + nd
     if total > NT:
         return False
-    # one key a thread (k <= total <= NT) and one put_abs site for both ways (each inlined site
-    # adds seconds to the kernel's compile)
-    v = int64(0)
-    rank = int64(k)  # k: nothing to answer
-    if big == 0:  # each key of the bins from d up ranked in its bin
+    if big == 0:  # the keys of the bins from d up laid out by bin
         for base in range(0, U, NT):
             j = min(base + tid, U - 1)
             b = obin(kx[j], ref)
             if base + tid < U and b >= d:
                 srt[cuda.atomic.add(hist, b, 1)] = ukey(kx, j)
-        cuda.syncthreads()
-        stamp(12)
-        if tid < total:
-            v = srt[tid]
-            rank = bin_rank(srt, v, obin(v >> 31, ref), hist, NB)
-    else:  # a crowded bin: the bins' keys sorted whole
+    else:  # a crowded bin: those keys appended, to be sorted whole
         if tid == 0:
             ctr[0] = 0
         srt[tid] = 0
@@ -224,11 +239,9 @@ def select_list(kx, U, ref, k, KP, hist, srt, scan, res, ctr, r, F, FM, B, score
         for base in range(0, U, NT):
             j = min(base + tid, U - 1)
             append(srt, ctr, 0, ukey(kx, j), base + tid < U and obin(kx[j], ref) >= d)
-        cuda.syncthreads()
-        sort_desc(srt, sort_span(total, KP))
-        if tid < k:
-            v = srt[tid]
-            rank = int64(tid)
+    # one key a thread (k <= total <= NT) and one put_abs site for both ways (each inlined site
+    # adds seconds to the kernel's compile)
+    v, rank = slot_rank(srt, hist, ref, k, KP, total, big)
     if rank < k:
         put_abs(v, rank, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
                 parent, child, code, beam)

@@ -40,8 +40,6 @@ from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit
 from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, decode, okey_float
 from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, hold, list_above, obin,
                                obin_hist, sample_floor, score_chunk, select_list)
-from .trie_topk_tier import (DONE, RES_N, TIER, UCNT, add_tier_b, hand_on_tiers, hold_tier_a,
-                             sample_floors, stage, ws_cols)
 
 MERGE = os.environ.get("STREAMGR_TOPK_MERGE", "1") == "1"
 # Requests that fit one block stay one block (trie_topk_one): on the H200 step 1 (8,192
@@ -57,6 +55,7 @@ UNIT = min(4 * NT, ONE_MAX // 2)
 # A block's list in quarters of k, for the plan: ~7/4 above a sampled floor (sample_floor's
 # margin), ~5/4 from the bins (and under the simulator, whose test cases are sized for it)
 LIST4 = 7 if SAMPLE and not SIMULATED else 5
+DONE, UCNT = 0, 1  # ws columns: blocks done, keys listed
 
 
 @cuda.jit(device=True, inline=True)
@@ -75,11 +74,10 @@ def reserve(ws, r, cnt, red):
 
 
 @cuda.jit(device=True, inline=True)
-def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, ub, hist, srt, scan, res, red, ctr, ctr2):
+def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr):
     """List a superset of the chunk's ``want`` best keys (``kx[:n]``, candidates ``c0 + i``):
     those of the bins from its ``want``-th's up where they hold at most a block, else exactly
-    the ``want`` best (radix select); where every candidate is -inf, the ``want`` lowest. Keys
-    at or above a sampled floor go in two tiers (``trie_topk_tier``; ``ctr2``: 0 on entry)."""
+    the ``want`` best (radix select); where every candidate is -inf, the ``want`` lowest."""
     tid = cuda.threadIdx.x
     if hi <= KEY_NEG_INF:  # block-uniform
         pos = reserve(ws, r, want, red)
@@ -88,19 +86,9 @@ def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, ub, hist, srt, scan, res, red, c
         return
     ref = okey_float(hi)
     if SAMPLE and n > SAMPLE_MIN:  # the keys at or above a sampled floor, if they fit
-        # n > SAMPLE_MIN >= NT >= 2 k (plan): want is k, and at least k keys at or above t
-        # make t a floor of the request's k-th key (the tiers' F)
-        if TIER:
-            g = int64(cuda.gridDim.x)
-            t, th = sample_floors(kx, n, want, (want + g - 1) // g, ref, hist, scan, res)
-        else:
-            t = sample_floor(kx, n, want, ref, hist, scan, res)
-            th = t
+        t = sample_floor(kx, n, want, ref, hist, scan, res)
         cnt = list_above(kx, n, c0, t, want, srt, ctr)  # in shared memory, then copied out
         if want <= cnt and cnt <= NT:  # block-uniform; a block lists at most NT keys
-            if TIER:
-                hand_on_tiers(srt, cnt, t, th, r, ws, ul, ub, red, ctr2)
-                return
             pos = reserve(ws, r, cnt, red)
             if tid < cnt:
                 ul[r, pos + tid] = srt[tid]
@@ -135,26 +123,23 @@ def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, ub, hist, srt, scan, res, red, c
 
 @cuda.jit(**JIT_NT)
 def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws, ul,
-                 ub, cap, top, parent, child, code):
+                 cap, top, parent, child, code):
     r = cuda.blockIdx.y
     tid = cuda.threadIdx.x
     kx = cuda.shared.array(ONE_MAX, int32)
     hist = cuda.shared.array(NT, int32)
     srt = cuda.shared.array(NT, int64)
     scan = cuda.shared.array(SCAN_N, int32)
-    res = cuda.shared.array(RES_N, int32)
+    res = cuda.shared.array(4, int32)
     red = cuda.shared.array(RED_N, int64)
     ctr = cuda.shared.array(1, int32)
     flag = cuda.shared.array(1, int32)
     cnt = cuda.shared.array(1, int32)
-    fl = cuda.shared.array(2, int64)
     c0 = int64(cuda.blockIdx.x) * ch
     n = min(N - c0, ch)
-    if tid == 0:
-        cnt[0] = 0  # hand_on_tiers' count (score_chunk's barriers publish it)
     lo, hi, _ = score_chunk(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
                             off, red, ctr)
-    hand_on(kx, c0, n, min(k, n), lo, hi, r, ws, ul, ub, hist, srt, scan, res, red, ctr, cnt)
+    hand_on(kx, c0, n, min(k, n), lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr)
     if STAMP:
         cuda.syncthreads()
         stamp(3)
@@ -163,53 +148,27 @@ def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
         return
     stamp(4)
     cuda.threadfence()
-    g = int64(cuda.gridDim.x)
-    FL = UA = int64(0)
-    if TIER:  # tier A from F up, and tier B's rest where tier A may miss some of the k best
-        th = stage(ws, r, g, srt, fl, ctr, cnt)
-        _, M = minmax(BIG, th, red)
-        FL, UA = fl[0], fl[1]
-        hi = hold_tier_a(kx, ul, r, UA, FL, M, ctr, cnt)
-        _, hi = minmax(BIG, hi, red)  # also publishes kx and the counts
-        U = int64(ctr[0])
-        if cnt[0] < k:  # block-uniform
-            add_tier_b(kx, ub, ul[r], r, g, FL, srt, ctr, 0)
-            cuda.syncthreads()
-            U = int64(ctr[0])
-    else:
-        if tid == 0:
-            ctr[0] = 0
-            cnt[0] = int32(cuda.atomic.add(ws, (r, UCNT), int64(0)))
-        cuda.syncthreads()
-        U = int64(cnt[0])  # >= k: each block listed min(k, its n)
+    if tid == 0:
+        ctr[0] = 0
+        cnt[0] = int32(cuda.atomic.add(ws, (r, UCNT), int64(0)))
+    cuda.syncthreads()
+    U = int64(cnt[0])  # >= k: each block listed min(k, its n)
+    if U <= UCAP:
         hi = int64(-1)
-        if U <= UCAP:
-            for j in range(tid, U, NT):
-                v = ul[r, j]
-                hold(kx, j, v)
-                hi = max(hi, v)
-            _, hi = minmax(BIG, hi, red)  # also publishes kx
-    stamp(5)
-    if U <= UCAP and (hi >> 31) > KEY_NEG_INF and select_list(kx, U, okey_float(hi >> 31), k, KP,
-                                                              hist, srt, scan, res, ctr, r, F,
-                                                              FM, B, scores, nodes, logp, lse,
-                                                              sh, ptr, codes, off, cap, top,
-                                                              parent, child, code, -1):
-        if STAMP:
-            cuda.syncthreads()
-            stamp(15)
-        return
-    if TIER:  # the whole list for the radix: tier A, then tier B's rest from F up
-        cuda.syncthreads()
-        if tid == 0:
-            ctr[0] = int32(UA)
-        cuda.syncthreads()
-        add_tier_b(kx, ub, ul[r], r, g, FL, srt, ctr, 1)
-        cuda.syncthreads()
-        U = int64(ctr[0])
-        cuda.syncthreads()
-        if tid == 0:
-            ctr[0] = 0  # collect's (published by the radix's barriers)
+        for j in range(tid, U, NT):
+            v = ul[r, j]
+            hold(kx, j, v)
+            hi = max(hi, v)
+        _, hi = minmax(BIG, hi, red)  # also publishes kx
+        stamp(5)
+        if (hi >> 31) > KEY_NEG_INF and select_list(kx, U, okey_float(hi >> 31), k, KP, hist,
+                                                    srt, scan, res, ctr, r, F, FM, B, scores,
+                                                    nodes, logp, lse, sh, ptr, codes, off, cap,
+                                                    top, parent, child, code, -1):
+            if STAMP:
+                cuda.syncthreads()
+                stamp(15)
+            return
     # ties or only -inf: radix select over the list in global memory
     lo = MAXK
     hi = int64(-1)
@@ -249,8 +208,7 @@ def plan(N: int, R: int, k: int, sms: int):
     ch = -(-N // per)
     ch = -(-ch // UNIT) * UNIT
     g = -(-N // ch)
-    ok = 2 <= g and ch <= ONE_MAX and g * LIST4 * k <= 4 * UCAP and R * g <= WAVES * sms \
-        and 2 * g <= NT  # the tiers' stage
+    ok = 2 <= g and ch <= ONE_MAX and g * LIST4 * k <= 4 * UCAP and R * g <= WAVES * sms
     return (ch, g) if ok else None
 
 
@@ -261,8 +219,7 @@ def plan_for(N: int, R: int, k: int, dev):
 def run(launch, R, N, k, KP, ch, g, F, FM, B, sc, nd, lp, trie, outs, dev, arr):
     """The list's counters zeroed (torch's fill) and the one launch (``launch(fn, grid,
     threads)``)."""
-    ws = torch.zeros(R, ws_cols(g), dtype=torch.int64, device=dev)
+    ws = torch.zeros(R, 2, dtype=torch.int64, device=dev)
     ul = torch.empty(R, g * NT, dtype=torch.int64, device=dev)  # a block lists <= NT (k <= NT)
-    ub = torch.empty(R, g * NT, dtype=torch.int64, device=dev) if TIER else ul
     launch(merge_select, (g, R), NT)(N, k, KP, ch, F, FM, B, sc, nd, *lp, *trie, arr(ws), arr(ul),
-                                     arr(ub), *outs)
+                                     *outs)

@@ -113,17 +113,6 @@ def test_trie_topk_all_tied_and_one_block_sizes(R, B, fan, k, const):
     assert_kernels_equal_reference(case, k, cap)
 
 
-@pytest.mark.parametrize("R,spread", [(16, 3.0), (16, 0.2), (48, 3.0), (2, 1.0)])
-def test_merge_tiers_with_beams_sorted_best_first(R, spread):
-    """Step 2 as serving runs it: beams sorted best first (the previous step's answer), so the
-    request's best candidates crowd its first blocks and tier A of the other blocks' lists
-    does not hold them (``trie_topk_tier``: tier B's rest added from the largest floor up),
-    widely spread and nearly alike, in one and three waves of blocks."""
-    case = list(level(R, 256, 177, V=400, seed=R + int(spread * 10), dead=0.05))
-    case[0] = (case[0] / 3 * spread).sort(dim=1, descending=True).values
-    assert_kernels_equal_reference(case, 256, torch.full((R,), 256, device=DEV))
-
-
 AB_CHECK = """
 import os, sys, torch
 sys.path.insert(0, {root!r})
@@ -135,8 +124,6 @@ from streamgr.kernels import trie_topk_merge
 assert trie_topk_merge.MERGE == (os.environ.get("STREAMGR_TOPK_MERGE") != "0")
 from streamgr.kernels import trie_topk_own
 assert trie_topk_own.OWN == (os.environ.get("STREAMGR_TOPK_OWN") != "0")
-from streamgr.kernels import trie_topk_tier
-assert trie_topk_tier.TIER == (os.environ.get("STREAMGR_TOPK_TIER") != "0")
 for R, B, fan, k, ties in [(16, 256, 177, 256, False), (1, 256, 8192, 256, False),
                            (2, 1024, 40, 1024, True), (3, 512, 100, 700, False),
                            (16, 256, 3, 256, True), (3, 4, 256, 700, False), (1, 1, 1, 1, False),
@@ -151,7 +138,7 @@ print("ok")
 
 @pytest.mark.parametrize("name,value", [("STREAMGR_TOPK_SAMPLE", "0"), ("STREAMGR_TOPK_BINS", "0"),
                                         ("STREAMGR_TOPK_MERGE", "0"), ("STREAMGR_TOPK_OWN", "0"),
-                                        ("STREAMGR_TOPK_OWN", "2"), ("STREAMGR_TOPK_TIER", "0")])
+                                        ("STREAMGR_TOPK_OWN", "2")])
 def test_kernels_under_their_ab_settings(name, value):
     """The A/B settings (read at import, so each in its own process) keep the reference's
     answers: ``STREAMGR_TOPK_SAMPLE=0`` (no sampled floor: lists of every key, or the radix
@@ -159,8 +146,7 @@ def test_kernels_under_their_ab_settings(name, value):
     round), ``STREAMGR_TOPK_MERGE=0`` (no one-launch merge: steps 1 and 2 on the one-block and
     grid paths), ``STREAMGR_TOPK_OWN=0`` (requests of at most a block of candidates on the
     one-block path instead of one candidate a thread), ``STREAMGR_TOPK_OWN=2`` (their keys
-    ranked by the threads of their slots, answered from shared memory),
-    ``STREAMGR_TOPK_TIER=0`` (the merge blocks' lists in one tier)."""
+    ranked by the threads of their slots, answered from shared memory)."""
     import os
     import subprocess
     import sys

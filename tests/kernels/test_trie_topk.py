@@ -31,9 +31,7 @@ def random_case(seed, R=3, B=5, V=None, fan=(1, 6), ties=False, dead=0.2):
     scores = rng.normal(size=(R, B)).astype(np.float32)
     scores[rng.random((R, B)) < dead] = -np.inf
     logp = rng.normal(size=(R * B, V)).astype(np.float32)
-    if ties in ("sorted", "near"):  # beams best first: the best candidates in the first ones
-        scores = -np.sort(-scores * (4 if ties == "sorted" else 0.1), axis=1)  # or near alike
-    elif ties == "const":  # every score equal: the order is the candidate index alone
+    if ties == "const":  # every score equal: the order is the candidate index alone
         logp[:] = -1.5
         scores = np.where(np.isfinite(scores), 0, scores).astype(np.float32)
     elif ties:  # many equal scores: the order must fall back to the lower candidate index
@@ -138,14 +136,8 @@ GRID = [(2, False, 40, (4, 12), 16), (8, True, 30, (4, 10), 32), (9, False, 40, 
 # held up to 32 keys; fields R and the dead share added): the list ranked in its bins (16), sorted
 # where a bin is crowded (21), selected from global memory where it outgrows 32 (23) or holds
 # only -inf (22), blocks whose every beam is dead (19), k = 1 (20), each block's own best by radix
-# select where every score ties (21), blocks in two waves of the simulator's 4 "SMs" (24); the
-# two tiers of the sampled blocks' lists (trie_topk_tier, beams sorted best first): tier A
-# alone holds the k best (33), tier B's rest added where it does not (39), and added to the
-# radix's whole list in global memory (67: more than 32 held, tier A short of k); each of 39
-# and 67 fails with its tier B left out.
-MERGE = [(33, "sorted", 30, (6, 8), 6, 1, 0.0), (39, "sorted", 30, (6, 8), 6, 1, 0.0),
-         (67, "near", 30, (6, 8), 6, 1, 0.0),
-         (16, False, 12, (6, 6), 4, 1, 0.1),
+# select where every score ties (21), blocks in two waves of the simulator's 4 "SMs" (24).
+MERGE = [(16, False, 12, (6, 6), 4, 1, 0.1),
          (19, False, 20, (4, 4), 4, 2, 0.85),
          (20, False, 10, (6, 8), 1, 2, 0.2), (21, "const", 30, (6, 8), 6, 1, 0.0),
          (22, False, 20, (4, 4), 4, 2, 1.0), (23, True, 30, (6, 8), 6, 1, 0.0),

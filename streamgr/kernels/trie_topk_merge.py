@@ -34,7 +34,7 @@ from numba import cuda, int32, int64
 
 from .numba_common import STAMP, stamp
 from .trie_topk import SIMULATED
-from .trie_topk_bins import MAXK, SMS_SIM, last_block, sm_count
+from .trie_topk_bins import MAXK, SMS_SIM, sm_count
 from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length, collect,
                             minmax, pick, radix, sort_desc, sort_span)
 from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, decode, okey_float
@@ -55,7 +55,9 @@ UNIT = min(4 * NT, ONE_MAX // 2)
 # A block's list in quarters of k, for the plan: ~7/4 above a sampled floor (sample_floor's
 # margin), ~5/4 from the bins (and under the simulator, whose test cases are sized for it)
 LIST4 = 7 if SAMPLE and not SIMULATED else 5
-DONE, UCNT = 0, 1  # ws columns: blocks done, keys listed
+DONE, UCNT = 0, 1  # ws columns: blocks done (low bits) and keys listed by them, slots reserved
+assert UCAP <= 4 * NT  # the last block loads its list in one round of four a thread
+LISTED = 24  # ws[r, DONE]'s low bits: blocks done (a request has at most WAVES x SMs blocks)
 
 
 @cuda.jit(device=True, inline=True)
@@ -74,16 +76,39 @@ def reserve(ws, r, cnt, red):
 
 
 @cuda.jit(device=True, inline=True)
+def hold_below(kx, j, v, U):
+    if j < U:
+        hold(kx, j, v)
+
+
+@cuda.jit(device=True, inline=True)
+def last_listed(ws, r, listed, flag, cnt):
+    """True in the request's last block to get here (after its list is fenced), with the
+    request's count of listed keys in ``cnt[0]``: one global atomic adds the block's count
+    (high bits) and its one (low bits) to ``ws[r, DONE]``, so the last block need not read
+    the count in a second round trip."""
+    cuda.threadfence()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        old = cuda.atomic.add(ws, (r, DONE), (listed << LISTED) + 1)
+        flag[0] = (old & ((int64(1) << LISTED) - 1)) == cuda.gridDim.x - 1
+        cnt[0] = int32((old >> LISTED) + listed)
+    cuda.syncthreads()
+    return flag[0]
+
+
+@cuda.jit(device=True, inline=True)
 def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr):
     """List a superset of the chunk's ``want`` best keys (``kx[:n]``, candidates ``c0 + i``):
     those of the bins from its ``want``-th's up where they hold at most a block, else exactly
-    the ``want`` best (radix select); where every candidate is -inf, the ``want`` lowest."""
+    the ``want`` best (radix select); where every candidate is -inf, the ``want`` lowest.
+    Returns how many it listed (to every thread)."""
     tid = cuda.threadIdx.x
     if hi <= KEY_NEG_INF:  # block-uniform
         pos = reserve(ws, r, want, red)
         for i in range(tid, want, NT):
             ul[r, pos + i] = akey(KEY_NEG_INF, c0 + i)
-        return
+        return want
     ref = okey_float(hi)
     if SAMPLE and n > SAMPLE_MIN:  # the keys at or above a sampled floor, if they fit
         t = sample_floor(kx, n, want, ref, hist, scan, res)
@@ -92,7 +117,7 @@ def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr):
             pos = reserve(ws, r, cnt, red)
             if tid < cnt:
                 ul[r, pos + tid] = srt[tid]
-            return
+            return cnt
     obin_hist(hist, kx, n, ref)
     stamp(10)
     d, need, nd = pick(hist, NB, want, scan, res, NT)
@@ -108,7 +133,7 @@ def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr):
             i = min(base + tid, n - 1)
             take = base + tid < n and obin(kx[i], ref) >= d
             append(ul[r], ctr, 0, akey(int64(kx[i]) & LOW32, c0 + i), take)
-        return
+        return total
     tmin = lo if lo != BIG else KEY_NEG_INF  # ties: the want best exactly, by their digits
     top_bit = 31 + bit_length(max(hi - tmin + 1, int64(1)))
     shift = top_bit - DIG if top_bit > DIG else 0
@@ -119,6 +144,7 @@ def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr):
     for j in range(tid, want, NT):
         i = MAXC - (srt[j] & MAXC)
         ul[r, pos + j] = akey(int64(kx[i]) & LOW32, c0 + i)
+    return want
 
 
 @cuda.jit(**JIT_NT)
@@ -139,26 +165,30 @@ def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
     n = min(N - c0, ch)
     lo, hi, _ = score_chunk(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
                             off, red, ctr)
-    hand_on(kx, c0, n, min(k, n), lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr)
+    listed = hand_on(kx, c0, n, min(k, n), lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr)
     if STAMP:
         cuda.syncthreads()
         stamp(3)
-    if not last_block(ws, r, DONE, flag):
+    if not last_listed(ws, r, listed, flag, cnt):
         stamp(15)
         return
     stamp(4)
     cuda.threadfence()
     if tid == 0:
-        ctr[0] = 0
-        cnt[0] = int32(cuda.atomic.add(ws, (r, UCNT), int64(0)))
-    cuda.syncthreads()
+        ctr[0] = 0  # published by minmax's barriers
     U = int64(cnt[0])  # >= k: each block listed min(k, its n)
     if U <= UCAP:
-        hi = int64(-1)
-        for j in range(tid, U, NT):
-            v = ul[r, j]
-            hold(kx, j, v)
-            hi = max(hi, v)
+        # the list's (up to 4 NT) loads issued at once, clamped in bounds so that none waits
+        # on a branch, then held: one load level, not one a round (step 2's ~2,700 keys: three)
+        v0 = ul[r, min(tid, U - 1)]
+        v1 = ul[r, min(tid + NT, U - 1)]
+        v2 = ul[r, min(tid + 2 * NT, U - 1)]
+        v3 = ul[r, min(tid + 3 * NT, U - 1)]
+        hi = max(max(v0, v1), max(v2, v3))  # clamped copies are list keys too
+        hold_below(kx, tid, v0, U)
+        hold_below(kx, tid + NT, v1, U)
+        hold_below(kx, tid + 2 * NT, v2, U)
+        hold_below(kx, tid + 3 * NT, v3, U)
         _, hi = minmax(BIG, hi, red)  # also publishes kx
         stamp(5)
         if (hi >> 31) > KEY_NEG_INF and select_list(kx, U, okey_float(hi >> 31), k, KP, hist,

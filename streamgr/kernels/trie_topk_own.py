@@ -13,9 +13,13 @@ Every key is distinct and the bins are monotone in the score, so the ranks are t
 order's, exactly. A rank below ``k`` writes its answer from the registers: no second read of
 the beams, the trie or the log-probabilities (``trie_topk_one`` answers from the key, reading
 the beam, its child range and the code again: three dependent load levels). ``N <= NT``
-always fits a sort of a block, so no radix fallback is needed. ``STREAMGR_TOPK_OWN=2`` ranks
-the keys by the threads of their slots instead and answers from shared memory (``MODE``);
-``STREAMGR_TOPK_OWN=0`` sends these requests to ``trie_topk_one`` (A/B runs).
+always fits a sort of a block, so no radix fallback is needed.
+
+By default (``MODE`` 2) the selected keys are ranked by the threads of their slots in the bins'
+layout instead (``slot_rank``: whole warps of ranks, as ``select_list`` does), and each answer
+is read from the candidates' (score, child, code) held in shared memory: on the H200 step 3
+took 0.0059 -> 0.0045 ms so (session 34). ``STREAMGR_TOPK_OWN=1``: each thread ranks its own
+key and answers from its registers; ``=0``: these requests on ``trie_topk_one`` (A/B runs).
 """
 
 from __future__ import annotations
@@ -30,13 +34,13 @@ from .trie_topk_dev import (HALF, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, appen
 from .trie_topk_keys import LOW32, MAXC, NEG_INF, cand, div_f, okey, okey_float
 from .trie_topk_sample import obin, slot_rank
 
-# STREAMGR_TOPK_OWN: 1 (the default) each thread ranks its own key and answers for it; 2 the
-# keys ranked by the threads of their slots in the bins' layout, as trie_topk_sample's
-# select_list does (whole warps of ranks, where owners of selected keys are scattered over the
-# block: step 3's placement and ranks took 1.52 us against select_list's 0.62 + ranks within
-# 1.08, H200 session 33), each answer read from the candidates' (score, child, code) held in
-# shared memory (not yet timed); 0 these requests on trie_topk_one (A/B runs).
-MODE = os.environ.get("STREAMGR_TOPK_OWN", "1")
+# STREAMGR_TOPK_OWN: 2 (the default) the keys ranked by the threads of their slots in the bins'
+# layout, as trie_topk_sample's select_list does, each answer read from the candidates' (score,
+# child, code) held in shared memory; 1 each thread ranks its own key and answers for it (the
+# owners of the selected keys are scattered over the block's warps: step 3's placement and
+# ranks took 1.52 us against select_list's 0.62 + ranks within 1.08, H200 session 33; step 3
+# 0.0060 ms against 2's 0.0045, session 34); 0 these requests on trie_topk_one (A/B runs).
+MODE = os.environ.get("STREAMGR_TOPK_OWN", "2")
 OWN, COMPACT = MODE != "0", MODE == "2"
 HELD_N = NT if COMPACT else 1  # the candidates' answers in shared memory (a literal shape)
 

@@ -113,6 +113,16 @@ def test_trie_topk_all_tied_and_one_block_sizes(R, B, fan, k, const):
     assert_kernels_equal_reference(case, k, cap)
 
 
+@pytest.mark.parametrize("R,spread", [(16, 3.0), (16, 0.2), (48, 3.0), (2, 1.0)])
+def test_beams_sorted_best_first(R, spread):
+    """Step 2 as serving runs it: beams sorted best first (the previous step's answer), so a
+    request's best candidates crowd the merge path's first blocks, widely spread and nearly
+    alike, in one and three waves of blocks."""
+    case = list(level(R, 256, 177, V=400, seed=R + int(spread * 10), dead=0.05))
+    case[0] = (case[0] / 3 * spread).sort(dim=1, descending=True).values
+    assert_kernels_equal_reference(case, 256, torch.full((R,), 256, device=DEV))
+
+
 AB_CHECK = """
 import os, sys, torch
 sys.path.insert(0, {root!r})
@@ -138,15 +148,15 @@ print("ok")
 
 @pytest.mark.parametrize("name,value", [("STREAMGR_TOPK_SAMPLE", "0"), ("STREAMGR_TOPK_BINS", "0"),
                                         ("STREAMGR_TOPK_MERGE", "0"), ("STREAMGR_TOPK_OWN", "0"),
-                                        ("STREAMGR_TOPK_OWN", "2")])
+                                        ("STREAMGR_TOPK_OWN", "1")])
 def test_kernels_under_their_ab_settings(name, value):
     """The A/B settings (read at import, so each in its own process) keep the reference's
     answers: ``STREAMGR_TOPK_SAMPLE=0`` (no sampled floor: lists of every key, or the radix
     rounds, on the one-block path; the bins round on the merge's listing blocks), ``STREAMGR_TOPK_BINS=0`` (the one-block path's radix rounds without the bins
     round), ``STREAMGR_TOPK_MERGE=0`` (no one-launch merge: steps 1 and 2 on the one-block and
     grid paths), ``STREAMGR_TOPK_OWN=0`` (requests of at most a block of candidates on the
-    one-block path instead of one candidate a thread), ``STREAMGR_TOPK_OWN=2`` (their keys
-    ranked by the threads of their slots, answered from shared memory)."""
+    one-block path instead of one candidate a thread), ``STREAMGR_TOPK_OWN=1`` (each thread
+    ranking its own key and answering from its registers)."""
     import os
     import subprocess
     import sys

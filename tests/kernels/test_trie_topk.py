@@ -144,14 +144,15 @@ MERGE = [(16, False, 12, (6, 6), 4, 1, 0.1),
          (24, False, 40, (6, 8), 4, 1, 0.1), (26, False, 2, (90, 100), 4, 1, 0.1)]
 
 
-# ... and one candidate a thread with its keys ranked by the threads of their slots, answered from
-# shared memory (STREAMGR_TOPK_OWN=2, an A/B setting; run in the grid cases' process): the ranks
-# in their bins, the crowded bins sorted, every beam dead, bf16 logits.
-OWN2 = [(0, False, 3, (1, 5), 4), (27, "const", 4, (6, 8), 8), (28, True, 5, (4, 6), 10),
+# ... and one candidate a thread with each thread ranking its own key, answered from its
+# registers (STREAMGR_TOPK_OWN=1, an A/B setting; run in the grid cases' process; the one-block
+# cases' process runs the default, 2): the ranks in their bins, the crowded bins sorted, every
+# beam dead, bf16 logits.
+OWN1 = [(0, False, 3, (1, 5), 4), (27, "const", 4, (6, 8), 8), (28, True, 5, (4, 6), 10),
         (29, False, 4, (3, 5), 6, 2, 1.0, "one"), (7, False, 10, (3, 3), 30)]
 
 
-@pytest.mark.parametrize("cases,own", [(ONE_BLOCK, "1"), (GRID + OWN2, "2"), (MERGE, "1")],
+@pytest.mark.parametrize("cases,own", [(ONE_BLOCK, "2"), (GRID + OWN1, "1"), (MERGE, "2")],
                          ids=["one_block", "grid", "merge"])
 def test_numba_kernels_under_the_simulator(cases, own):
     """The one-candidate-a-thread, one-block, grid and merge kernels equal the reference on

@@ -10,7 +10,9 @@ across blocks: no per-block shift): the keys at or above a floor sampled from it
 the chunk is small), every key of the bins from its ``k``-th's up (one round of ``obin`` bins
 below its best score; where those hold over a block of keys, exactly its ``k`` best by radix
 select). The request's ``k`` best are among the blocks' ``k`` best, so the request's last
-block to finish selects from the list alone: loaded into shared memory (up to ``UCAP`` keys),
+block to finish (each block adds its listed count and its one to the request's done counter
+in one atomic, so the last learns the list's length from it) selects from the list alone:
+loaded into shared memory in one round of four loads a thread (up to ``UCAP`` keys),
 ``select_list`` (one bins round below the list's best score, each key of the bins from the
 ``k``-th's up ranked within its bin, or sorted whole where a bin is crowded); a longer list
 (ties), or one of only ``-inf`` keys, by radix select over the list in global memory. Then

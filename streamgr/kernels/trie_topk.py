@@ -12,8 +12,9 @@ their parent beam, child node and code; ranks at or past a request's own width `
 Kernels (Numba CUDA, on torch's stream, captured inside the decode plans' CUDA graphs): every
 candidate is a unique int64 key, its score's order-preserving bits then ``MAXC - c``, read
 from the top of the request's score range (``trie_topk_keys``), so no ties are left to break. A
-request of at most a block of candidates (step 3) is one block of one candidate a thread, each
-thread ranking its own key in one round of score bins and answering for it from its registers
+request of at most a block of candidates (step 3) is one block of one candidate a thread: one
+round of score bins, the keys from the picked bin up ranked in their bins by the threads of
+their slots, each answer read from the candidates' score, child and code held in shared memory
 (``trie_topk_own``). One of at most ``ONE_MAX`` candidates is one block of one launch: keys in
 shared memory, a list of the keys at or above a floor sampled from them (or every key, up to
 ``UCAP``), one histogram round over bins of each listed score's distance below the best, then

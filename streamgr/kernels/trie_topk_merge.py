@@ -57,7 +57,9 @@ UNIT = min(4 * NT, ONE_MAX // 2)
 # A block's list in quarters of k, for the plan: ~7/4 above a sampled floor (sample_floor's
 # margin), ~5/4 from the bins (and under the simulator, whose test cases are sized for it)
 LIST4 = 7 if SAMPLE and not SIMULATED else 5
-DONE, UCNT = 0, 1  # ws columns: blocks done (low bits) and keys listed by them, slots reserved
+# ws columns: DONE the blocks done (low LISTED bits) plus the keys they listed (the bits above),
+# added in one atomic a block; UCNT the list's slots reserved so far
+DONE, UCNT = 0, 1
 assert UCAP <= 4 * NT  # the last block loads its list in one round of four a thread
 LISTED = 24  # ws[r, DONE]'s low bits: blocks done (a request has at most WAVES x SMs blocks)
 
@@ -79,6 +81,7 @@ def reserve(ws, r, cnt, red):
 
 @cuda.jit(device=True, inline=True)
 def hold_below(kx, j, v, U):
+    """List key ``v`` held as key j (``hold``) where j is one of the list's ``U``."""
     if j < U:
         hold(kx, j, v)
 

@@ -43,6 +43,7 @@ from .trie_topk_sample import obin, slot_rank
 MODE = os.environ.get("STREAMGR_TOPK_OWN", "2")
 OWN, COMPACT = MODE != "0", MODE == "2"
 HELD_N = NT if COMPACT else 1  # the candidates' answers in shared memory (a literal shape)
+RANK_N = 1 if COMPACT else NT  # the sorted ranks handed to their candidates' threads (mode 1)
 
 
 @cuda.jit(**JIT_NT)
@@ -52,7 +53,7 @@ def own_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
     tid = cuda.threadIdx.x
     hist = cuda.shared.array(NT, int32)
     srt = cuda.shared.array(NT, int64)
-    rk = cuda.shared.array(NT, int32)
+    rk = cuda.shared.array(RANK_N, int32)
     scan = cuda.shared.array(SCAN_N, int32)
     res = cuda.shared.array(4, int32)
     ctr = cuda.shared.array(1, int32)
@@ -70,7 +71,8 @@ def own_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
     u = okey(val)
     v = (u << 31) | (MAXC - c)  # the candidate's key (trie_topk_keys)
     hist[tid] = 0
-    rk[tid] = int32(k)  # no rank (the sorted way writes those below k)
+    if not COMPACT:
+        rk[tid] = int32(k)  # no rank (the sorted way writes those below k)
     if tid == 0:
         res[3] = I32MAX
         ctr[0] = 0

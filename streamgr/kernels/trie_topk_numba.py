@@ -2,7 +2,8 @@
 compute): where a request's candidates split over a few blocks of at most ``ONE_MAX`` each, one
 launch whose blocks list their best and whose last block selects from the list
 (``trie_topk_merge``); else a request of at most a block of candidates is one block of one
-candidate a thread (``trie_topk_own``), one of at most ``ONE_MAX`` one block that bins (or
+candidate a thread (``trie_topk_own``), one of at most four blocks wanting over half a block
+four candidates a thread (``trie_topk_quad``), one of at most ``ONE_MAX`` one block that bins (or
 radix-selects) first (``trie_topk_one``), a longer one a memset and two grid launches
 (``trie_topk_bins``);
 the keys, scans and sort they share are in ``trie_topk_keys`` and ``trie_topk_dev``.
@@ -26,6 +27,7 @@ from .trie_topk_dev import NT
 from .trie_topk_keys import magic
 from .trie_topk_one import ONE_MAX, one_select
 from .trie_topk_own import OWN, own_select
+from .trie_topk_quad import quad_select, serves as quad_serves
 
 
 def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
@@ -51,6 +53,8 @@ def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
     merge = tm.plan_for(N, R, k, dev)
     if merge is not None:
         tm.run(launch, R, N, k, KP, *merge, F, magic(F), B, sa, nd, lp, trie, outs, dev, a)
+    elif quad_serves(N, k):
+        launch(quad_select, (R,), NT)(N, k, KP, F, magic(F), B, sa, nd, *lp, *trie, *outs)
     elif OWN and N <= NT:
         launch(own_select, (R,), NT)(N, k, KP, F, magic(F), B, sa, nd, *lp, *trie, *outs)
     elif N <= ONE_MAX:

@@ -99,7 +99,8 @@ def test_trie_topk_all_tied_and_one_block_sizes(R, B, fan, k, const):
     scores, so the grid path's last block selects more tied keys than it holds in shared memory
     and falls back to its buffer, and the one-block path resolves every key by its index; also
     the one-block path at its largest request (8,192 candidates) and k = 1,024; the sort path
-    at its largest (1,024 candidates, tied and not) and one past it (1,025: the radix path);
+    at its largest (1,024 candidates, tied and not) and one past it (1,025: four candidates a
+    thread, ``trie_topk_quad``);
     the merge path with every key tied (each block's best by radix select; the list past the
     last block's bins, or past its shared memory) and untied at k = 100, and in three waves of
     blocks (48 and 60 requests)."""
@@ -123,6 +124,32 @@ def test_beams_sorted_best_first(R, spread):
     assert_kernels_equal_reference(case, 256, torch.full((R,), 256, device=DEV))
 
 
+@pytest.mark.parametrize("R,B,fan,k,const,bf16", [
+    (16, 1024, 3, 1024, False, False), (16, 1024, 3, 1024, False, True),
+    (3, 1024, 4, 1024, False, False), (3, 1024, 4, 600, False, False),
+    (2, 16, 256, 1024, True, False), (2, 1365, 3, 513, True, False),
+    (4, 700, 3, 1024, False, True)])
+def test_four_candidates_a_thread(R, B, fan, k, const, bf16):
+    """``trie_topk_quad`` (over a block of candidates, at most four, ``k`` over half a block):
+    gen-ref's step 3 at beams of 1,024 (fp32 and bf16 logits read in place), exactly four
+    blocks (4,096) at k 1,024 and 600, every key tied (the radix select over the registers'
+    keys), 4,095 candidates at k 513, dead beams."""
+    from streamgr.kernels import trie_topk_quad as quad
+    from streamgr.kernels.head_lse import head_log_probs
+    case = list(level(R, B, fan, V=max(fan, 64) * 2, seed=R * 11 + B + fan + k,
+                      dead=0.0 if const else 0.2, uniform=True))
+    assert quad.serves(B * case[-1], k)
+    if const:
+        case[0].zero_()
+        case[2].fill_(-1.5)
+    if bf16:
+        lg = (case[2] * 4).to(torch.bfloat16)
+        case[2] = head_log_probs(lg, lg.shape[1])
+    cap = torch.randint(1, k + 1, (R,), device=DEV)
+    cap[0] = k
+    assert_kernels_equal_reference(case, k, cap)
+
+
 AB_CHECK = """
 import os, sys, torch
 sys.path.insert(0, {root!r})
@@ -132,13 +159,15 @@ assert trie_topk_sample.SAMPLE == (os.environ.get("STREAMGR_TOPK_SAMPLE") != "0"
 assert trie_topk_one.BINS == (os.environ.get("STREAMGR_TOPK_BINS") != "0")
 from streamgr.kernels import trie_topk_merge
 assert trie_topk_merge.MERGE == (os.environ.get("STREAMGR_TOPK_MERGE") != "0")
-from streamgr.kernels import trie_topk_own
+from streamgr.kernels import trie_topk_own, trie_topk_quad
 assert trie_topk_own.OWN == (os.environ.get("STREAMGR_TOPK_OWN") != "0")
+assert trie_topk_quad.QUAD == os.environ.get("STREAMGR_TOPK_QUAD", "1")
 for R, B, fan, k, ties in [(16, 256, 177, 256, False), (1, 256, 8192, 256, False),
                            (2, 1024, 40, 1024, True), (3, 512, 100, 700, False),
                            (16, 256, 3, 256, True), (3, 4, 256, 700, False), (1, 1, 1, 1, False),
                            (5, 37, 13, 100, True), (16, 1024, 3, 1024, False),
-                           (4, 1024, 5, 700, False)]:
+                           (4, 1024, 5, 700, False), (2, 1000, 3, 100, False),
+                           (2, 1000, 3, 600, True)]:
     case = level(R, B, fan, V=max(fan, 64) * 2, seed=R + B + fan, ties=ties)
     k = min(k, B * case[-1])
     assert_kernels_equal_reference(case, k, torch.full((R,), k, device="cuda"))
@@ -148,7 +177,8 @@ print("ok")
 
 @pytest.mark.parametrize("name,value", [("STREAMGR_TOPK_SAMPLE", "0"), ("STREAMGR_TOPK_BINS", "0"),
                                         ("STREAMGR_TOPK_MERGE", "0"), ("STREAMGR_TOPK_OWN", "0"),
-                                        ("STREAMGR_TOPK_OWN", "1")])
+                                        ("STREAMGR_TOPK_OWN", "1"), ("STREAMGR_TOPK_QUAD", "0"),
+                                        ("STREAMGR_TOPK_QUAD", "2")])
 def test_kernels_under_their_ab_settings(name, value):
     """The A/B settings (read at import, so each in its own process) keep the reference's
     answers: ``STREAMGR_TOPK_SAMPLE=0`` (no sampled floor: lists of every key, or the radix
@@ -156,7 +186,9 @@ def test_kernels_under_their_ab_settings(name, value):
     round), ``STREAMGR_TOPK_MERGE=0`` (no one-launch merge: steps 1 and 2 on the one-block and
     grid paths), ``STREAMGR_TOPK_OWN=0`` (requests of at most a block of candidates on the
     one-block path instead of one candidate a thread), ``STREAMGR_TOPK_OWN=1`` (each thread
-    ranking its own key and answering from its registers)."""
+    ranking its own key and answering from its registers), ``STREAMGR_TOPK_QUAD=0`` (requests
+    of up to four blocks wanting over half a block on the one-block path's radix rounds) and
+    ``=2`` (four candidates a thread for any ``k``)."""
     import os
     import subprocess
     import sys

@@ -100,7 +100,7 @@ SIM = textwrap.dedent("""
         # bf16 serving), on one case of each path (the simulator is slow)
         lg = (logp * 3).to(torch.bfloat16)
         lazy = [LogProbs(lg, lg.shape[1], row_lse_reference(lg, lg.shape[1]))] \
-            if seed in (1, 2, 28) else []
+            if seed in (1, 2, 28, 40) else []
         for lp in [logp] + lazy:
             case = (scores, nodes, lp, ptr, codes, off, F)
             ref = trie_topk_reference(*case, k, cap)
@@ -150,15 +150,31 @@ MERGE = [(16, False, 12, (6, 6), 4, 1, 0.1),
 # beam dead, bf16 logits.
 OWN1 = [(0, False, 3, (1, 5), 4), (27, "const", 4, (6, 8), 8), (28, True, 5, (4, 6), 10),
         (29, False, 4, (3, 5), 6, 2, 1.0, "one"), (7, False, 10, (3, 3), 30)]
+# ... and four candidates a thread (trie_topk_quad: over a block, at most four, k over half a
+# block; run in the one-block cases' process): the bins' keys ranked in their bins (40, bf16
+# logits too; 37; 64 at exactly four blocks, 34 keys ranked by 32 threads, its second request
+# crowded), many ties (31), every score equal and every beam dead (32, 33: a crowded bin, the
+# radix select over the registers' keys).
+QUAD = [(40, False, 12, (3, 3), 17), (37, False, 20, (4, 4), 17),
+        (64, False, 32, (4, 4), 32, 2, 0.1, "quad"), (31, True, 30, (2, 4), 32),
+        (32, "const", 10, (6, 8), 20), (33, False, 20, (4, 4), 17, 2, 1.0, "quad")]
+# ... trie_topk_one's radix rounds for k over half a block, now behind trie_topk_quad (run with
+# STREAMGR_TOPK_QUAD=0 in the grid cases' process), and trie_topk_quad for any k
+# (STREAMGR_TOPK_QUAD=2, an A/B setting, in the merge cases' process: k below half a block).
+ONE_RADIX = [(10, True, 7, (6, 9), 20)]
+QUAD_ANY_K = [(35, False, 12, (3, 3), 5, 2, 0.2, "quad"), (36, True, 9, (4, 6), 3, 2, 0.2, "quad")]
 
 
-@pytest.mark.parametrize("cases,own", [(ONE_BLOCK, "2"), (GRID + OWN1, "1"), (MERGE, "2")],
-                         ids=["one_block", "grid", "merge"])
-def test_numba_kernels_under_the_simulator(cases, own):
-    """The one-candidate-a-thread, one-block, grid and merge kernels equal the reference on
-    small shapes (a process each: the simulator is set at import)."""
+@pytest.mark.parametrize("cases,env", [
+    (ONE_BLOCK + QUAD, {"STREAMGR_TOPK_OWN": "2"}),
+    (GRID + OWN1 + ONE_RADIX, {"STREAMGR_TOPK_OWN": "1", "STREAMGR_TOPK_QUAD": "0"}),
+    (MERGE + QUAD_ANY_K, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_QUAD": "2"})],
+    ids=["one_block", "grid", "merge"])
+def test_numba_kernels_under_the_simulator(cases, env):
+    """The one-candidate-a-thread, four-a-thread, one-block, grid and merge kernels equal the
+    reference on small shapes (a process each: the simulator is set at import)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", STREAMGR_TOPK_OWN=own)
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", **env)
     p = subprocess.run([sys.executable, "-c", SIM.format(root=root, cases=cases)], env=env,
                        capture_output=True, text=True, timeout=600, cwd=root)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -1,0 +1,191 @@
+"""One-launch selection of ``trie_topk`` for requests of over a block and at most ``QN`` blocks of
+candidates with ``k`` over half a block (gen-ref's step 3 at beams of 1,024: 3,072 candidates,
+``k`` 1,024): one block of ``NT`` threads per request, ``QN`` candidates a thread held in
+registers.
+
+``trie_topk_one`` serves such a ``k`` with its radix rounds (two or three histogram rounds over
+every key), then sorts the ``k`` keys whole (a bitonic network of 55 stages) and answers each by
+reading its beam, child range and code again: on the H200 0.0272 ms against ``torch.topk``'s
+0.0403 (1.48x, session 34), its 16 blocks on 132 SMs latency-bound throughout. Here, as in
+``trie_topk_own``: each thread scores its ``QN`` candidates (their loads overlap), keeps their
+okeys in registers and their (child, code) in shared memory; the block's best okey is a warp min
+and one shared atomic; one round of score bins below it (``obin``) and ``pick_segments`` give
+the bins from the ``k``-th key's up, which hold at most ``k - 1 + SEG_MAX`` keys where none is
+crowded; their keys are laid out by bin and ranked in their bins by the threads of their slots
+(two a thread), and each answer is read from the key (score, parent) and the held pair (child,
+code): no global read after the scoring. Where a bin is crowded (ties, every candidate
+``-inf``) the ``k`` best are radix-selected from the registers' keys (10-bit digits from the
+key's top) and sorted whole; still exact, slower.
+"""
+
+from __future__ import annotations
+
+import os
+
+from numba import cuda, int32, int64, uint32
+
+from .numba_common import STAMP, stamp
+from .trie_topk_dev import (DIG, DM, HALF, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, append,
+                            bin_rank, hist_add, pick, pick_segments, sort_desc, warp_min_into)
+from .trie_topk_keys import LOW32, MAXC, NEG_INF, child_of, div_f, ix, logp_at, okey, okey_float
+from .trie_topk_sample import obin
+
+# STREAMGR_TOPK_QUAD: 1 (the default) requests of NT < N <= QN * NT candidates with k over half a
+# block here; 2 any k (A/B runs: below half a block trie_topk_one's sampled list serves them);
+# 0 never (trie_topk_one's radix rounds).
+QUAD = os.environ.get("STREAMGR_TOPK_QUAD", "1")
+QN = 4  # candidates a thread (the kernel's code holds four by name)
+QMAX = QN * NT
+LIST_N = NT + SEG_MAX  # the bins from the k-th's up hold at most k - 1 + SEG_MAX <= this
+KEY_TOP = 63 - DIG  # the radix fallback's first digit: a key's bits 53..62 (keys < 2**63)
+
+
+def serves(N: int, k: int) -> bool:
+    """This kernel takes a request of ``N`` candidates and ``k`` wanted (host side)."""
+    return QUAD != "0" and NT < N <= QMAX and (QUAD == "2" or 2 * k > NT)
+
+
+@cuda.jit(device=True, inline=True)
+def score(r, c, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, held):
+    """Candidate c's okey (``-1`` past ``N``), its (child + 1, code) held at ``held[c]`` (0 where
+    it is not a child: the reference answers child 0, code 0 there)."""
+    cc = int64(min(c, N - 1))
+    b, s, real, ch, cd = child_of(r, cc, F, FM, scores, nodes, ptr, codes)
+    row = ix(uint32(r) * uint32(B) + uint32(b))
+    x = logp_at(logp, row, uint32(off) + uint32(cd), sh, lse[0, row], lse[ix(sh >> 4), row])
+    val = s + x if real else NEG_INF
+    if c < N:
+        held[c] = ((ch + 1) << 32) | (cd & LOW32) if real else int64(0)
+        return okey(val)
+    return int64(-1)
+
+
+@cuda.jit(device=True, inline=True)
+def key_of(u, c):
+    """The absolute key of okey ``u`` (``-1``: no candidate) of candidate c, ``-1`` for none."""
+    return (u << 31) | (MAXC - c) if u >= 0 else int64(-1)
+
+
+@cuda.jit(device=True, inline=True)
+def rev(u):
+    """A min-reduction stand-in of okey ``u``: reversed, as int32 (``I32MAX`` for none)."""
+    return ~int32((u & LOW32) - HALF) if u >= 0 else I32MAX
+
+
+@cuda.jit(device=True, inline=True)
+def ubin(u, ref):
+    """``obin`` of okey ``u`` (int64, unsigned 32-bit) below the best score ``ref``."""
+    return obin(int32(u - (int64(1) << 32) if u >= (int64(1) << 31) else u), ref)
+
+
+@cuda.jit(device=True, inline=True)
+def place(lst, hist, u, c, b, d):
+    """Key of okey ``u`` into its bin's segment of ``lst`` where its bin is from ``d`` up."""
+    if u >= 0 and b >= d:
+        lst[cuda.atomic.add(hist, b, 1)] = key_of(u, c)
+
+
+@cuda.jit(device=True, inline=True)
+def answer(v, rank, r, FM, held, cap, top, parent, child, code):
+    """The answer of rank ``rank`` from its key ``v`` and the held (child + 1, code)."""
+    c = MAXC - (v & MAXC)
+    p = held[c]
+    top[r, rank] = okey_float(v >> 31) if rank < cap[r] else NEG_INF
+    parent[r, rank] = div_f(c, FM)
+    child[r, rank] = (p >> 32) - 1 if p != 0 else int64(0)
+    code[r, rank] = p & LOW32
+
+
+@cuda.jit(device=True, inline=True)
+def radix_count(hist, v, prefix, fixed, shift):
+    """``radix``'s histogram add for a register key ``v`` (``-1``: none)."""
+    hist_add(hist, int32((v >> shift) & DM), v >= 0 and (v >> fixed) == (prefix >> fixed))
+
+
+@cuda.jit(device=True, inline=True)
+def radix_take(lst, ctr, v, prefix, shift):
+    """``collect``'s append for a register key ``v`` (``-1``: none): the keys whose bits from
+    the last digit's ``shift`` up reach the picked digits' (a higher digit picked earlier wins
+    at once)."""
+    append(lst, ctr, 0, v, v >= 0 and (v >> shift) >= (prefix >> shift))
+
+
+@cuda.jit(**JIT_NT)
+def quad_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
+                parent, child, code):
+    r = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    hist = cuda.shared.array(NB, int32)
+    lst = cuda.shared.array(LIST_N, int64)
+    held = cuda.shared.array(QMAX, int64)
+    scan = cuda.shared.array(SCAN_N, int32)
+    res = cuda.shared.array(4, int32)
+    ctr = cuda.shared.array(1, int32)
+    stamp(14)
+    c0, c1, c2, c3 = tid, tid + NT, tid + 2 * NT, tid + 3 * NT
+    u0 = score(r, c0, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, held)
+    u1 = score(r, c1, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, held)
+    u2 = score(r, c2, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, held)
+    u3 = score(r, c3, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, held)
+    hist[tid] = 0
+    if tid == 0:
+        res[3] = I32MAX
+        ctr[0] = 0
+    cuda.syncthreads()
+    m = min(min(rev(u0), rev(u1)), min(rev(u2), rev(u3)))
+    hi = (int64(~warp_min_into(m, res, 3)) + HALF) & LOW32
+    stamp(1)
+    ref = okey_float(hi)
+    b0, b1, b2, b3 = ubin(u0, ref), ubin(u1, ref), ubin(u2, ref), ubin(u3, ref)
+    hist_add(hist, b0, u0 >= 0)
+    hist_add(hist, b1, u1 >= 0)
+    hist_add(hist, b2, u2 >= 0)
+    hist_add(hist, b3, u3 >= 0)
+    cuda.syncthreads()
+    d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
+    stamp(9)
+    if big == 0:  # the keys of the bins from d up laid out by bin, two slots a thread ranked
+        total = k - need + nd  # <= k - 1 + SEG_MAX
+        place(lst, hist, u0, c0, b0, d)
+        place(lst, hist, u1, c1, b1, d)
+        place(lst, hist, u2, c2, b2, d)
+        place(lst, hist, u3, c3, b3, d)
+        cuda.syncthreads()
+        stamp(12)
+        for s in range(tid, total, NT):
+            v = lst[s]
+            rank = bin_rank(lst, v, obin(v >> 31, ref), hist, NB)
+            if rank < k:
+                answer(v, rank, r, FM, held, cap, top, parent, child, code)
+    else:  # a crowded bin: radix select over the registers' keys, then a sort of the k
+        v0, v1, v2, v3 = key_of(u0, c0), key_of(u1, c1), key_of(u2, c2), key_of(u3, c3)
+        prefix, fixed, shift, want = int64(0), int64(63), int64(KEY_TOP), int64(k)
+        while True:
+            hist[tid] = 0
+            cuda.syncthreads()
+            radix_count(hist, v0, prefix, fixed, shift)
+            radix_count(hist, v1, prefix, fixed, shift)
+            radix_count(hist, v2, prefix, fixed, shift)
+            radix_count(hist, v3, prefix, fixed, shift)
+            cuda.syncthreads()
+            dd, need, inbin = pick(hist, NB, want, scan, res, NT)
+            prefix |= dd << shift
+            if need == inbin or shift == 0:
+                break
+            want = need
+            fixed = shift
+            shift = shift - DIG if shift > DIG else int64(0)
+        radix_take(lst, ctr, v0, prefix, shift)
+        radix_take(lst, ctr, v1, prefix, shift)
+        radix_take(lst, ctr, v2, prefix, shift)
+        radix_take(lst, ctr, v3, prefix, shift)
+        for i in range(k + tid, KP, NT):
+            lst[i] = 0
+        cuda.syncthreads()
+
+        sort_desc(lst, KP)
+        if tid < k:
+            answer(lst[tid], int64(tid), r, FM, held, cap, top, parent, child, code)
+    if STAMP:
+        cuda.syncthreads()
+        stamp(15)

@@ -22,18 +22,23 @@ from __future__ import annotations
 
 import os
 
-from numba import cuda, int32, int64, uint32
+from numba import cuda, float32, int32, int64, uint32
 
 from .numba_common import STAMP, stamp
 from .trie_topk_dev import (DIG, DM, HALF, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, append,
                             bin_rank, hist_add, pick, pick_segments, sort_desc, warp_min_into)
-from .trie_topk_keys import LOW32, MAXC, NEG_INF, child_of, div_f, ix, logp_at, okey, okey_float
-from .trie_topk_sample import obin
+from .trie_topk_keys import (LOW32, MAXC, NEG_INF, _float, child_of, div_f, ix, logp_at, okey,
+                             okey_float)
+from .trie_topk_sample import OBASE, OCT, obin
 
 # STREAMGR_TOPK_QUAD: 1 (the default) requests of NT < N <= QN * NT candidates with k over half a
 # block here; 2 any k (A/B runs: below half a block trie_topk_one's sampled list serves them);
 # 0 never (trie_topk_one's radix rounds).
 QUAD = os.environ.get("STREAMGR_TOPK_QUAD", "1")
+# STREAMGR_TOPK_QREBIN=1: the keys of the bins from the k-th's up binned again, linearly over
+# their distance below the best (obin's bins widen with the distance, and most of the k best of
+# step 3 at beams of 1,024 are far from the best: 23 keys a bin on average, up to 67).
+REBIN = os.environ.get("STREAMGR_TOPK_QREBIN", "0") == "1"
 QN = 4  # candidates a thread (the kernel's code holds four by name)
 QMAX = QN * NT
 LIST_N = NT + SEG_MAX  # the bins from the k-th's up hold at most k - 1 + SEG_MAX <= this
@@ -76,6 +81,23 @@ def rev(u):
 def ubin(u, ref):
     """``obin`` of okey ``u`` (int64, unsigned 32-bit) below the best score ``ref``."""
     return obin(int32(u - (int64(1) << 32) if u >= (int64(1) << 31) else u), ref)
+
+
+@cuda.jit(device=True, inline=True)
+def rebin_scale(d):
+    """``NB`` over the distance below the best score at which ``obin``'s bin ``d`` (> 0) ends:
+    every key of the bins from ``d`` up is closer than that distance."""
+    g = int32(NB - 1 - d + 1 + OBASE) << int32(23 - OCT)
+    return float32(NB) / _float(g)
+
+
+@cuda.jit(device=True, inline=True)
+def lbin(v, ref, scale):
+    """The linear bin of absolute key ``v``: its score's distance below the best ``ref`` times
+    ``scale`` (bins of equal width up to bin ``d``'s end), higher for higher scores: monotone,
+    each step of the float math rounding monotonically."""
+    x = min((ref - okey_float(v >> 31)) * scale, float32(NB - 1))
+    return int32(NB - 1) - int32(x)
 
 
 @cuda.jit(device=True, inline=True)
@@ -144,17 +166,40 @@ def quad_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
     cuda.syncthreads()
     d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
     stamp(9)
-    if big == 0:  # the keys of the bins from d up laid out by bin, two slots a thread ranked
-        total = k - need + nd  # <= k - 1 + SEG_MAX
+    scale = float32(0.0)  # > 0: the keys laid out in rebin's linear bins
+    total = k - need + nd  # <= k - 1 + SEG_MAX where no bin is crowded
+    if big == 0:  # the keys of the bins from d up laid out by bin
         place(lst, hist, u0, c0, b0, d)
         place(lst, hist, u1, c1, b1, d)
         place(lst, hist, u2, c2, b2, d)
         place(lst, hist, u3, c3, b3, d)
         cuda.syncthreads()
         stamp(12)
+        if REBIN and d > 0:  # block-uniform
+            scale = rebin_scale(d)
+            ok0, ok1 = tid < total, tid + NT < total
+            w0, w1 = lst[min(tid, total - 1)], lst[min(tid + NT, total - 1)]
+            e0, e1 = lbin(w0, ref, scale), lbin(w1, ref, scale)
+            hist[tid] = 0
+            cuda.syncthreads()  # every key read, hist zeroed
+            hist_add(hist, e0, ok0)
+            hist_add(hist, e1, ok1)
+            cuda.syncthreads()
+            d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
+            stamp(10)
+            total = k - need + nd
+            if big == 0:
+                if ok0 and e0 >= d:
+                    lst[cuda.atomic.add(hist, e0, 1)] = w0
+                if ok1 and e1 >= d:
+                    lst[cuda.atomic.add(hist, e1, 1)] = w1
+                cuda.syncthreads()
+                stamp(11)
+    if big == 0:  # two slots a thread ranked in their bins
         for s in range(tid, total, NT):
             v = lst[s]
-            rank = bin_rank(lst, v, obin(v >> 31, ref), hist, NB)
+            b = lbin(v, ref, scale) if scale > 0 else obin(v >> 31, ref)
+            rank = bin_rank(lst, v, b, hist, NB)
             if rank < k:
                 answer(v, rank, r, FM, held, cap, top, parent, child, code)
     else:  # a crowded bin: radix select over the registers' keys, then a sort of the k

@@ -61,6 +61,7 @@ def own_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
     hc = cuda.shared.array(HELD_N, int32)
     hd = cuda.shared.array(HELD_N, int32)
     stamp(14)
+    capr = cap[r]  # loaded with the scoring's: at the answers its latency would stand alone
     mine = tid < N
     c = int64(min(tid, N - 1))
     val, ch, cd = cand(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
@@ -118,7 +119,7 @@ def own_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
         ch = int64(hc[c])
         cd = int64(hd[c])
     if rank < k:
-        top[r, rank] = val if rank < cap[r] else NEG_INF
+        top[r, rank] = val if rank < capr else NEG_INF
         parent[r, rank] = div_f(c, FM)
         child[r, rank] = ch
         code[r, rank] = cd

@@ -35,10 +35,12 @@ from .trie_topk_sample import OBASE, OCT, obin
 # block here; 2 any k (A/B runs: below half a block trie_topk_one's sampled list serves them);
 # 0 never (trie_topk_one's radix rounds).
 QUAD = os.environ.get("STREAMGR_TOPK_QUAD", "1")
-# STREAMGR_TOPK_QREBIN=1: the keys of the bins from the k-th's up binned again, linearly over
-# their distance below the best (obin's bins widen with the distance, and most of the k best of
-# step 3 at beams of 1,024 are far from the best: 23 keys a bin on average, up to 67).
-REBIN = os.environ.get("STREAMGR_TOPK_QREBIN", "0") == "1"
+# The keys of the bins from the k-th's up binned again, linearly over their distance below the
+# best, before they are laid out: obin's bins widen with the distance, and most of the k best of
+# step 3 at beams of 1,024 are far from the best (23 keys a bin on average, up to 67, each key
+# ranked against its bin's): on the H200 0.0120 -> 0.0096 ms so (session 35, laid out and read
+# back between the rounds). STREAMGR_TOPK_QREBIN=0: one round (A/B runs).
+REBIN = os.environ.get("STREAMGR_TOPK_QREBIN", "1") == "1"
 QN = 4  # candidates a thread (the kernel's code holds four by name)
 QMAX = QN * NT
 LIST_N = NT + SEG_MAX  # the bins from the k-th's up hold at most k - 1 + SEG_MAX <= this
@@ -92,12 +94,19 @@ def rebin_scale(d):
 
 
 @cuda.jit(device=True, inline=True)
-def lbin(v, ref, scale):
-    """The linear bin of absolute key ``v``: its score's distance below the best ``ref`` times
+def lbin(u, ref, scale):
+    """The linear bin of okey ``u``: its score's distance below the best ``ref`` times
     ``scale`` (bins of equal width up to bin ``d``'s end), higher for higher scores: monotone,
     each step of the float math rounding monotonically."""
-    x = min((ref - okey_float(v >> 31)) * scale, float32(NB - 1))
+    x = min((ref - okey_float(u)) * scale, float32(NB - 1))
     return int32(NB - 1) - int32(x)
+
+
+@cuda.jit(device=True, inline=True)
+def relin(u, b, d, ref, scale):
+    """The linear bin of okey ``u`` whose ``obin`` is ``b``, where ``b`` is from ``d`` up
+    (else -1: out of the running)."""
+    return lbin(u, ref, scale) if u >= 0 and b >= d else int32(-1)
 
 
 @cuda.jit(device=True, inline=True)
@@ -108,11 +117,12 @@ def place(lst, hist, u, c, b, d):
 
 
 @cuda.jit(device=True, inline=True)
-def answer(v, rank, r, FM, held, cap, top, parent, child, code):
-    """The answer of rank ``rank`` from its key ``v`` and the held (child + 1, code)."""
+def answer(v, rank, r, FM, capr, held, top, parent, child, code):
+    """The answer of rank ``rank`` from its key ``v`` and the held (child + 1, code); ``capr``
+    the request's width."""
     c = MAXC - (v & MAXC)
     p = held[c]
-    top[r, rank] = okey_float(v >> 31) if rank < cap[r] else NEG_INF
+    top[r, rank] = okey_float(v >> 31) if rank < capr else NEG_INF
     parent[r, rank] = div_f(c, FM)
     child[r, rank] = (p >> 32) - 1 if p != 0 else int64(0)
     code[r, rank] = p & LOW32
@@ -144,6 +154,7 @@ def quad_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
     res = cuda.shared.array(4, int32)
     ctr = cuda.shared.array(1, int32)
     stamp(14)
+    capr = cap[r]  # loaded with the scoring's: at the answers its latency stood alone
     c0, c1, c2, c3 = tid, tid + NT, tid + 2 * NT, tid + 3 * NT
     u0 = score(r, c0, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, held)
     u1 = score(r, c1, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, held)
@@ -166,42 +177,34 @@ def quad_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
     cuda.syncthreads()
     d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
     stamp(9)
-    scale = float32(0.0)  # > 0: the keys laid out in rebin's linear bins
+    scale = float32(0.0)  # > 0: the keys binned again, linearly (lbin)
+    if REBIN and d > 0:  # block-uniform: every key from bin d up is a finite distance below
+        scale = rebin_scale(d)
+        b0, b1 = relin(u0, b0, d, ref, scale), relin(u1, b1, d, ref, scale)
+        b2, b3 = relin(u2, b2, d, ref, scale), relin(u3, b3, d, ref, scale)
+        hist[tid] = 0
+        cuda.syncthreads()
+        hist_add(hist, b0, b0 >= 0)
+        hist_add(hist, b1, b1 >= 0)
+        hist_add(hist, b2, b2 >= 0)
+        hist_add(hist, b3, b3 >= 0)
+        cuda.syncthreads()
+        d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
+        stamp(10)
     total = k - need + nd  # <= k - 1 + SEG_MAX where no bin is crowded
-    if big == 0:  # the keys of the bins from d up laid out by bin
+    if big == 0:  # the keys of the bins from d up laid out by bin, two slots a thread ranked
         place(lst, hist, u0, c0, b0, d)
         place(lst, hist, u1, c1, b1, d)
         place(lst, hist, u2, c2, b2, d)
         place(lst, hist, u3, c3, b3, d)
         cuda.syncthreads()
         stamp(12)
-        if REBIN and d > 0:  # block-uniform
-            scale = rebin_scale(d)
-            ok0, ok1 = tid < total, tid + NT < total
-            w0, w1 = lst[min(tid, total - 1)], lst[min(tid + NT, total - 1)]
-            e0, e1 = lbin(w0, ref, scale), lbin(w1, ref, scale)
-            hist[tid] = 0
-            cuda.syncthreads()  # every key read, hist zeroed
-            hist_add(hist, e0, ok0)
-            hist_add(hist, e1, ok1)
-            cuda.syncthreads()
-            d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
-            stamp(10)
-            total = k - need + nd
-            if big == 0:
-                if ok0 and e0 >= d:
-                    lst[cuda.atomic.add(hist, e0, 1)] = w0
-                if ok1 and e1 >= d:
-                    lst[cuda.atomic.add(hist, e1, 1)] = w1
-                cuda.syncthreads()
-                stamp(11)
-    if big == 0:  # two slots a thread ranked in their bins
         for s in range(tid, total, NT):
             v = lst[s]
-            b = lbin(v, ref, scale) if scale > 0 else obin(v >> 31, ref)
+            b = lbin(v >> 31, ref, scale) if scale > 0 else obin(v >> 31, ref)
             rank = bin_rank(lst, v, b, hist, NB)
             if rank < k:
-                answer(v, rank, r, FM, held, cap, top, parent, child, code)
+                answer(v, rank, r, FM, capr, held, top, parent, child, code)
     else:  # a crowded bin: radix select over the registers' keys, then a sort of the k
         v0, v1, v2, v3 = key_of(u0, c0), key_of(u1, c1), key_of(u2, c2), key_of(u3, c3)
         prefix, fixed, shift, want = int64(0), int64(63), int64(KEY_TOP), int64(k)
@@ -230,7 +233,7 @@ def quad_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
 
         sort_desc(lst, KP)
         if tid < k:
-            answer(lst[tid], int64(tid), r, FM, held, cap, top, parent, child, code)
+            answer(lst[tid], int64(tid), r, FM, capr, held, top, parent, child, code)
     if STAMP:
         cuda.syncthreads()
         stamp(15)

@@ -313,3 +313,44 @@ def test_one_beam_scoring_equals_the_general_loop_under_the_simulator():
                        capture_output=True, text=True, timeout=600, cwd=root)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.split() == ["ok", "36"]
+
+
+CROWD = textwrap.dedent("""
+    import numpy as np, torch, sys
+    sys.path.insert(0, {root!r})
+    from streamgr.kernels.trie_topk import trie_topk, trie_topk_reference
+    from streamgr.kernels import trie_topk_quad as q
+    B, k = 40, 17  # one child a beam: 40 candidates (over the simulator's block of 32)
+    rng = np.random.default_rng(5)
+    far = -rng.uniform(5, 9, B)  # beyond obin's window (2**2): its lowest bin
+    # request 0: the best at 0; six keys 0.25-0.34 below it, two in each of three of obin's
+    # bins there (1/32 wide: none crowded) but all in one linear bin (3.75/32 wide); nine more
+    # down to 3.4, so that the 17th key's obin bin ends at 3.75 (its last before the window's)
+    s0 = far.copy()
+    s0[:16] = [0, -0.255, -0.26, -0.29, -0.295, -0.32, -0.325] + list(-np.linspace(0.6, 3.4, 9))
+    s0[16] = -3.6
+    rng.shuffle(s0)
+    s1 = -rng.uniform(0, 3, B)  # request 1: spread, no crowd
+    scores = torch.tensor(np.stack([s0, s1]), dtype=torch.float32)
+    nodes = torch.arange(B).repeat(2, 1)
+    ptr, codes = torch.arange(B + 1), torch.zeros(B, dtype=torch.int64)
+    logp = torch.zeros(2 * B, 4)
+    case = (scores, nodes, logp, ptr, codes, 1, 1)
+    cap = torch.tensor([k, 9])
+    assert q.serves(B, k)
+    got = trie_topk(*case, k, cap, impl="numba")
+    for a, b in zip(got, trie_topk_reference(*case, k, cap)):
+        assert torch.equal(a, b), (a, b)
+    print("ok")
+""")
+
+
+def test_quad_rebin_crowded_under_the_simulator():
+    """``trie_topk_quad``'s linear bins can crowd where ``obin``'s did not (keys close below
+    the best, the k-th far): there the radix select over the registers' keys answers."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    p = subprocess.run([sys.executable, "-c", CROWD.format(root=root)], env=env,
+                       capture_output=True, text=True, timeout=300, cwd=root)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["ok"]

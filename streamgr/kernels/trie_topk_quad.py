@@ -53,18 +53,26 @@ def serves(N: int, k: int) -> bool:
 
 
 @cuda.jit(device=True, inline=True)
-def score(r, c, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, held):
-    """Candidate c's okey (``-1`` past ``N``), its (child + 1, code) held at ``held[c]`` (0 where
-    it is not a child: the reference answers child 0, code 0 there)."""
+def score(r, c, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
+    """Candidate c's (okey, ``-1`` past ``N``; (child + 1) << 32 | code to hold, 0 where it
+    is not a child: the reference answers child 0, code 0 there). No store: the caller holds
+    the four candidates' pairs after all four are scored, since a shared store between them
+    would order the next candidate's loads after it (LLVM cannot tell Numba's generic global
+    pointers from shared ones)."""
     cc = int64(min(c, N - 1))
     b, s, real, ch, cd = child_of(r, cc, F, FM, scores, nodes, ptr, codes)
     row = ix(uint32(r) * uint32(B) + uint32(b))
     x = logp_at(logp, row, uint32(off) + uint32(cd), sh, lse[0, row], lse[ix(sh >> 4), row])
     val = s + x if real else NEG_INF
+    pk = ((ch + 1) << 32) | (cd & LOW32) if real else int64(0)
+    return (okey(val) if c < N else int64(-1)), pk
+
+
+@cuda.jit(device=True, inline=True)
+def hold(held, c, N, pk):
+    """Candidate c's pair into ``held`` (``score``'s)."""
     if c < N:
-        held[c] = ((ch + 1) << 32) | (cd & LOW32) if real else int64(0)
-        return okey(val)
-    return int64(-1)
+        held[c] = pk
 
 
 @cuda.jit(device=True, inline=True)
@@ -156,10 +164,14 @@ def quad_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
     stamp(14)
     capr = cap[r]  # loaded with the scoring's: at the answers its latency stood alone
     c0, c1, c2, c3 = tid, tid + NT, tid + 2 * NT, tid + 3 * NT
-    u0 = score(r, c0, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, held)
-    u1 = score(r, c1, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, held)
-    u2 = score(r, c2, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, held)
-    u3 = score(r, c3, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, held)
+    u0, p0 = score(r, c0, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    u1, p1 = score(r, c1, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    u2, p2 = score(r, c2, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    u3, p3 = score(r, c3, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    hold(held, c0, N, p0)
+    hold(held, c1, N, p1)
+    hold(held, c2, N, p2)
+    hold(held, c3, N, p3)
     hist[tid] = 0
     if tid == 0:
         res[3] = I32MAX

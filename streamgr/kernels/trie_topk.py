@@ -15,7 +15,11 @@ from the top of the request's score range (``trie_topk_keys``), so no ties are l
 request of at most a block of candidates (step 3) is one block of one candidate a thread: one
 round of score bins, the keys from the picked bin up ranked in their bins by the threads of
 their slots, each answer read from the candidates' score, child and code held in shared memory
-(``trie_topk_own``). One of at most ``ONE_MAX`` candidates is one block of one launch: keys in
+(``trie_topk_own``). One of up to four blocks of candidates wanting over half a block (step 3
+at beams of 1,024) is one block of four candidates a thread, the okeys in registers: a round of
+those bins, a second of linear bins over the distances from the ``k``-th's bin up, the keys
+there ranked in their bins and answered from each candidate's held child and code
+(``trie_topk_quad``). One of at most ``ONE_MAX`` candidates is one block of one launch: keys in
 shared memory, a list of the keys at or above a floor sampled from them (or every key, up to
 ``UCAP``), one histogram round over bins of each listed score's distance below the best, then
 the keys of the bins from the ``k``-th up ranked within their bins (or sorted whole where a

@@ -111,6 +111,12 @@ def lbin(u, ref, scale):
 
 
 @cuda.jit(device=True, inline=True)
+def slot_bin(v, ref, scale):
+    """The bin absolute key ``v`` was laid out in: ``lbin`` where ``scale`` > 0, else ``obin``."""
+    return lbin(v >> 31, ref, scale) if scale > 0 else obin(v >> 31, ref)
+
+
+@cuda.jit(device=True, inline=True)
 def relin(u, b, d, ref, scale):
     """The linear bin of okey ``u`` whose ``obin`` is ``b``, where ``b`` is from ``d`` up
     (else -1: out of the running)."""
@@ -211,12 +217,15 @@ def quad_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
         place(lst, hist, u3, c3, b3, d)
         cuda.syncthreads()
         stamp(12)
-        for s in range(tid, total, NT):
-            v = lst[s]
-            b = lbin(v >> 31, ref, scale) if scale > 0 else obin(v >> 31, ref)
-            rank = bin_rank(lst, v, b, hist, NB)
-            if rank < k:
-                answer(v, rank, r, FM, capr, held, top, parent, child, code)
+        # both slots' keys and ranks first, so that their shared-memory chains overlap
+        # (total <= k - 1 + SEG_MAX < 2 * NT)
+        v0, v1 = lst[min(tid, total - 1)], lst[min(tid + NT, total - 1)]
+        r0 = bin_rank(lst, v0, slot_bin(v0, ref, scale), hist, NB)
+        r1 = bin_rank(lst, v1, slot_bin(v1, ref, scale), hist, NB)
+        if tid < total and r0 < k:
+            answer(v0, r0, r, FM, capr, held, top, parent, child, code)
+        if tid + NT < total and r1 < k:
+            answer(v1, r1, r, FM, capr, held, top, parent, child, code)
     else:  # a crowded bin: radix select over the registers' keys, then a sort of the k
         v0, v1, v2, v3 = key_of(u0, c0), key_of(u1, c1), key_of(u2, c2), key_of(u3, c3)
         prefix, fixed, shift, want = int64(0), int64(63), int64(KEY_TOP), int64(k)

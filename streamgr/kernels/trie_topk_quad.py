@@ -89,8 +89,21 @@ def rev(u):
 
 @cuda.jit(device=True, inline=True)
 def ubin(u, ref):
-    """``obin`` of okey ``u`` (int64, unsigned 32-bit) below the best score ``ref``."""
+    """``obin`` of okey ``u`` (int64, unsigned 32-bit) below the best score ``ref`` (-1 for
+    no candidate)."""
+    if u < 0:
+        return int32(-1)
     return obin(int32(u - (int64(1) << 32) if u >= (int64(1) << 31) else u), ref)
+
+
+@cuda.jit(device=True, inline=True)
+def count4(hist, b0, b1, b2, b3):
+    """A thread's four bins counted (-1: none); ends synchronized."""
+    hist_add(hist, b0, b0 >= 0)
+    hist_add(hist, b1, b1 >= 0)
+    hist_add(hist, b2, b2 >= 0)
+    hist_add(hist, b3, b3 >= 0)
+    cuda.syncthreads()
 
 
 @cuda.jit(device=True, inline=True)
@@ -119,14 +132,15 @@ def slot_bin(v, ref, scale):
 @cuda.jit(device=True, inline=True)
 def relin(u, b, d, ref, scale):
     """The linear bin of okey ``u`` whose ``obin`` is ``b``, where ``b`` is from ``d`` up
-    (else -1: out of the running)."""
-    return lbin(u, ref, scale) if u >= 0 and b >= d else int32(-1)
+    (else -1: out of the running, as no candidate is already)."""
+    return lbin(u, ref, scale) if b >= d else int32(-1)
 
 
 @cuda.jit(device=True, inline=True)
 def place(lst, hist, u, c, b, d):
-    """Key of okey ``u`` into its bin's segment of ``lst`` where its bin is from ``d`` up."""
-    if u >= 0 and b >= d:
+    """Key of okey ``u`` into its bin's segment of ``lst`` where its bin is from ``d`` up (a
+    bin of -1, no candidate, never is)."""
+    if b >= d:
         lst[cuda.atomic.add(hist, b, 1)] = key_of(u, c)
 
 
@@ -188,11 +202,7 @@ def quad_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
     stamp(1)
     ref = okey_float(hi)
     b0, b1, b2, b3 = ubin(u0, ref), ubin(u1, ref), ubin(u2, ref), ubin(u3, ref)
-    hist_add(hist, b0, u0 >= 0)
-    hist_add(hist, b1, u1 >= 0)
-    hist_add(hist, b2, u2 >= 0)
-    hist_add(hist, b3, u3 >= 0)
-    cuda.syncthreads()
+    count4(hist, b0, b1, b2, b3)
     d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
     stamp(9)
     scale = float32(0.0)  # > 0: the keys binned again, linearly (lbin)
@@ -202,11 +212,7 @@ def quad_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
         b2, b3 = relin(u2, b2, d, ref, scale), relin(u3, b3, d, ref, scale)
         hist[tid] = 0
         cuda.syncthreads()
-        hist_add(hist, b0, b0 >= 0)
-        hist_add(hist, b1, b1 >= 0)
-        hist_add(hist, b2, b2 >= 0)
-        hist_add(hist, b3, b3 >= 0)
-        cuda.syncthreads()
+        count4(hist, b0, b1, b2, b3)
         d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
         stamp(10)
     total = k - need + nd  # <= k - 1 + SEG_MAX where no bin is crowded

@@ -89,21 +89,8 @@ def rev(u):
 
 @cuda.jit(device=True, inline=True)
 def ubin(u, ref):
-    """``obin`` of okey ``u`` (int64, unsigned 32-bit) below the best score ``ref`` (-1 for
-    no candidate)."""
-    if u < 0:
-        return int32(-1)
+    """``obin`` of okey ``u`` (int64, unsigned 32-bit) below the best score ``ref``."""
     return obin(int32(u - (int64(1) << 32) if u >= (int64(1) << 31) else u), ref)
-
-
-@cuda.jit(device=True, inline=True)
-def count4(hist, b0, b1, b2, b3):
-    """A thread's four bins counted (-1: none); ends synchronized."""
-    hist_add(hist, b0, b0 >= 0)
-    hist_add(hist, b1, b1 >= 0)
-    hist_add(hist, b2, b2 >= 0)
-    hist_add(hist, b3, b3 >= 0)
-    cuda.syncthreads()
 
 
 @cuda.jit(device=True, inline=True)
@@ -124,23 +111,16 @@ def lbin(u, ref, scale):
 
 
 @cuda.jit(device=True, inline=True)
-def slot_bin(v, ref, scale):
-    """The bin absolute key ``v`` was laid out in: ``lbin`` where ``scale`` > 0, else ``obin``."""
-    return lbin(v >> 31, ref, scale) if scale > 0 else obin(v >> 31, ref)
-
-
-@cuda.jit(device=True, inline=True)
 def relin(u, b, d, ref, scale):
     """The linear bin of okey ``u`` whose ``obin`` is ``b``, where ``b`` is from ``d`` up
-    (else -1: out of the running, as no candidate is already)."""
-    return lbin(u, ref, scale) if b >= d else int32(-1)
+    (else -1: out of the running)."""
+    return lbin(u, ref, scale) if u >= 0 and b >= d else int32(-1)
 
 
 @cuda.jit(device=True, inline=True)
 def place(lst, hist, u, c, b, d):
-    """Key of okey ``u`` into its bin's segment of ``lst`` where its bin is from ``d`` up (a
-    bin of -1, no candidate, never is)."""
-    if b >= d:
+    """Key of okey ``u`` into its bin's segment of ``lst`` where its bin is from ``d`` up."""
+    if u >= 0 and b >= d:
         lst[cuda.atomic.add(hist, b, 1)] = key_of(u, c)
 
 
@@ -202,7 +182,11 @@ def quad_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
     stamp(1)
     ref = okey_float(hi)
     b0, b1, b2, b3 = ubin(u0, ref), ubin(u1, ref), ubin(u2, ref), ubin(u3, ref)
-    count4(hist, b0, b1, b2, b3)
+    hist_add(hist, b0, u0 >= 0)
+    hist_add(hist, b1, u1 >= 0)
+    hist_add(hist, b2, u2 >= 0)
+    hist_add(hist, b3, u3 >= 0)
+    cuda.syncthreads()
     d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
     stamp(9)
     scale = float32(0.0)  # > 0: the keys binned again, linearly (lbin)
@@ -212,7 +196,11 @@ def quad_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
         b2, b3 = relin(u2, b2, d, ref, scale), relin(u3, b3, d, ref, scale)
         hist[tid] = 0
         cuda.syncthreads()
-        count4(hist, b0, b1, b2, b3)
+        hist_add(hist, b0, b0 >= 0)
+        hist_add(hist, b1, b1 >= 0)
+        hist_add(hist, b2, b2 >= 0)
+        hist_add(hist, b3, b3 >= 0)
+        cuda.syncthreads()
         d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
         stamp(10)
     total = k - need + nd  # <= k - 1 + SEG_MAX where no bin is crowded
@@ -223,15 +211,12 @@ def quad_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
         place(lst, hist, u3, c3, b3, d)
         cuda.syncthreads()
         stamp(12)
-        # both slots' keys and ranks first, so that their shared-memory chains overlap
-        # (total <= k - 1 + SEG_MAX < 2 * NT)
-        v0, v1 = lst[min(tid, total - 1)], lst[min(tid + NT, total - 1)]
-        r0 = bin_rank(lst, v0, slot_bin(v0, ref, scale), hist, NB)
-        r1 = bin_rank(lst, v1, slot_bin(v1, ref, scale), hist, NB)
-        if tid < total and r0 < k:
-            answer(v0, r0, r, FM, capr, held, top, parent, child, code)
-        if tid + NT < total and r1 < k:
-            answer(v1, r1, r, FM, capr, held, top, parent, child, code)
+        for s in range(tid, total, NT):
+            v = lst[s]
+            b = lbin(v >> 31, ref, scale) if scale > 0 else obin(v >> 31, ref)
+            rank = bin_rank(lst, v, b, hist, NB)
+            if rank < k:
+                answer(v, rank, r, FM, capr, held, top, parent, child, code)
     else:  # a crowded bin: radix select over the registers' keys, then a sort of the k
         v0, v1, v2, v3 = key_of(u0, c0), key_of(u1, c1), key_of(u2, c2), key_of(u3, c3)
         prefix, fixed, shift, want = int64(0), int64(63), int64(KEY_TOP), int64(k)

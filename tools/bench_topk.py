@@ -1,7 +1,7 @@
 """Trie-constrained selection on the GPU: the Numba kernels (kernels/trie_topk.py) against
 ``torch.topk`` over the same candidate grid and against the torch reference step, on gen-ref's
-per-step shapes (16 requests; fan-outs 8,192 / 177 / 3; beams 256 and 1,024), one request's
-flat [1, 256 x 8,192], and steps 1 and 2 at 48 requests (gen-ref's serving batches). Each row
+per-step shapes (16 requests; fan-outs 8,192 / 177 / 3; beams 256 and 1,024, where step 1
+wants 1,024 of the root's 8,192), one request's flat [1, 256 x 8,192], and steps 1 and 2 at 48 requests (gen-ref's serving batches). Each row
 first checks the kernels equal the reference (bit for bit), then times CUDA-graph replays (20
 per graph, median of rounds). The last two columns are bf16 serving's step as it runs (the
 log-probabilities a lazy ``LogProbs`` over bf16 logits, as the head leaves them): the whole
@@ -41,6 +41,7 @@ def main() -> None:
               ("step 3", 16, 256, 3, 256), ("flat one request", 1, 256, 8192, 256),
               ("flat one request", 1, 256, 8192, 1024), ("step 2, beams 1024", 16, 1024, 177, 1024),
               ("step 3, beams 1024", 16, 1024, 3, 1024),
+              ("step 1, beams 1024", 16, 1, 8192, 1024),
               ("step 1, 48 requests", 48, 1, 8192, 256),
               ("step 2, 48 requests", 48, 256, 177, 256)]
     print(f"{'shape':>22} {'R':>3} {'B':>5} {'F':>5} {'k':>5} {'numba ms':>9} {'topk ms':>8} "

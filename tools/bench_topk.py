@@ -1,12 +1,12 @@
 """Trie-constrained selection on the GPU: the Numba kernels (kernels/trie_topk.py) against
 ``torch.topk`` over the same candidate grid and against the torch reference step, on gen-ref's
-per-step shapes (16 requests; fan-outs 8,192 / 177 / 3; beams 256 and 1,024, where step 1
-wants 1,024 of the root's 8,192), one request's flat [1, 256 x 8,192], and steps 1 and 2 at 48
-requests (gen-ref's serving batches). Each row first checks the kernels equal the reference (bit for bit), then times CUDA-graph replays (20
-per graph, median of rounds). The last two columns are bf16 serving's step as it runs (the
-log-probabilities a lazy ``LogProbs`` over bf16 logits, as the head leaves them): the whole
-selection by the Numba kernels, which read the logits in place, against the torch step the
-engine serves with by default (gathers, then ``torch.topk``).
+per-step shapes (16 requests; fan-outs 8,192 / 177 / 3; beams 256 and 1,024, where step 1 wants
+1,024 of the root's 8,192), one request's flat [1, 256 x 8,192], and steps 1 and 2 at 48
+requests (gen-ref's serving batches). Each row first checks the kernels equal the reference (bit
+for bit), then times CUDA-graph replays (20 per graph, median of rounds). The last two columns
+are bf16 serving's step as it runs (the log-probabilities a lazy ``LogProbs`` over bf16 logits,
+as the head leaves them): the whole selection by the Numba kernels, which read the logits in
+place, against the torch step the engine serves with by default (gathers, then ``torch.topk``).
 
     python tools/bench_topk.py
 """

@@ -5,17 +5,18 @@ registers.
 
 ``trie_topk_one`` serves such a ``k`` with its radix rounds (two or three histogram rounds over
 every key), then sorts the ``k`` keys whole (a bitonic network of 55 stages) and answers each by
-reading its beam, child range and code again: on the H200 0.0272 ms against ``torch.topk``'s
-0.0403 (1.48x, session 34), its 16 blocks on 132 SMs latency-bound throughout. Here, as in
+reading its beam, child range and code again: on the H200 0.0270 ms against ``torch.topk``'s
+0.0382 (1.41x), this kernel 0.0094 against 0.0356 (3.77x; session 35). As in
 ``trie_topk_own``: each thread scores its ``QN`` candidates (their loads overlap), keeps their
 okeys in registers and their (child, code) in shared memory; the block's best okey is a warp min
 and one shared atomic; one round of score bins below it (``obin``) and ``pick_segments`` give
-the bins from the ``k``-th key's up, which hold at most ``k - 1 + SEG_MAX`` keys where none is
-crowded; their keys are laid out by bin and ranked in their bins by the threads of their slots
-(two a thread), and each answer is read from the key (score, parent) and the held pair (child,
-code): no global read after the scoring. Where a bin is crowded (ties, every candidate
-``-inf``) the ``k`` best are radix-selected from the registers' keys (10-bit digits from the
-key's top) and sorted whole; still exact, slower.
+the bin of the ``k``-th key; a second round bins the keys from that bin up linearly over their
+distance below the best (``lbin``) and picks again. The keys from the picked bin up (at most
+``k - 1 + SEG_MAX`` where none is crowded) are laid out by bin and ranked in their bins by the
+threads of their slots (two a thread), and each answer is read from the key (score, parent)
+and the held pair (child, code): no global read after the scoring. Where a bin is crowded
+(ties, every candidate ``-inf``) the ``k`` best are radix-selected from the registers' keys
+(10-bit digits from the key's top) and sorted whole; still exact, slower.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ QUAD = os.environ.get("STREAMGR_TOPK_QUAD", "1")
 # The keys of the bins from the k-th's up binned again, linearly over their distance below the
 # best, before they are laid out: obin's bins widen with the distance, and most of the k best of
 # step 3 at beams of 1,024 are far from the best (23 keys a bin on average, up to 67, each key
-# ranked against its bin's): on the H200 0.0120 -> 0.0096 ms so (session 35, laid out and read
-# back between the rounds). STREAMGR_TOPK_QREBIN=0: one round (A/B runs).
+# ranked against its bin's): on the H200 0.0124 -> 0.0098 ms so (session 35, call 3).
+# STREAMGR_TOPK_QREBIN=0: one round (A/B runs).
 REBIN = os.environ.get("STREAMGR_TOPK_QREBIN", "1") == "1"
 QN = 4  # candidates a thread (the kernel's code holds four by name)
 QMAX = QN * NT

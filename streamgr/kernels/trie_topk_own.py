@@ -61,7 +61,7 @@ def own_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
     hc = cuda.shared.array(HELD_N, int32)
     hd = cuda.shared.array(HELD_N, int32)
     stamp(14)
-    capr = cap[r]  # loaded with the scoring's: at the answers its latency would stand alone
+    capr = cap[r]  # with the scoring's loads, not alone at the answers (no change seen, s35)
     mine = tid < N
     c = int64(min(tid, N - 1))
     val, ch, cd = cand(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)

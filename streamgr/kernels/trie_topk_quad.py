@@ -163,7 +163,7 @@ def quad_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
     res = cuda.shared.array(4, int32)
     ctr = cuda.shared.array(1, int32)
     stamp(14)
-    capr = cap[r]  # loaded with the scoring's: at the answers its latency stood alone
+    capr = cap[r]  # with the scoring's loads, not alone at the answers (no change seen, s35)
     c0, c1, c2, c3 = tid, tid + NT, tid + 2 * NT, tid + 3 * NT
     u0, p0 = score(r, c0, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
     u1, p1 = score(r, c1, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)

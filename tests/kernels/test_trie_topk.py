@@ -152,11 +152,10 @@ OWN1 = [(0, False, 3, (1, 5), 4), (27, "const", 4, (6, 8), 8), (28, True, 5, (4,
         (29, False, 4, (3, 5), 6, 2, 1.0, "one"), (7, False, 10, (3, 3), 30)]
 # ... and four candidates a thread (trie_topk_quad: over a block, at most four, k over half a
 # block; run in the one-block cases' process): the bins' keys ranked in their bins (40, bf16
-# logits too; 37; 64 at exactly four blocks, 34 keys ranked by 32 threads, its second request
-# crowded), many ties (31), every score equal and every beam dead (32, 33: a crowded bin, the
-# radix select over the registers' keys).
-QUAD = [(40, False, 12, (3, 3), 17), (37, False, 20, (4, 4), 17),
-        (64, False, 32, (4, 4), 32, 2, 0.1, "quad"), (31, True, 30, (2, 4), 32),
+# logits too; 64 at exactly four blocks, 34 keys ranked by 32 threads, its second request
+# crowded), every score equal and every beam dead (32, 33: a crowded bin, the radix select over
+# the registers' keys; test_quad_rebin_crowded_under_the_simulator crowds the second round).
+QUAD = [(40, False, 12, (3, 3), 17), (64, False, 32, (4, 4), 32, 2, 0.1, "quad"),
         (32, "const", 10, (6, 8), 20), (33, False, 20, (4, 4), 17, 2, 1.0, "quad")]
 # ... trie_topk_one's radix rounds for k over half a block, now behind trie_topk_quad (run with
 # STREAMGR_TOPK_QUAD=0 in the grid cases' process), and trie_topk_quad for any k

@@ -225,16 +225,21 @@ assert tm.plan(45312, 48, 256, 132) == (8192, 6), tm.plan(45312, 48, 256, 132)
 assert max(R for R in range(1, 100) if tm.plan(45312, R, 256, 132)) == 66
 for args in [(8192, 16, 256), (181248, 16, 1024), (2097152, 1, 256)]:
     assert tm.plan(*args, 132) is None, args
+from streamgr.kernels import trie_topk_quad as q
+assert q.serves(3072, 1024) and q.serves(4096, 513) and q.serves(1025, 600)
+assert not q.serves(3072, 512) and not q.serves(1024, 1024) and not q.serves(4097, 1024)
 print("ok")
 """
 
 
-def test_merge_routing_on_the_h200s_132_sms():
+def test_merge_and_quad_routing_on_the_h200():
     """Where the one-launch merge serves (``trie_topk_merge.plan``; H200 measurements in
     docs/benchmarks.md, sessions 29-30): gen-ref's step 2 in 6 chunks of 8,192 (at 16 requests
     faster than 8 of 6,144 or 12 of 4,096), from 1 request up to 66 (three waves of blocks, 48
     among them); not step 1 (one block of 8,192 was faster), not k over 512, not one request's
-    flat 2,097,152. In a process of its own without the simulator, whose block sizes differ."""
+    flat 2,097,152. Four candidates a thread (``trie_topk_quad``) for 1,025-4,096 candidates
+    wanting over 512 (gen-ref's step 3 at beams of 1,024). In a process of its own without the
+    simulator, whose block sizes differ."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     p = subprocess.run([sys.executable, "-c", ROUTING], env=env, capture_output=True, text=True,

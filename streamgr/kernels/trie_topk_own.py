@@ -29,10 +29,10 @@ import os
 from numba import cuda, float32, int32, int64
 
 from .numba_common import STAMP, stamp
-from .trie_topk_dev import (HALF, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, append, bin_rank,
-                            pick_segments, sort_desc, sort_span, warp_min_into, hist_add)
-from .trie_topk_keys import LOW32, MAXC, NEG_INF, cand, div_f, okey, okey_float
-from .trie_topk_sample import obin, slot_rank
+from .trie_topk_dev import (I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, append, bin_rank,
+                            pick_segments, sort_desc, sort_span, hist_add)
+from .trie_topk_keys import MAXC, NEG_INF, cand, div_f, okey, okey_float
+from .trie_topk_sample import best_okey, rev_okey, slot_rank, ubin
 
 # STREAMGR_TOPK_OWN: 2 (the default) the keys ranked by the threads of their slots in the bins'
 # layout, as trie_topk_sample's select_list does, each answer read from the candidates' (score,
@@ -78,13 +78,10 @@ def own_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
         res[3] = I32MAX
         ctr[0] = 0
     cuda.syncthreads()
-    # the block's best okey by a min of the bit-reversed okeys (unsigned okeys less 2**31
-    # order as int32 do, and ~x reverses an int32 order without overflow)
-    m = ~int32((u & LOW32) - HALF) if mine else I32MAX
-    hi = (int64(~warp_min_into(m, res, 3)) + HALF) & LOW32
+    hi = best_okey(rev_okey(u) if mine else I32MAX, res)
     stamp(1)
     ref = okey_float(hi)
-    b = obin(int32(u - (int64(1) << 32) if u >= (int64(1) << 31) else u), ref)
+    b = ubin(u, ref)
     hist_add(hist, b, mine)
     cuda.syncthreads()
     d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)

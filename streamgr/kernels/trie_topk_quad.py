@@ -26,11 +26,11 @@ import os
 from numba import cuda, float32, int32, int64, uint32
 
 from .numba_common import STAMP, stamp
-from .trie_topk_dev import (DIG, DM, HALF, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, append,
-                            bin_rank, hist_add, pick, pick_segments, sort_desc, warp_min_into)
+from .trie_topk_dev import (DIG, DM, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, append, bin_rank,
+                            hist_add, pick, pick_segments, sort_desc)
 from .trie_topk_keys import (LOW32, MAXC, NEG_INF, _float, child_of, div_f, ix, logp_at, okey,
                              okey_float)
-from .trie_topk_sample import OBASE, OCT, obin
+from .trie_topk_sample import OBASE, OCT, best_okey, obin, rev_okey, ubin
 
 # STREAMGR_TOPK_QUAD: 1 (the default) requests of NT < N <= QN * NT candidates with k over half a
 # block here; 2 any k (A/B runs: below half a block trie_topk_one's sampled list serves them);
@@ -83,15 +83,13 @@ def key_of(u, c):
 
 
 @cuda.jit(device=True, inline=True)
-def rev(u):
-    """A min-reduction stand-in of okey ``u``: reversed, as int32 (``I32MAX`` for none)."""
-    return ~int32((u & LOW32) - HALF) if u >= 0 else I32MAX
-
-
-@cuda.jit(device=True, inline=True)
-def ubin(u, ref):
-    """``obin`` of okey ``u`` (int64, unsigned 32-bit) below the best score ``ref``."""
-    return obin(int32(u - (int64(1) << 32) if u >= (int64(1) << 31) else u), ref)
+def count4(hist, b0, b1, b2, b3, t0, t1, t2, t3):
+    """A thread's four bins counted where taken (both bins rounds); ends synchronized."""
+    hist_add(hist, b0, t0)
+    hist_add(hist, b1, t1)
+    hist_add(hist, b2, t2)
+    hist_add(hist, b3, t3)
+    cuda.syncthreads()
 
 
 @cuda.jit(device=True, inline=True)
@@ -178,16 +176,11 @@ def quad_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
         res[3] = I32MAX
         ctr[0] = 0
     cuda.syncthreads()
-    m = min(min(rev(u0), rev(u1)), min(rev(u2), rev(u3)))
-    hi = (int64(~warp_min_into(m, res, 3)) + HALF) & LOW32
+    hi = best_okey(min(min(rev_okey(u0), rev_okey(u1)), min(rev_okey(u2), rev_okey(u3))), res)
     stamp(1)
     ref = okey_float(hi)
     b0, b1, b2, b3 = ubin(u0, ref), ubin(u1, ref), ubin(u2, ref), ubin(u3, ref)
-    hist_add(hist, b0, u0 >= 0)
-    hist_add(hist, b1, u1 >= 0)
-    hist_add(hist, b2, u2 >= 0)
-    hist_add(hist, b3, u3 >= 0)
-    cuda.syncthreads()
+    count4(hist, b0, b1, b2, b3, u0 >= 0, u1 >= 0, u2 >= 0, u3 >= 0)
     d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
     stamp(9)
     scale = float32(0.0)  # > 0: the keys binned again, linearly (lbin)
@@ -197,11 +190,7 @@ def quad_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
         b2, b3 = relin(u2, b2, d, ref, scale), relin(u3, b3, d, ref, scale)
         hist[tid] = 0
         cuda.syncthreads()
-        hist_add(hist, b0, b0 >= 0)
-        hist_add(hist, b1, b1 >= 0)
-        hist_add(hist, b2, b2 >= 0)
-        hist_add(hist, b3, b3 >= 0)
-        cuda.syncthreads()
+        count4(hist, b0, b1, b2, b3, b0 >= 0, b1 >= 0, b2 >= 0, b3 >= 0)
         d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
         stamp(10)
     total = k - need + nd  # <= k - 1 + SEG_MAX where no bin is crowded
@@ -243,7 +232,6 @@ def quad_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
         for i in range(k + tid, KP, NT):
             lst[i] = 0
         cuda.syncthreads()
-
         sort_desc(lst, KP)
         if tid < k:
             answer(lst[tid], int64(tid), r, FM, capr, held, top, parent, child, code)

@@ -60,6 +60,28 @@ def obin(kx, ref):
 
 
 @cuda.jit(device=True, inline=True)
+def ubin(u, ref):
+    """``obin`` of the okey ``u`` (unsigned 32-bit, as int64)."""
+    return obin(int32(u - (int64(1) << 32) if u >= (int64(1) << 31) else u), ref)
+
+
+@cuda.jit(device=True, inline=True)
+def rev_okey(u):
+    """Okey ``u`` (unsigned 32-bit, as int64; -1 for none) as an int32 whose block min is the
+    best okey (``best_okey``): unsigned okeys less 2**31 order as int32 do, and ~x reverses an
+    int32 order without overflow; ``I32MAX`` for none."""
+    return ~int32((u & LOW32) - HALF) if u >= 0 else I32MAX
+
+
+@cuda.jit(device=True, inline=True)
+def best_okey(m, res):
+    """The block's best okey from each thread's least ``rev_okey`` ``m`` (a warp min and one
+    shared atomic into ``res[3]``, ``I32MAX`` on entry, published; one barrier instead of
+    ``minmax``'s three). Every thread calls it."""
+    return (int64(~warp_min_into(m, res, 3)) + HALF) & LOW32
+
+
+@cuda.jit(device=True, inline=True)
 def obin_hist(hist, kx, n, ref):
     """``hist[:NT]`` = the counts of ``kx[:n]``'s okeys by ``obin``. Every thread calls it; it
     ends synchronized."""

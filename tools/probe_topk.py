@@ -33,7 +33,7 @@ from pathlib import Path
 
 SHAPES = {"s1": (16, 1, 8192, 256), "s2": (16, 256, 177, 256), "s3": (16, 256, 3, 256),
           "flat": (1, 256, 8192, 256), "s2b1024": (16, 1024, 177, 1024),
-          "s3b1024": (16, 1024, 3, 1024)}
+          "s3b1024": (16, 1024, 3, 1024), "s1b1024": (16, 1, 8192, 1024)}
 # a source row of ncu's "--page source --print-source cuda": line, source (60 wide), samples
 ROW = re.compile(r"^(\d+)\s{2,}(.{1,60}?)\s{2,}([\d,.]+)\s+([\d,.]+)\s+([\d,.]+)\s+([\d,.]+)")
 

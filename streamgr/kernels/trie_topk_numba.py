@@ -28,6 +28,7 @@ from .trie_topk_keys import magic
 from .trie_topk_one import ONE_MAX, one_select
 from .trie_topk_own import OWN, own_select
 from .trie_topk_quad import quad_select, serves as quad_serves
+from .trie_topk_root import root_select, serves as root_serves
 
 
 def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
@@ -50,8 +51,10 @@ def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
     outs = (a(cap.contiguous()), a(top), a(parent), a(child), a(code))
     KP = 1 << max(0, (k - 1).bit_length())
     sa, nd = a(sc), a(nodes.contiguous())
-    merge = tm.plan_for(N, R, k, dev)
-    if merge is not None:
+    merge = None if root_serves(B, N) else tm.plan_for(N, R, k, dev)
+    if root_serves(B, N):
+        launch(root_select, (R,), NT)(N, k, KP, F, magic(F), B, sa, nd, *lp, *trie, *outs)
+    elif merge is not None:
         tm.run(launch, R, N, k, KP, *merge, F, magic(F), B, sa, nd, lp, trie, outs, dev, a)
     elif quad_serves(N, k):
         launch(quad_select, (R,), NT)(N, k, KP, F, magic(F), B, sa, nd, *lp, *trie, *outs)

@@ -150,6 +150,31 @@ def test_four_candidates_a_thread(R, B, fan, k, const, bf16):
     assert_kernels_equal_reference(case, k, cap)
 
 
+@pytest.mark.parametrize("R,fan,k,const,bf16", [
+    (16, 8192, 256, False, False), (16, 8192, 1024, False, True), (3, 5000, 300, False, False),
+    (2, 1025, 1024, False, False), (2, 8192, 64, True, False), (4, 8192, 1, False, True),
+    (5, 6000, 700, False, False)])
+def test_one_beam_in_registers(R, fan, k, const, bf16):
+    """``trie_topk_root`` (one beam of over a block of candidates, at most eight, held in
+    registers): gen-ref's step 1 at k 256 and at beams of 1,024 (bf16 logits read in place),
+    children not a whole number of blocks, one past a block at k 1,024, every key tied (the
+    radix select over the registers' keys), k 1, dead beams (the random cases' -inf rows)."""
+    from streamgr.kernels import trie_topk_root as root
+    from streamgr.kernels.head_lse import head_log_probs
+    case = list(level(R, 1, fan, V=fan * 2, seed=R * 13 + fan + k, dead=0.0 if const else 0.2,
+                      uniform=True))
+    assert root.serves(1, case[-1])
+    if const:
+        case[0].zero_()
+        case[2].fill_(-1.5)
+    if bf16:
+        lg = (case[2] * 4).to(torch.bfloat16)
+        case[2] = head_log_probs(lg, lg.shape[1])
+    cap = torch.randint(1, k + 1, (R,), device=DEV)
+    cap[0] = k
+    assert_kernels_equal_reference(case, k, cap)
+
+
 AB_CHECK = """
 import os, sys, torch
 sys.path.insert(0, {root!r})
@@ -162,12 +187,15 @@ assert trie_topk_merge.MERGE == (os.environ.get("STREAMGR_TOPK_MERGE") != "0")
 from streamgr.kernels import trie_topk_own, trie_topk_quad
 assert trie_topk_own.OWN == (os.environ.get("STREAMGR_TOPK_OWN") != "0")
 assert trie_topk_quad.QUAD == os.environ.get("STREAMGR_TOPK_QUAD", "1")
+from streamgr.kernels import trie_topk_root
+assert trie_topk_root.ROOT == (os.environ.get("STREAMGR_TOPK_ROOT") != "0")
 for R, B, fan, k, ties in [(16, 256, 177, 256, False), (1, 256, 8192, 256, False),
                            (2, 1024, 40, 1024, True), (3, 512, 100, 700, False),
                            (16, 256, 3, 256, True), (3, 4, 256, 700, False), (1, 1, 1, 1, False),
                            (5, 37, 13, 100, True), (16, 1024, 3, 1024, False),
                            (4, 1024, 5, 700, False), (2, 1000, 3, 100, False),
-                           (2, 1000, 3, 600, True)]:
+                           (2, 1000, 3, 600, True), (16, 1, 8192, 256, False),
+                           (3, 1, 8192, 1024, True)]:
     case = level(R, B, fan, V=max(fan, 64) * 2, seed=R + B + fan, ties=ties)
     k = min(k, B * case[-1])
     assert_kernels_equal_reference(case, k, torch.full((R,), k, device="cuda"))
@@ -178,7 +206,7 @@ print("ok")
 @pytest.mark.parametrize("name,value", [("STREAMGR_TOPK_SAMPLE", "0"), ("STREAMGR_TOPK_BINS", "0"),
                                         ("STREAMGR_TOPK_MERGE", "0"), ("STREAMGR_TOPK_OWN", "0"),
                                         ("STREAMGR_TOPK_OWN", "1"), ("STREAMGR_TOPK_QUAD", "0"),
-                                        ("STREAMGR_TOPK_QUAD", "2")])
+                                        ("STREAMGR_TOPK_QUAD", "2"), ("STREAMGR_TOPK_ROOT", "0")])
 def test_kernels_under_their_ab_settings(name, value):
     """The A/B settings (read at import, so each in its own process) keep the reference's
     answers: ``STREAMGR_TOPK_SAMPLE=0`` (no sampled floor: lists of every key, or the radix
@@ -187,8 +215,9 @@ def test_kernels_under_their_ab_settings(name, value):
     grid paths), ``STREAMGR_TOPK_OWN=0`` (requests of at most a block of candidates on the
     one-block path instead of one candidate a thread), ``STREAMGR_TOPK_OWN=1`` (each thread
     ranking its own key and answering from its registers), ``STREAMGR_TOPK_QUAD=0`` (requests
-    of up to four blocks wanting over half a block on the one-block path's radix rounds) and
-    ``=2`` (four candidates a thread for any ``k``)."""
+    of up to four blocks wanting over half a block on the one-block path's radix rounds),
+    ``=2`` (four candidates a thread for any ``k``) and ``STREAMGR_TOPK_ROOT=0`` (one beam's
+    children on the one-block path, or four a thread)."""
     import os
     import subprocess
     import sys

@@ -73,8 +73,8 @@ def test_rms_norm(tmp_path):
 # (session 29) it used 64 registers, no spills, 45,740 bytes of shared memory; since its last
 # block loads its list four keys a thread at once (session 34) 64 registers and 4 bytes spilled;
 # it launches at 1,024 threads in the GPU tests.
-@pytest.mark.parametrize("name", ["own_select", "quad_select", "one_select", "bin_hist",
-                                  "bin_select"])
+@pytest.mark.parametrize("name", ["own_select", "quad_select", "root_select", "one_select",
+                                  "bin_hist", "bin_select"])
 def test_selection_kernels_fit_a_block_of_1024(name, tmp_path):
     """The select kernels launch 1,024 threads (the sort kernel 256), so 64 registers a thread at
     most (Numba sets no launch bounds: on the H200 an unaligned logits view's indexing took 68
@@ -82,7 +82,7 @@ def test_selection_kernels_fit_a_block_of_1024(name, tmp_path):
     most a word. (One case a kernel: xdist spreads the compiles over CI's workers.)"""
     from streamgr.kernels import trie_topk_bins as bn, trie_topk_dev as dev
     from streamgr.kernels import trie_topk_one as one, trie_topk_own as own
-    from streamgr.kernels import trie_topk_quad as quad
+    from streamgr.kernels import trie_topk_quad as quad, trie_topk_root as root
     assert dev.NT == 1024 and dev.JIT_NT["max_registers"] == 64
     i16 = types.int16
     head = (i64, i64, i64, A(f32, 2), A(i64, 2))  # F, magic, B, scores, nodes
@@ -92,11 +92,14 @@ def test_selection_kernels_fit_a_block_of_1024(name, tmp_path):
     fn, sig = {
         "own_select": (own.own_select, (i64, i64, i64) + head + lp + trie + outs),
         "quad_select": (quad.quad_select, (i64, i64, i64) + head + lp + trie + outs),
+        "root_select": (root.root_select, (i64, i64, i64) + head + lp + trie + outs),
         "one_select": (one.one_select, (i64, i64, i64) + head + lp + trie + outs),
         "bin_hist": (bn.bin_hist, (i64, i64, i64) + head + lp + trie + (A(i64, 2), A(i32, 2))),
         "bin_select": (bn.bin_select, (i64, i64, i64, i64) + head + lp + trie
                        + (A(i64, 2), A(i32, 2), A(i64, 2), A(i64, 2)) + outs)}[name]
     ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
+    if name == "root_select":
+        assert ".local" not in ptx  # its eight candidates a thread are registers
     spills = _ptxas_spills(ptx, tmp_path, 64)
     # (one_select spilled 12 bytes in session 32, in its radix fallback's set-up; none since
     # its candidates' index arithmetic went 32-bit, session 33)

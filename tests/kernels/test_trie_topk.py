@@ -120,12 +120,11 @@ SIM = textwrap.dedent("""
 # more than 32), dead beams in
 # every case, k = 1, every candidate wanted (a bin that settles the set at once); of the binned,
 # the bins' keys ranked in their bins (seeds 14, 15: no bin over SEG_MAX = 4 keys) and sorted
-# whole (seeds 1, 15: one over it), one beam of over a block of children (25: note_beam's rounds
-# of four a thread, as step 1's) ...
+# whole (seeds 1, 15: one over it) ...
 ONE_BLOCK = [(0, False, 3, (1, 5), 4), (1, True, 6, (2, 8), 8), (4, False, 9, (0, 3), 1),
              (5, False, 1, (6, 6), 6), (7, False, 10, (3, 3), 30), (10, True, 7, (6, 9), 20),
              (12, False, 2, (1, 1), 2), (13, False, 1, (1, 1), 1),
-             (14, False, 8, (4, 8), 12), (15, False, 6, (8, 8), 16), (25, True, 1, (40, 60), 6),
+             (14, False, 8, (4, 8), 12), (15, False, 6, (8, 8), 16),
              (27, "const", 4, (6, 8), 8), (28, True, 5, (4, 6), 10),
              (29, False, 4, (3, 5), 6, 2, 1.0, "one")]
 # ... and the grid launches (> 64 candidates; 256 bins): ties, k reaching into the -inf slots,
@@ -161,12 +160,17 @@ QUAD = [(40, False, 12, (3, 3), 17), (64, False, 32, (4, 4), 32, 2, 0.1, "quad")
 # STREAMGR_TOPK_QUAD=0 in the grid cases' process), and trie_topk_quad for any k
 # (STREAMGR_TOPK_QUAD=2, an A/B setting, in the merge cases' process: k below half a block).
 ONE_RADIX = [(10, True, 7, (6, 9), 20)]
+# ... and trie_topk_one for one beam of over a block of children (note_beam's rounds of four a
+# thread, as step 1's before trie_topk_root; run with STREAMGR_TOPK_ROOT=0 in the grid cases'
+# process).
+ONE_BEAM = [(25, True, 1, (40, 60), 6)]
 QUAD_ANY_K = [(35, False, 12, (3, 3), 5, 2, 0.2, "quad"), (36, True, 9, (4, 6), 3, 2, 0.2, "quad")]
 
 
 @pytest.mark.parametrize("cases,env", [
     (ONE_BLOCK + QUAD, {"STREAMGR_TOPK_OWN": "2"}),
-    (GRID + OWN1 + ONE_RADIX, {"STREAMGR_TOPK_OWN": "1", "STREAMGR_TOPK_QUAD": "0"}),
+    (GRID + OWN1 + ONE_RADIX + ONE_BEAM, {"STREAMGR_TOPK_OWN": "1", "STREAMGR_TOPK_QUAD": "0",
+                                          "STREAMGR_TOPK_ROOT": "0"}),
     (MERGE + QUAD_ANY_K, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_QUAD": "2"})],
     ids=["one_block", "grid", "merge"])
 def test_numba_kernels_under_the_simulator(cases, env):
@@ -228,6 +232,9 @@ for args in [(8192, 16, 256), (181248, 16, 1024), (2097152, 1, 256)]:
 from streamgr.kernels import trie_topk_quad as q
 assert q.serves(3072, 1024) and q.serves(4096, 513) and q.serves(1025, 600)
 assert not q.serves(3072, 512) and not q.serves(1024, 1024) and not q.serves(4097, 1024)
+from streamgr.kernels import trie_topk_root as rt
+assert rt.serves(1, 8192) and rt.serves(1, 1025) and not rt.serves(1, 1024)
+assert not rt.serves(1, 8193) and not rt.serves(2, 4096)
 print("ok")
 """
 
@@ -238,7 +245,8 @@ def test_merge_and_quad_routing_on_the_h200():
     faster than 8 of 6,144 or 12 of 4,096), from 1 request up to 66 (three waves of blocks, 48
     among them); not step 1 (one block of 8,192 was faster), not k over 512, not one request's
     flat 2,097,152. Four candidates a thread (``trie_topk_quad``) for 1,025-4,096 candidates
-    wanting over 512 (gen-ref's step 3 at beams of 1,024). In a process of its own without the
+    wanting over 512 (gen-ref's step 3 at beams of 1,024); eight (``trie_topk_root``) for one
+    beam of 1,025-8,192 children (step 1 at any width). In a process of its own without the
     simulator, whose block sizes differ."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
@@ -358,3 +366,61 @@ def test_quad_rebin_crowded_under_the_simulator():
                        capture_output=True, text=True, timeout=300, cwd=root)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.split() == ["ok"]
+
+
+ROOT = textwrap.dedent("""
+    import numpy as np, torch, sys
+    sys.path.insert(0, {root!r})
+    from tests.kernels.test_trie_topk import random_case
+    from streamgr.kernels.head_lse import LogProbs, row_lse_reference
+    from streamgr.kernels.trie_topk import trie_topk, trie_topk_reference
+    from streamgr.kernels import trie_topk_root as rt
+    from streamgr.kernels.trie_topk_dev import NT
+
+    def check(case, k, cap, what):
+        got = trie_topk(*case, k, cap, impl="numba")
+        for a, b in zip(got, trie_topk_reference(*case, k, cap)):
+            assert torch.equal(a, b), (what, a, b)
+
+    n = 0
+    # (seed, ties, fan-out range, k, dead share): the sample's bins from a few keys up (k 6, a
+    # count past NT's rounds), rebinned (k 24: over REBIN_MIN keys picked), at exactly RN blocks
+    # (256) with k 32, ties (bins ranked), every score equal and a dead beam (a crowded bin:
+    # the radix select over the registers' keys), bf16 logits on the first
+    for seed, ties, fan, k, dead in [(50, False, (90, 110), 6, 0.3), (51, False, (150, 200), 24, 0.0),
+                                     (52, False, (256, 256), 32, 0.0), (53, True, (60, 100), 12, 0.3),
+                                     (54, "const", (40, 70), 20, 0.5)]:
+        case = random_case(seed, R=3, B=1, fan=fan, ties=ties, dead=dead)
+        F = case[-1]
+        assert rt.serves(1, F), F
+        cap = torch.tensor([k, max(1, k // 2), 1])
+        check(case, min(k, F), cap, seed)
+        if seed == 50:
+            lg = (case[2] * 3).to(torch.bfloat16)
+            lazy = LogProbs(lg, lg.shape[1], row_lse_reference(lg, lg.shape[1]))
+            check((*case[:2], lazy, *case[3:]), k, cap, "bf16")
+        n += 1
+    # the sample ran high: the sampled candidates (tid + (tid % RN) * NT) score best, so fewer
+    # than k keys reach the bin of the sample's scaled k-th (each key counted again)
+    N, k = rt.RMAX, 32
+    rng = np.random.default_rng(9)
+    logp = -rng.uniform(4, 8, size=(1, N + 1)).astype(np.float32)
+    t = np.arange(NT)
+    logp[0, 1 + t + (t % rt.RN) * NT] = -rng.uniform(0, 1, NT)
+    case = (torch.zeros(1, 1), torch.zeros(1, 1, dtype=torch.int64), torch.from_numpy(logp),
+            torch.tensor([0, N]), torch.arange(N), 1, N)
+    check(case, k, torch.tensor([k]), "high")
+    print("ok", n + 1)
+""")
+
+
+def test_root_kernel_under_the_simulator():
+    """``trie_topk_root`` (one beam, over a block of candidates and at most ``RN`` blocks, held
+    in registers) equals the reference: sampled cutoff, linear rebin, a sample that ran high,
+    crowded bins (radix over the registers), dead beams, bf16 logits."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    p = subprocess.run([sys.executable, "-c", ROOT.format(root=root)], env=env,
+                       capture_output=True, text=True, timeout=600, cwd=root)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["ok", "6"]

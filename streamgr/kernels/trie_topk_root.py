@@ -1,0 +1,189 @@
+"""One-launch selection of ``trie_topk`` for requests of one beam (a search's first step: the
+root's children; gen-ref's step 1, 8,192 candidates, ``k`` 256, or 1,024 at beams of 1,024) of
+over a block and at most ``RN`` blocks of candidates: one block of ``NT`` threads per request,
+``RN`` candidates a thread held in registers.
+
+``trie_topk_one`` writes every okey to shared memory, samples a floor from them, lists the keys
+above it, bins and ranks the list, and answers each key by reading its code again (``k`` up to
+half a block; a larger ``k`` takes its radix rounds and a sort of the ``k``). Here, as in
+``trie_topk_quad``: the beam is read once and each thread scores its ``RN`` candidates (eight
+codes in flight, then their eight log-probabilities), keeps their okeys in registers and holds
+their codes in shared memory (int32: the kernels index the log-probabilities by a 32-bit
+column); the block's best okey is a warp min and one shared atomic. One key a thread, spread
+over the chunk, is a sample: its ``obin`` bins give the bin of the sample's scaled ``k``-th key
+with a margin (as ``sample_floor``'s), and only the keys from that bin up are counted into the
+bins (the bulk far below stays out of the histogram's atomics), picked, and where the picked
+bins hold over half a block of keys binned again linearly (``lbin``). The keys from the picked
+bin up are laid out by bin, ranked in their bins by the threads of their slots, and answered
+from the key (score, candidate) and the held code: no global read after the scoring. Where the
+sample ran high (fewer than ``k`` keys from its bin up; far below one in a thousand) every key
+is counted; where a bin is crowded (ties, every candidate ``-inf``) the ``k`` best are
+radix-selected from the registers' keys and sorted whole: exact either way.
+"""
+
+from __future__ import annotations
+
+import os
+
+from numba import cuda, float32, int32, int64
+
+from .numba_common import STAMP, stamp
+from .trie_topk_dev import (DIG, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, bin_rank, hist_add,
+                            pick, pick_segments, sort_desc)
+from .trie_topk_keys import MAXC, NEG_INF, bcode, beam_of, bval, ix, okey_float
+from .trie_topk_quad import (KEY_TOP, LIST_N, key_of, lbin, place, radix_count, radix_take,
+                             rebin_scale, relin)
+from .trie_topk_sample import best_okey, obin, rev_okey, ubin
+
+# STREAMGR_TOPK_ROOT=0: one-beam requests on trie_topk_one / trie_topk_quad (A/B runs)
+ROOT = os.environ.get("STREAMGR_TOPK_ROOT", "1") == "1"
+RN = 8  # candidates a thread (an unrolled loop over register arrays: constant indices only)
+RMAX = RN * NT
+# The picked bins binned again (lbin) where they hold over this many keys: at step 1 at beams of
+# 1,024 (k 1,024) they held ~1,050 keys in ~110 bins, each ranked against ~27 of its bin's (a
+# CPU replay of the benchmark's case); at k 256, ~260 keys against ~6-10.
+# STREAMGR_TOPK_RREBIN sets it (A/B runs; past NT + SEG_MAX: never).
+REBIN_MIN = int(os.environ.get("STREAMGR_TOPK_RREBIN", str(NT // 2)))
+
+
+def serves(B: int, N: int) -> bool:
+    """This kernel takes a request of ``B`` beams and ``N`` candidates (host side)."""
+    return ROOT and B == 1 and NT < N <= RMAX
+
+
+@cuda.jit(device=True, inline=True)
+def pick_of(x, i, sel, v):
+    """``v`` where ``i == sel``, else ``x``: a register array's element by a thread-dependent
+    index without a local-memory load."""
+    return v if i == sel else x
+
+
+@cuda.jit(device=True, inline=True)
+def answer(v, rank, r, first, cnt, capr, held, top, parent, child, code):
+    """The answer of rank ``rank`` from its key ``v`` (candidate c: the beam's child slot c) and
+    the held code; ``capr`` the request's width."""
+    c = MAXC - (v & MAXC)
+    top[r, rank] = okey_float(v >> 31) if rank < capr else NEG_INF
+    parent[r, rank] = 0
+    child[r, rank] = first + c if c < cnt else int64(0)
+    code[r, rank] = held[c]
+
+
+@cuda.jit(**JIT_NT)
+def root_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
+                parent, child, code):
+    r = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    hist = cuda.shared.array(NB, int32)
+    lst = cuda.shared.array(LIST_N, int64)
+    held = cuda.shared.array(RMAX, int32)
+    scan = cuda.shared.array(SCAN_N, int32)
+    res = cuda.shared.array(4, int32)
+    ctr = cuda.shared.array(1, int32)
+    u = cuda.local.array(RN, int64)
+    bn = cuda.local.array(RN, int32)
+    stamp(14)
+    capr = cap[r]
+    _, _, s, first, cnt = beam_of(r, 0, F, FM, scores, nodes, ptr)
+    row = ix(r)  # r * B + 0
+    m = lse[0, row]
+    ls = lse[ix(sh >> 4), row]
+    for i in range(RN):  # the codes' loads first, all in flight (as note_beam's round)
+        u[i] = bcode(tid + i * NT, cnt, first, codes)
+    for i in range(RN):
+        j = tid + i * NT
+        cd = u[i]
+        u[i] = bval(cd, j, cnt, s, row, m, ls, logp, sh, off) if j < N else int64(-1)
+        bn[i] = int32(cd) if j < cnt else int32(0)
+    for i in range(RN):  # held after every load is issued (a shared store would order them)
+        if tid + i * NT < N:
+            held[tid + i * NT] = bn[i]
+    hist[tid] = 0
+    if tid == 0:
+        res[3] = I32MAX
+        ctr[0] = 0
+    cuda.syncthreads()
+    mn = I32MAX
+    for i in range(RN):
+        mn = min(mn, rev_okey(u[i]))
+    hi = best_okey(mn, res)
+    stamp(1)
+    ref = okey_float(hi)
+    sel = tid & (RN - 1)  # the sample: candidate tid + (tid % RN) * NT, spread over the chunk
+    sb = int32(0)  # none (past N) as the lowest bin: every thread adds one, so NT are counted
+    for i in range(RN):
+        bn[i] = ubin(u[i], ref) if u[i] >= 0 else int32(-1)
+        sb = pick_of(sb, i, sel, max(bn[i], int32(0)))
+    hist_add(hist, sb, True)
+    cuda.syncthreads()
+    ws = min(int64(NT), ((k * NT + N - 1) // N) * 3 // 2 + 8)
+    ds, _, _ = pick(hist, NB, ws, scan, res, NT)  # ends synchronized: hist free again
+    hist[tid] = 0
+    cuda.syncthreads()  # also: every thread has read pick's res
+    if tid == 0:
+        res[0] = -1  # stays where the keys from bin ds up are fewer than k
+    for i in range(RN):
+        hist_add(hist, bn[i], bn[i] >= ds)
+    cuda.syncthreads()
+    d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
+    stamp(6)
+    if d < 0:  # block-uniform: the sample ran high; every key counted
+        hist[tid] = 0
+        cuda.syncthreads()
+        for i in range(RN):
+            hist_add(hist, bn[i], bn[i] >= 0)
+        cuda.syncthreads()
+        d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
+    stamp(9)
+    scale = float32(0.0)  # > 0: the keys binned again, linearly (lbin)
+    if d > 0 and k - need + nd > REBIN_MIN:  # block-uniform
+        scale = rebin_scale(d)
+        for i in range(RN):
+            bn[i] = relin(u[i], bn[i], d, ref, scale)
+        hist[tid] = 0
+        cuda.syncthreads()
+        for i in range(RN):
+            hist_add(hist, bn[i], bn[i] >= 0)
+        cuda.syncthreads()
+        d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
+        stamp(10)
+    total = k - need + nd  # <= k - 1 + SEG_MAX where no bin is crowded
+    if big == 0:  # the keys of the bins from d up laid out by bin, ranked by their slots
+        for i in range(RN):
+            place(lst, hist, u[i], tid + i * NT, bn[i], d)
+        cuda.syncthreads()
+        stamp(12)
+        for s in range(tid, total, NT):
+            v = lst[s]
+            b = lbin(v >> 31, ref, scale) if scale > 0 else obin(v >> 31, ref)
+            rank = bin_rank(lst, v, b, hist, NB)
+            if rank < k:
+                answer(v, rank, r, first, cnt, capr, held, top, parent, child, code)
+    else:  # a crowded bin: radix select over the registers' keys, then a sort of the k
+        for i in range(RN):
+            u[i] = key_of(u[i], tid + i * NT)
+        prefix, fixed, shift, want = int64(0), int64(63), int64(KEY_TOP), int64(k)
+        while True:
+            hist[tid] = 0
+            cuda.syncthreads()
+            for i in range(RN):
+                radix_count(hist, u[i], prefix, fixed, shift)
+            cuda.syncthreads()
+            dd, need, inbin = pick(hist, NB, want, scan, res, NT)
+            prefix |= dd << shift
+            if need == inbin or shift == 0:
+                break
+            want = need
+            fixed = shift
+            shift = shift - DIG if shift > DIG else int64(0)
+        for i in range(RN):
+            radix_take(lst, ctr, u[i], prefix, shift)
+        for i in range(k + tid, KP, NT):
+            lst[i] = 0
+        cuda.syncthreads()
+        sort_desc(lst, KP)
+        if tid < k:
+            answer(lst[tid], int64(tid), r, first, cnt, capr, held, top, parent, child, code)
+    if STAMP:
+        cuda.syncthreads()
+        stamp(15)

@@ -19,7 +19,10 @@ their slots, each answer read from the candidates' score, child and code held in
 at beams of 1,024) is one block of four candidates a thread, the okeys in registers: a round of
 those bins, a second of linear bins over the distances from the ``k``-th's bin up, the keys
 there ranked in their bins and answered from each candidate's held child and code
-(``trie_topk_quad``). One of at most ``ONE_MAX`` candidates is one block of one launch: keys in
+(``trie_topk_quad``). One beam's children (step 1: the root's), over a block and at most eight,
+are one block of eight candidates a thread in registers, the bins counted from a sampled
+cutoff up (``trie_topk_root``). One of at most ``ONE_MAX`` candidates is one block of one
+launch: keys in
 shared memory, a list of the keys at or above a floor sampled from them (or every key, up to
 ``UCAP``), one histogram round over bins of each listed score's distance below the best, then
 the keys of the bins from the ``k``-th up ranked within their bins (or sorted whole where a

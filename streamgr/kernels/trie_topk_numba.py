@@ -1,7 +1,9 @@
 """Host side of the Numba CUDA kernels of ``trie_topk`` (see its module docstring for what they
 compute): where a request's candidates split over a few blocks of at most ``ONE_MAX`` each, one
 launch whose blocks list their best and whose last block selects from the list
-(``trie_topk_merge``); else a request of at most a block of candidates is one block of one
+(``trie_topk_merge``); a request of one beam (a search's first step) of up to eight blocks of
+candidates is one block of eight candidates a thread (``trie_topk_root``); else a request of at
+most a block of candidates is one block of one
 candidate a thread (``trie_topk_own``), one of at most four blocks wanting over half a block
 four candidates a thread (``trie_topk_quad``), one of at most ``ONE_MAX`` one block that bins (or
 radix-selects) first (``trie_topk_one``), a longer one a memset and two grid launches

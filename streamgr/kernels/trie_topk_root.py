@@ -31,8 +31,8 @@ from .numba_common import STAMP, stamp
 from .trie_topk_dev import (DIG, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, bin_rank, hist_add,
                             pick, pick_segments, sort_desc)
 from .trie_topk_keys import MAXC, NEG_INF, bcode, beam_of, bval, ix, okey_float
-from .trie_topk_quad import (KEY_TOP, LIST_N, key_of, lbin, place, radix_count, radix_take,
-                             rebin_scale, relin)
+from .trie_topk_quad import (KEY_TOP, LIST_N, PAIR, key_of, lbin, place, radix_count,
+                             radix_take, rank_slots, rebin_scale, relin)
 from .trie_topk_sample import best_okey, obin, rev_okey, ubin
 
 # STREAMGR_TOPK_ROOT=0: one-beam requests on trie_topk_one / trie_topk_quad (A/B runs)
@@ -153,12 +153,19 @@ def root_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
             place(lst, hist, u[i], tid + i * NT, bn[i], d)
         cuda.syncthreads()
         stamp(12)
-        for s in range(tid, total, NT):
-            v = lst[s]
-            b = lbin(v >> 31, ref, scale) if scale > 0 else obin(v >> 31, ref)
-            rank = bin_rank(lst, v, b, hist, NB)
-            if rank < k:
-                answer(v, rank, r, first, cnt, capr, held, top, parent, child, code)
+        if PAIR and total > NT:  # block-uniform
+            v0, r0, v1, r1 = rank_slots(lst, total, ref, scale, hist)
+            if r0 < k:
+                answer(v0, r0, r, first, cnt, capr, held, top, parent, child, code)
+            if 0 <= r1 and r1 < k:
+                answer(v1, r1, r, first, cnt, capr, held, top, parent, child, code)
+        else:
+            for s in range(tid, total, NT):
+                v = lst[s]
+                b = lbin(v >> 31, ref, scale) if scale > 0 else obin(v >> 31, ref)
+                rank = bin_rank(lst, v, b, hist, NB)
+                if rank < k:
+                    answer(v, rank, r, first, cnt, capr, held, top, parent, child, code)
     else:  # a crowded bin: radix select over the registers' keys, then a sort of the k
         for i in range(RN):
             u[i] = key_of(u[i], tid + i * NT)

@@ -42,9 +42,6 @@ QUAD = os.environ.get("STREAMGR_TOPK_QUAD", "1")
 # ranked against its bin's): on the H200 0.0124 -> 0.0098 ms so (session 35, call 3).
 # STREAMGR_TOPK_QREBIN=0: one round (A/B runs).
 REBIN = os.environ.get("STREAMGR_TOPK_QREBIN", "1") == "1"
-# STREAMGR_TOPK_PAIR=0: where the picked keys outnumber the block, each thread ranks its two
-# slots one after the other (A/B runs; here and in trie_topk_root)
-PAIR = os.environ.get("STREAMGR_TOPK_PAIR", "1") == "1"
 QN = 4  # candidates a thread (the kernel's code holds four by name)
 QMAX = QN * NT
 LIST_N = NT + SEG_MAX  # the bins from the k-th's up hold at most k - 1 + SEG_MAX <= this
@@ -139,35 +136,6 @@ def answer(v, rank, r, FM, capr, held, top, parent, child, code):
 
 
 @cuda.jit(device=True, inline=True)
-def slot_span(lst, s, total, ref, scale, hist):
-    """List slot s's key (clamped into the list) and its bin's segment ``[lo, hi)`` of ``lst``
-    (laid out by bin: ``hist[b]`` bin b's end)."""
-    v = lst[min(s, total - 1)]
-    b = lbin(v >> 31, ref, scale) if scale > 0 else obin(v >> 31, ref)
-    return v, int64(hist[b + 1]) if b < NB - 1 else int64(0), int64(hist[b])
-
-
-@cuda.jit(device=True, inline=True)
-def rank_slots(lst, total, ref, scale, hist):
-    """(key, rank) of list slots ``tid`` and ``tid + NT`` (where ``total`` is over a block; the
-    second's rank ``-1`` where it has none): each slot's bin's keys above it counted in one
-    loop for both, so that the two slots' loads overlap (counted one slot after the other, the
-    threads of two slots set the phase's end)."""
-    tid = cuda.threadIdx.x
-    v0, a0, e0 = slot_span(lst, tid, total, ref, scale, hist)
-    v1, a1, e1 = slot_span(lst, tid + NT, total, ref, scale, hist)
-    if tid + NT >= total:
-        e1 = a1
-    r0, r1 = a0, a1
-    for i in range(max(e0 - a0, e1 - a1)):
-        if a0 + i < e0 and lst[a0 + i] > v0:
-            r0 += 1
-        if a1 + i < e1 and lst[a1 + i] > v1:
-            r1 += 1
-    return v0, r0, v1, r1 if tid + NT < total else int64(-1)
-
-
-@cuda.jit(device=True, inline=True)
 def radix_count(hist, v, prefix, fixed, shift):
     """``radix``'s histogram add for a register key ``v`` (``-1``: none)."""
     hist_add(hist, int32((v >> shift) & DM), v >= 0 and (v >> fixed) == (prefix >> fixed))
@@ -233,19 +201,12 @@ def quad_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
         place(lst, hist, u3, c3, b3, d)
         cuda.syncthreads()
         stamp(12)
-        if PAIR and total > NT:  # block-uniform
-            v0, r0, v1, r1 = rank_slots(lst, total, ref, scale, hist)
-            if r0 < k:
-                answer(v0, r0, r, FM, capr, held, top, parent, child, code)
-            if 0 <= r1 and r1 < k:
-                answer(v1, r1, r, FM, capr, held, top, parent, child, code)
-        else:
-            for s in range(tid, total, NT):
-                v = lst[s]
-                b = lbin(v >> 31, ref, scale) if scale > 0 else obin(v >> 31, ref)
-                rank = bin_rank(lst, v, b, hist, NB)
-                if rank < k:
-                    answer(v, rank, r, FM, capr, held, top, parent, child, code)
+        for s in range(tid, total, NT):
+            v = lst[s]
+            b = lbin(v >> 31, ref, scale) if scale > 0 else obin(v >> 31, ref)
+            rank = bin_rank(lst, v, b, hist, NB)
+            if rank < k:
+                answer(v, rank, r, FM, capr, held, top, parent, child, code)
     else:  # a crowded bin: radix select over the registers' keys, then a sort of the k
         v0, v1, v2, v3 = key_of(u0, c0), key_of(u1, c1), key_of(u2, c2), key_of(u3, c3)
         prefix, fixed, shift, want = int64(0), int64(63), int64(KEY_TOP), int64(k)

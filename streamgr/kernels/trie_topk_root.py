@@ -28,11 +28,11 @@ import os
 from numba import cuda, float32, int32, int64
 
 from .numba_common import STAMP, stamp
-from .trie_topk_dev import (DIG, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, bin_rank, hist_add,
-                            pick, pick_segments, sort_desc)
-from .trie_topk_keys import MAXC, NEG_INF, bcode, beam_of, bval, ix, okey_float
-from .trie_topk_quad import (KEY_TOP, LIST_N, PAIR, key_of, lbin, place, radix_count,
-                             radix_take, rank_slots, rebin_scale, relin)
+from .trie_topk_dev import (DIG, HALF, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, bin_rank,
+                            hist_add, pick, pick_segments, sort_desc, warp_min_into)
+from .trie_topk_keys import LOW32, MAXC, NEG_INF, bcode, beam_of, bval, ix, okey_float
+from .trie_topk_quad import (KEY_TOP, LIST_N, key_of, lbin, place, radix_count, radix_take,
+                             rebin_scale, relin)
 from .trie_topk_sample import best_okey, obin, rev_okey, ubin
 
 # STREAMGR_TOPK_ROOT=0: one-beam requests on trie_topk_one / trie_topk_quad (A/B runs)
@@ -44,6 +44,7 @@ RMAX = RN * NT
 # CPU replay of the benchmark's case); at k 256, ~260 keys against ~6-10.
 # STREAMGR_TOPK_RREBIN sets it (A/B runs; past NT + SEG_MAX: never).
 REBIN_MIN = int(os.environ.get("STREAMGR_TOPK_RREBIN", str(NT // 2)))
+CUT = os.environ.get("STREAMGR_TOPK_RCUT", "1") == "1"
 
 
 def serves(B: int, N: int) -> bool:
@@ -56,6 +57,13 @@ def pick_of(x, i, sel, v):
     """``v`` where ``i == sel``, else ``x``: a register array's element by a thread-dependent
     index without a local-memory load."""
     return v if i == sel else x
+
+
+@cuda.jit(device=True, inline=True)
+def rev32(u):
+    """Okey ``u`` (unsigned 32-bit, as int64, >= 0) less 2**31 as an int32: ordered as int32s
+    are (``sample_floor``'s form for a shared atomic min)."""
+    return int32((u & LOW32) - HALF)
 
 
 @cuda.jit(device=True, inline=True)
@@ -95,6 +103,7 @@ def root_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
         cd = u[i]
         u[i] = bval(cd, j, cnt, s, row, m, ls, logp, sh, off) if j < N else int64(-1)
         bn[i] = int32(cd) if j < cnt else int32(0)
+    stamp(1)
     for i in range(RN):  # held after every load is issued (a shared store would order them)
         if tid + i * NT < N:
             held[tid + i * NT] = bn[i]
@@ -107,30 +116,45 @@ def root_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
     for i in range(RN):
         mn = min(mn, rev_okey(u[i]))
     hi = best_okey(mn, res)
-    stamp(1)
+    stamp(2)
     ref = okey_float(hi)
     sel = tid & (RN - 1)  # the sample: candidate tid + (tid % RN) * NT, spread over the chunk
-    sb = int32(0)  # none (past N) as the lowest bin: every thread adds one, so NT are counted
+    us = int64(-1)
     for i in range(RN):
-        bn[i] = ubin(u[i], ref) if u[i] >= 0 else int32(-1)
-        sb = pick_of(sb, i, sel, max(bn[i], int32(0)))
+        us = pick_of(us, i, sel, u[i])
+    sb = ubin(us, ref) if us >= 0 else int32(0)  # none (past N) as the lowest bin: NT counted
     hist_add(hist, sb, True)
     cuda.syncthreads()
+    if tid == 0:
+        res[3] = I32MAX  # the cutoff's min (every thread has read the best: pick publishes it)
     ws = min(int64(NT), ((k * NT + N - 1) // N) * 3 // 2 + 8)
     ds, _, _ = pick(hist, NB, ws, scan, res, NT)  # ends synchronized: hist free again
+    stamp(3)
     hist[tid] = 0
-    cuda.syncthreads()  # also: every thread has read pick's res
+    if CUT:  # the cutoff: the smallest sampled okey of the bins from ds up (its bin partly)
+        t = int64(warp_min_into(rev32(us) if us >= 0 and sb >= ds else I32MAX, res, 3)) + HALF
+    else:  # the cutoff: bin ds's first okey (each okey binned)
+        cuda.syncthreads()
+        t = int64(0)
+    stamp(4)
     if tid == 0:
-        res[0] = -1  # stays where the keys from bin ds up are fewer than k
+        res[0] = -1  # stays where the keys from the cutoff up are fewer than k
     for i in range(RN):
-        hist_add(hist, bn[i], bn[i] >= ds)
+        if CUT:
+            bn[i] = ubin(u[i], ref) if u[i] >= t else int32(-1)
+        else:
+            bn[i] = ubin(u[i], ref) if u[i] >= 0 else int32(-1)
+            bn[i] = bn[i] if bn[i] >= ds else int32(-1)
+        hist_add(hist, bn[i], bn[i] >= 0)
     cuda.syncthreads()
+    stamp(5)
     d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
     stamp(6)
     if d < 0:  # block-uniform: the sample ran high; every key counted
         hist[tid] = 0
         cuda.syncthreads()
         for i in range(RN):
+            bn[i] = ubin(u[i], ref) if u[i] >= 0 else int32(-1)
             hist_add(hist, bn[i], bn[i] >= 0)
         cuda.syncthreads()
         d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
@@ -153,19 +177,12 @@ def root_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
             place(lst, hist, u[i], tid + i * NT, bn[i], d)
         cuda.syncthreads()
         stamp(12)
-        if PAIR and total > NT:  # block-uniform
-            v0, r0, v1, r1 = rank_slots(lst, total, ref, scale, hist)
-            if r0 < k:
-                answer(v0, r0, r, first, cnt, capr, held, top, parent, child, code)
-            if 0 <= r1 and r1 < k:
-                answer(v1, r1, r, first, cnt, capr, held, top, parent, child, code)
-        else:
-            for s in range(tid, total, NT):
-                v = lst[s]
-                b = lbin(v >> 31, ref, scale) if scale > 0 else obin(v >> 31, ref)
-                rank = bin_rank(lst, v, b, hist, NB)
-                if rank < k:
-                    answer(v, rank, r, first, cnt, capr, held, top, parent, child, code)
+        for s in range(tid, total, NT):
+            v = lst[s]
+            b = lbin(v >> 31, ref, scale) if scale > 0 else obin(v >> 31, ref)
+            rank = bin_rank(lst, v, b, hist, NB)
+            if rank < k:
+                answer(v, rank, r, first, cnt, capr, held, top, parent, child, code)
     else:  # a crowded bin: radix select over the registers' keys, then a sort of the k
         for i in range(RN):
             u[i] = key_of(u[i], tid + i * NT)

@@ -25,26 +25,20 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 from numba import cuda, float32, int32, int64
 
 from .numba_common import STAMP, stamp
 from .trie_topk_dev import (DIG, HALF, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, bin_rank,
                             hist_add, pick, pick_segments, sort_desc, warp_min_into)
 from .trie_topk_keys import LOW32, MAXC, NEG_INF, bcode, beam_of, bval, ix, okey_float
-from .trie_topk_quad import (KEY_TOP, LIST_N, key_of, lbin, place, radix_count, radix_take,
-                             rebin_scale, relin)
-from .trie_topk_sample import best_okey, obin, rev_okey, ubin
+from .trie_topk_quad import KEY_TOP, LIST_N, key_of, lbin, place, radix_count, radix_take
+from .trie_topk_sample import best_okey, rev_okey, ubin
 
 # STREAMGR_TOPK_ROOT=0: one-beam requests on trie_topk_one / trie_topk_quad (A/B runs)
 ROOT = os.environ.get("STREAMGR_TOPK_ROOT", "1") == "1"
 RN = 8  # candidates a thread (an unrolled loop over register arrays: constant indices only)
 RMAX = RN * NT
-# The picked bins binned again (lbin) where they hold over this many keys: at step 1 at beams of
-# 1,024 (k 1,024) they held ~1,050 keys in ~110 bins, each ranked against ~27 of its bin's (a
-# CPU replay of the benchmark's case); at k 256, ~260 keys against ~6-10.
-# STREAMGR_TOPK_RREBIN sets it (A/B runs; past NT + SEG_MAX: never).
-REBIN_MIN = int(os.environ.get("STREAMGR_TOPK_RREBIN", str(NT // 2)))
-CUT = os.environ.get("STREAMGR_TOPK_RCUT", "1") == "1"
 
 
 def serves(B: int, N: int) -> bool:
@@ -131,46 +125,25 @@ def root_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
     ds, _, _ = pick(hist, NB, ws, scan, res, NT)  # ends synchronized: hist free again
     stamp(3)
     hist[tid] = 0
-    if CUT:  # the cutoff: the smallest sampled okey of the bins from ds up (its bin partly)
-        t = int64(warp_min_into(rev32(us) if us >= 0 and sb >= ds else I32MAX, res, 3)) + HALF
-    else:  # the cutoff: bin ds's first okey (each okey binned)
-        cuda.syncthreads()
-        t = int64(0)
+    # the cutoff: the smallest sampled okey of the bins from ds up (their keys all at or above)
+    t = int64(warp_min_into(rev32(us) if us >= 0 and sb >= ds else I32MAX, res, 3)) + HALF
     stamp(4)
+    # the keys from the cutoff up in NB linear bins of their distance below the best (lbin),
+    # the cutoff's the lowest: the sample has narrowed the range to about the k best, so one
+    # round (no obin round, no second). scale 0 (the cutoff at the best, or at -inf): one bin.
+    dt = ref - okey_float(t)
+    scale = float32(NB) / dt if dt > 0 and dt < float32(np.inf) else float32(0.0)
     if tid == 0:
         res[0] = -1  # stays where the keys from the cutoff up are fewer than k
     for i in range(RN):
-        if CUT:
-            bn[i] = ubin(u[i], ref) if u[i] >= t else int32(-1)
-        else:
-            bn[i] = ubin(u[i], ref) if u[i] >= 0 else int32(-1)
-            bn[i] = bn[i] if bn[i] >= ds else int32(-1)
+        bn[i] = int32(-1) if u[i] < t else lbin(u[i], ref, scale) if scale > 0 else int32(NB - 1)
         hist_add(hist, bn[i], bn[i] >= 0)
     cuda.syncthreads()
     stamp(5)
     d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
     stamp(6)
-    if d < 0:  # block-uniform: the sample ran high; every key counted
-        hist[tid] = 0
-        cuda.syncthreads()
-        for i in range(RN):
-            bn[i] = ubin(u[i], ref) if u[i] >= 0 else int32(-1)
-            hist_add(hist, bn[i], bn[i] >= 0)
-        cuda.syncthreads()
-        d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
-    stamp(9)
-    scale = float32(0.0)  # > 0: the keys binned again, linearly (lbin)
-    if d > 0 and k - need + nd > REBIN_MIN:  # block-uniform
-        scale = rebin_scale(d)
-        for i in range(RN):
-            bn[i] = relin(u[i], bn[i], d, ref, scale)
-        hist[tid] = 0
-        cuda.syncthreads()
-        for i in range(RN):
-            hist_add(hist, bn[i], bn[i] >= 0)
-        cuda.syncthreads()
-        d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
-        stamp(10)
+    if d < 0:  # block-uniform: the sample ran high (far below one in a thousand): the radix
+        big = 1  # select over every key
     total = k - need + nd  # <= k - 1 + SEG_MAX where no bin is crowded
     if big == 0:  # the keys of the bins from d up laid out by bin, ranked by their slots
         for i in range(RN):
@@ -179,7 +152,7 @@ def root_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
         stamp(12)
         for s in range(tid, total, NT):
             v = lst[s]
-            b = lbin(v >> 31, ref, scale) if scale > 0 else obin(v >> 31, ref)
+            b = lbin(v >> 31, ref, scale) if scale > 0 else int32(NB - 1)
             rank = bin_rank(lst, v, b, hist, NB)
             if rank < k:
                 answer(v, rank, r, first, cnt, capr, held, top, parent, child, code)

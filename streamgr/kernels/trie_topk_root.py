@@ -26,13 +26,13 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from numba import cuda, float32, int32, int64, uint32
+from numba import cuda, float32, int32, int64
 
 from .numba_common import STAMP, stamp
 from .trie_topk_dev import (DIG, HALF, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, bin_rank,
                             hist_add, pick, pick_segments, sort_desc, warp_min_into)
 from .trie_topk_keys import LOW32, MAXC, NEG_INF, bcode, beam_of, bval, ix, okey_float
-from .trie_topk_quad import KEY_TOP, LIST_N, key_of, lbin, radix_count, radix_take
+from .trie_topk_quad import KEY_TOP, LIST_N, key_of, lbin, place, radix_count, radix_take
 from .trie_topk_sample import best_okey, rev_okey, ubin
 
 # STREAMGR_TOPK_ROOT=0: one-beam requests on trie_topk_one / trie_topk_quad (A/B runs)
@@ -51,30 +51,6 @@ def pick_of(x, i, sel, v):
     """``v`` where ``i == sel``, else ``x``: a register array's element by a thread-dependent
     index without a local-memory load."""
     return v if i == sel else x
-
-
-@cuda.jit(device=True, inline=True)
-def low_bit(m):
-    """The index of the lowest set bit of ``m`` (uint32, not 0)."""
-    return cuda.popc((m & (~m + uint32(1))) - uint32(1))
-
-
-@cuda.jit(device=True, inline=True)
-def held_key(u, m):
-    """``u[low_bit(m)]``: a register array's element by a thread-dependent index as selects
-    (an indexed load would put the array in local memory)."""
-    i = low_bit(m)
-    x = u[0]
-    for j in range(1, RN):
-        x = u[j] if i == j else x
-    return x
-
-
-@cuda.jit(device=True, inline=True)
-def cbin(u, ref, scale):
-    """The bin of okey ``u`` (at or above the cutoff): linear in its distance below the best
-    ``ref`` (``lbin``), or the top bin where ``scale`` is 0."""
-    return lbin(u, ref, scale) if scale > 0 else int32(NB - 1)
 
 
 @cuda.jit(device=True, inline=True)
@@ -159,15 +135,9 @@ def root_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
     scale = float32(NB) / dt if dt > 0 and dt < float32(np.inf) else float32(0.0)
     if tid == 0:
         res[0] = -1  # stays where the keys from the cutoff up are fewer than k
-    above = uint32(0)  # the thread's keys at or above the cutoff (a bit each, ~1 in 16 set)
     for i in range(RN):
-        if u[i] >= t:
-            above |= uint32(1) << uint32(i)
-    mk = above  # only those binned: a loop over the set bits, not a predicated pass over all
-    while mk != 0:
-        uu = held_key(u, mk)
-        mk &= mk - uint32(1)
-        cuda.atomic.add(hist, cbin(uu, ref, scale), 1)
+        bn[i] = int32(-1) if u[i] < t else lbin(u[i], ref, scale) if scale > 0 else int32(NB - 1)
+        hist_add(hist, bn[i], bn[i] >= 0)
     cuda.syncthreads()
     stamp(5)
     d, need, nd, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
@@ -176,19 +146,14 @@ def root_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
         big = 1  # select over every key
     total = k - need + nd  # <= k - 1 + SEG_MAX where no bin is crowded
     if big == 0:  # the keys of the bins from d up laid out by bin, ranked by their slots
-        mk = above
-        while mk != 0:
-            i = low_bit(mk)
-            uu = held_key(u, mk)
-            mk &= mk - uint32(1)
-            b = cbin(uu, ref, scale)
-            if b >= d:
-                lst[cuda.atomic.add(hist, b, 1)] = key_of(uu, tid + i * NT)
+        for i in range(RN):
+            place(lst, hist, u[i], tid + i * NT, bn[i], d)
         cuda.syncthreads()
         stamp(12)
         for s in range(tid, total, NT):
             v = lst[s]
-            rank = bin_rank(lst, v, cbin(v >> 31, ref, scale), hist, NB)
+            b = lbin(v >> 31, ref, scale) if scale > 0 else int32(NB - 1)
+            rank = bin_rank(lst, v, b, hist, NB)
             if rank < k:
                 answer(v, rank, r, first, cnt, capr, held, top, parent, child, code)
     else:  # a crowded bin: radix select over the registers' keys, then a sort of the k

@@ -383,12 +383,14 @@ ROOT = textwrap.dedent("""
             assert torch.equal(a, b), (what, a, b)
 
     n = 0
-    # (seed, ties, fan-out range, k, dead share): the sample's bins from a few keys up (k 6, a
-    # count past NT's rounds), rebinned (k 24: over REBIN_MIN keys picked), at exactly RN blocks
-    # (256) with k 32, ties (bins ranked), every score equal and a dead beam (a crowded bin:
-    # the radix select over the registers' keys), bf16 logits on the first
-    for seed, ties, fan, k, dead in [(50, False, (90, 110), 6, 0.3), (51, False, (150, 200), 24, 0.0),
-                                     (52, False, (256, 256), 32, 0.0), (53, True, (60, 100), 12, 0.3),
+    # (seed, ties, fan-out range, k, dead share): the linear bins from the cutoff up ranked (k 6,
+    # a count past NT's rounds; 52: exactly RN blocks, 256, k 32), crowded bins (the simulator's
+    # 32 bins crowd at k 24, ties, every score equal, a dead beam: the radix select over the
+    # registers' keys), bf16 logits on the first
+    for seed, ties, fan, k, dead in [(50, False, (90, 110), 6, 0.3),
+                                     (51, False, (150, 200), 24, 0.0),
+                                     (52, False, (256, 256), 32, 0.0),
+                                     (53, True, (60, 100), 12, 0.3),
                                      (54, "const", (40, 70), 20, 0.5)]:
         case = random_case(seed, R=3, B=1, fan=fan, ties=ties, dead=dead)
         F = case[-1]
@@ -416,8 +418,9 @@ ROOT = textwrap.dedent("""
 
 def test_root_kernel_under_the_simulator():
     """``trie_topk_root`` (one beam, over a block of candidates and at most ``RN`` blocks, held
-    in registers) equals the reference: sampled cutoff, linear rebin, a sample that ran high,
-    crowded bins (radix over the registers), dead beams, bf16 logits."""
+    in registers) equals the reference: the linear bins from the sampled cutoff up, a sample
+    that ran high and crowded bins (the radix select over the registers), dead beams, bf16
+    logits."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     p = subprocess.run([sys.executable, "-c", ROOT.format(root=root)], env=env,

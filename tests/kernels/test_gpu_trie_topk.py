@@ -135,10 +135,18 @@ def test_four_candidates_a_thread(R, B, fan, k, const, bf16):
     blocks (4,096) at k 1,024 and 600, every key tied (the radix select over the registers'
     keys), 4,095 candidates at k 513, dead beams."""
     from streamgr.kernels import trie_topk_quad as quad
-    from streamgr.kernels.head_lse import head_log_probs
-    case = list(level(R, B, fan, V=max(fan, 64) * 2, seed=R * 11 + B + fan + k,
-                      dead=0.0 if const else 0.2, uniform=True))
+    case, cap = uniform_case(R, B, fan, k, const, bf16, seed=R * 11 + B + fan + k)
     assert quad.serves(B * case[-1], k)
+    assert_kernels_equal_reference(case, k, cap)
+
+
+def uniform_case(R, B, fan, k, const, bf16, seed):
+    """(case, cap) of ``fan`` children a node: every key tied (``const``, no dead beams) or
+    random with dead beams; bf16 logits read in place (``bf16``); widths from 1 to ``k``, the
+    first request's ``k``."""
+    from streamgr.kernels.head_lse import head_log_probs
+    case = list(level(R, B, fan, V=max(fan, 64) * 2, seed=seed, dead=0.0 if const else 0.2,
+                      uniform=True))
     if const:
         case[0].zero_()
         case[2].fill_(-1.5)
@@ -147,7 +155,7 @@ def test_four_candidates_a_thread(R, B, fan, k, const, bf16):
         case[2] = head_log_probs(lg, lg.shape[1])
     cap = torch.randint(1, k + 1, (R,), device=DEV)
     cap[0] = k
-    assert_kernels_equal_reference(case, k, cap)
+    return case, cap
 
 
 @pytest.mark.parametrize("R,fan,k,const,bf16", [
@@ -160,18 +168,8 @@ def test_one_beam_in_registers(R, fan, k, const, bf16):
     children not a whole number of blocks, one past a block at k 1,024, every key tied (the
     radix select over the registers' keys), k 1, dead beams (the random cases' -inf rows)."""
     from streamgr.kernels import trie_topk_root as root
-    from streamgr.kernels.head_lse import head_log_probs
-    case = list(level(R, 1, fan, V=fan * 2, seed=R * 13 + fan + k, dead=0.0 if const else 0.2,
-                      uniform=True))
+    case, cap = uniform_case(R, 1, fan, k, const, bf16, seed=R * 13 + fan + k)
     assert root.serves(1, case[-1])
-    if const:
-        case[0].zero_()
-        case[2].fill_(-1.5)
-    if bf16:
-        lg = (case[2] * 4).to(torch.bfloat16)
-        case[2] = head_log_probs(lg, lg.shape[1])
-    cap = torch.randint(1, k + 1, (R,), device=DEV)
-    cap[0] = k
     assert_kernels_equal_reference(case, k, cap)
 
 

@@ -167,6 +167,18 @@ ONE_BEAM = [(25, True, 1, (40, 60), 6)]
 QUAD_ANY_K = [(35, False, 12, (3, 3), 5, 2, 0.2, "quad"), (36, True, 9, (4, 6), 3, 2, 0.2, "quad")]
 
 
+def simulate(script: str, cases=None, **env) -> list[str]:
+    """``script`` (formatted with the repository root and ``cases``) run in a process of its own
+    under the CUDA simulator with ``env`` added (the simulator and the A/B settings are read at
+    import); its stdout's words, after asserting it exited 0."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", **env)
+    p = subprocess.run([sys.executable, "-c", script.format(root=root, cases=cases)], env=env,
+                       capture_output=True, text=True, timeout=600, cwd=root)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout.split()
+
+
 @pytest.mark.parametrize("cases,env", [
     (ONE_BLOCK + QUAD, {"STREAMGR_TOPK_OWN": "2"}),
     (GRID + OWN1 + ONE_RADIX + ONE_BEAM, {"STREAMGR_TOPK_OWN": "1", "STREAMGR_TOPK_QUAD": "0",
@@ -176,12 +188,7 @@ QUAD_ANY_K = [(35, False, 12, (3, 3), 5, 2, 0.2, "quad"), (36, True, 9, (4, 6), 
 def test_numba_kernels_under_the_simulator(cases, env):
     """The one-candidate-a-thread, four-a-thread, one-block, grid and merge kernels equal the
     reference on small shapes (a process each: the simulator is set at import)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", **env)
-    p = subprocess.run([sys.executable, "-c", SIM.format(root=root, cases=cases)], env=env,
-                       capture_output=True, text=True, timeout=600, cwd=root)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.split() == ["ok", str(len(cases))]
+    assert simulate(SIM, cases=cases, **env) == ["ok", str(len(cases))]
 
 
 def test_magic_division_is_exact():
@@ -319,12 +326,7 @@ def test_one_beam_scoring_equals_the_general_loop_under_the_simulator():
     ``note_all`` does, and the beam's first child and children, on chunks from a beam's start
     and middle whose lengths take the rounds of eight, of four and the one-a-thread tail (4
     threads here), with fp32 and bf16 log-probabilities and live, mixed and dead beams."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    p = subprocess.run([sys.executable, "-c", NOTE.format(root=root)], env=env,
-                       capture_output=True, text=True, timeout=600, cwd=root)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.split() == ["ok", "36"]
+    assert simulate(NOTE) == ["ok", "36"]
 
 
 CROWD = textwrap.dedent("""
@@ -360,12 +362,7 @@ CROWD = textwrap.dedent("""
 def test_quad_rebin_crowded_under_the_simulator():
     """``trie_topk_quad``'s linear bins can crowd where ``obin``'s did not (keys close below
     the best, the k-th far): there the radix select over the registers' keys answers."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    p = subprocess.run([sys.executable, "-c", CROWD.format(root=root)], env=env,
-                       capture_output=True, text=True, timeout=300, cwd=root)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.split() == ["ok"]
+    assert simulate(CROWD) == ["ok"]
 
 
 ROOT = textwrap.dedent("""
@@ -421,9 +418,4 @@ def test_root_kernel_under_the_simulator():
     in registers) equals the reference: the linear bins from the sampled cutoff up, a sample
     that ran high and crowded bins (the radix select over the registers), dead beams, bf16
     logits."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    p = subprocess.run([sys.executable, "-c", ROOT.format(root=root)], env=env,
-                       capture_output=True, text=True, timeout=600, cwd=root)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.split() == ["ok", "6"]
+    assert simulate(ROOT) == ["ok", "6"]

@@ -10,31 +10,28 @@ their parent beam, child node and code; ranks at or past a request's own width `
 ``-inf``.
 
 Kernels (Numba CUDA, on torch's stream, captured inside the decode plans' CUDA graphs): every
-candidate is a unique int64 key, its score's order-preserving bits then ``MAXC - c``, read
-from the top of the request's score range (``trie_topk_keys``), so no ties are left to break. A
-request of at most a block of candidates (step 3) is one block of one candidate a thread: one
-round of score bins, the keys from the picked bin up ranked in their bins by the threads of
-their slots, each answer read from the candidates' score, child and code held in shared memory
-(``trie_topk_own``). One of up to four blocks of candidates wanting over half a block (step 3
-at beams of 1,024) is one block of four candidates a thread, the okeys in registers: a round of
-those bins, a second of linear bins over the distances from the ``k``-th's bin up, the keys
-there ranked in their bins and answered from each candidate's held child and code
-(``trie_topk_quad``). One beam's children (step 1: the root's), over a block and at most eight,
-are one block of eight candidates a thread in registers, the bins counted from a sampled
-cutoff up (``trie_topk_root``). One of at most ``ONE_MAX`` candidates is one block of one
-launch: keys in
-shared memory, a list of the keys at or above a floor sampled from them (or every key, up to
-``UCAP``), one histogram round over bins of each listed score's distance below the best, then
-the keys of the bins from the ``k``-th up ranked within their bins (or sorted whole where a
-bin is crowded), or radix select by 10-bit digits where the list outgrows a block; decode
-(``trie_topk_one``, ``trie_topk_sample``). A longer one takes a memset and two grid
-launches: each block bins its candidates' scores below the request's best beam score (the last
-block picks the bin of the ``k``-th), then scores them again where a group of 32 reaches that
-bin and appends the keys to a list; the request's last block sorts the list (or radix-selects
-from it) and decodes (``trie_topk_bins``). Where a request splits over a few blocks of at most
-``ONE_MAX`` each (in up to three waves) and ``k`` is at most half a block, one launch instead:
-each block lists its own best keys, and the request's last block selects from that list
-(``trie_topk_merge``).
+candidate is a unique int64 key, its score's order-preserving bits then ``MAXC - c``, read from the
+top of the request's score range (``trie_topk_keys``), so no ties are left to break. A request of at
+most a block of candidates (step 3) is one block of one candidate a thread: one round of score bins,
+the keys from the picked bin up ranked in their bins by the threads of their slots, each answer read
+from the candidates' score, child and code held in shared memory (``trie_topk_own``). One of up to
+four blocks of candidates wanting over half a block (step 3 at beams of 1,024) is one block of four
+candidates a thread, the okeys in registers: a round of those bins, a second of linear bins over the
+distances from the ``k``-th's bin up, the keys there ranked in their bins and answered from each
+candidate's held child and code (``trie_topk_quad``). One beam's children (step 1: the root's), over
+a block and at most eight, are one block of eight candidates a thread in registers, the bins counted
+from a sampled cutoff up (``trie_topk_root``). One of at most ``ONE_MAX`` candidates is one block of
+one launch: keys in shared memory, a list of the keys at or above a floor sampled from them (or
+every key, up to ``UCAP``), one histogram round over bins of each listed score's distance below the
+best, then the keys of the bins from the ``k``-th up ranked within their bins (or sorted whole where
+a bin is crowded), or radix select by 10-bit digits where the list outgrows a block; decode
+(``trie_topk_one``, ``trie_topk_sample``). A longer one takes a memset and two grid launches: each
+block bins its candidates' scores below the request's best beam score (the last block picks the bin
+of the ``k``-th), then scores them again where a group of 32 reaches that bin and appends the keys
+to a list; the request's last block sorts the list (or radix-selects from it) and decodes
+(``trie_topk_bins``). Where a request splits over a few blocks of at most ``ONE_MAX`` each (in up to
+three waves) and ``k`` is at most half a block, one launch instead: each block lists its own best
+keys, and the request's last block selects from that list (``trie_topk_merge``).
 ``NUMBA_ENABLE_CUDASIM=1`` runs the same kernels on the CPU with small sizes, so CI checks their
 logic. The torch reference (``trie_topk_reference``) carries the CPU path.
 """

@@ -2,12 +2,11 @@
 compute): where a request's candidates split over a few blocks of at most ``ONE_MAX`` each, one
 launch whose blocks list their best and whose last block selects from the list
 (``trie_topk_merge``); a request of one beam (a search's first step) of up to eight blocks of
-candidates is one block of eight candidates a thread (``trie_topk_root``); else a request of at
-most a block of candidates is one block of one
-candidate a thread (``trie_topk_own``), one of at most four blocks wanting over half a block
-four candidates a thread (``trie_topk_quad``), one of at most ``ONE_MAX`` one block that bins (or
-radix-selects) first (``trie_topk_one``), a longer one a memset and two grid launches
-(``trie_topk_bins``);
+candidates is one block of eight candidates a thread (``trie_topk_root``); else a request of at most
+a block of candidates is one block of one candidate a thread (``trie_topk_own``), one of at most
+four blocks wanting over half a block four candidates a thread (``trie_topk_quad``), one of at most
+``ONE_MAX`` one block that bins (or radix-selects) first (``trie_topk_one``), a longer one a memset
+and two grid launches (``trie_topk_bins``);
 the keys, scans and sort they share are in ``trie_topk_keys`` and ``trie_topk_dev``.
 
 Imported only when they run: a CUDA device with numba-cuda, or ``NUMBA_ENABLE_CUDASIM=1``.
@@ -53,8 +52,9 @@ def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
     outs = (a(cap.contiguous()), a(top), a(parent), a(child), a(code))
     KP = 1 << max(0, (k - 1).bit_length())
     sa, nd = a(sc), a(nodes.contiguous())
-    merge = None if root_serves(B, N) else tm.plan_for(N, R, k, dev)
-    if root_serves(B, N):
+    root = root_serves(B, N)  # before the merge: under the simulator their sizes overlap
+    merge = None if root else tm.plan_for(N, R, k, dev)
+    if root:
         launch(root_select, (R,), NT)(N, k, KP, F, magic(F), B, sa, nd, *lp, *trie, *outs)
     elif merge is not None:
         tm.run(launch, R, N, k, KP, *merge, F, magic(F), B, sa, nd, lp, trie, outs, dev, a)

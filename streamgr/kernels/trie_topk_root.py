@@ -31,11 +31,11 @@ import numpy as np
 from numba import cuda, float32, int32, int64
 
 from .numba_common import STAMP, stamp
-from .trie_topk_dev import (DIG, HALF, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, bin_rank,
-                            hist_add, pick, pick_segments, sort_desc, warp_min_into)
-from .trie_topk_keys import LOW32, MAXC, NEG_INF, bcode, beam_of, bval, ix, okey_float
+from .trie_topk_dev import (DIG, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, bin_rank, hist_add,
+                            pick, pick_segments, sort_desc)
+from .trie_topk_keys import MAXC, NEG_INF, bcode, beam_of, bval, ix, okey_float
 from .trie_topk_quad import KEY_TOP, LIST_N, key_of, lbin, place, radix_count, radix_take
-from .trie_topk_sample import best_okey, rev_okey, ubin
+from .trie_topk_sample import best_okey, least_okey, okey32, rev_okey, ubin
 
 # STREAMGR_TOPK_ROOT=0: one-beam requests on trie_topk_one / trie_topk_quad (A/B runs)
 ROOT = os.environ.get("STREAMGR_TOPK_ROOT", "1") == "1"
@@ -53,13 +53,6 @@ def pick_of(x, i, sel, v):
     """``v`` where ``i == sel``, else ``x``: a register array's element by a thread-dependent
     index without a local-memory load."""
     return v if i == sel else x
-
-
-@cuda.jit(device=True, inline=True)
-def rev32(u):
-    """Okey ``u`` (unsigned 32-bit, as int64, >= 0) less 2**31 as an int32: ordered as int32s
-    are (``sample_floor``'s form for a shared atomic min)."""
-    return int32((u & LOW32) - HALF)
 
 
 @cuda.jit(device=True, inline=True)
@@ -128,7 +121,7 @@ def root_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
     stamp(3)
     hist[tid] = 0
     # the cutoff: the smallest sampled okey of the bins from ds up (their keys all at or above)
-    t = int64(warp_min_into(rev32(us) if us >= 0 and sb >= ds else I32MAX, res, 3)) + HALF
+    t = least_okey(okey32(us) if us >= 0 and sb >= ds else I32MAX, res)
     stamp(4)
     # the keys from the cutoff up in NB linear bins of their distance below the best (lbin),
     # the cutoff's the lowest: the sample has narrowed the range to about the k best, so one

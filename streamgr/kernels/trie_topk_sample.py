@@ -66,11 +66,26 @@ def ubin(u, ref):
 
 
 @cuda.jit(device=True, inline=True)
+def okey32(u):
+    """Okey ``u`` (unsigned 32-bit, as int64) less 2**31 as an int32: ordered as int32s are,
+    for a shared atomic min (``least_okey``)."""
+    return int32((u & LOW32) - HALF)
+
+
+@cuda.jit(device=True, inline=True)
+def least_okey(m, res):
+    """The block's least okey from each thread's ``okey32`` ``m`` (``I32MAX`` for none): a warp
+    min and one shared atomic into ``res[3]`` (``I32MAX`` on entry, published). Every thread
+    calls it; it ends with one barrier."""
+    return int64(warp_min_into(m, res, 3)) + HALF
+
+
+@cuda.jit(device=True, inline=True)
 def rev_okey(u):
     """Okey ``u`` (unsigned 32-bit, as int64; -1 for none) as an int32 whose block min is the
-    best okey (``best_okey``): unsigned okeys less 2**31 order as int32 do, and ~x reverses an
-    int32 order without overflow; ``I32MAX`` for none."""
-    return ~int32((u & LOW32) - HALF) if u >= 0 else I32MAX
+    best okey (``best_okey``): ~x reverses ``okey32``'s int32 order without overflow;
+    ``I32MAX`` for none."""
+    return ~okey32(u) if u >= 0 else I32MAX
 
 
 @cuda.jit(device=True, inline=True)
@@ -152,8 +167,7 @@ def sample_floor(kx, n, want, ref, hist, scan, res):
     # the floor: the picked bins' smallest sampled okey, by a 32-bit shared atomic min (one
     # barrier; a block min/max's three took step 2 0.0258 -> 0.0252 ms on the H200, session
     # 32); okeys are unsigned 32-bit: less 2**31 they order as int32 do
-    m = int32((int64(x) & LOW32) - HALF) if b >= d else I32MAX
-    return (int64(warp_min_into(m, res, 3)) + HALF)
+    return least_okey(okey32(int64(x)) if b >= d else I32MAX, res)
 
 
 @cuda.jit(device=True, inline=True)

@@ -6,10 +6,12 @@ over a block and at most ``RN`` blocks of candidates: one block of ``NT`` thread
 ``trie_topk_one`` writes every okey to shared memory, samples a floor from them, lists the keys
 above it, bins and ranks the list, and answers each key by reading its code again (``k`` up to
 half a block; a larger ``k`` takes its radix rounds and a sort of the ``k``: step 1 at beams of
-1,024 took 0.0351 ms there on the H200, 0.0134 here; at k 256 0.0118-0.0120 against
-0.0114-0.0118, session 36). Here, as in ``trie_topk_quad``: the beam is read once and each
+1,024 took 0.0351 ms there on the H200, 0.0120 here; at k 256 0.0118-0.0120 against
+0.0099-0.0101, sessions 36-37). Here, as in ``trie_topk_quad``: the beam is read once and each
 thread scores its ``RN`` candidates (eight codes in flight, then their eight
-log-probabilities), keeps their okeys in registers and holds their codes in shared memory
+log-probabilities, every load unpredicated at an index in bounds, the selects after; 32-bit
+indices into a 1-D view of the beam's row: step 1 0.0112-0.0114 -> 0.0099-0.0101 ms, session
+37), keeps their okeys in registers and holds their codes in shared memory
 (int32: the kernels index the log-probabilities by a 32-bit column); the block's best okey is a
 warp min and one shared atomic. One key a thread, spread over the chunk, is a sample: its
 ``obin`` bins give the bin of the sample's scaled ``k``-th key with a margin (as
@@ -28,12 +30,12 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from numba import cuda, float32, int32, int64
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from .numba_common import STAMP, stamp
 from .trie_topk_dev import (DIG, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, bin_rank, hist_add,
                             pick, pick_segments, sort_desc)
-from .trie_topk_keys import MAXC, NEG_INF, bcode, beam_of, bval, ix, okey_float
+from .trie_topk_keys import MAXC, NEG_INF, _float, beam_of, ix, okey, okey_float
 from .trie_topk_quad import KEY_TOP, LIST_N, key_of, lbin, place, radix_count, radix_take
 from .trie_topk_sample import best_okey, least_okey, okey32, rev_okey, ubin
 
@@ -85,13 +87,22 @@ def root_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
     row = ix(r)  # r * B + 0
     m = lse[0, row]
     ls = lse[ix(sh >> 4), row]
+    lrow = logp[row]  # the beam's log-probabilities as a 1-D view: its row offset taken once
+    n32, c32, f32 = uint32(N), uint32(cnt), uint32(first)
     for i in range(RN):  # the codes' loads first, all in flight (as note_beam's round)
-        u[i] = bcode(tid + i * NT, cnt, first, codes)
+        j = uint32(tid) + uint32(i * NT)
+        u[i] = codes[uint64(f32 + j if j < c32 else uint32(0))]
+    # then their log-probabilities' loads, every one in flight: loaded in the loop that uses
+    # them, ptxas issued each after the previous one's use (cuobjdump: eight load-use pairs)
     for i in range(RN):
-        j = tid + i * NT
-        cd = u[i]
-        u[i] = bval(cd, j, cnt, s, row, m, ls, logp, sh, off) if j < N else int64(-1)
-        bn[i] = int32(cd) if j < cnt else int32(0)
+        bn[i] = int32(lrow[ix(uint32(off) + uint32(u[i]))])
+    for i in range(RN):  # the okeys from them: every load unpredicated, the selects after
+        j = uint32(tid) + uint32(i * NT)
+        x = _float(bn[i] << sh)
+        y = s + ((x - m) - ls if sh else x)
+        v = okey(y if j < c32 else NEG_INF)
+        bn[i] = int32(u[i]) if j < c32 else int32(0)
+        u[i] = v if j < n32 else int64(-1)
     stamp(1)
     for i in range(RN):  # held after every load is issued (a shared store would order them)
         if tid + i * NT < N:

@@ -27,6 +27,7 @@ from .trie_topk_dev import HALF, I32MAX, NB, NT, SEG_MAX, append, hist_add, minm
     bin_rank, pick, pick_segments, reserve_slots, sort_desc, sort_span, warp_min_into
 from .numba_common import stamp
 from .trie_topk_keys import LOW32, MAXC, _bits, div_f, note_all, note_beam, okey_float, put_abs
+from .trie_topk_levels import LEVELS, note_levels
 
 # obin's window: 2**OCT bins an octave of the distance below the best score, NB >> OCT octaves
 # centred on 1 (closer is the best bin, farther or -inf the worst). Finer bins hold fewer keys
@@ -139,6 +140,9 @@ def score_chunk(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes
     if BEAM and div_f(c0, FM) == div_f(c0 + n - 1, FM):  # one beam's children (block-uniform)
         lo, hi, beam = note_beam(kx, c0, n, NT, r, F, FM, B, scores, nodes, logp, lse, sh, ptr,
                                  codes, off)
+    elif LEVELS and n > 4 * NT:  # one round of eight a thread, a load level at a time
+        lo, hi = note_levels(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
+                             off)
     else:
         lo, hi = note_all(kx, c0, n, NT, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
                           off)

@@ -187,6 +187,8 @@ assert trie_topk_own.OWN == (os.environ.get("STREAMGR_TOPK_OWN") != "0")
 assert trie_topk_quad.QUAD == os.environ.get("STREAMGR_TOPK_QUAD", "1")
 from streamgr.kernels import trie_topk_root
 assert trie_topk_root.ROOT == (os.environ.get("STREAMGR_TOPK_ROOT") != "0")
+from streamgr.kernels import trie_topk_levels
+assert trie_topk_levels.LEVELS == (os.environ.get("STREAMGR_TOPK_LEVELS") == "1")
 for R, B, fan, k, ties in [(16, 256, 177, 256, False), (1, 256, 8192, 256, False),
                            (2, 1024, 40, 1024, True), (3, 512, 100, 700, False),
                            (16, 256, 3, 256, True), (3, 4, 256, 700, False), (1, 1, 1, 1, False),
@@ -204,7 +206,8 @@ print("ok")
 @pytest.mark.parametrize("name,value", [("STREAMGR_TOPK_SAMPLE", "0"), ("STREAMGR_TOPK_BINS", "0"),
                                         ("STREAMGR_TOPK_MERGE", "0"), ("STREAMGR_TOPK_OWN", "0"),
                                         ("STREAMGR_TOPK_OWN", "1"), ("STREAMGR_TOPK_QUAD", "0"),
-                                        ("STREAMGR_TOPK_QUAD", "2"), ("STREAMGR_TOPK_ROOT", "0")])
+                                        ("STREAMGR_TOPK_QUAD", "2"), ("STREAMGR_TOPK_ROOT", "0"),
+                                        ("STREAMGR_TOPK_LEVELS", "1")])
 def test_kernels_under_their_ab_settings(name, value):
     """The A/B settings (read at import, so each in its own process) keep the reference's
     answers: ``STREAMGR_TOPK_SAMPLE=0`` (no sampled floor: lists of every key, or the radix
@@ -214,8 +217,9 @@ def test_kernels_under_their_ab_settings(name, value):
     one-block path instead of one candidate a thread), ``STREAMGR_TOPK_OWN=1`` (each thread
     ranking its own key and answering from its registers), ``STREAMGR_TOPK_QUAD=0`` (requests
     of up to four blocks wanting over half a block on the one-block path's radix rounds),
-    ``=2`` (four candidates a thread for any ``k``) and ``STREAMGR_TOPK_ROOT=0`` (one beam's
-    children on the one-block path, or four a thread)."""
+    ``=2`` (four candidates a thread for any ``k``), ``STREAMGR_TOPK_ROOT=0`` (one beam's
+    children on the one-block path, or four a thread) and ``STREAMGR_TOPK_LEVELS=1`` (chunks of
+    five to eight blocks scored a load level at a time, ``trie_topk_levels``)."""
     import os
     import subprocess
     import sys

@@ -207,6 +207,15 @@ class GcPauses:
                 f"generation 2: {len(g2)}" + (f" ({', '.join(f'{p:.1f}' for p in g2)} ms)" if g2 else ""))
 
 
+def stage(t0: float, what: str) -> None:
+    """Progress on stderr (a run cut by a time limit still shows where it was)."""
+    print(f"[{time.perf_counter() - t0:7.1f} s] {what}", file=sys.stderr, flush=True)
+
+
+def row(r: dict) -> str:
+    return f"{r['throughput']:.1f} req/s, p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms"
+
+
 def batch_mix(sizes: list[int], max_batch: int) -> tuple[float, float, float] | None:
     """(batches, mean requests a batch, padding share of the plans' rows) from each request's
     batch size: a batch of b requests runs as ``bucket_rows(b)`` rows, the rest padding that
@@ -248,11 +257,14 @@ def main() -> int:
         ov["engine.device"] = args.device
     # The SID trie of a gen-ref-sized catalog (1,000,000 items, 3 x 8,192 codes) from scratch.
     from streamgr.selection.vocabulary import SidTrie, random_catalog
+    t_start = time.perf_counter()
     big = random_catalog(1_000_000, [8192] * 3, 0)
     t = time.perf_counter()
     SidTrie(big, [8192] * 3, 3)
     trie_s = time.perf_counter() - t
+    stage(t_start, f"the 1,000,000-item trie built in {trie_s:.2f} s")
     eng = Engine.from_spec(args.spec, ov)
+    stage(t_start, "engine built")
     pol, runner = eng.spec.policy, eng.gen_runner
     rng = np.random.default_rng(0)
     n_hist = args.history or pol.max_context_items
@@ -263,11 +275,14 @@ def main() -> int:
 
     async def run_all():
         async with eng:
+            stage(t_start, "engine started (on CUDA: its decode plans captured)")
             await asyncio.gather(*(eng.generate(r) for r in reqs[:args.concurrency]))  # warm-up
+            stage(t_start, "warm-up done")
             if args.beam_width:  # the engine's start captured the policy's widths only
                 await asyncio.get_running_loop().run_in_executor(None, warm_plans, eng, reqs[0])
             pauses.__enter__()  # from here: the measured part (after start's gc.freeze)
             split, bsz = await profiled(eng, reqs[:4 * eng.spec.engine.max_batch])
+            stage(t_start, "per-stage split done")
             results = [await eng.generate(r) for r in reqs[:args.hf_requests]]  # for agreement
             sampler = HostSampler() if args.host_profile else contextlib.nullcontext()
             busy0 = eng.stats()["counters"].get("generate_gpu_us", 0)
@@ -277,6 +292,7 @@ def main() -> int:
             if args.host_profile:
                 print(sampler.table(), file=sys.stderr)
             runs = [summarize("closed", recs, wall, errs, {"concurrency": args.concurrency})]
+            stage(t_start, "closed loop: " + row(runs[-1]))
             # The device's busy share of the closed loop (CUDA; the batches' summed spans on
             # their stream): near 100%, the GPU bounds the run; well under, the host does.
             runs[0]["gpu_busy"] = (eng.stats()["counters"].get("generate_gpu_us", 0)
@@ -285,6 +301,7 @@ def main() -> int:
                 recs, wall, errs = await drive(eng.generate, reqs, 0, rate, f"open loop {rate:g}/s",
                                                True, "open")
                 runs.append(summarize("open", recs, wall, errs, {"rate": rate}))
+                stage(t_start, f"open loop {rate:g}/s: " + row(runs[-1]))
                 # The slowest requests, to tell a slow batch (compute) from a queue behind one.
                 slow = sorted(recs, key=lambda r: -r["latency_ms"])[:5]
                 runs[-1]["slowest"] = [{k: r[k] for k in ("index", "latency_ms", "queue_ms",

@@ -111,7 +111,14 @@ def child_of(r, c, F, FM, scores, nodes, ptr, codes):
 def logp_at(logp, row, col, sh, m, ls):
     """The log-probability at ``logp[row, col]`` (raw bits, ``sh`` as in ``cand``; ``m``, ``ls``
     the row's max and log-sum, used where ``sh`` is 16)."""
-    x = _float(int32(logp[row, ix(col)]) << sh)
+    return logp_of(logp[row, ix(col)], sh, m, ls)
+
+
+@cuda.jit(device=True, inline=True)
+def logp_of(bits, sh, m, ls):
+    """``logp_at``'s log-probability from its raw bits already loaded (kernels that issue a
+    round's loads before any of this math)."""
+    x = _float(int32(bits) << sh)
     return (x - m) - ls if sh else x
 
 

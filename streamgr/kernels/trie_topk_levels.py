@@ -25,7 +25,7 @@ import os
 from numba import cuda, float32, int32, uint32
 
 from .trie_topk_dev import NT
-from .trie_topk_keys import NEG_INF, _float, div_f, ix, note, note_end, note_start, okey
+from .trie_topk_keys import NEG_INF, div_f, ix, logp_of, note, note_end, note_start, okey
 
 LEVELS = os.environ.get("STREAMGR_TOPK_LEVELS", "0") == "1"
 LN = 8  # candidates a thread (unrolled loops over register arrays: constant indices only)
@@ -73,8 +73,7 @@ def note_levels(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes
         mq[i] = lse[0, row]
         lq[i] = lse[ix(sh >> 4), row]
     for i in range(LN):  # the okeys (cand's fp32 operations), stored after every load
-        x = _float(int32(bq[i]) << sh)
-        y = sq[i] + ((x - mq[i]) - lq[i] if sh else x)
+        y = sq[i] + logp_of(int32(bq[i]), sh, mq[i], lq[i])
         key = okey(y if aq[i] != NONE else NEG_INF)
         if tid + i * NT < n:
             lo, hi = note(kx, tid + i * NT, key, lo, hi)

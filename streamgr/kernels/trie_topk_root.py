@@ -35,7 +35,7 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 from .numba_common import STAMP, stamp
 from .trie_topk_dev import (DIG, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, bin_rank, hist_add,
                             pick, pick_segments, sort_desc)
-from .trie_topk_keys import MAXC, NEG_INF, _float, beam_of, ix, okey, okey_float
+from .trie_topk_keys import MAXC, NEG_INF, beam_of, ix, logp_of, okey, okey_float
 from .trie_topk_quad import KEY_TOP, LIST_N, key_of, lbin, place, radix_count, radix_take
 from .trie_topk_sample import best_okey, least_okey, okey32, rev_okey, ubin
 
@@ -98,8 +98,7 @@ def root_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
         bn[i] = int32(lrow[ix(uint32(off) + uint32(u[i]))])
     for i in range(RN):  # the okeys from them: every load unpredicated, the selects after
         j = uint32(tid) + uint32(i * NT)
-        x = _float(bn[i] << sh)
-        y = s + ((x - m) - ls if sh else x)
+        y = s + logp_of(bn[i], sh, m, ls)
         v = okey(y if j < c32 else NEG_INF)
         bn[i] = int32(u[i]) if j < c32 else int32(0)
         u[i] = v if j < n32 else int64(-1)

@@ -32,15 +32,10 @@ LN = 8  # candidates a thread (unrolled loops over register arrays: constant ind
 NONE = uint32(0xFFFFFFFF)  # no child
 
 
-def takes(n: int) -> bool:
-    """Chunks of ``n`` candidates scored here: over four rounds of a block, at most eight."""
-    return LEVELS and 4 * NT < n <= LN * NT
-
-
 @cuda.jit(device=True, inline=True)
 def note_levels(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
-    """``note_all`` of candidates ``c0 .. c0 + n - 1`` (``4 * NT < n <= LN * NT``, block-uniform
-    by the caller) into ``kx``: the thread's (smallest real, largest) okey, as ``note_end``'s."""
+    """``note_all`` of candidates ``c0 .. c0 + n - 1`` (``4 * NT < n <= LN * NT``: ``score_chunk``
+    routes such chunks here where ``LEVELS``) into ``kx``: the thread's (smallest real, largest) okey, as ``note_end``'s."""
     tid = cuda.threadIdx.x
     cq = cuda.local.array(LN, uint32)  # the candidate
     sq = cuda.local.array(LN, float32)  # its beam's score

@@ -16,7 +16,7 @@ LEVELS = textwrap.dedent("""
     from streamgr.kernels.numba_common import as_array as a
     from streamgr.kernels.trie_topk_dev import NT
     from streamgr.kernels.trie_topk_numba import _log_probs
-    assert NT == 32 and L.takes(129) and L.takes(256) and not L.takes(128) and not L.takes(257)
+    assert NT == 32 and L.LEVELS and 4 * NT < 129 and 256 <= L.LN * NT  # the chunks below
 
     @cuda.jit
     def both(out, kxs, c0, n, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):

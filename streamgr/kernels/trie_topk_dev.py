@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from numba import cuda, int32, int64
+from numba import cuda, uint64, int32, int64
 
 from .trie_topk import SIMULATED
 from .trie_topk_keys import LOW32, tkey
@@ -279,7 +279,7 @@ def bin_rank(keys, v, b, cur, nbins):
     s = int64(cur[b + 1]) if b < nbins - 1 else int64(0)
     rank = s
     for j in range(s, int64(cur[b])):
-        if keys[j] > v:
+        if keys[uint64(j)] > v:
             rank += 1
     return rank
 

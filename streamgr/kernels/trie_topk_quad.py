@@ -128,11 +128,12 @@ def answer(v, rank, r, FM, capr, held, top, parent, child, code):
     """The answer of rank ``rank`` from its key ``v`` and the held (child + 1, code); ``capr``
     the request's width."""
     c = MAXC - (v & MAXC)
-    p = held[c]
-    top[r, rank] = okey_float(v >> 31) if rank < capr else NEG_INF
-    parent[r, rank] = div_f(c, FM)
-    child[r, rank] = (p >> 32) - 1 if p != 0 else int64(0)
-    code[r, rank] = p & LOW32
+    p = held[ix(c)]
+    rr, kk = ix(r), ix(rank)  # unsigned: no negative-index wraparound selects a store
+    top[rr, kk] = okey_float(v >> 31) if rank < capr else NEG_INF
+    parent[rr, kk] = div_f(c, FM)
+    child[rr, kk] = (p >> 32) - 1 if p != 0 else int64(0)
+    code[rr, kk] = p & LOW32
 
 
 @cuda.jit(device=True, inline=True)

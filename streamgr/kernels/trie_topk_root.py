@@ -62,10 +62,11 @@ def answer(v, rank, r, first, cnt, capr, held, top, parent, child, code):
     """The answer of rank ``rank`` from its key ``v`` (candidate c: the beam's child slot c) and
     the held code; ``capr`` the request's width."""
     c = MAXC - (v & MAXC)
-    top[r, rank] = okey_float(v >> 31) if rank < capr else NEG_INF
-    parent[r, rank] = 0
-    child[r, rank] = first + c if c < cnt else int64(0)
-    code[r, rank] = held[c]
+    rr, kk = ix(r), ix(rank)  # unsigned: no negative-index wraparound selects a store
+    top[rr, kk] = okey_float(v >> 31) if rank < capr else NEG_INF
+    parent[rr, kk] = 0
+    child[rr, kk] = first + c if c < cnt else int64(0)
+    code[rr, kk] = held[ix(c)]
 
 
 @cuda.jit(**JIT_NT)

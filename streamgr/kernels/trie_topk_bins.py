@@ -29,6 +29,7 @@ import functools
 import torch
 from numba import cuda, float32, int32, int64
 
+from .kernel_cache import cached
 from .trie_topk import SIMULATED
 from .trie_topk_dev import (BIG, DIG, FULL, JIT_NT, NB, NT, NW, RED_N, SCAN_N, append,
                             bit_length, collect, hist_add, minmax, pick, radix, sort_desc,
@@ -98,6 +99,7 @@ def _count(hist, gm, r, i, end, g):
         gm[r, i >> 5] = v
 
 
+@cached
 @cuda.jit(**JIT_NT)
 def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws, gm):
     r = cuda.blockIdx.y
@@ -168,6 +170,7 @@ def _route(sure, buf, ws, r, x, c, ok, ref, d, all_in):
     append(buf[r], ws[r], NBUF, v, ok and g == d and not all_in)
 
 
+@cached
 @cuda.jit(**JIT_NT)
 def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws, gm,
                sure, buf, cap, top, parent, child, code):

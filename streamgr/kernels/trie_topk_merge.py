@@ -34,6 +34,7 @@ import os
 import torch
 from numba import cuda, int32, int64
 
+from .kernel_cache import cached
 from .numba_common import STAMP, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_bins import MAXK, SMS_SIM, sm_count
@@ -152,6 +153,7 @@ def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr):
     return want
 
 
+@cached
 @cuda.jit(**JIT_NT)
 def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws, ul,
                  cap, top, parent, child, code):

@@ -21,6 +21,7 @@ import os
 
 from numba import cuda, int32, int64
 
+from .kernel_cache import cached
 from .numba_common import STAMP, stamp
 from .trie_topk_dev import BIG, DIG, JIT_NT, NT, RED_N, SCAN_N, bit_length, collect, radix, sort_desc
 from .trie_topk_keys import KEY_NEG_INF, decode, okey_float
@@ -30,6 +31,7 @@ from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, hold, list_abo
 BINS = os.environ.get("STREAMGR_TOPK_BINS", "1") == "1"  # 0: radix rounds only (A/B runs)
 
 
+@cached
 @cuda.jit(**JIT_NT)
 def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
                child, code):

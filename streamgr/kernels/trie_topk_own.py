@@ -28,6 +28,7 @@ import os
 
 from numba import cuda, float32, int32, int64
 
+from .kernel_cache import cached
 from .numba_common import STAMP, stamp
 from .trie_topk_dev import (I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, append, bin_rank,
                             pick_segments, sort_desc, sort_span, hist_add)
@@ -46,6 +47,7 @@ HELD_N = NT if COMPACT else 1  # the candidates' answers in shared memory (a lit
 RANK_N = 1 if COMPACT else NT  # the sorted ranks handed to their candidates' threads (mode 1)
 
 
+@cached
 @cuda.jit(**JIT_NT)
 def own_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
                parent, child, code):

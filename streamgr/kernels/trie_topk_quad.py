@@ -25,6 +25,7 @@ import os
 
 from numba import cuda, float32, int32, int64, uint32
 
+from .kernel_cache import cached
 from .numba_common import STAMP, stamp
 from .trie_topk_dev import (DIG, DM, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, append, bin_rank,
                             hist_add, pick, pick_segments, sort_desc)
@@ -150,6 +151,7 @@ def radix_take(lst, ctr, v, prefix, shift):
     append(lst, ctr, 0, v, v >= 0 and (v >> shift) >= (prefix >> shift))
 
 
+@cached
 @cuda.jit(**JIT_NT)
 def quad_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
                 parent, child, code):

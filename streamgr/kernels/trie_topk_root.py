@@ -32,6 +32,7 @@ import os
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
 
+from .kernel_cache import cached
 from .numba_common import STAMP, stamp
 from .trie_topk_dev import (DIG, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, bin_rank, hist_add,
                             pick, pick_segments, sort_desc)
@@ -69,6 +70,7 @@ def answer(v, rank, r, first, cnt, capr, held, top, parent, child, code):
     code[rr, kk] = held[ix(c)]
 
 
+@cached
 @cuda.jit(**JIT_NT)
 def root_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top,
                 parent, child, code):

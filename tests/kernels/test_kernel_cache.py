@@ -34,46 +34,50 @@ def test_stamp_moves_with_sources_and_settings_only(tmp_path):
     assert kc.stamp([a, b], env) != base
 
 
-def _kernel_caches(**env) -> dict:
-    """Each selection kernel's cache class and path, from a fresh interpreter with ``env``."""
-    script = textwrap.dedent("""
-        import json
-        from streamgr.kernels import trie_topk_numba as n, trie_topk_bins as b
-        from streamgr.kernels import trie_topk_merge as m, trie_topk_one as o
-        from streamgr.kernels import trie_topk_own as w, trie_topk_quad as q
-        from streamgr.kernels import trie_topk_root as r, kernel_cache as kc
-        ks = [r.root_select, q.quad_select, w.own_select, o.one_select, m.merge_select,
-              b.bin_hist, b.bin_select]
-        out = {}
-        for i, k in enumerate(ks):
-            c = getattr(k, "_cache", None)
-            out[str(i)] = [type(c).__name__ if c is not None else None,
-                                                    getattr(c, "_cache_path", None)]
-        print(json.dumps({"kernels": out, "stamp": kc.current_stamp()}))
-    """)
-    full = {**os.environ, "PYTHONPATH": ROOT, **env}
-    for k in [k for k, v in env.items() if v is None]:
-        full.pop(k)
-    p = subprocess.run([sys.executable, "-c", script], env=full, capture_output=True, text=True,
+WIRING = textwrap.dedent("""
+    import json
+    from streamgr.kernels import trie_topk_numba as n, trie_topk_bins as b
+    from streamgr.kernels import trie_topk_merge as m, trie_topk_one as o
+    from streamgr.kernels import trie_topk_own as w, trie_topk_quad as q
+    from streamgr.kernels import trie_topk_root as r, kernel_cache as kc
+    ks = [r.root_select, q.quad_select, w.own_select, o.one_select, m.merge_select,
+          b.bin_hist, b.bin_select]
+    print(json.dumps({"kernels": [[type(k._cache).__name__, k._cache._cache_path] for k in ks],
+                      "stamp": kc.current_stamp()}))
+""")
+
+
+def test_every_selection_kernel_takes_the_cache_where_it_is_set(tmp_path):
+    """Set at import (a process of its own): each selection kernel's overloads go to
+    ``<root>/<stamp>``, and nothing is written until one compiles."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env.update(PYTHONPATH=ROOT, STREAMGR_KERNEL_CACHE=str(tmp_path))
+    p = subprocess.run([sys.executable, "-c", WIRING], env=env, capture_output=True, text=True,
                        timeout=120, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    on = json.loads(p.stdout.strip().splitlines()[-1])
+    assert on["kernels"] == [["KernelCache", os.path.join(str(tmp_path), on["stamp"])]] * 7
+    assert not any(tmp_path.iterdir())
 
 
-def test_kernels_take_the_cache_only_where_it_is_set(tmp_path):
-    on = _kernel_caches(STREAMGR_KERNEL_CACHE=str(tmp_path), NUMBA_ENABLE_CUDASIM=None)
-    assert len(on["kernels"]) == 7
-    for name, (cls, path) in on["kernels"].items():
-        assert cls == "KernelCache", name
-        assert path == os.path.join(str(tmp_path), on["stamp"]), name
-    assert not any(tmp_path.iterdir())  # nothing written until a kernel compiles
-    off = _kernel_caches(STREAMGR_KERNEL_CACHE=None, NUMBA_ENABLE_CUDASIM=None)
-    assert {cls for cls, _ in off["kernels"].values()} == {"NullCache"}
-    lev = _kernel_caches(STREAMGR_KERNEL_CACHE=str(tmp_path), STREAMGR_TOPK_LEVELS="1",
-                         NUMBA_ENABLE_CUDASIM=None)
-    assert lev["stamp"] != on["stamp"]  # a setting read at import: another directory
-    sim = _kernel_caches(STREAMGR_KERNEL_CACHE=str(tmp_path), NUMBA_ENABLE_CUDASIM="1")
-    assert {cls for cls, _ in sim["kernels"].values()} == {None}  # the simulator's kernels
+def test_unset_or_simulated_leaves_a_kernel_as_it_is(tmp_path, monkeypatch):
+    from numba import cuda
+
+    def k(a):
+        a[0] = 1
+
+    monkeypatch.delenv(kc.ENV, raising=False)
+    monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
+    plain = kc.cached(cuda.jit(k))
+    assert type(plain._cache).__name__ == "NullCache"
+    monkeypatch.setenv(kc.ENV, str(tmp_path))
+    monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "1")
+    sim = cuda.jit(k)
+    assert kc.cached(sim) is sim and type(sim._cache).__name__ == "NullCache"
+    monkeypatch.delenv("NUMBA_ENABLE_CUDASIM")
+    on = kc.cached(cuda.jit(k))
+    assert type(on._cache).__name__ == "KernelCache"
+    assert on._cache._cache_path == os.path.join(str(tmp_path), kc.current_stamp())
 
 
 GPU_RUN = textwrap.dedent("""

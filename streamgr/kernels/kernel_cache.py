@@ -57,8 +57,9 @@ def current_stamp() -> str:
     return stamp(sorted(KERNELS.glob("*.py")), dict(os.environ))
 
 
+@lru_cache(maxsize=1)
 def _classes():
-    """The cache classes, built on first use (numba-cuda's caching module is private API)."""
+    """The cache class, built once on first use (numba-cuda's caching module is private API)."""
     from numba.cuda.core.caching import _CacheLocator
     from numba.cuda.dispatcher import CUDACache, CUDACacheImpl
 

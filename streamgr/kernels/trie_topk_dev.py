@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from numba import cuda, uint64, int32, int64
+from numba import cuda, int32, int64, uint64
 
 from .trie_topk import SIMULATED
 from .trie_topk_keys import LOW32, tkey

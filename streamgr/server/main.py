@@ -11,6 +11,7 @@ import asyncio
 import inspect
 import logging
 import signal
+import time
 
 from ..engine import Engine
 from ..errors import StreamgrError
@@ -79,9 +80,14 @@ async def serve(spec, overrides=None, host: str = "127.0.0.1", port: int | None 
         engine = Engine.from_spec(spec, overrides)
         log_startup(engine)
     # Or an engine-shaped one built by the caller (a Ray Serve application: `serve --ray`).
+    # On a GPU the start captures the decode plans and compiles the selection kernels: minutes
+    # where they are not in STREAMGR_KERNEL_CACHE, so the log says so before and after.
+    t0 = time.monotonic()
+    log.info("starting the engine (plans and kernels are built now)")
     started = engine.start()
     if inspect.isawaitable(started):
         await started
+    log.info("engine started in %.1f s", time.monotonic() - t0)
     server = Server(engine, limits, token, access_log=access_log, admin_token=admin_token)
     addrs = await server.start(host, port, unix)
     metrics = None

@@ -119,4 +119,5 @@ def test_logs_startup_access_and_auth_failures_and_health(tmp_path):
     err = proc.stderr.read()
     assert re.search(r"spec rank-small on cpu \(cpu, float32\): \{.*\"max_history\":64", err), err
     assert "auth failure from" in err and "wrong token" in err
+    assert re.search(r"starting the engine .*\n(.*\n)*.*engine started in [\d.]+ s", err), err
     assert re.search(r"streamgr.access: .* rank id=5 user=77 ok [\d.]+ ms", err), err

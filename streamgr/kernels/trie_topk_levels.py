@@ -35,7 +35,8 @@ NONE = uint32(0xFFFFFFFF)  # no child
 @cuda.jit(device=True, inline=True)
 def note_levels(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
     """``note_all`` of candidates ``c0 .. c0 + n - 1`` (``4 * NT < n <= LN * NT``: ``score_chunk``
-    routes such chunks here where ``LEVELS``) into ``kx``: the thread's (smallest real, largest) okey, as ``note_end``'s."""
+    routes such chunks here where ``LEVELS``) into ``kx``: the thread's (smallest real, largest)
+    okey, as ``note_end``'s."""
     tid = cuda.threadIdx.x
     cq = cuda.local.array(LN, uint32)  # the candidate
     sq = cuda.local.array(LN, float32)  # its beam's score

@@ -59,6 +59,13 @@ def pick_of(x, i, sel, v):
 
 
 @cuda.jit(device=True, inline=True)
+def cbin(u, ref, scale):
+    """The bin of okey ``u`` (at or above the cutoff): linear in its distance below the best
+    ``ref`` (``lbin``), or the top bin where ``scale`` is 0 (every such key equal)."""
+    return lbin(u, ref, scale) if scale > 0 else int32(NB - 1)
+
+
+@cuda.jit(device=True, inline=True)
 def answer(v, rank, r, first, cnt, capr, held, top, parent, child, code):
     """The answer of rank ``rank`` from its key ``v`` (candidate c: the beam's child slot c) and
     the held code; ``capr`` the request's width."""
@@ -144,7 +151,7 @@ def root_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
     if tid == 0:
         res[0] = -1  # stays where the keys from the cutoff up are fewer than k
     for i in range(RN):
-        bn[i] = int32(-1) if u[i] < t else lbin(u[i], ref, scale) if scale > 0 else int32(NB - 1)
+        bn[i] = int32(-1) if u[i] < t else cbin(u[i], ref, scale)
         hist_add(hist, bn[i], bn[i] >= 0)
     cuda.syncthreads()
     stamp(5)
@@ -160,8 +167,7 @@ def root_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
         stamp(12)
         for s in range(tid, total, NT):
             v = lst[s]
-            b = lbin(v >> 31, ref, scale) if scale > 0 else int32(NB - 1)
-            rank = bin_rank(lst, v, b, hist, NB)
+            rank = bin_rank(lst, v, cbin(v >> 31, ref, scale), hist, NB)
             if rank < k:
                 answer(v, rank, r, first, cnt, capr, held, top, parent, child, code)
     else:  # a crowded bin: radix select over the registers' keys, then a sort of the k

@@ -18,7 +18,7 @@ import torch
 from numba import cuda, float32, int64
 
 from .numba_common import as_array as _arr
-from .numba_common import lane_sum, torch_stream
+from .numba_common import INLINE, lane_sum, torch_stream
 from .numba_common import pack as _pack
 from .numba_common import quad_bf as _bf
 from .decoder_attention import SIMULATED
@@ -40,7 +40,7 @@ SLOTS = 2 * ROWS  # rows per block (a shared-memory shape must be a literal cons
 _row_sum = lane_sum(HALF)  # a row's 16 lanes
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def _dot4(a, b):
     return _bf(a, 0) * _bf(b, 0) + _bf(a, 1) * _bf(b, 1) + _bf(a, 2) * _bf(b, 2) \
         + _bf(a, 3) * _bf(b, 3)

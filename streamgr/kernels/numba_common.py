@@ -17,6 +17,12 @@ from numba import cuda, int32, int64
 
 from .decoder_attention import SIMULATED
 
+# Device functions are inlined by LLVM (``forceinline``: NVVM's alwaysinline), not in Numba's IR
+# (``inline="always"``, what ``inline=True`` means): the IR inliner deep-copies a callee's IR at
+# every call site, and merge_select took 105 s to compile that way against 13 s this way (CPU,
+# session 39). The simulator's ``cuda.jit`` takes no ``forceinline``.
+INLINE = {} if SIMULATED else {"forceinline": True}
+
 
 # STREAMGR_NUMBA_STAMP=<device address of an int64 buffer>: kernels that call ``stamp`` write
 # thread 0's SM clock at their phase boundaries there (tools/probe_topk.py --timeline); unset
@@ -51,33 +57,33 @@ if SIMULATED:
 else:
     from numba.cuda import libdevice
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, **INLINE)
     def as_float(bits):
         return libdevice.int_as_float(int32(bits))
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, **INLINE)
     def as_bits(x):
         return int64(libdevice.float_as_int(x)) & 0xFFFFFFFF
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, **INLINE)
     def rsqrt(x):
         return libdevice.rsqrtf(x)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def bf16(x):  # fp32 -> bf16 bits, round to nearest even (finite inputs)
     u = as_bits(x)
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def pack(a, b):
     """Two fp32 as the int32 of their bf16 pair (``a`` the low half)."""
     v = (bf16(b) << 16) | bf16(a)
     return int32(v - (1 << 32) if v >= (1 << 31) else v)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def quad_bf(quad, k):  # the k-th bf16 of a 64-bit quad (little-endian), as fp32
     if k == 0:
         return as_float((int64(quad) & 0xFFFF) << 16)
@@ -105,7 +111,7 @@ def lane_sum(width: int):
             return out
         return total
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, **INLINE)
     def total(x, red, r, lane):  # a butterfly: every lane of the row gets the sum
         w = width // 2
         while w > 0:
@@ -116,7 +122,7 @@ def lane_sum(width: int):
 
 
 if STAMP == 0:
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, **INLINE)
     def stamp(slot):
         """Thread 0's SM clock (``%clock64``) into the stamp buffer's ``slot`` (1-12) for its
         block, where ``STREAMGR_NUMBA_STAMP`` names one: slot 14 (the kernel's start) and 15
@@ -148,7 +154,7 @@ else:
             return context.get_dummy_value()
         return types.void(addr, val), codegen
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, **INLINE)
     def stamp(slot):
         if cuda.threadIdx.x == 0:
             blk = int64(cuda.blockIdx.y) * cuda.gridDim.x + cuda.blockIdx.x

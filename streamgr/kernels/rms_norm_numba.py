@@ -18,7 +18,8 @@ import math
 import torch
 from numba import cuda, float32, int64
 
-from .numba_common import SIMULATED, as_array, bf16, lane_sum, quad_bf, rsqrt, torch_stream
+from .numba_common import (INLINE, SIMULATED, as_array, bf16, lane_sum, quad_bf, rsqrt,
+                           torch_stream)
 
 TPB = 64 if SIMULATED else 256
 WARPS = TPB // 32  # rows per block
@@ -27,7 +28,7 @@ _JIT = {} if SIMULATED else {"max_registers": 64}  # 8 quads a lane: 62, no spil
 _warp_sum = lane_sum(32)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def _quad(a, b, c, d):
     """Four fp32 as the int64 of their bf16 quad (``a`` the lowest bits)."""
     hi = bf16(d)

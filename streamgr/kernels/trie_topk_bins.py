@@ -36,6 +36,7 @@ from .trie_topk_dev import (BIG, DIG, FULL, JIT_NT, NB, NT, NW, RED_N, SCAN_N, a
                             sort_span)
 from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, _bits, _float, cand, decode, okey,
                              okey_float)
+from .numba_common import INLINE
 
 GBITS = 8 if SIMULATED else 12  # bins of bin_hist: 16 KiB of shared counters on the GPU
 GB = 1 << GBITS
@@ -49,7 +50,7 @@ SMS_SIM = 4  # the simulator's "SMs" (blocks a wave)
 VOTE_N = 32 if SIMULATED else 1  # ballot's scratch (the simulator's only)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def last_block(ws, r, col, flag):
     """True in the request's last block to get here (after its global adds are fenced)."""
     cuda.threadfence()
@@ -60,7 +61,7 @@ def last_block(ws, r, col, flag):
     return flag[0]
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def best_beam(scores, r, B, red):
     """The request's best beam score (0 where every beam is dead): the bins' reference."""
     hi = int64(-1)
@@ -70,19 +71,19 @@ def best_beam(scores, r, B, red):
     return okey_float(hi) if hi > KEY_NEG_INF else float32(0.0)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def gbin(x, ref):
     """The bin of score ``x`` (higher bins hold higher scores)."""
     return int32(okey(x - ref) >> GSHIFT)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def score(r, i, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
     v, _, _ = cand(r, min(i, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
     return v
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def _count(hist, gm, r, i, end, g):
     """Candidate i's bin ``g`` into the block's histogram, and the highest bin of its group of
     32 (a warp's lanes: i's low five bits) into ``gm``; every lane calls it."""
@@ -144,7 +145,7 @@ def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, 
         ws[r, REF] = _bits(ref)  # bin_select bins by the same reference, bit for bit
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def ballot(pred, vote):
     """The warp's lanes whose ``pred`` holds, as bits; every lane calls it. The simulator has no
     ballot: there a block is one warp, and ``vote`` (shared) gathers the lanes' votes."""
@@ -161,7 +162,7 @@ def ballot(pred, vote):
     return int64(cuda.ballot_sync(FULL, pred)) & LOW32
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def _route(sure, buf, ws, r, x, c, ok, ref, d, all_in):
     """Candidate c's key to ``sure`` (its bin above D) or ``buf`` (in D); every lane calls it."""
     g = gbin(x, ref)

@@ -19,6 +19,7 @@ from numba import cuda, int32, int64, uint64
 
 from .trie_topk import SIMULATED
 from .trie_topk_keys import LOW32, tkey
+from .numba_common import INLINE
 
 NT, DIG = (32, 5) if SIMULATED else (1024, 10)  # threads of a select block; digit bits
 NB = 1 << DIG  # bins; NT threads a block (a bin each in the grid passes)
@@ -44,12 +45,12 @@ JIT = {} if SIMULATED else {"lineinfo": os.environ.get("STREAMGR_NUMBA_LINEINFO"
 # fails: Numba sets no launch bounds, and a strided (unaligned) view's indexing took more.
 JIT_NT = JIT if SIMULATED else dict(JIT, max_registers=65536 // NT)
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def lane_mask_lt(lane):
     return (int64(1) << lane) - 1
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def minmax(lo, hi, red):
     """Block-wide (min, max) of the threads' ``lo`` and ``hi``, returned to every thread;
     ``red``: RED_N shared int64. Each warp reduces by shuffles, warp 0 reduces the warps'
@@ -93,7 +94,7 @@ def minmax(lo, hi, red):
     return lo, hi
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def hist_add(hist, bin_, take):
     """hist[bin_] += 1 where ``take``; every lane of the warp calls it (uniform loops)."""
     if SIMULATED or not MATCH:
@@ -107,7 +108,7 @@ def hist_add(hist, bin_, take):
         cuda.atomic.add(hist, bin_, cuda.popc(peers))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def append(out, ctr, at, v, take):
     """out[ctr[at]++] = v where ``take``, one atomic per warp; every lane calls it. ``ctr``:
     a global int64 array or a shared int32 one (ptxas makes a 64-bit shared atomic add a
@@ -132,7 +133,7 @@ def append(out, ctr, at, v, take):
     return int64(-1)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def warp_min_into(m, cell, at):
     """The block-wide min of the threads' int32 ``m``, returned to every thread: each warp's by
     shuffles, then one shared atomic a warp into ``cell[at]`` (``I32MAX`` on entry, published).
@@ -148,7 +149,7 @@ def warp_min_into(m, cell, at):
     return cell[at]
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def reserve_slots(c, ctr):
     """The first of this thread's ``c`` slots of a list counted at ``ctr[0]`` (shared int32):
     the warp's lanes in order, one atomic a warp, no block barrier (the list's order across
@@ -167,7 +168,7 @@ def reserve_slots(c, ctr):
     return int64(base) + int64(x) - int64(c)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def block_scan(x, scan, nt):
     """(inclusive prefix sum of ``x`` over threads ``0 .. nt-1``, their total), the total to
     every thread (``nt`` a multiple of 32 on the GPU; the others pass the barriers only).
@@ -211,7 +212,7 @@ def block_scan(x, scan, nt):
     return out, total
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def pick(hist, nbins, want, scan, res, nt):
     """The bin holding the ``want``-th highest key of ``hist[:nbins]`` (shared): (bin, how
     many of its keys are still wanted, its count). Threads ``t < nt`` own ``nbins // nt`` bins
@@ -238,7 +239,7 @@ def pick(hist, nbins, want, scan, res, nt):
     return int64(res[0]), int64(res[1]), int64(res[2])
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def pick_segments(cnt, nbins, want, seg_max, scan, res):
     """``pick`` over the counts ``cnt[b]`` (``b < nbins``, shared) that also lays the bins out
     best first for ranking: ``cnt[b]`` becomes the keys in bins above ``b`` (a thread reads its
@@ -271,7 +272,7 @@ def pick_segments(cnt, nbins, want, seg_max, scan, res):
     return int64(res[0]), int64(res[1]), int64(res[2]), res[3]
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def bin_rank(keys, v, b, cur, nbins):
     """The rank of key ``v`` of bin ``b`` in ``keys`` laid out by bin (``cur[b]``: bin b's
     segment end, the next lower bin's start): the keys of the bins above and the (distinct)
@@ -284,7 +285,7 @@ def bin_rank(keys, v, b, cur, nbins):
     return rank
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def getkey(k32, k64, mode, i, tmin):
     """Key i of a list: mode 0, ``k32[i]`` an okey (int32 bits) of candidate i; else ``k64[i]``."""
     if mode == 0:
@@ -292,7 +293,7 @@ def getkey(k32, k64, mode, i, tmin):
     return k64[i]
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def radix(k32, k64, mode, cnt, tmin, want, prefix, fixed, shift, hist, scan, res, nt):
     """Radix select over the keys of a list whose bits at and above ``fixed`` equal
     ``prefix``'s (others are skipped): digits from ``shift`` down until a bin holds exactly the
@@ -325,7 +326,7 @@ def radix(k32, k64, mode, cnt, tmin, want, prefix, fixed, shift, hist, scan, res
         shift = shift - DIG if shift > DIG else 0
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def collect(k32, k64, mode, cnt, tmin, prefix, fixed, shift, out, ctr):
     """Append the list's keys that match ``prefix`` at ``fixed`` and reach it from ``shift``
     up (``radix``'s answer) to ``out`` at ``ctr[0]``, with every thread of the block. Ends
@@ -340,7 +341,7 @@ def collect(k32, k64, mode, cnt, tmin, prefix, fixed, shift, out, ctr):
     cuda.syncthreads()
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def sort_desc(srt, KP):
     """Bitonic sort of ``srt[:KP]`` (shared int64, KP a power of two <= the block) descending:
     one key
@@ -378,13 +379,13 @@ if SIMULATED:  # the simulator's clz counts over 32 bits only
     def bit_length(x):
         return int(x).bit_length()
 else:
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, **INLINE)
     def bit_length(x):
         """Bits of a non-negative int64."""
         return 64 - cuda.clz(x)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def sort_span(total, KP):
     """The keys ``sort_desc`` takes to sort ``total`` listed keys whole (padded with 0, below
     every key): the power of two at or above ``total``, at least ``KP``."""

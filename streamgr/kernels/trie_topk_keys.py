@@ -22,6 +22,7 @@ import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
 
 from .trie_topk import SIMULATED
+from .numba_common import INLINE
 
 MAXC = int64(0x7FFFFFFF)  # candidate indices below 2**31
 LOW32 = int64(0xFFFFFFFF)
@@ -42,16 +43,16 @@ if SIMULATED:
 else:
     from numba.cuda import libdevice
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, **INLINE)
     def _bits(x):
         return libdevice.float_as_int(x)
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, **INLINE)
     def _float(bits):
         return libdevice.int_as_float(bits)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def okey(val):
     """The fp32 score's order-preserving 32 bits as an int64 (-0.0 as +0.0: they tie), computed
     in 32 bits."""
@@ -59,28 +60,28 @@ def okey(val):
     return int64(uint32(b ^ int32(-1)) if b < 0 else uint32(uint32(b) | uint32(0x80000000)))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def okey_float(u):
     """The fp32 value of the order-preserving bits ``u`` (``okey``'s inverse)."""
     b = (u ^ int64(0x80000000)) if u >= int64(0x80000000) else (LOW32 ^ u)
     return _float(int32(b - (int64(1) << 32) if b >= (int64(1) << 31) else b))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def tkey(key32, c, tmin):
     """Candidate c's key from its okey and the request's smallest real okey."""
     t = key32 - tmin + 1 if key32 >= tmin else int64(0)
     return (t << 31) | (MAXC - c)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def ix(x):
     """An index below 2**32 as the unsigned 64 bits an array takes: zero-extended from 32, so
     the arithmetic that made it can stay 32-bit and no negative-index wraparound is emitted."""
     return uint64(uint32(x))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def beam_of(r, c, F, FM, scores, nodes, ptr):
     """Candidate c's beam ``b``, its child slot ``j``, the beam's score, first child and number
     of children (0 where the beam is dead). Indices are 32-bit (a request's candidates, the
@@ -97,7 +98,7 @@ def beam_of(r, c, F, FM, scores, nodes, ptr):
     return b, int64(j), s, int64(first), int64(cnt)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def child_of(r, c, F, FM, scores, nodes, ptr, codes):
     """Candidate c's (beam, the beam's score, whether it is a child, child node, code): child
     node and code 0 where it is not, every load at a valid index."""
@@ -107,14 +108,14 @@ def child_of(r, c, F, FM, scores, nodes, ptr, codes):
     return b, s, real, int64(ch), int64(codes[ix(ch)])
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def logp_at(logp, row, col, sh, m, ls):
     """The log-probability at ``logp[row, col]`` (raw bits, ``sh`` as in ``cand``; ``m``, ``ls``
     the row's max and log-sum, used where ``sh`` is 16)."""
     return logp_of(logp[row, ix(col)], sh, m, ls)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def logp_of(bits, sh, m, ls):
     """``logp_at``'s log-probability from its raw bits already loaded (kernels that issue a
     round's loads before any of this math)."""
@@ -122,7 +123,7 @@ def logp_of(bits, sh, m, ls):
     return (x - m) - ls if sh else x
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def cand(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
     """Candidate c of request r: (score, -inf where no child; child node; code), with every
     load issued at a clamped index and no branch (selects only), so that the loads of several
@@ -139,13 +140,13 @@ def cand(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
     return NEG_INF, int64(0), int64(0)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def ckey(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
     v, _, _ = cand(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
     return okey(v)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def note(kx, i, key, lo, hi):
     """``kx[i]`` = the okey ``key`` as int32 bits; the running (smallest real less one, largest)
     okey, both uint32 (from ``note_start``; ``note_end`` widens them): 64-bit min/max took
@@ -156,13 +157,13 @@ def note(kx, i, key, lo, hi):
     return lo, hi
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def note_start():
     """``note``'s running (lo, hi) before any key."""
     return NO_LO, uint32(0)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def note_end(lo, hi, n):
     """The thread's (smallest real, largest) okey as int64 from ``note``'s, for a chunk of ``n``
     candidates noted from ``threadIdx.x`` up: ``2**40`` where it noted no real one, -1 where it
@@ -171,7 +172,7 @@ def note_end(lo, hi, n):
             int64(hi) if cuda.threadIdx.x < n else int64(-1))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def note8(kx, i0, nt, k0, k1, k2, k3, k4, k5, k6, k7, lo, hi):
     """``note`` of a round of eight okeys, at ``kx[i0 + j * nt]`` (computed first, so that
     their loads were in flight together)."""
@@ -185,7 +186,7 @@ def note8(kx, i0, nt, k0, k1, k2, k3, k4, k5, k6, k7, lo, hi):
     return note(kx, i0 + 7 * nt, k7, lo, hi)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def note_upto4(kx, i0, step, n, k0, k1, k2, k3, lo, hi):
     """``note`` of a round of four okeys at ``kx[i0 + j * step]``, those below ``n``."""
     if i0 < n:
@@ -199,13 +200,13 @@ def note_upto4(kx, i0, step, n, k0, k1, k2, k3, lo, hi):
     return lo, hi
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def at(c0, i, n):
     """Candidate ``c0 + min(i, n - 1)`` (a clamped load index), in 32 bits."""
     return int64(uint32(uint32(c0) + min(uint32(i), uint32(n - 1))))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def note4(kx, i0, step, c0, r, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, lo,
           hi):
     """``note`` of the okeys of candidates ``c0 + i0 + j * step`` at ``kx[i0 + j * step]``
@@ -221,7 +222,7 @@ def note4(kx, i0, step, c0, r, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, c
     return note_upto4(kx, i0, step, N, k0, k1, k2, k3, lo, hi)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def note_all(kx, c0, n, nt, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
     """``kx[i]`` = the okey of candidate ``c0 + i`` for ``i < n``, by the block's ``nt``
     threads (four a thread at a time while more than a block's worth are left; eight, as
@@ -241,7 +242,7 @@ def note_all(kx, c0, n, nt, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
     return note_end(lo, hi, n)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def bcode(j, cnt, lo, codes):
     """The code of child ``j`` of a beam of ``cnt`` children from ``lo`` (``codes[0]`` where
     it is none: a valid load), for ``bval``. Its index stays 64-bit: with a 32-bit one ptxas
@@ -249,7 +250,7 @@ def bcode(j, cnt, lo, codes):
     return codes[uint64(lo + j if j < cnt else int64(0))]
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def bval(cd, j, cnt, s, row, m, ls, logp, sh, off):
     """The okey of child ``j`` of code ``cd`` (``bcode``) of a beam read once (``note_beam``):
     its score ``s``, ``cnt`` children, its log-probabilities' row ``row`` with their max and
@@ -258,13 +259,13 @@ def bval(cd, j, cnt, s, row, m, ls, logp, sh, off):
     return okey(y if uint32(j) < uint32(cnt) else NEG_INF)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def bkey(j, cnt, lo, s, row, m, ls, logp, sh, codes, off):
     """``bval`` of ``bcode``: child ``j``'s okey."""
     return bval(bcode(j, cnt, lo, codes), j, cnt, s, row, m, ls, logp, sh, off)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def note_beam(kx, c0, n, nt, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
     """``note_all`` for a chunk inside one beam (``c0 // F == (c0 + n - 1) // F``; step 1's
     8,192 children of one beam): the beam's score, node, child range and log-sum read once, so a
@@ -320,7 +321,7 @@ def note_beam(kx, c0, n, nt, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, cod
     return lo, hi, (first << 32) | cnt
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def decode(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
            child, code):
     """The sorted keys' candidates: scores (recomputed: the same fp32 add), parent beams, child
@@ -330,7 +331,7 @@ def decode(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, c
             parent, child, code)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def put(v, i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
         child, code):
     """Rank i's answer from its key ``v`` (``decode``'s, for one key)."""
@@ -342,7 +343,7 @@ def put(v, i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, t
     code[r, i] = cd
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def put_abs(v, i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
             child, code, beam):
     """``put`` for an absolute key (``okey << 31 | MAXC - c``, of the lists): the score is the
@@ -369,7 +370,7 @@ def put_abs(v, i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ca
     code[r, i] = cd if real else int64(0)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def div_f(c, FM):
     """``c // F`` for ``FM = magic(F)``: one 32 x 32 -> 64-bit multiply (c < 2**30, and the
     multiplier is below 2**32) and a shift."""

@@ -26,13 +26,14 @@ from numba import cuda, float32, int32, uint32
 
 from .trie_topk_dev import NT
 from .trie_topk_keys import NEG_INF, div_f, ix, logp_of, note, note_end, note_start, okey
+from .numba_common import INLINE
 
 LEVELS = os.environ.get("STREAMGR_TOPK_LEVELS", "0") == "1"
 LN = 8  # candidates a thread (unrolled loops over register arrays: constant indices only)
 NONE = uint32(0xFFFFFFFF)  # no child
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def note_levels(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
     """``note_all`` of candidates ``c0 .. c0 + n - 1`` (``4 * NT < n <= LN * NT``: ``score_chunk``
     routes such chunks here where ``LEVELS``) into ``kx``: the thread's (smallest real, largest)

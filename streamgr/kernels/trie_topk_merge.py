@@ -35,7 +35,7 @@ import torch
 from numba import cuda, int32, int64
 
 from .kernel_cache import cached
-from .numba_common import STAMP, stamp
+from .numba_common import INLINE, STAMP, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_bins import MAXK, SMS_SIM, sm_count
 from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length, collect,
@@ -65,13 +65,13 @@ assert UCAP <= 4 * NT  # the last block loads its list in one round of four a th
 LISTED = 24  # ws[r, DONE]'s low bits: blocks done (a request has at most WAVES x SMs blocks)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def akey(u, c):
     """Candidate c's absolute key from its okey ``u`` (32 bits): comparable across blocks."""
     return (u << 31) | (MAXC - c)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def reserve(ws, r, cnt, red):
     """The start of ``cnt`` slots of request r's list, to every thread (one global atomic)."""
     if cuda.threadIdx.x == 0:
@@ -80,14 +80,14 @@ def reserve(ws, r, cnt, red):
     return red[0]
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def hold_below(kx, j, v, U):
     """List key ``v`` held as key j (``hold``) where j is one of the list's ``U``."""
     if j < U:
         hold(kx, j, v)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def last_listed(ws, r, listed, flag, cnt):
     """True in the request's last block to get here (after its list is fenced), with the
     request's count of listed keys in ``cnt[0]``: one global atomic adds the block's count
@@ -103,7 +103,7 @@ def last_listed(ws, r, listed, flag, cnt):
     return flag[0]
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr):
     """List a superset of the chunk's ``want`` best keys (``kx[:n]``, candidates ``c0 + i``):
     those of the bins from its ``want``-th's up where they hold at most a block, else exactly

@@ -26,7 +26,7 @@ import os
 from numba import cuda, float32, int32, int64, uint32
 
 from .kernel_cache import cached
-from .numba_common import STAMP, stamp
+from .numba_common import INLINE, STAMP, stamp
 from .trie_topk_dev import (DIG, DM, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, append, bin_rank,
                             hist_add, pick, pick_segments, sort_desc)
 from .trie_topk_keys import (LOW32, MAXC, NEG_INF, _float, child_of, div_f, ix, logp_at, okey,
@@ -54,7 +54,7 @@ def serves(N: int, k: int) -> bool:
     return QUAD != "0" and NT < N <= QMAX and (QUAD == "2" or 2 * k > NT)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def score(r, c, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
     """Candidate c's (okey, ``-1`` past ``N``; (child + 1) << 32 | code to hold, 0 where it
     is not a child: the reference answers child 0, code 0 there). No store: the caller holds
@@ -70,20 +70,20 @@ def score(r, c, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
     return (okey(val) if c < N else int64(-1)), pk
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def hold(held, c, N, pk):
     """Candidate c's pair into ``held`` (``score``'s)."""
     if c < N:
         held[c] = pk
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def key_of(u, c):
     """The absolute key of okey ``u`` (``-1``: no candidate) of candidate c, ``-1`` for none."""
     return (u << 31) | (MAXC - c) if u >= 0 else int64(-1)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def count4(hist, b0, b1, b2, b3, t0, t1, t2, t3):
     """A thread's four bins counted where taken (both bins rounds); ends synchronized."""
     hist_add(hist, b0, t0)
@@ -93,7 +93,7 @@ def count4(hist, b0, b1, b2, b3, t0, t1, t2, t3):
     cuda.syncthreads()
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def rebin_scale(d):
     """``NB`` over the distance below the best score at which ``obin``'s bin ``d`` (> 0) ends:
     every key of the bins from ``d`` up is closer than that distance."""
@@ -101,7 +101,7 @@ def rebin_scale(d):
     return float32(NB) / _float(g)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def lbin(u, ref, scale):
     """The linear bin of okey ``u``: its score's distance below the best ``ref`` times
     ``scale`` (bins of equal width up to bin ``d``'s end), higher for higher scores: monotone,
@@ -110,21 +110,21 @@ def lbin(u, ref, scale):
     return int32(NB - 1) - int32(x)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def relin(u, b, d, ref, scale):
     """The linear bin of okey ``u`` whose ``obin`` is ``b``, where ``b`` is from ``d`` up
     (else -1: out of the running)."""
     return lbin(u, ref, scale) if u >= 0 and b >= d else int32(-1)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def place(lst, hist, u, c, b, d):
     """Key of okey ``u`` into its bin's segment of ``lst`` where its bin is from ``d`` up."""
     if u >= 0 and b >= d:
         lst[cuda.atomic.add(hist, b, 1)] = key_of(u, c)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def answer(v, rank, r, FM, capr, held, top, parent, child, code):
     """The answer of rank ``rank`` from its key ``v`` and the held (child + 1, code); ``capr``
     the request's width."""
@@ -137,13 +137,13 @@ def answer(v, rank, r, FM, capr, held, top, parent, child, code):
     code[rr, kk] = p & LOW32
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def radix_count(hist, v, prefix, fixed, shift):
     """``radix``'s histogram add for a register key ``v`` (``-1``: none)."""
     hist_add(hist, int32((v >> shift) & DM), v >= 0 and (v >> fixed) == (prefix >> fixed))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def radix_take(lst, ctr, v, prefix, shift):
     """``collect``'s append for a register key ``v`` (``-1``: none): the keys whose bits from
     the last digit's ``shift`` up reach the picked digits' (a higher digit picked earlier wins

@@ -33,7 +33,7 @@ import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
 
 from .kernel_cache import cached
-from .numba_common import STAMP, stamp
+from .numba_common import INLINE, STAMP, stamp
 from .trie_topk_dev import (DIG, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, bin_rank, hist_add,
                             pick, pick_segments, sort_desc)
 from .trie_topk_keys import MAXC, NEG_INF, beam_of, ix, logp_of, okey, okey_float
@@ -51,21 +51,21 @@ def serves(B: int, N: int) -> bool:
     return ROOT and B == 1 and NT < N <= RMAX
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def pick_of(x, i, sel, v):
     """``v`` where ``i == sel``, else ``x``: a register array's element by a thread-dependent
     index without a local-memory load."""
     return v if i == sel else x
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def cbin(u, ref, scale):
     """The bin of okey ``u`` (at or above the cutoff): linear in its distance below the best
     ``ref`` (``lbin``), or the top bin where ``scale`` is 0 (every such key equal)."""
     return lbin(u, ref, scale) if scale > 0 else int32(NB - 1)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def answer(v, rank, r, first, cnt, capr, held, top, parent, child, code):
     """The answer of rank ``rank`` from its key ``v`` (candidate c: the beam's child slot c) and
     the held code; ``capr`` the request's width."""

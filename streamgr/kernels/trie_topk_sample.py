@@ -25,7 +25,7 @@ from numba import cuda, int32, int64, uint32
 from .trie_topk import SIMULATED
 from .trie_topk_dev import HALF, I32MAX, NB, NT, SEG_MAX, append, hist_add, minmax, \
     bin_rank, pick, pick_segments, reserve_slots, sort_desc, sort_span, warp_min_into
-from .numba_common import stamp
+from .numba_common import INLINE, stamp
 from .trie_topk_keys import LOW32, MAXC, _bits, div_f, note_all, note_beam, okey_float, put_abs
 from .trie_topk_levels import LEVELS, note_levels
 
@@ -51,7 +51,7 @@ ONE_MAX = 64 if SIMULATED else 8192  # okeys a block holds in shared memory: 32 
 UCAP = ONE_MAX // 2  # list keys held there instead (kx's two int32 halves: okey, candidate)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def obin(kx, ref):
     """The bin (of NB, higher for higher scores) of the score whose okey's int32 bits are
     ``kx``, by its distance below the request's best score ``ref``: monotone in the score."""
@@ -60,20 +60,20 @@ def obin(kx, ref):
     return int32(NB - 1 - min(max(g, int64(0)), int64(NB - 1)))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def ubin(u, ref):
     """``obin`` of the okey ``u`` (unsigned 32-bit, as int64)."""
     return obin(int32(u - (int64(1) << 32) if u >= (int64(1) << 31) else u), ref)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def okey32(u):
     """Okey ``u`` (unsigned 32-bit, as int64) less 2**31 as an int32: ordered as int32s are,
     for a shared atomic min (``least_okey``)."""
     return int32((u & LOW32) - HALF)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def least_okey(m, res):
     """The block's least okey from each thread's ``okey32`` ``m`` (``I32MAX`` for none): a warp
     min and one shared atomic into ``res[3]`` (``I32MAX`` on entry, published). Every thread
@@ -81,7 +81,7 @@ def least_okey(m, res):
     return int64(warp_min_into(m, res, 3)) + HALF
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def rev_okey(u):
     """Okey ``u`` (unsigned 32-bit, as int64; -1 for none) as an int32 whose block min is the
     best okey (``best_okey``): ~x reverses ``okey32``'s int32 order without overflow;
@@ -89,7 +89,7 @@ def rev_okey(u):
     return ~okey32(u) if u >= 0 else I32MAX
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def best_okey(m, res):
     """The block's best okey from each thread's least ``rev_okey`` ``m`` (a warp min and one
     shared atomic into ``res[3]``, ``I32MAX`` on entry, published; one barrier instead of
@@ -97,7 +97,7 @@ def best_okey(m, res):
     return (int64(~warp_min_into(m, res, 3)) + HALF) & LOW32
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def obin_hist(hist, kx, n, ref):
     """``hist[:NT]`` = the counts of ``kx[:n]``'s okeys by ``obin``. Every thread calls it; it
     ends synchronized."""
@@ -110,7 +110,7 @@ def obin_hist(hist, kx, n, ref):
     cuda.syncthreads()
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def chunk_begin(ctr):
     """A scoring phase's start (``score_chunk``): stamp 14, and
     ``ctr`` zeroed (published by the phase's barriers)."""
@@ -119,7 +119,7 @@ def chunk_begin(ctr):
         ctr[0] = 0
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def chunk_end(lo, hi, red):
     """A scoring phase's end: the threads' (smallest real, largest) okeys reduced over the
     block, to every thread (its barriers publish the okeys; stamps 1, 2)."""
@@ -129,7 +129,7 @@ def chunk_end(lo, hi, red):
     return lo, hi
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def score_chunk(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, red, ctr):
     """The selection kernels' first phases: ``ctr`` zeroed, the okeys of candidates ``c0 ..
     c0 + n - 1`` into ``kx`` (``note_beam`` where they are one beam's children, else
@@ -150,7 +150,7 @@ def score_chunk(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes
     return lo, hi, beam
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def sample_floor(kx, n, want, ref, hist, scan, res):
     """A floor okey ``T`` for ``kx[:n]`` (n > NT): thread t samples key ``t * n // NT``; ``T`` is
     the smallest sampled key in the bins from the sample's ``want * NT / n * 3 / 2 + 8``-th key
@@ -174,7 +174,7 @@ def sample_floor(kx, n, want, ref, hist, scan, res):
     return least_okey(okey32(int64(x)) if b >= d else I32MAX, res)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def list_above(kx, n, c0, t, want, out, ctr):
     """The keys of ``kx[:n]`` (``n <= ONE_MAX``) at or above the okey ``t`` as absolute keys
     (candidates ``c0 + i``) into ``out[:NT]`` (shared int64; in the order of the warps'
@@ -210,14 +210,14 @@ def list_above(kx, n, c0, t, want, out, ctr):
     return cnt
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def ukey(kx, j):
     """Listed key j as ``select_list`` holds it: okey in ``kx[j]``, candidate in
     ``kx[UCAP + j]``."""
     return ((int64(kx[j]) & LOW32) << 31) | (MAXC - int64(kx[UCAP + j]))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def hold(kx, j, v):
     """Absolute key ``v`` as listed key j (``ukey``'s inverse)."""
     u = v >> 31
@@ -225,7 +225,7 @@ def hold(kx, j, v):
     kx[UCAP + j] = int32(MAXC - (v & MAXC))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def slot_rank(srt, hist, ref, k, KP, total, big):
     """(the key of this thread's slot, its rank; ``k`` where it has none) once the ``total``
     keys of the bins from the ``k``-th's up are in ``srt``: laid out by bin (``big`` 0;
@@ -249,7 +249,7 @@ def slot_rank(srt, hist, ref, k, KP, total, big):
     return v, rank
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, **INLINE)
 def select_list(kx, U, ref, k, KP, hist, srt, scan, res, ctr, r, F, FM, B, scores, nodes, logp,
                 lse, sh, ptr, codes, off, cap, top, parent, child, code, beam):
     """Answer the request's ``k`` best from the ``U`` listed keys held in ``kx`` (``ukey``; a

@@ -1,11 +1,11 @@
-"""The Numba CUDA kernels built of inline device functions compile for sm_90 at the argument
-types they are launched with (NVRTC through ``cuda.compile_ptx``; nothing runs): the decoder
-self-attention and the RMS norm. The simulator tests check the kernels' logic, but the
-simulator runs Python: a kernel can pass there and not compile for the GPU (a shared-memory
-shape that is not a literal constant did, session 14). Where ``ptxas`` is on the PATH, their
-register caps are held to spilling nothing. (The selection kernels call non-inline device
-functions, which Numba links through the driver: they compile on a GPU machine only; the radix
-selection kernels of ``trie_topk_one``/``trie_topk_bins`` inline theirs and compile here.)"""
+"""The Numba CUDA kernels compile for sm_90 at the argument types they are launched with (NVRTC
+through ``cuda.compile_ptx``; nothing runs): the decoder self-attention, the RMS norm and every
+selection kernel. The simulator tests check the kernels' logic, but the simulator runs Python: a
+kernel can pass there and not compile for the GPU (a shared-memory shape that is not a literal
+constant did, session 14). Where ``ptxas`` is on the PATH, their register caps are held to
+spilling nothing (the selection kernels: at most a word). Their device functions inline in LLVM
+(``numba_common.INLINE``), so the whole set compiles in seconds: the selection kernels took
+10-105 s each when Numba inlined them in its IR (before session 39).)"""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 
@@ -35,6 +36,16 @@ pytestmark = [
     pytest.mark.skipif(not _nvrtc_installed(), reason="no NVRTC: pip install -e '.[test]'"),
 ]
 A = lambda dt, nd, lay="C": types.Array(dt, nd, lay)  # noqa: E731
+
+
+@pytest.fixture(autouse=True)
+def _sm90_without_a_gpu(monkeypatch):
+    """Numba compiles each ``forceinline`` device function (``numba_common.INLINE``) for the
+    current device's compute capability: with no GPU here, sm_90's, the kernels' target."""
+    if not cuda.is_available():
+        import numba.cuda.dispatcher as dispatcher
+        monkeypatch.setattr(dispatcher, "get_current_device",
+                            lambda: SimpleNamespace(compute_capability=(9, 0)))
 i32, i64, f32 = types.int32, types.int64, types.float32
 
 
@@ -69,23 +80,16 @@ def test_rms_norm(tmp_path):
         assert _ptxas_spills(ptx, tmp_path, rn._JIT["max_registers"]) in (0, None)
 
 
-# merge_select (trie_topk_merge) is left out: its compile takes ~33 s of CI's 5 minutes; by hand
-# (session 29) it used 64 registers, no spills, 45,740 bytes of shared memory; since its last
-# block loads its list four keys a thread at once (session 34) 64 registers and 4 bytes spilled;
-# it launches at 1,024 threads in the GPU tests.
-# one_select's compile took 53-93 s of CI's two workers (session 36; its paths now serve fewer
-# shapes, behind trie_topk_own, _quad and _root): it runs with the GPU tests (ptxas there too),
-# as quad_select's does (23 s of CI's workers in session 38, when CI's pytest reached 305 s).
-@pytest.mark.parametrize("name", ["own_select", pytest.param("quad_select", marks=pytest.mark.gpu),
-                                  "root_select", pytest.param("one_select", marks=pytest.mark.gpu),
-                                  "bin_hist", "bin_select"])
+@pytest.mark.parametrize("name", ["own_select", "quad_select", "root_select", "one_select",
+                                  "merge_select", "bin_hist", "bin_select"])
 def test_selection_kernels_fit_a_block_of_1024(name, tmp_path):
     """The select kernels launch 1,024 threads (the sort kernel 256), so 64 registers a thread at
     most (Numba sets no launch bounds: on the H200 an unaligned logits view's indexing took 68
     and the launch failed). They carry that cap (``JIT_NT``) and compile under it spilling at
     most a word. (One case a kernel: xdist spreads the compiles over CI's workers.)"""
     from streamgr.kernels import trie_topk_bins as bn, trie_topk_dev as dev
-    from streamgr.kernels import trie_topk_one as one, trie_topk_own as own
+    from streamgr.kernels import trie_topk_merge as merge, trie_topk_one as one
+    from streamgr.kernels import trie_topk_own as own
     from streamgr.kernels import trie_topk_quad as quad, trie_topk_root as root
     assert dev.NT == 1024 and dev.JIT_NT["max_registers"] == 64
     i16 = types.int16
@@ -98,6 +102,8 @@ def test_selection_kernels_fit_a_block_of_1024(name, tmp_path):
         "quad_select": (quad.quad_select, (i64, i64, i64) + head + lp + trie + outs),
         "root_select": (root.root_select, (i64, i64, i64) + head + lp + trie + outs),
         "one_select": (one.one_select, (i64, i64, i64) + head + lp + trie + outs),
+        "merge_select": (merge.merge_select, (i64, i64, i64, i64) + head + lp + trie
+                         + (A(i64, 2), A(i64, 2)) + outs),
         "bin_hist": (bn.bin_hist, (i64, i64, i64) + head + lp + trie + (A(i64, 2), A(i32, 2))),
         "bin_select": (bn.bin_select, (i64, i64, i64, i64) + head + lp + trie
                        + (A(i64, 2), A(i32, 2), A(i64, 2), A(i64, 2)) + outs)}[name]

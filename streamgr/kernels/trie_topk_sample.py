@@ -13,7 +13,8 @@ took the listing 3.48 -> 1.21 us of step 1 on the H200, session 32), and where t
 at least the ``k`` wanted and fits a block (``sample_floor`` leaves the odds of missing far below
 one in a thousand; the callers fall back to the full rounds otherwise) the answer is selected
 from the list alone (``select_list``: one bins round over it, each key ranked in its bin; sorted
-where a bin is crowded).
+where a bin is crowded). The sampled floor is off by default (``SAMPLE``: it hangs on the lent
+H200 since session 37); ``select_list`` serves the merge's last block either way.
 """
 
 from __future__ import annotations
@@ -40,9 +41,14 @@ from .trie_topk_levels import LEVELS, note_levels
 # for A/B runs (3 under the simulator's 32 bins).
 OCT = 3 if SIMULATED else int(os.environ.get("STREAMGR_TOPK_OCT", "6"))
 OBASE = (127 - (NB >> OCT) // 2) << OCT
-# Chunks of more keys than this take the sampled floor (STREAMGR_TOPK_SAMPLE=0: never, for A/B
-# runs); at or below a block the sample would be the whole chunk, and one bins round is cheaper.
-SAMPLE = os.environ.get("STREAMGR_TOPK_SAMPLE", "1") == "1"
+# STREAMGR_TOPK_SAMPLE=1: chunks of more keys than SAMPLE_MIN take the sampled floor (at or below
+# a block the sample would be the whole chunk, and one bins round is cheaper). Off by default:
+# on the lent H200 since session 37 (driver 580.159.04, numba 0.68.0, numba-cuda 0.30.4) every
+# merge_select launch through it hangs, every block between the chunk's scoring and
+# sample_floor's pick (phase stamps read from pinned memory while it hung, session 39), at 1 to
+# 16 requests and chunks of 4,096 and 8,192; its code is the one that ran in session 36, and
+# the cause is not found. Off, step 2 took 0.0213 ms against 0.0185 with it (session 34).
+SAMPLE = os.environ.get("STREAMGR_TOPK_SAMPLE", "0") == "1"
 SAMPLE_MIN = NT if SIMULATED else 2 * NT
 # A chunk of one beam's children is scored with the beam read once (note_beam;
 # STREAMGR_TOPK_BEAM=0: every candidate as any other, for A/B runs).

@@ -3,6 +3,10 @@ with fan-outs 1 to 8,192, ties, dead beams, beams 1 to 1,024, requests of differ
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -178,7 +182,7 @@ import os, sys, torch
 sys.path.insert(0, {root!r})
 from tests.kernels.test_gpu_trie_topk import assert_kernels_equal_reference, level
 from streamgr.kernels import trie_topk_one, trie_topk_sample
-assert trie_topk_sample.SAMPLE == (os.environ.get("STREAMGR_TOPK_SAMPLE") != "0")
+assert trie_topk_sample.SAMPLE == (os.environ.get("STREAMGR_TOPK_SAMPLE") == "1")
 assert trie_topk_one.BINS == (os.environ.get("STREAMGR_TOPK_BINS") != "0")
 from streamgr.kernels import trie_topk_merge
 assert trie_topk_merge.MERGE == (os.environ.get("STREAMGR_TOPK_MERGE") != "0")
@@ -206,7 +210,7 @@ OWN_CASES = [(16, 256, 3, 256, True), (3, 4, 256, 700, False), (1, 1, 1, 1, Fals
 QUAD_CASES = [(16, 1024, 3, 1024, False), (2, 1000, 3, 600, True)]  # 1,025-4,096 wanting > 512
 ONE_CASES = [(4, 1024, 5, 700, False), (2, 1000, 3, 100, False)]  # one block, 5,120 and 3,000
 ROOT_CASES = [(16, 1, 8192, 256, False), (3, 1, 8192, 1024, True)]  # one beam's children
-AB_CASES = {("STREAMGR_TOPK_SAMPLE", "0"): STEP2 + ONE_CASES + GRID,
+AB_CASES = {("STREAMGR_TOPK_SAMPLE", "1"): ONE_CASES,
             ("STREAMGR_TOPK_BINS", "0"): ONE_CASES, ("STREAMGR_TOPK_MERGE", "0"): STEP2 + GRID,
             ("STREAMGR_TOPK_OWN", "0"): OWN_CASES, ("STREAMGR_TOPK_OWN", "1"): OWN_CASES,
             ("STREAMGR_TOPK_QUAD", "0"): QUAD_CASES,
@@ -215,12 +219,23 @@ AB_CASES = {("STREAMGR_TOPK_SAMPLE", "0"): STEP2 + ONE_CASES + GRID,
             ("STREAMGR_TOPK_LEVELS", "1"): STEP2 + ONE_CASES}
 
 
+def _ab_check(name: str, value: str, cases, timeout: float) -> None:
+    """``AB_CHECK`` over ``cases`` in a process of its own with ``name=value`` set."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = AB_CHECK.format(root=root, cases=cases)
+    p = subprocess.run([sys.executable, "-c", script],
+                       env=dict(os.environ, **{name: value}), capture_output=True, text=True,
+                       timeout=timeout, cwd=root)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["ok"]
+
+
 @pytest.mark.parametrize("name,value", list(AB_CASES))
 def test_kernels_under_their_ab_settings(name, value):
     """The A/B settings (read at import, so each in its own process) keep the reference's
-    answers: ``STREAMGR_TOPK_SAMPLE=0`` (no sampled floor: lists of every key, or the radix
-    rounds, on the one-block path; the bins round on the merge's listing blocks), ``STREAMGR_TOPK_BINS=0`` (the one-block path's radix rounds without the bins
-    round), ``STREAMGR_TOPK_MERGE=0`` (no one-launch merge: steps 1 and 2 on the one-block and
+    answers: ``STREAMGR_TOPK_SAMPLE=1`` (the sampled floor on the one-block path; the merge's
+    is the next test), ``STREAMGR_TOPK_BINS=0`` (the one-block path's radix rounds without the
+    bins round), ``STREAMGR_TOPK_MERGE=0`` (no one-launch merge: steps 1 and 2 on the one-block and
     grid paths), ``STREAMGR_TOPK_OWN=0`` (requests of at most a block of candidates on the
     one-block path instead of one candidate a thread), ``STREAMGR_TOPK_OWN=1`` (each thread
     ranking its own key and answering from its registers), ``STREAMGR_TOPK_QUAD=0`` (requests
@@ -228,13 +243,13 @@ def test_kernels_under_their_ab_settings(name, value):
     ``=2`` (four candidates a thread for any ``k``), ``STREAMGR_TOPK_ROOT=0`` (one beam's
     children on the one-block path, or four a thread) and ``STREAMGR_TOPK_LEVELS=1`` (chunks of
     five to eight blocks scored a load level at a time, ``trie_topk_levels``)."""
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    script = AB_CHECK.format(root=root, cases=AB_CASES[name, value])
-    p = subprocess.run([sys.executable, "-c", script],
-                       env=dict(os.environ, **{name: value}), capture_output=True, text=True,
-                       timeout=600, cwd=root)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.split() == ["ok"]
+    _ab_check(name, value, AB_CASES[name, value], 600)
+
+
+@pytest.mark.xfail(raises=subprocess.TimeoutExpired, strict=True,
+                   reason="hangs on the lent H200 since session 37 (trie_topk_sample.SAMPLE)")
+def test_the_merge_with_the_sampled_floor():
+    """``STREAMGR_TOPK_SAMPLE=1`` at step 2 (the merge's listing blocks through the sampled
+    floor): every launch hung on the lent H200 in sessions 37-39, so this is expected to time
+    out; where it passes (strict), the hang is gone and the setting can be timed again."""
+    _ab_check("STREAMGR_TOPK_SAMPLE", "1", STEP2, 120)

@@ -51,7 +51,8 @@ def test_every_selection_kernel_takes_the_cache_where_it_is_set(tmp_path):
     """Set at import (a process of its own): each selection kernel's overloads go to
     ``<root>/<stamp>``, and nothing is written until one compiles."""
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    env.update(PYTHONPATH=ROOT, STREAMGR_KERNEL_CACHE=str(tmp_path))
+    env.update(PYTHONPATH=os.pathsep.join([ROOT] + env.get("PYTHONPATH", "").split(os.pathsep)),
+               STREAMGR_KERNEL_CACHE=str(tmp_path))
     p = subprocess.run([sys.executable, "-c", WIRING], env=env, capture_output=True, text=True,
                        timeout=120, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -97,7 +98,9 @@ GPU_RUN = textwrap.dedent("""
 
 @pytest.mark.gpu
 def test_a_second_process_loads_the_compiled_kernel(tmp_path):
-    env = {**os.environ, "PYTHONPATH": ROOT, "STREAMGR_KERNEL_CACHE": str(tmp_path)}
+    # the machine's own PYTHONPATH kept (the H200 machine's msgspec is there)
+    path = os.pathsep.join([ROOT] + os.environ.get("PYTHONPATH", "").split(os.pathsep))
+    env = {**os.environ, "PYTHONPATH": path, "STREAMGR_KERNEL_CACHE": str(tmp_path)}
     runs = []
     for _ in range(2):
         p = subprocess.run([sys.executable, "-c", GPU_RUN], env=env, capture_output=True,

@@ -183,11 +183,14 @@ def simulate(script: str, cases=None, **env) -> list[str]:
     (ONE_BLOCK + QUAD, {"STREAMGR_TOPK_OWN": "2"}),
     (GRID + OWN1 + ONE_RADIX + ONE_BEAM, {"STREAMGR_TOPK_OWN": "1", "STREAMGR_TOPK_QUAD": "0",
                                           "STREAMGR_TOPK_ROOT": "0"}),
-    (MERGE + QUAD_ANY_K, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_QUAD": "2"})],
-    ids=["one_block", "grid", "merge"])
+    (MERGE + QUAD_ANY_K, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_QUAD": "2"}),
+    (MERGE + ONE_BLOCK, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_SAMPLE": "1"})],
+    ids=["one_block", "grid", "merge", "sampled"])
 def test_numba_kernels_under_the_simulator(cases, env):
     """The one-candidate-a-thread, four-a-thread, one-block, grid and merge kernels equal the
-    reference on small shapes (a process each: the simulator is set at import)."""
+    reference on small shapes (a process each: the simulator is set at import), the one-block
+    and merge kernels also through the sampled floor (``STREAMGR_TOPK_SAMPLE=1``, off by
+    default)."""
     assert simulate(SIM, cases=cases, **env) == ["ok", str(len(cases))]
 
 

@@ -234,7 +234,7 @@ def test_requests_past_the_kernels_index_range_take_the_stable_reference(monkeyp
 ROUTING = """
 from streamgr.kernels import trie_topk_merge as tm
 assert tm.plan(45312, 16, 256, 132) == (8192, 6), tm.plan(45312, 16, 256, 132)
-assert tm.plan(45312, 8, 256, 132) == (8192, 6), tm.plan(45312, 8, 256, 132)
+assert tm.plan(45312, 8, 256, 132) == (4096, 12), tm.plan(45312, 8, 256, 132)  # lists ~5/4 k
 assert tm.plan(45312, 48, 256, 132) == (8192, 6), tm.plan(45312, 48, 256, 132)
 assert max(R for R in range(1, 100) if tm.plan(45312, R, 256, 132)) == 66
 for args in [(8192, 16, 256), (181248, 16, 1024), (2097152, 1, 256)]:
@@ -252,8 +252,10 @@ print("ok")
 def test_merge_and_quad_routing_on_the_h200():
     """Where the one-launch merge serves (``trie_topk_merge.plan``; H200 measurements in
     docs/benchmarks.md, sessions 29-30): gen-ref's step 2 in 6 chunks of 8,192 (at 16 requests
-    faster than 8 of 6,144 or 12 of 4,096), from 1 request up to 66 (three waves of blocks, 48
-    among them); not step 1 (one block of 8,192 was faster), not k over 512, not one request's
+    faster than 8 of 6,144 or 12 of 4,096), at 8 requests in 12 of 4,096 (the blocks' lists,
+    ~5/4 of k each from the bins with the sampled floor off, fit the last block's 4,096 keys;
+    gen-ref measured so, session 39), from 1 request up to 66 (three waves of blocks, 48 among
+    them); not step 1 (one block of 8,192 was faster), not k over 512, not one request's
     flat 2,097,152. Four candidates a thread (``trie_topk_quad``) for 1,025-4,096 candidates
     wanting over 512 (gen-ref's step 3 at beams of 1,024); eight (``trie_topk_root``) for one
     beam of 1,025-8,192 children (step 1 at any width). In a process of its own without the

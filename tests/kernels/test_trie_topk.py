@@ -143,6 +143,13 @@ MERGE = [(16, False, 12, (6, 6), 4, 1, 0.1),
          (24, False, 40, (6, 8), 4, 1, 0.1), (26, False, 2, (90, 100), 4, 1, 0.1)]
 
 
+# ... and through the sampled floor (STREAMGR_TOPK_SAMPLE=1, off by default; a process of its
+# own): the one-block cases over the simulator's block of candidates (7 x 9, 8 x 8, 6 x 8), the
+# merge's list ranked in its bins, every score tied, two waves of blocks.
+SAMPLED = ([c for c in ONE_BLOCK if c[0] in (10, 14, 15)]
+           + [c for c in MERGE if c[0] in (16, 21, 24)])
+
+
 # ... and one candidate a thread with each thread ranking its own key, answered from its
 # registers (STREAMGR_TOPK_OWN=1, an A/B setting; run in the grid cases' process; the one-block
 # cases' process runs the default, 2): the ranks in their bins, the crowded bins sorted, every
@@ -184,7 +191,7 @@ def simulate(script: str, cases=None, **env) -> list[str]:
     (GRID + OWN1 + ONE_RADIX + ONE_BEAM, {"STREAMGR_TOPK_OWN": "1", "STREAMGR_TOPK_QUAD": "0",
                                           "STREAMGR_TOPK_ROOT": "0"}),
     (MERGE + QUAD_ANY_K, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_QUAD": "2"}),
-    (MERGE + ONE_BLOCK, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_SAMPLE": "1"})],
+    (SAMPLED, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_SAMPLE": "1"})],
     ids=["one_block", "grid", "merge", "sampled"])
 def test_numba_kernels_under_the_simulator(cases, env):
     """The one-candidate-a-thread, four-a-thread, one-block, grid and merge kernels equal the

@@ -30,13 +30,13 @@ import torch
 from numba import cuda, float32, int32, int64
 
 from .kernel_cache import cached
+from .numba_common import INLINE
 from .trie_topk import SIMULATED
 from .trie_topk_dev import (BIG, DIG, FULL, JIT_NT, NB, NT, NW, RED_N, SCAN_N, append,
                             bit_length, collect, hist_add, minmax, pick, radix, sort_desc,
                             sort_span)
 from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, _bits, _float, cand, decode, okey,
                              okey_float)
-from .numba_common import INLINE
 
 GBITS = 8 if SIMULATED else 12  # bins of bin_hist: 16 KiB of shared counters on the GPU
 GB = 1 << GBITS

@@ -17,9 +17,9 @@ import os
 
 from numba import cuda, int32, int64, uint64
 
+from .numba_common import INLINE
 from .trie_topk import SIMULATED
 from .trie_topk_keys import LOW32, tkey
-from .numba_common import INLINE
 
 NT, DIG = (32, 5) if SIMULATED else (1024, 10)  # threads of a select block; digit bits
 NB = 1 << DIG  # bins; NT threads a block (a bin each in the grid passes)
@@ -44,6 +44,7 @@ JIT = {} if SIMULATED else {"lineinfo": os.environ.get("STREAMGR_NUMBA_LINEINFO"
 # Kernels launched with NT = 1,024 threads may use 64 registers a thread at most, or the launch
 # fails: Numba sets no launch bounds, and a strided (unaligned) view's indexing took more.
 JIT_NT = JIT if SIMULATED else dict(JIT, max_registers=65536 // NT)
+
 
 @cuda.jit(device=True, **INLINE)
 def lane_mask_lt(lane):

@@ -21,8 +21,8 @@ import os
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
 
-from .trie_topk import SIMULATED
 from .numba_common import INLINE
+from .trie_topk import SIMULATED
 
 MAXC = int64(0x7FFFFFFF)  # candidate indices below 2**31
 LOW32 = int64(0xFFFFFFFF)

@@ -24,9 +24,9 @@ import os
 
 from numba import cuda, float32, int32, uint32
 
+from .numba_common import INLINE
 from .trie_topk_dev import NT
 from .trie_topk_keys import NEG_INF, div_f, ix, logp_of, note, note_end, note_start, okey
-from .numba_common import INLINE
 
 LEVELS = os.environ.get("STREAMGR_TOPK_LEVELS", "0") == "1"
 LN = 8  # candidates a thread (unrolled loops over register arrays: constant indices only)

@@ -8,7 +8,7 @@
 #     rank: the rank-ref bench alone; gen: the generate GPU tests + the gen-ref bench;
 #     attn: the kernel, rank and cache GPU tests + tools/bench_attention.py (ATTN_ARGS=--quick);
 #     topk: the selection GPU tests + tools/bench_topk.py, then again under each NAME=VALUE of
-#       TOPK_AB (e.g. TOPK_AB="STREAMGR_TOPK_SAMPLE=0 STREAMGR_TOPK_BINS=0 STREAMGR_TOPK_MERGE=0")
+#       TOPK_AB (e.g. TOPK_AB="STREAMGR_TOPK_LEVELS=1 STREAMGR_TOPK_BINS=0 STREAMGR_TOPK_MERGE=0")
 #     inflight: rank-ref trace replays through the engine at engine.rank_in_flight 1 and 2
 #     genprof: the gen-ref bench alone with a torch.profiler kernel table and a host profile
 #       (no tests)

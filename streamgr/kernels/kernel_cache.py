@@ -1,9 +1,10 @@
 """An on-disk cache of the compiled Numba selection kernels (``STREAMGR_KERNEL_CACHE=<dir>``).
 
-Why: a GPU engine compiles its selection kernels on first use, about a minute each for the merge
-and one-block kernels (NVVM, then the linker), so a server's start or a fresh worker takes
-minutes before it serves. Numba's own ``cache=True`` keys an entry on the kernel's source file's
-time stamp and its bytecode only: an edit to an inlined device function in another module, or a
+Why: a GPU engine compiles its selection kernels on first use (5-15 s each since their device
+functions inline in LLVM, session 39; a minute or more for the merge and one-block kernels
+before), so a server's start or a fresh worker waits on NVVM and the linker before it serves.
+Numba's own ``cache=True`` keys an entry on the kernel's source file's time stamp and its
+bytecode only: an edit to an inlined device function in another module, or a
 ``STREAMGR_TOPK_*`` setting read at import into a module constant, would load a stale kernel.
 Here every entry lives under a directory named by one stamp over everything that shapes the
 kernels: the bytes of every module of this package, every ``STREAMGR_*`` setting, and the Python,

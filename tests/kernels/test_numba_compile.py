@@ -5,7 +5,7 @@ kernel can pass there and not compile for the GPU (a shared-memory shape that is
 constant did, session 14). Where ``ptxas`` is on the PATH, their register caps are held to
 spilling nothing (the selection kernels: at most a word). Their device functions inline in LLVM
 (``numba_common.INLINE``), so the whole set compiles in seconds: the selection kernels took
-10-105 s each when Numba inlined them in its IR (before session 39).)"""
+10-105 s each when Numba inlined them in its IR (before session 39)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ pytestmark = [
     pytest.mark.skipif(not _nvrtc_installed(), reason="no NVRTC: pip install -e '.[test]'"),
 ]
 A = lambda dt, nd, lay="C": types.Array(dt, nd, lay)  # noqa: E731
+i32, i64, f32 = types.int32, types.int64, types.float32
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +47,6 @@ def _sm90_without_a_gpu(monkeypatch):
         import numba.cuda.dispatcher as dispatcher
         monkeypatch.setattr(dispatcher, "get_current_device",
                             lambda: SimpleNamespace(compute_capability=(9, 0)))
-i32, i64, f32 = types.int32, types.int64, types.float32
 
 
 def _ptxas_spills(ptx: str, tmp_path, max_registers: int) -> int | None:

@@ -21,8 +21,7 @@ distances from the ``k``-th's bin up, the keys there ranked in their bins and an
 candidate's held child and code (``trie_topk_quad``). One beam's children (step 1: the root's), over
 a block and at most eight, are one block of eight candidates a thread in registers, the bins counted
 from a sampled cutoff up (``trie_topk_root``). One of at most ``ONE_MAX`` candidates is one block of
-one launch: keys in shared memory, a list of the keys at or above a floor sampled from them (with
-``STREAMGR_TOPK_SAMPLE=1``; or
+one launch: keys in shared memory, a list of the keys at or above a floor sampled from them (or
 every key, up to ``UCAP``), one histogram round over bins of each listed score's distance below the
 best, then the keys of the bins from the ``k``-th up ranked within their bins (or sorted whole where
 a bin is crowded), or radix select by 10-bit digits where the list outgrows a block; decode

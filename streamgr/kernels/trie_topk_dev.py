@@ -135,6 +135,17 @@ def append(out, ctr, at, v, take):
 
 
 @cuda.jit(device=True, **INLINE)
+def or_max(keep, m):
+    """``m if keep else I32MAX`` (int32) by bit arithmetic, with no branch, for a value that a
+    warp collective reads next (``warp_min_into``). Why: Numba lowers ``a if c else b`` to a
+    branch and a join, and NVVM (CUDA 13.0's, from Numba 0.68 on Python 3.12) copied the join's
+    shuffles and block barrier into both arms of that per-thread branch: lanes of one warp then
+    wait at different barriers, and the merge kernel's sampled floor hung the GPU every launch
+    (sessions 37-40; its PTX held 64 ``bar.sync`` for the source's 63)."""
+    return int32(m ^ ((m ^ I32MAX) & (int32(keep) - int32(1))))
+
+
+@cuda.jit(device=True, **INLINE)
 def warp_min_into(m, cell, at):
     """The block-wide min of the threads' int32 ``m``, returned to every thread: each warp's by
     shuffles, then one shared atomic a warp into ``cell[at]`` (``I32MAX`` on entry, published).

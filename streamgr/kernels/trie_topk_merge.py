@@ -5,14 +5,14 @@ in up to three waves of blocks: up to 66 requests on 132 SMs).
 Every block of a request takes a chunk of at most ``ONE_MAX`` candidates, computes their okeys
 into shared memory as ``trie_topk_one`` does, and hands on a superset of its own ``k`` best to
 the request's list in global memory, as absolute keys ``okey << 31 | (MAXC - c)`` (comparable
-across blocks: no per-block shift): with ``STREAMGR_TOPK_SAMPLE=1`` (off by default:
-``trie_topk_sample``) the keys at or above a floor sampled from its chunk, or, where that is
-off, would not hold from ``k`` to a block of keys, or the chunk is small, every key of the bins
-from its ``k``-th's up (one round of ``obin`` bins below its best score; where those hold over
-a block of keys, exactly its ``k`` best by radix select). The request's ``k`` best are among
-the blocks' ``k`` best, so the request's last block to finish (each block adds its listed
-count and its one to the request's done counter in one atomic, so the last learns the list's
-length from it) selects from the list alone:
+across blocks: no per-block shift): the keys at or above a floor sampled from its chunk
+(``trie_topk_sample``), or, where that list would not hold from ``k`` to a block of keys (or
+the chunk is small, or ``STREAMGR_TOPK_SAMPLE=0``), every key of the bins from its ``k``-th's
+up (one round of ``obin`` bins below its best score; where those hold over a block of keys,
+exactly its ``k`` best by radix select). The request's ``k`` best are among the blocks' ``k``
+best, so the request's last block to finish (each block adds its listed count and its one to
+the request's done counter in one atomic, so the last learns the list's length from it)
+selects from the list alone:
 loaded into shared memory in one round of four loads a thread (up to ``UCAP`` keys),
 ``select_list`` (one bins round below the list's best score, each key of the bins from the
 ``k``-th's up ranked within its bin, or sorted whole where a bin is crowded); a longer list

@@ -8,9 +8,9 @@ largest okey.
 Then, for ``k`` up to half the block, it lists the keys that may be among the ``k`` best and
 selects from the list (``trie_topk_sample.select_list``: one round of score bins, each key of the
 bins from the ``k``-th's up ranked within its bin, no sort unless a bin is crowded): over
-``SAMPLE_MIN`` candidates, with ``STREAMGR_TOPK_SAMPLE=1`` (off by default, ``trie_topk_sample``),
-the list is the keys at or above a sampled floor (where they number from ``k`` to a block), else
-every key. Otherwise (ties, or ``k`` over half the block) it
+``SAMPLE_MIN`` candidates the list is the keys at or above a sampled floor (where they number
+from ``k`` to a block; ``trie_topk_sample``), else every key. Otherwise (ties, or ``k`` over
+half the block) it
 radix-selects the ``k`` best keys (``trie_topk_dev.radix``: digits from the range's top bit,
 usually two or three rounds), sorts and decodes them. No global scratch, no memset: the whole
 step is one node of the decode plan's graph.

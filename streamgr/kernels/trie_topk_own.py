@@ -31,7 +31,7 @@ from numba import cuda, float32, int32, int64
 from .kernel_cache import cached
 from .numba_common import STAMP, stamp
 from .trie_topk_dev import (I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, append, bin_rank,
-                            pick_segments, sort_desc, sort_span, hist_add)
+                            or_max, pick_segments, sort_desc, sort_span, hist_add)
 from .trie_topk_keys import MAXC, NEG_INF, cand, div_f, okey, okey_float
 from .trie_topk_sample import best_okey, rev_okey, slot_rank, ubin
 
@@ -80,7 +80,7 @@ def own_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
         res[3] = I32MAX
         ctr[0] = 0
     cuda.syncthreads()
-    hi = best_okey(rev_okey(u) if mine else I32MAX, res)
+    hi = best_okey(or_max(mine, rev_okey(u)), res)
     stamp(1)
     ref = okey_float(hi)
     b = ubin(u, ref)

@@ -35,7 +35,7 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 from .kernel_cache import cached
 from .numba_common import INLINE, STAMP, stamp
 from .trie_topk_dev import (DIG, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, bin_rank, hist_add,
-                            pick, pick_segments, sort_desc)
+                            or_max, pick, pick_segments, sort_desc)
 from .trie_topk_keys import MAXC, NEG_INF, beam_of, ix, logp_of, okey, okey_float
 from .trie_topk_quad import KEY_TOP, LIST_N, key_of, lbin, place, radix_count, radix_take
 from .trie_topk_sample import best_okey, least_okey, okey32, rev_okey, ubin
@@ -141,7 +141,7 @@ def root_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
     stamp(3)
     hist[tid] = 0
     # the cutoff: the smallest sampled okey of the bins from ds up (their keys all at or above)
-    t = least_okey(okey32(us) if us >= 0 and sb >= ds else I32MAX, res)
+    t = least_okey(or_max((us >= 0) & (sb >= ds), okey32(us)), res)
     stamp(4)
     # the keys from the cutoff up in NB linear bins of their distance below the best (lbin),
     # the cutoff's the lowest: the sample has narrowed the range to about the k best, so one

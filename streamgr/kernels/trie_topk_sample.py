@@ -13,8 +13,8 @@ took the listing 3.48 -> 1.21 us of step 1 on the H200, session 32), and where t
 at least the ``k`` wanted and fits a block (``sample_floor`` leaves the odds of missing far below
 one in a thousand; the callers fall back to the full rounds otherwise) the answer is selected
 from the list alone (``select_list``: one bins round over it, each key ranked in its bin; sorted
-where a bin is crowded). The sampled floor is off by default (``SAMPLE``: it hangs on the lent
-H200 since session 37); ``select_list`` serves the merge's last block either way.
+where a bin is crowded). ``STREAMGR_TOPK_SAMPLE=0`` turns the sampled floor off (A/B runs);
+``select_list`` serves the merge's last block either way.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import os
 from numba import cuda, int32, int64, uint32
 
 from .trie_topk import SIMULATED
-from .trie_topk_dev import HALF, I32MAX, NB, NT, SEG_MAX, append, hist_add, minmax, \
+from .trie_topk_dev import HALF, I32MAX, NB, NT, SEG_MAX, append, hist_add, minmax, or_max, \
     bin_rank, pick, pick_segments, reserve_slots, sort_desc, sort_span, warp_min_into
 from .numba_common import INLINE, stamp
 from .trie_topk_keys import LOW32, MAXC, _bits, div_f, note_all, note_beam, okey_float, put_abs
@@ -41,14 +41,13 @@ from .trie_topk_levels import LEVELS, note_levels
 # for A/B runs (3 under the simulator's 32 bins).
 OCT = 3 if SIMULATED else int(os.environ.get("STREAMGR_TOPK_OCT", "6"))
 OBASE = (127 - (NB >> OCT) // 2) << OCT
-# STREAMGR_TOPK_SAMPLE=1: chunks of more keys than SAMPLE_MIN take the sampled floor (at or below
-# a block the sample would be the whole chunk, and one bins round is cheaper). Off by default:
-# on the lent H200 since session 37 (driver 580.159.04, numba 0.68.0, numba-cuda 0.30.4) every
-# merge_select launch through it hangs, every block between the chunk's scoring and
-# sample_floor's pick (phase stamps read from pinned memory while it hung, session 39), at 1 to
-# 16 requests and chunks of 4,096 and 8,192; its code is the one that ran in session 36, and
-# the cause is not found. Off, step 2 took 0.0213 ms against 0.0185 with it (session 34).
-SAMPLE = os.environ.get("STREAMGR_TOPK_SAMPLE", "0") == "1"
+# Chunks of more keys than SAMPLE_MIN take the sampled floor (STREAMGR_TOPK_SAMPLE=0: never, for
+# A/B runs); at or below a block the sample would be the whole chunk, and one bins round is
+# cheaper. On the lent H200 (sessions 37-39) every merge_select launch through it hung: NVVM had
+# copied least_okey's shuffles and barrier into both arms of the per-thread branch that chose
+# each thread's floor candidate (``or_max`` now chooses it without a branch; session 40). Off,
+# step 2 took 0.0214 ms against 0.0180-0.0189 with it (session 40).
+SAMPLE = os.environ.get("STREAMGR_TOPK_SAMPLE", "1") == "1"
 SAMPLE_MIN = NT if SIMULATED else 2 * NT
 # A chunk of one beam's children is scored with the beam read once (note_beam;
 # STREAMGR_TOPK_BEAM=0: every candidate as any other, for A/B runs).
@@ -92,7 +91,7 @@ def rev_okey(u):
     """Okey ``u`` (unsigned 32-bit, as int64; -1 for none) as an int32 whose block min is the
     best okey (``best_okey``): ~x reverses ``okey32``'s int32 order without overflow;
     ``I32MAX`` for none."""
-    return ~okey32(u) if u >= 0 else I32MAX
+    return or_max(u >= 0, ~okey32(u))
 
 
 @cuda.jit(device=True, **INLINE)
@@ -177,7 +176,7 @@ def sample_floor(kx, n, want, ref, hist, scan, res):
     # the floor: the picked bins' smallest sampled okey, by a 32-bit shared atomic min (one
     # barrier; a block min/max's three took step 2 0.0258 -> 0.0252 ms on the H200, session
     # 32); okeys are unsigned 32-bit: less 2**31 they order as int32 do
-    return least_okey(okey32(int64(x)) if b >= d else I32MAX, res)
+    return least_okey(or_max(b >= d, okey32(int64(x))), res)
 
 
 @cuda.jit(device=True, **INLINE)

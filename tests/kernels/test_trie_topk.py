@@ -143,10 +143,10 @@ MERGE = [(16, False, 12, (6, 6), 4, 1, 0.1),
          (24, False, 40, (6, 8), 4, 1, 0.1), (26, False, 2, (90, 100), 4, 1, 0.1)]
 
 
-# ... and through the sampled floor (STREAMGR_TOPK_SAMPLE=1, off by default; a process of its
+# ... and without the sampled floor (STREAMGR_TOPK_SAMPLE=0, an A/B setting; a process of its
 # own): the one-block cases over the simulator's block of candidates (7 x 9, 8 x 8, 6 x 8), the
 # merge's list ranked in its bins, every score tied, two waves of blocks.
-SAMPLED = ([c for c in ONE_BLOCK if c[0] in (10, 14, 15)]
+UNSAMPLED = ([c for c in ONE_BLOCK if c[0] in (10, 14, 15)]
            + [c for c in MERGE if c[0] in (16, 21, 24)])
 
 
@@ -191,13 +191,12 @@ def simulate(script: str, cases=None, **env) -> list[str]:
     (GRID + OWN1 + ONE_RADIX + ONE_BEAM, {"STREAMGR_TOPK_OWN": "1", "STREAMGR_TOPK_QUAD": "0",
                                           "STREAMGR_TOPK_ROOT": "0"}),
     (MERGE + QUAD_ANY_K, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_QUAD": "2"}),
-    (SAMPLED, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_SAMPLE": "1"})],
-    ids=["one_block", "grid", "merge", "sampled"])
+    (UNSAMPLED, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_SAMPLE": "0"})],
+    ids=["one_block", "grid", "merge", "unsampled"])
 def test_numba_kernels_under_the_simulator(cases, env):
     """The one-candidate-a-thread, four-a-thread, one-block, grid and merge kernels equal the
     reference on small shapes (a process each: the simulator is set at import), the one-block
-    and merge kernels also through the sampled floor (``STREAMGR_TOPK_SAMPLE=1``, off by
-    default)."""
+    and merge kernels also without the sampled floor (``STREAMGR_TOPK_SAMPLE=0``)."""
     assert simulate(SIM, cases=cases, **env) == ["ok", str(len(cases))]
 
 
@@ -241,7 +240,7 @@ def test_requests_past_the_kernels_index_range_take_the_stable_reference(monkeyp
 ROUTING = """
 from streamgr.kernels import trie_topk_merge as tm
 assert tm.plan(45312, 16, 256, 132) == (8192, 6), tm.plan(45312, 16, 256, 132)
-assert tm.plan(45312, 8, 256, 132) == (4096, 12), tm.plan(45312, 8, 256, 132)  # lists ~5/4 k
+assert tm.plan(45312, 8, 256, 132) == (8192, 6), tm.plan(45312, 8, 256, 132)
 assert tm.plan(45312, 48, 256, 132) == (8192, 6), tm.plan(45312, 48, 256, 132)
 assert max(R for R in range(1, 100) if tm.plan(45312, R, 256, 132)) == 66
 for args in [(8192, 16, 256), (181248, 16, 1024), (2097152, 1, 256)]:
@@ -259,10 +258,9 @@ print("ok")
 def test_merge_and_quad_routing_on_the_h200():
     """Where the one-launch merge serves (``trie_topk_merge.plan``; H200 measurements in
     docs/benchmarks.md, sessions 29-30): gen-ref's step 2 in 6 chunks of 8,192 (at 16 requests
-    faster than 8 of 6,144 or 12 of 4,096), at 8 requests in 12 of 4,096 (the blocks' lists,
-    ~5/4 of k each from the bins with the sampled floor off, fit the last block's 4,096 keys;
-    gen-ref measured so, session 39), from 1 request up to 66 (three waves of blocks, 48 among
-    them); not step 1 (one block of 8,192 was faster), not k over 512, not one request's
+    faster than 8 of 6,144 or 12 of 4,096; with the sampled floor off, 8 requests take 12 of
+    4,096 so that the blocks' lists fit the last block), from 1 request up to 66 (three waves of
+    blocks, 48 among them); not step 1 (one block of 8,192 was faster), not k over 512, not one request's
     flat 2,097,152. Four candidates a thread (``trie_topk_quad``) for 1,025-4,096 candidates
     wanting over 512 (gen-ref's step 3 at beams of 1,024); eight (``trie_topk_root``) for one
     beam of 1,025-8,192 children (step 1 at any width). In a process of its own without the

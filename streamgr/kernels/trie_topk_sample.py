@@ -43,10 +43,11 @@ OCT = 3 if SIMULATED else int(os.environ.get("STREAMGR_TOPK_OCT", "6"))
 OBASE = (127 - (NB >> OCT) // 2) << OCT
 # Chunks of more keys than SAMPLE_MIN take the sampled floor (STREAMGR_TOPK_SAMPLE=0: never, for
 # A/B runs); at or below a block the sample would be the whole chunk, and one bins round is
-# cheaper. On the lent H200 (sessions 37-39) every merge_select launch through it hung: NVVM had
-# copied least_okey's shuffles and barrier into both arms of the per-thread branch that chose
-# each thread's floor candidate (``or_max`` now chooses it without a branch; session 40). Off,
-# step 2 took 0.0214 ms against 0.0180-0.0189 with it (session 40).
+# cheaper. On the lent H200 (Python 3.12, sessions 37-39) every merge_select launch through it
+# hung: CPython 3.12 had copied sample_floor's ``return least_okey(.. if b >= d else ..)`` into
+# both arms of that per-thread choice, so a warp's lanes waited at different barriers
+# (``or_max`` chooses without a branch; session 40). Off, step 2 took 0.0214 ms against
+# 0.0180-0.0189 with it (session 40).
 SAMPLE = os.environ.get("STREAMGR_TOPK_SAMPLE", "1") == "1"
 SAMPLE_MIN = NT if SIMULATED else 2 * NT
 # A chunk of one beam's children is scored with the beam read once (note_beam;

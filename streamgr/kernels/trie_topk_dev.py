@@ -135,20 +135,6 @@ def append(out, ctr, at, v, take):
 
 
 @cuda.jit(device=True, **INLINE)
-def or_max(keep, m):
-    """``m if keep else I32MAX`` (int32) by bit arithmetic, with no branch, for a value that a
-    warp collective reads next (``warp_min_into``). Why: in ``return least_okey(m if keep else
-    I32MAX, res)`` CPython 3.12 copies the call's short tail into both arms of the conditional
-    expression, Numba compiles each copy, and the lanes of one warp then reach different
-    shuffles and barriers: every merge launch through the sampled floor hung the H200 machine
-    (Python 3.12) in sessions 37-39; its PTX held 64 ``bar.sync`` for the source's 63
-    (session 40; ``tests/kernels/test_numba_collectives.py`` keeps the pattern out). No branch
-    here, so nothing to copy, and on the H200 the four kernels that use it were as fast or
-    faster."""
-    return int32(m ^ ((m ^ I32MAX) & (int32(keep) - int32(1))))
-
-
-@cuda.jit(device=True, **INLINE)
 def warp_min_into(m, cell, at):
     """The block-wide min of the threads' int32 ``m``, returned to every thread: each warp's by
     shuffles, then one shared atomic a warp into ``cell[at]`` (``I32MAX`` on entry, published).

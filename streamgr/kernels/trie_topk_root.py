@@ -35,10 +35,10 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 from .kernel_cache import cached
 from .numba_common import INLINE, STAMP, stamp
 from .trie_topk_dev import (DIG, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, bin_rank, hist_add,
-                            or_max, pick, pick_segments, sort_desc)
+                            pick, pick_segments, sort_desc)
 from .trie_topk_keys import MAXC, NEG_INF, beam_of, ix, logp_of, okey, okey_float
 from .trie_topk_quad import KEY_TOP, LIST_N, key_of, lbin, place, radix_count, radix_take
-from .trie_topk_sample import best_okey, least_okey, okey32, rev_okey, ubin
+from .trie_topk_sample import best_okey, least_okey, okey32, or_max, rev_okey, ubin
 
 # STREAMGR_TOPK_ROOT=0: one-beam requests on trie_topk_one / trie_topk_quad (A/B runs)
 ROOT = os.environ.get("STREAMGR_TOPK_ROOT", "1") == "1"

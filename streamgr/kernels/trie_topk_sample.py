@@ -24,7 +24,7 @@ import os
 from numba import cuda, int32, int64, uint32
 
 from .trie_topk import SIMULATED
-from .trie_topk_dev import HALF, I32MAX, NB, NT, SEG_MAX, append, hist_add, minmax, or_max, \
+from .trie_topk_dev import HALF, I32MAX, NB, NT, SEG_MAX, append, hist_add, minmax, \
     bin_rank, pick, pick_segments, reserve_slots, sort_desc, sort_span, warp_min_into
 from .numba_common import INLINE, stamp
 from .trie_topk_keys import LOW32, MAXC, _bits, div_f, note_all, note_beam, okey_float, put_abs
@@ -77,6 +77,20 @@ def okey32(u):
     """Okey ``u`` (unsigned 32-bit, as int64) less 2**31 as an int32: ordered as int32s are,
     for a shared atomic min (``least_okey``)."""
     return int32((u & LOW32) - HALF)
+
+
+@cuda.jit(device=True, **INLINE)
+def or_max(keep, m):
+    """``m if keep else I32MAX`` (int32) by bit arithmetic, with no branch, for a value that a
+    warp collective reads next (``warp_min_into``). Why: in ``return least_okey(m if keep else
+    I32MAX, res)`` CPython 3.12 copies the call's short tail into both arms of the conditional
+    expression, Numba compiles each copy, and the lanes of one warp then reach different
+    shuffles and barriers: every merge launch through the sampled floor hung the H200 machine
+    (Python 3.12) in sessions 37-39; its PTX held 64 ``bar.sync`` for the source's 63
+    (session 40; ``tests/kernels/test_numba_collectives.py`` keeps the pattern out). No branch
+    here, so nothing to copy, and on the H200 the four kernels that use it were as fast or
+    faster."""
+    return int32(m ^ ((m ^ I32MAX) & (int32(keep) - int32(1))))
 
 
 @cuda.jit(device=True, **INLINE)

@@ -250,6 +250,6 @@ def test_the_merge_with_the_sampled_floor_finishes():
     """Step 2 through the merge's sampled floor (the default) finishes and equals the reference,
     in a process of its own under a timeout: every such launch hung the lent H200 in sessions
     37-39 (CPython 3.12 had copied ``least_okey``'s call, shuffles and barrier, into both arms
-    of the per-thread choice of each thread's floor candidate; ``trie_topk_dev.or_max`` chooses
+    of the per-thread choice of each thread's floor candidate; ``trie_topk_sample.or_max`` chooses
     it without a branch). A hang here fails in 300 s instead of stalling the suite."""
     _ab_check("STREAMGR_TOPK_SAMPLE", "1", STEP2 + [(1, 256, 177, 256, False)], 300)

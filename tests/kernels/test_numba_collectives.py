@@ -41,12 +41,12 @@ def _numba(fn: ast.FunctionDef) -> bool:
     return any("cuda.jit" in ast.unparse(d) for d in fn.decorator_list)
 
 
-def _functions(sources: dict[str, str], every: bool = False):
-    """{name: [(file, def)]} of the Numba CUDA functions (``every``: of all functions)."""
+def _functions(sources: dict[str, str]):
+    """{name: [(file, def)]} of the Numba CUDA functions."""
     found: dict[str, list[tuple[str, ast.FunctionDef]]] = {}
     for name, text in sources.items():
         for fn in ast.walk(ast.parse(text)):
-            if isinstance(fn, ast.FunctionDef) and (every or _numba(fn)):
+            if isinstance(fn, ast.FunctionDef) and _numba(fn):
                 found.setdefault(fn.name, []).append((name, fn))
     return found
 

@@ -147,7 +147,7 @@ MERGE = [(16, False, 12, (6, 6), 4, 1, 0.1),
 # own): the one-block cases over the simulator's block of candidates (7 x 9, 8 x 8, 6 x 8), the
 # merge's list ranked in its bins, every score tied, two waves of blocks.
 UNSAMPLED = ([c for c in ONE_BLOCK if c[0] in (10, 14, 15)]
-           + [c for c in MERGE if c[0] in (16, 21, 24)])
+             + [c for c in MERGE if c[0] in (16, 21, 24)])
 
 
 # ... and one candidate a thread with each thread ranking its own key, answered from its
@@ -260,11 +260,11 @@ def test_merge_and_quad_routing_on_the_h200():
     docs/benchmarks.md, sessions 29-30): gen-ref's step 2 in 6 chunks of 8,192 (at 16 requests
     faster than 8 of 6,144 or 12 of 4,096; with the sampled floor off, 8 requests take 12 of
     4,096 so that the blocks' lists fit the last block), from 1 request up to 66 (three waves of
-    blocks, 48 among them); not step 1 (one block of 8,192 was faster), not k over 512, not one request's
-    flat 2,097,152. Four candidates a thread (``trie_topk_quad``) for 1,025-4,096 candidates
-    wanting over 512 (gen-ref's step 3 at beams of 1,024); eight (``trie_topk_root``) for one
-    beam of 1,025-8,192 children (step 1 at any width). In a process of its own without the
-    simulator, whose block sizes differ."""
+    blocks, 48 among them); not step 1 (one block of 8,192 was faster), not k over 512, not one
+    request's flat 2,097,152. Four candidates a thread (``trie_topk_quad``) for 1,025-4,096
+    candidates wanting over 512 (gen-ref's step 3 at beams of 1,024); eight
+    (``trie_topk_root``) for one beam of 1,025-8,192 children (step 1 at any width). In a
+    process of its own without the simulator, whose block sizes differ."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     p = subprocess.run([sys.executable, "-c", ROUTING], env=env, capture_output=True, text=True,

@@ -100,6 +100,11 @@ class EngineSpec(_Section, kw_only=True):
     # weights and of the plans' memory. Rank and generate: pins the host buffer checkpoint
     # refits read into at start (CUDA), sized for an fp32 checkpoint.
     refit_spare: bool = False
+    # A batch whose finish (the wait for its device work, then its answers) takes longer marks
+    # the engine dead (EngineDead to its requests, those queued and every later one) instead of
+    # leaving them waiting for ever: a hung kernel never returns the stream (sessions 37-39 hung
+    # the H200 so). Seconds; 0: wait for ever. Device batches here take milliseconds.
+    stall_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -118,6 +123,8 @@ class EngineSpec(_Section, kw_only=True):
             raise ValueError("`switch_interval_ms` must be a number in 0..100 (0: Python's)")
         if not (1 <= self.rank_in_flight <= 4 and 1 <= self.gen_in_flight <= 4):
             raise ValueError("`rank_in_flight` and `gen_in_flight` must be 1..4")
+        if not math.isfinite(self.stall_timeout_s) or self.stall_timeout_s < 0:
+            raise ValueError("`stall_timeout_s` must be a finite number >= 0 (0: no limit)")
 
 
 class CacheSpec(_Section, kw_only=True):

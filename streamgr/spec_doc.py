@@ -60,6 +60,10 @@ MEANING = {
     "engine.refit_spare": "generate: build a spare version (weights copy, own decode plans) at "
                           "start, so the first weights refit is written in place too, and warm "
                           "the build thread with three throwaway catalog removals",
+    "engine.stall_timeout_s": "seconds a batch may take to finish (its device work, then its "
+                              "answers) before the engine is declared dead (`EngineDead`): "
+                              "a hung kernel fails requests instead of holding them; 0: no "
+                              "limit",
     "cache.mode": "`recompute` (no cache), `gpu-only` (device pages), `hierarchical` (device "
                   "pages + host chunks)",
     "cache.page_tokens": "tokens per device page",

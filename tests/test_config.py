@@ -126,6 +126,13 @@ def test_max_wait_ms_must_be_finite(value):
         load_spec("rank-small", {"engine.max_wait_ms": value})
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-0.5"])
+def test_stall_timeout_must_be_finite_and_not_negative(value):
+    with pytest.raises(SpecError, match="stall_timeout_s"):
+        load_spec("rank-small", {"engine.stall_timeout_s": value})
+    assert load_spec("rank-small", {"engine.stall_timeout_s": "0"}).engine.stall_timeout_s == 0
+
+
 def test_offload_quota_below_a_chunk_is_refused():
     with pytest.raises(SpecError, match="offload_quota_tokens"):
         load_spec("rank-small", {"cache.mode": "hierarchical", "cache.chunk_tokens": 64,

@@ -7,6 +7,9 @@ queued. A key (a rank user) in a batch in flight waits for a later batch. The en
 (rank offloads) runs on the executor, before the batch's slot frees, so it never delays a reply
 and never overlaps the next batch's preparation. Rank and generate share this loop, its one
 drain, one refusal path and one error path: they differ only in their runner and ``answer``.
+A batch whose finish outlasts ``stall_timeout`` (a hung kernel never returns its stream) fails
+with ``EngineDead``, which marks the engine dead (``status.fail_batch``); the loop is then
+``stalled`` and the engine's close does not wait for the stuck completion thread.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import time
 from concurrent.futures import Executor
 from typing import Any, Callable, Protocol
 
-from ..errors import EngineClosed
+from ..errors import EngineClosed, EngineDead
 from .batcher import Batcher, Pending
 
 log = logging.getLogger("streamgr.engine")
@@ -49,11 +52,13 @@ class BatchLoop:
                  finisher: Executor, in_flight: int,
                  answer: Callable[[list[Pending], Any, float, float], None],
                  on_error: Callable[[list[Pending], Exception], None],
-                 on_background_error: Callable[[], None]) -> None:
+                 on_background_error: Callable[[], None], stall_timeout: float = 0.0) -> None:
         self.name, self.batcher, self.runner = name, batcher, runner
         self.executor, self.finisher, self.in_flight = executor, finisher, in_flight
         self.answer, self.on_error, self.on_background_error = (answer, on_error,
                                                                 on_background_error)
+        self.stall_timeout = stall_timeout  # s; 0: none
+        self.stalled = False  # a batch's finish outlasted stall_timeout (its thread is stuck)
         self.busy: set = set()  # keys of the batches between submit and finish
 
     async def run(self) -> None:
@@ -94,8 +99,18 @@ class BatchLoop:
                       slots: asyncio.Semaphore) -> None:
         loop = asyncio.get_running_loop()
         try:
+            fut = loop.run_in_executor(self.finisher, self.runner.finish, handle)
             try:
-                outcome = await loop.run_in_executor(self.finisher, self.runner.finish, handle)
+                # wait, not wait_for: a TimeoutError the runner raises stays the runner's
+                done, _ = await asyncio.wait({fut}, timeout=self.stall_timeout or None)
+                if not done:
+                    self.stalled = True
+                    self.on_error(batch, EngineDead(
+                        f"{self.name}: a batch of {len(batch)} did not finish within "
+                        f"{self.stall_timeout:g} s (engine.stall_timeout_s): the device looks "
+                        f"stalled, e.g. a hung kernel; restart the engine"))
+                    return
+                outcome = fut.result()
             except asyncio.CancelledError:
                 refuse(batch)
                 raise

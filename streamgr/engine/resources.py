@@ -77,6 +77,7 @@ class EngineResources:
         self.builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamgr-build")
         self.runners = [r for r in (engine.runner, engine.gen_runner) if r is not None]
         self.tasks: list[asyncio.Task] = []
+        self.loops: list[BatchLoop] = []
         self._closed = False
 
     def start_loops(self, engine) -> None:
@@ -84,18 +85,20 @@ class EngineResources:
         batch's users (a user in flight waits for a later batch), so batch n+1 is planned while
         batch n computes."""
         count_bg = lambda: engine.metrics.count("background_errors")  # noqa: E731
+        e = engine.spec.engine
         loops = []
         if engine.runner is not None:
             loops.append(BatchLoop("rank", self.rank_batcher, engine.runner, self.executor,
-                                   self.finisher, engine.spec.engine.rank_in_flight,
+                                   self.finisher, e.rank_in_flight,
                                    partial(answer_rank, engine.metrics), engine._on_batch_error,
-                                   count_bg))
+                                   count_bg, e.stall_timeout_s))
         if engine.gen_runner is not None:
             loops.append(BatchLoop("generate", self.gen_batcher, engine.gen_runner,
-                                   self.executor, self.finisher, engine.spec.engine.gen_in_flight,
+                                   self.executor, self.finisher, e.gen_in_flight,
                                    partial(answer_generate, engine.metrics),
-                                   engine._on_batch_error, count_bg))
+                                   engine._on_batch_error, count_bg, e.stall_timeout_s))
         loop = asyncio.get_running_loop()
+        self.loops = loops
         self.tasks = [loop.create_task(b.run(), name=f"streamgr-{b.name}") for b in loops]
 
     def queued(self) -> int:
@@ -122,6 +125,12 @@ class EngineResources:
                 pass
         self.fail_queued(lambda: EngineClosed("engine closed"))
         loop = asyncio.get_running_loop()
+        if any(b.stalled for b in self.loops):
+            # a completion thread is stuck on the device: closing the runners would wait on the
+            # device too, and joining that thread would never return
+            for ex in (self.executor, self.finisher, self.builder):
+                ex.shutdown(wait=False, cancel_futures=True)
+            return
         for runner in self.runners:
             await loop.run_in_executor(self.executor, runner.close)
         for ex in (self.executor, self.finisher, self.builder):  # joined off the event loop

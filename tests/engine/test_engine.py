@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -194,6 +196,40 @@ async def test_a_failing_batch_fails_its_requests_and_the_engine_serves_on():
             await eng.rank(req(rng, 3, 10))
         with pytest.raises(E.EngineDead):  # refused at admission from now on
             await eng.rank(req(rng, 4, 10))
+
+
+async def test_a_stalled_batch_fails_with_engine_dead_and_close_returns():
+    """A batch whose finish never returns (a hung kernel holds its stream so: sessions 37-39 on
+    the H200) fails its requests with ``EngineDead`` after ``engine.stall_timeout_s``; so does a
+    batch queued behind it on the completion thread, and every later request at admission; and
+    ``close`` returns instead of joining the stuck thread."""
+    rng = np.random.default_rng(11)
+    release = threading.Event()
+    eng = Engine.from_spec("rank-small", small_overrides(**{"engine.stall_timeout_s": 0.3}))
+    await eng.start()
+    try:
+        real = eng.runner.finish  # what the completion thread calls
+
+        def hung(handle):
+            release.wait(30)
+            return real(handle)
+        eng.runner.finish = hung
+        t0 = time.monotonic()
+        first = asyncio.ensure_future(eng.rank(req(rng, 1, 10)))
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(eng.rank(req(rng, 2, 10)))  # the next batch in flight
+        for fut in (first, second):
+            with pytest.raises(E.EngineDead, match="did not finish within 0.3 s"):
+                await fut
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(E.EngineDead):  # refused at admission from now on
+            await eng.rank(req(rng, 3, 10))
+        t1 = time.monotonic()
+        await eng.close()
+        assert time.monotonic() - t1 < 5  # the stuck thread is not joined
+    finally:
+        release.set()  # lets the stuck thread end, after the close
+        await eng.close()
 
 
 @pytest.mark.parametrize("freeze", [True, False])

@@ -25,15 +25,15 @@ COLLECTIVE = {"syncthreads", "syncwarp", "ballot_sync", "all_sync", "any_sync", 
               "syncthreads_or"}
 
 
+def _name(call: ast.Call) -> str:
+    """The name a call names (``f(..)``, ``mod.f(..)``; "" for anything else)."""
+    f = call.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+
+
 def _called(node: ast.AST) -> set[str]:
-    """The names a node's calls name (``f(..)`` and ``mod.f(..)``)."""
-    out = set()
-    for n in ast.walk(node):
-        if isinstance(n, ast.Call):
-            f = n.func
-            out.add(f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute)
-                    else "")
-    return out
+    """The names a node's calls name."""
+    return {_name(n) for n in ast.walk(node) if isinstance(n, ast.Call)}
 
 
 def _numba(fn: ast.FunctionDef) -> bool:
@@ -84,8 +84,7 @@ def offenders(sources: dict[str, str]) -> list[str]:
                 if not isinstance(ret, ast.Return) or ret.value is None:
                     continue
                 for call in ast.walk(ret.value):
-                    if not isinstance(call, ast.Call) or not (_called(call.func) | {
-                            getattr(call.func, "id", getattr(call.func, "attr", ""))}) & conv:
+                    if not isinstance(call, ast.Call) or _name(call) not in conv:
                         continue
                     args = list(call.args) + [k.value for k in call.keywords]
                     if any(_branches(a) for a in args):

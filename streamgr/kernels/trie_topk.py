@@ -25,7 +25,7 @@ one launch: keys in shared memory, a list of the keys at or above a floor sample
 every key, up to ``UCAP``), one histogram round over bins of each listed score's distance below the
 best, then the keys of the bins from the ``k``-th up ranked within their bins (or sorted whole where
 a bin is crowded), or radix select by 10-bit digits where the list outgrows a block; decode
-(``trie_topk_one``, ``trie_topk_sample``). A longer one takes a memset and two grid launches: each
+(``trie_topk_one``, ``trie_topk_sample``). A longer one takes two grid launches: each
 block bins its candidates' scores below the request's best beam score (the last block picks the bin
 of the ``k``-th), then scores them again where a group of 32 reaches that bin and appends the keys
 to a list; the request's last block sorts the list (or radix-selects from it) and decodes

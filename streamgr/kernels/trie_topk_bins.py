@@ -1,7 +1,7 @@
 """Binned grid selection of ``trie_topk`` for requests of more than ``ONE_MAX`` candidates
 (gen-ref's step 2: 45,312 at beams of 256, 181,248 at 1,024; one request's flat 2,097,152):
 one histogram round instead of a range pass and two radix digits, and no key buffer. Two
-launches after the workspace is zeroed (torch's fill kernel):
+launches on a workspace of counters that their last blocks leave zero (``counters.zeroed``):
 
 1. ``bin_hist``: every block (``chunk`` candidates, one wave of 1,024-thread blocks over the GPU)
    scores its candidates and adds each to the bin of ``x - ref`` (``gbin``: the top ``GBITS`` of
@@ -29,6 +29,7 @@ import functools
 import torch
 from numba import cuda, float32, int32, int64
 
+from .counters import zeroed
 from .kernel_cache import cached
 from .numba_common import INLINE
 from .trie_topk import SIMULATED
@@ -134,8 +135,12 @@ def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, 
     if not last_block(ws, r, DONE1, flag):
         return
     cuda.threadfence()
-    for i in range(tid, GB, NT):  # atomically: not from a stale cache line
-        hist[i] = int32(cuda.atomic.add(ws, (r, HG + i), int64(0)))
+    # atomically: not from a stale cache line; each read leaves its counter zero, as every
+    # block has added to it (counters.zeroed: a graph needs no memset node)
+    for i in range(tid, GB, NT):
+        hist[i] = int32(cuda.atomic.exch(ws, (r, HG + i), int64(0)))
+    if tid == 0:
+        ws[r, DONE1] = 0
     cuda.syncthreads()
     d, need, n = pick(hist, GB, k, scan, res, NT)
     if tid == 0:
@@ -214,9 +219,12 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     if not last_block(ws, r, DONE2, flag):
         return
     cuda.threadfence()
-    if tid == 0:
-        cnt[0] = cuda.atomic.add(ws, (r, NSURE), int64(0))
-        cnt[1] = cuda.atomic.add(ws, (r, NBUF), int64(0))
+    if tid == 0:  # read and left zero for the next launch (counters.zeroed), as is the
+        # pick, which every block of the request has read by now
+        cnt[0] = cuda.atomic.exch(ws, (r, NSURE), int64(0))
+        cnt[1] = cuda.atomic.exch(ws, (r, NBUF), int64(0))
+        for j in (DONE2, D, NEED, ND, REF):
+            ws[r, j] = 0
     cuda.syncthreads()
     n_sure = cnt[0]
     n_buf = cnt[1]
@@ -258,11 +266,12 @@ def chunk(N: int, R: int, sms: int) -> int:
 
 
 def run(launch, R, N, k, KP, F, FM, B, sc, nd, lp, trie, outs, dev, arr):
-    """The workspace zeroed (torch's fill) and the two launches (``launch(fn, grid,
-    threads)``) for R requests of N candidates."""
+    """The two launches (``launch(fn, grid, threads)``) for R requests of N candidates, on a
+    workspace of counters (``zeroed``: a graph's own, which the last blocks leave zero, or a
+    fill)."""
     ch = chunk(N, R, SMS_SIM if SIMULATED else sm_count(dev))
     g = -(-N // ch)
-    ws = torch.zeros(R, W_LEN, dtype=torch.int64, device=dev)
+    ws = zeroed((R, W_LEN), dev)
     sure = torch.empty(R, k, dtype=torch.int64, device=dev)
     buf = torch.empty(R, N, dtype=torch.int64, device=dev)
     # each group of 32 candidates' highest bin (every group written by bin_hist)

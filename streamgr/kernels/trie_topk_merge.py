@@ -19,9 +19,10 @@ loaded into shared memory in one round of four loads a thread (up to ``UCAP`` ke
 (ties), or one of only ``-inf`` keys, by radix select over the list in global memory. Then
 decode, as every path does.
 
-Against the grid path (``trie_topk_bins``: a memset and two launches, a global histogram of
+Against the grid path (``trie_topk_bins``: two launches, a global histogram of
 4,096 bins flushed by every block, every candidate group near the pick scored twice, the
-last block sorting) this is one launch after a 2-word-a-request memset: each candidate is
+last block sorting) this is one launch on 2 counters a request (``counters.zeroed``; the last
+block zeroes them again, so a graph needs no memset node): each candidate is
 scored once, and no global histogram is built. It serves where every block's chunk fits shared
 memory and the blocks' lists are expected to fit ``UCAP`` (``plan``); elsewhere the grid path.
 ``STREAMGR_TOPK_MERGE=0`` turns it off (A/B runs). Keys are distinct and the bins monotone in the
@@ -35,6 +36,7 @@ import os
 import torch
 from numba import cuda, int32, int64
 
+from .counters import zeroed
 from .kernel_cache import cached
 from .numba_common import INLINE, STAMP, stamp
 from .trie_topk import SIMULATED
@@ -184,6 +186,9 @@ def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
     cuda.threadfence()
     if tid == 0:
         ctr[0] = 0  # published by minmax's barriers
+        # every block of the request has added to both: zero for the next launch (counters)
+        ws[r, DONE] = 0
+        ws[r, UCNT] = 0
     U = int64(cnt[0])  # >= k: each block listed min(k, its n)
     if U <= UCAP:
         # the list's (up to 4 NT) loads issued at once, clamped in bounds so that none waits
@@ -255,9 +260,9 @@ def plan_for(N: int, R: int, k: int, dev):
 
 
 def run(launch, R, N, k, KP, ch, g, F, FM, B, sc, nd, lp, trie, outs, dev, arr):
-    """The list's counters zeroed (torch's fill) and the one launch (``launch(fn, grid,
-    threads)``)."""
-    ws = torch.zeros(R, 2, dtype=torch.int64, device=dev)
+    """The one launch (``launch(fn, grid, threads)``) on the list's counters (``zeroed``: a
+    graph's own, which the last blocks leave zero, or a fill)."""
+    ws = zeroed((R, 2), dev)
     ul = torch.empty(R, g * NT, dtype=torch.int64, device=dev)  # a block lists <= NT (k <= NT)
     launch(merge_select, (g, R), NT)(N, k, KP, ch, F, FM, B, sc, nd, *lp, *trie, arr(ws), arr(ul),
                                      *outs)

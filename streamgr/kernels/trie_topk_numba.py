@@ -5,14 +5,15 @@ launch whose blocks list their best and whose last block selects from the list
 candidates is one block of eight candidates a thread (``trie_topk_root``); else a request of at most
 a block of candidates is one block of one candidate a thread (``trie_topk_own``), one of at most
 four blocks wanting over half a block four candidates a thread (``trie_topk_quad``), one of at most
-``ONE_MAX`` one block that bins (or radix-selects) first (``trie_topk_one``), a longer one a memset
-and two grid launches (``trie_topk_bins``);
+``ONE_MAX`` one block that bins (or radix-selects) first (``trie_topk_one``), a longer one two grid
+launches (``trie_topk_bins``);
 the keys, scans and sort they share are in ``trie_topk_keys`` and ``trie_topk_dev``.
 
 Imported only when they run: a CUDA device with numba-cuda, or ``NUMBA_ENABLE_CUDASIM=1``.
 Arrays come from torch without copies (``__cuda_array_interface__``, no stream sync, so a
-CUDA graph can capture the launches); kernels launch on torch's current stream. The grid path
-zeroes its workspace (one fill node in a graph); the one-block paths need no global scratch.
+CUDA graph can capture the launches); kernels launch on torch's current stream. The grid and merge
+paths take their counters from ``counters.zeroed`` (a captured plan's own, left zero by the
+kernels: no fill node in its graph); the one-block paths need no global scratch.
 """
 
 from __future__ import annotations

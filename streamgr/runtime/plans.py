@@ -30,6 +30,8 @@ from collections import OrderedDict
 
 import torch
 
+from ..kernels.counters import Counters
+
 # Encoder lengths are padded (masked keys) to a multiple of this: the fused attention kernel
 # wants its bias rows aligned so, and would otherwise pad a copy of the bias at every call.
 LENGTH_ALIGN = 16
@@ -65,13 +67,18 @@ class DecodePlan:
         self.mask[:, 0] = True
         # Warm-up off the capturing stream: first calls set up library handles, workspaces and
         # the trie's device tables, none of which may happen inside a capture.
+        # The warm-up also sizes the plan's own selection counters (zeroed once here, outside
+        # the shared pool; the kernels leave them zero, so the graph holds no fill for them).
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
+        self.counters = Counters()
+        with torch.cuda.stream(side), self.counters.sizing():
             search.search(self.tokens, self.mask, self.cap, w_steps)
         torch.cuda.current_stream(dev).wait_stream(side)
+        self.counters.allocate(dev)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"), \
+                self.counters.serving():
             self.out = search.search(self.tokens, self.mask, self.cap, w_steps)
         # Two pinned staging sets, used in turn: a batch's inputs are packed straight into
         # one (no per-batch pinned allocation, a visible host cost per batch in the H200

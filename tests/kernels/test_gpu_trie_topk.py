@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from streamgr.kernels import trie_topk as tt
+from streamgr.kernels.counters import Counters
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
@@ -72,6 +73,33 @@ def test_trie_topk_inside_a_cuda_graph():
     ref = tt.trie_topk_reference(*case, 256, cap)
     for a, b in zip(out, ref):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("R,B,fan,k", [(8, 256, 177, 256), (48, 256, 177, 256),
+                                       (1, 256, 8192, 256), (2, 1024, 40, 1024)])
+def test_graph_counters_are_left_zero_across_replays(R, B, fan, k):
+    """The merge (step 2, one wave and three) and grid paths (flat; beams of 1,024) captured
+    with a plan's own counters (``counters.Counters``, no fill node): each of five replays over
+    new log-probabilities equals the reference, and the counters are zero after every one (a
+    kernel that left one set would misroute the next replay's blocks)."""
+    case = level(R, B, fan, V=max(fan, 64) * 2, seed=R + B + fan, uniform=fan == 8192)
+    cap = torch.full((R,), k, device=DEV)
+    counters = Counters()
+    with counters.sizing():
+        tt.trie_topk(*case, k, cap, impl="numba")  # compiles outside the capture
+    assert counters.need > 0, "the case did not take the merge or grid path"
+    counters.allocate(DEV)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g), counters.serving():
+        out = tt.trie_topk(*case, k, cap, impl="numba")
+    assert counters.overflow == 0
+    for _ in range(5):
+        case[2].normal_()
+        g.replay()
+        ref = tt.trie_topk_reference(*case, k, cap)
+        for name, a, b in zip(("top", "parent", "child", "code"), out, ref):
+            assert torch.equal(a, b), name
+        assert int(counters.buf.count_nonzero()) == 0
 
 
 @pytest.mark.parametrize("R,B,fan,k", [(3, 1, 8192, 256), (16, 256, 177, 256), (16, 256, 3, 256),

@@ -200,6 +200,48 @@ def test_numba_kernels_under_the_simulator(cases, env):
     assert simulate(SIM, cases=cases, **env) == ["ok", str(len(cases))]
 
 
+SIM_COUNTERS = textwrap.dedent("""
+    import torch, sys
+    sys.path.insert(0, {root!r})
+    from tests.kernels.test_trie_topk import random_case
+    from streamgr.kernels.counters import Counters
+    from streamgr.kernels.trie_topk import trie_topk, trie_topk_reference
+    n = 0
+    for seed, ties, B, fan, k, *more in {cases!r}:
+        R, dead = more[:2] if more else (2, 0.2)
+        scores, nodes, logp, ptr, codes, off, F = random_case(seed, R=R, B=B, fan=fan,
+                                                              ties=ties, dead=dead)
+        k = min(k, B * F)
+        cap = torch.full((R,), k)
+        counters = Counters()
+        with counters.sizing():
+            trie_topk(scores, nodes, logp, ptr, codes, off, F, k, cap, impl="numba")
+        assert counters.need > 0, seed
+        counters.allocate("cpu")
+        g = torch.Generator().manual_seed(seed)
+        for rep in range(3):  # as a graph's replays: the same counters, new log-probabilities
+            logp = logp[torch.randperm(logp.shape[0], generator=g)]
+            case = (scores, nodes, logp, ptr, codes, off, F)
+            with counters.serving():
+                got = trie_topk(*case, k, cap, impl="numba")
+            assert counters.overflow == 0
+            for a, b in zip(got, trie_topk_reference(*case, k, cap)):
+                assert torch.equal(a, b), (seed, rep, a, b)
+            assert int(counters.buf.count_nonzero()) == 0, (seed, rep, counters.buf)
+        n += 1
+    print("ok", n)
+""")
+
+
+def test_grid_and_merge_kernels_leave_their_counters_zero_under_the_simulator():
+    """The grid and merge launches on one arena of counters (``counters.Counters``, what a
+    decode plan's graph replays) three times over new log-probabilities: each equals the
+    reference and leaves every counter zero; a kernel that left one set would misroute the
+    next call's blocks (its last-block election or its list slots)."""
+    cases = [GRID[0], GRID[1], MERGE[0], MERGE[6]]  # a crowded grid bin; two waves of blocks
+    assert simulate(SIM_COUNTERS, cases=cases) == ["ok", "4"]
+
+
 def test_magic_division_is_exact():
     """The kernels' ``c // F`` without a division (``trie_topk_keys.magic``), over fan-outs
     1..5,000 and the served ones, at the candidate indices where rounding would show first."""

@@ -41,11 +41,12 @@ from .kernel_cache import cached
 from .numba_common import INLINE, STAMP, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_bins import MAXK, SMS_SIM, sm_count
-from .trie_topk_dev import (BIG, DIG, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length, collect,
-                            minmax, pick, radix, sort_desc, sort_span)
+from .trie_topk_dev import (BIG, DIG, I32MAX, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length,
+                            collect, minmax, pick, radix, sort_desc, sort_span)
 from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, decode, okey_float
-from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, hold, list_above, obin,
-                               obin_hist, sample_floor, score_chunk, select_list)
+from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, best_okey, hold, list_above,
+                               obin, obin_hist, rev_okey, sample_floor, score_chunk,
+                               select_list)
 
 MERGE = os.environ.get("STREAMGR_TOPK_MERGE", "1") == "1"
 # Requests that fit one block stay one block (trie_topk_one): on the H200 step 1 (8,192
@@ -91,17 +92,19 @@ def hold_below(kx, j, v, U):
 
 
 @cuda.jit(device=True, **INLINE)
-def last_listed(ws, r, listed, flag, cnt):
+def last_listed(ws, r, listed, flag, cnt, res):
     """True in the request's last block to get here (after its list is fenced), with the
     request's count of listed keys in ``cnt[0]``: one global atomic adds the block's count
     (high bits) and its one (low bits) to ``ws[r, DONE]``, so the last block need not read
-    the count in a second round trip."""
+    the count in a second round trip. ``res[3]`` is left ``I32MAX`` (published) for the last
+    block's ``best_okey``."""
     cuda.threadfence()
     cuda.syncthreads()
     if cuda.threadIdx.x == 0:
         old = cuda.atomic.add(ws, (r, DONE), (listed << LISTED) + 1)
         flag[0] = (old & ((int64(1) << LISTED) - 1)) == cuda.gridDim.x - 1
         cnt[0] = int32((old >> LISTED) + listed)
+        res[3] = I32MAX
     cuda.syncthreads()
     return flag[0]
 
@@ -179,7 +182,7 @@ def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
     if STAMP:
         cuda.syncthreads()
         stamp(3)
-    if not last_listed(ws, r, listed, flag, cnt):
+    if not last_listed(ws, r, listed, flag, cnt, res):
         stamp(15)
         return
     stamp(4)
@@ -202,9 +205,11 @@ def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
         hold_below(kx, tid + NT, v1, U)
         hold_below(kx, tid + 2 * NT, v2, U)
         hold_below(kx, tid + 3 * NT, v3, U)
-        _, hi = minmax(BIG, hi, red)  # also publishes kx
+        # the list's best okey: a warp min and one shared atomic (one barrier, which also
+        # publishes kx, where minmax of the 64-bit keys took three)
+        hi = best_okey(rev_okey(hi >> 31), res)
         stamp(5)
-        if (hi >> 31) > KEY_NEG_INF and select_list(kx, U, okey_float(hi >> 31), k, KP, hist,
+        if hi > KEY_NEG_INF and select_list(kx, U, okey_float(hi), k, KP, hist,
                                                     srt, scan, res, ctr, r, F, FM, B, scores,
                                                     nodes, logp, lse, sh, ptr, codes, off, cap,
                                                     top, parent, child, code, -1):

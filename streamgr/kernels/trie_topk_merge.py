@@ -13,11 +13,11 @@ exactly its ``k`` best by radix select). The request's ``k`` best are among the 
 best, so the request's last block to finish (each block adds its listed count and its one to
 the request's done counter in one atomic, so the last learns the list's length from it)
 selects from the list alone:
-loaded into shared memory in one round of four loads a thread (up to ``UCAP`` keys),
-``select_list`` (one bins round below the list's best score, each key of the bins from the
-``k``-th's up ranked within its bin, or sorted whole where a bin is crowded); a longer list
-(ties), or one of only ``-inf`` keys, by radix select over the list in global memory. Then
-decode, as every path does.
+held in registers from one round of four loads a thread (up to ``UCAP`` keys),
+``select_held`` (one bins round below the list's best score, each key of the bins from the
+``k``-th's up ranked within its bin, or sorted whole where a bin is crowded; each answer's
+child and code loaded while the block bins); a longer list (ties), or one of only ``-inf``
+keys, by radix select over the list in global memory, then decoded as every path does.
 
 Against the grid path (``trie_topk_bins``: two launches, a global histogram of
 4,096 bins flushed by every block, every candidate group near the pick scored twice, the
@@ -44,9 +44,9 @@ from .trie_topk_bins import MAXK, SMS_SIM, sm_count
 from .trie_topk_dev import (BIG, DIG, I32MAX, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length,
                             collect, minmax, pick, radix, sort_desc, sort_span)
 from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, decode, okey_float
-from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, best_okey, hold, list_above,
-                               obin, obin_hist, rev_okey, sample_floor, score_chunk,
-                               select_list)
+from .trie_topk_held import select_held
+from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, list_above, obin, obin_hist,
+                               sample_floor, score_chunk)
 
 MERGE = os.environ.get("STREAMGR_TOPK_MERGE", "1") == "1"
 # Requests that fit one block stay one block (trie_topk_one): on the H200 step 1 (8,192
@@ -85,19 +85,12 @@ def reserve(ws, r, cnt, red):
 
 
 @cuda.jit(device=True, **INLINE)
-def hold_below(kx, j, v, U):
-    """List key ``v`` held as key j (``hold``) where j is one of the list's ``U``."""
-    if j < U:
-        hold(kx, j, v)
-
-
-@cuda.jit(device=True, **INLINE)
 def last_listed(ws, r, listed, flag, cnt, res):
     """True in the request's last block to get here (after its list is fenced), with the
     request's count of listed keys in ``cnt[0]``: one global atomic adds the block's count
     (high bits) and its one (low bits) to ``ws[r, DONE]``, so the last block need not read
     the count in a second round trip. ``res[3]`` is left ``I32MAX`` (published) for the last
-    block's ``best_okey``."""
+    block's ``best_okey`` (``select_held``)."""
     cuda.threadfence()
     cuda.syncthreads()
     if cuda.threadIdx.x == 0:
@@ -193,30 +186,13 @@ def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
         ws[r, DONE] = 0
         ws[r, UCNT] = 0
     U = int64(cnt[0])  # >= k: each block listed min(k, its n)
-    if U <= UCAP:
-        # the list's (up to 4 NT) loads issued at once, clamped in bounds so that none waits
-        # on a branch, then held: one load level, not one a round (step 2's ~2,700 keys: three)
-        v0 = ul[r, min(tid, U - 1)]
-        v1 = ul[r, min(tid + NT, U - 1)]
-        v2 = ul[r, min(tid + 2 * NT, U - 1)]
-        v3 = ul[r, min(tid + 3 * NT, U - 1)]
-        hi = max(max(v0, v1), max(v2, v3))  # clamped copies are list keys too
-        hold_below(kx, tid, v0, U)
-        hold_below(kx, tid + NT, v1, U)
-        hold_below(kx, tid + 2 * NT, v2, U)
-        hold_below(kx, tid + 3 * NT, v3, U)
-        # the list's best okey: a warp min and one shared atomic (one barrier, which also
-        # publishes kx, where minmax of the 64-bit keys took three)
-        hi = best_okey(rev_okey(hi >> 31), res)
-        stamp(5)
-        if hi > KEY_NEG_INF and select_list(kx, U, okey_float(hi), k, KP, hist,
-                                                    srt, scan, res, ctr, r, F, FM, B, scores,
-                                                    nodes, logp, lse, sh, ptr, codes, off, cap,
-                                                    top, parent, child, code, -1):
-            if STAMP:
-                cuda.syncthreads()
-                stamp(15)
-            return
+    if U <= UCAP and select_held(ul, U, k, KP, kx, hist, srt, scan, res, ctr, r, F, FM, B,
+                                 scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
+                                 child, code):
+        if STAMP:
+            cuda.syncthreads()
+            stamp(15)
+        return
     # ties or only -inf: radix select over the list in global memory
     lo = MAXK
     hi = int64(-1)

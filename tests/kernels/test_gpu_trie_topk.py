@@ -50,11 +50,14 @@ def test_numba_is_used():
 
 @pytest.mark.parametrize("R,B,fan,k,ties", [
     (1, 1, 1, 1, False), (3, 1, 8192, 256, False), (16, 256, 177, 256, False),
+    # the merge's last block with four listed keys a thread (4 blocks of 8,192, each listing
+    # 512-1,024: lists of 2,048-4,096, mostly over 3,072; trie_topk_held), with and without ties
+    (2, 256, 128, 512, False), (3, 256, 128, 500, True),
     (16, 256, 3, 256, True), (2, 1024, 40, 1024, False), (4, 64, 8192, 1024, True),
     (5, 37, 13, 100, True), (1, 256, 8192, 256, False)])
 def test_trie_topk_equals_reference(R, B, fan, k, ties):
     case = level(R, B, fan, V=max(fan, 64) * 2, seed=R * 1000 + B + fan, ties=ties,
-                 uniform=(B == 256 and fan == 8192))
+                 uniform=(B == 256 and fan in (128, 8192)))
     k = min(k, B * case[-1])
     cap = torch.randint(1, k + 1, (R,), device=DEV)
     cap[0] = k

@@ -12,8 +12,9 @@ list's best, the child ranges with the bins, the codes after the pick (a fourth 
 of over 3,072, loads its three levels at once; four held across the phases spilled 12 bytes
 under the 64-register cap, three spill none). A thread places each of its keys with its child
 and code beside it (shared memory, by slot), so the slot's ranked key is answered from there.
-On the H200 step 2 took 0.0170 -> 0.0161-0.0163 ms, its last block's rank-and-answer phase
-1.33-1.40 -> 0.91 us and its placement 1.48-1.56 -> 1.27 (session 41).
+On the H200 step 2 took 0.0173-0.0174 -> 0.0157-0.0160 ms against the code before it in the
+same call, 48 requests 0.0341-0.0343 -> 0.0329-0.0333; its last block's placement 1.48-1.56 ->
+1.27 us and its bins 2.02 -> 1.40 (phase stamps, session 41).
 Where a bin is crowded the keys are sorted whole and answered as ``select_list`` answers them
 (``put_abs``, which loads). Same keys, same order: the answers are ``select_list``'s, bit for
 bit.

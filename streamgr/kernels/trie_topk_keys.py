@@ -31,7 +31,9 @@ NONE_LO = int64(1) << 40  # a (smallest real okey) where there is none
 NO_LO = uint32(0xFFFFFFFF)  # note's form of it
 NEG_INF = float32(-np.inf)
 # Answers from absolute keys take their score from the key (``put_abs``: no log-probability
-# read); STREAMGR_TOPK_KEYDEC=0 recomputes it as ``put`` does, for A/B runs.
+# read); STREAMGR_TOPK_KEYDEC=0 recomputes it as ``put`` does, for A/B runs (the merge's last
+# block, ``trie_topk_held``, reads its answers' scores from the keys either way, except where a
+# bin is crowded).
 KEYDEC = os.environ.get("STREAMGR_TOPK_KEYDEC", "1") == "1"
 
 if SIMULATED:

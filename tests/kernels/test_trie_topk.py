@@ -214,9 +214,7 @@ SIM_COUNTERS = textwrap.dedent("""
         k = min(k, B * F)
         cap = torch.full((R,), k)
         counters = Counters()
-        with counters.sizing():
-            trie_topk(scores, nodes, logp, ptr, codes, off, F, k, cap, impl="numba")
-        assert counters.need > 0, seed
+        counters.need = 1 << 16  # room for any case here (a sizing pass is one more run)
         counters.allocate("cpu")
         g = torch.Generator().manual_seed(seed)
         for rep in range(2):  # as a graph's replays: the same counters, new log-probabilities
@@ -224,7 +222,7 @@ SIM_COUNTERS = textwrap.dedent("""
             case = (scores, nodes, logp, ptr, codes, off, F)
             with counters.serving():
                 got = trie_topk(*case, k, cap, impl="numba")
-            assert counters.overflow == 0
+            assert counters.overflow == 0 and counters.at > 0, (seed, counters.at)
             for a, b in zip(got, trie_topk_reference(*case, k, cap)):
                 assert torch.equal(a, b), (seed, rep, a, b)
             assert int(counters.buf.count_nonzero()) == 0, (seed, rep, counters.buf)

@@ -79,9 +79,9 @@ def test_reference_equals_a_plain_loop(seed, ties):
 
 
 SIM = textwrap.dedent("""
-    import numpy as np, torch, sys
+    import numpy as np, os, torch, sys
     sys.path.insert(0, {root!r})
-    from tests.kernels.test_trie_topk import random_case
+    from tests.kernels.test_trie_topk import counted, random_case
     from streamgr.kernels.head_lse import LogProbs, row_lse_reference
     from streamgr.kernels.trie_topk import trie_topk, trie_topk_reference
     from streamgr.kernels import trie_topk_merge as tm
@@ -107,9 +107,34 @@ SIM = textwrap.dedent("""
             got = trie_topk(*case, k, cap, impl="numba")
             for a, b in zip(got, ref):
                 assert torch.equal(a, b), (seed, ties, B, fan, k, type(lp), a, b)
+        if str(seed) in os.environ.get("SIM_COUNTED", "").split(","):
+            counted((scores, nodes, logp, ptr, codes, off, F), k, cap, seed)
         n += 1
     print("ok", n)
 """)
+
+
+def counted(case, k, cap, seed):
+    """Case ``seed`` (a grid or merge one) twice on one arena of counters (``Counters``: what
+    a decode plan's graph replays), over new log-probabilities: each call equals the reference
+    and leaves every counter zero; a kernel that left one set would misroute the next call's
+    blocks (its last-block election or its list slots)."""
+    from streamgr.kernels.counters import Counters
+    from streamgr.kernels.trie_topk import trie_topk
+    scores, nodes, logp, ptr, codes, off, F = case
+    counters = Counters()
+    counters.need = 1 << 16  # room for any case here (a sizing pass is one more run)
+    counters.allocate("cpu")
+    g = torch.Generator().manual_seed(seed)
+    for rep in range(2):
+        logp = logp[torch.randperm(logp.shape[0], generator=g)]
+        case = (scores, nodes, logp, ptr, codes, off, F)
+        with counters.serving():
+            got = trie_topk(*case, k, cap, impl="numba")
+        assert counters.overflow == 0 and counters.at > 0, (seed, counters.at)
+        for a, b in zip(got, trie_topk_reference(*case, k, cap)):
+            assert torch.equal(a, b), (seed, rep, a, b)
+        assert int(counters.buf.count_nonzero()) == 0, (seed, rep, counters.buf)
 
 
 # (seed, ties, beams, fan-out range, k) with the simulator's sizes (blocks of 32 threads, 5-bit
@@ -189,55 +214,17 @@ def simulate(script: str, cases=None, **env) -> list[str]:
 @pytest.mark.parametrize("cases,env", [
     (ONE_BLOCK + QUAD, {"STREAMGR_TOPK_OWN": "2"}),
     (GRID + OWN1 + ONE_RADIX + ONE_BEAM, {"STREAMGR_TOPK_OWN": "1", "STREAMGR_TOPK_QUAD": "0",
-                                          "STREAMGR_TOPK_ROOT": "0"}),
-    (MERGE + QUAD_ANY_K, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_QUAD": "2"}),
+                                          "STREAMGR_TOPK_ROOT": "0", "SIM_COUNTED": "2"}),
+    (MERGE + QUAD_ANY_K, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_QUAD": "2",
+                          "SIM_COUNTED": "16"}),
     (UNSAMPLED, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_SAMPLE": "0"})],
     ids=["one_block", "grid", "merge", "unsampled"])
 def test_numba_kernels_under_the_simulator(cases, env):
     """The one-candidate-a-thread, four-a-thread, one-block, grid and merge kernels equal the
     reference on small shapes (a process each: the simulator is set at import), the one-block
-    and merge kernels also without the sampled floor (``STREAMGR_TOPK_SAMPLE=0``)."""
+    and merge kernels also without the sampled floor (``STREAMGR_TOPK_SAMPLE=0``); one grid and
+    one merge case also twice on one arena of counters, left zero (``counted``)."""
     assert simulate(SIM, cases=cases, **env) == ["ok", str(len(cases))]
-
-
-SIM_COUNTERS = textwrap.dedent("""
-    import torch, sys
-    sys.path.insert(0, {root!r})
-    from tests.kernels.test_trie_topk import random_case
-    from streamgr.kernels.counters import Counters
-    from streamgr.kernels.trie_topk import trie_topk, trie_topk_reference
-    n = 0
-    for seed, ties, B, fan, k, *more in {cases!r}:
-        R, dead = more[:2] if more else (2, 0.2)
-        scores, nodes, logp, ptr, codes, off, F = random_case(seed, R=R, B=B, fan=fan,
-                                                              ties=ties, dead=dead)
-        k = min(k, B * F)
-        cap = torch.full((R,), k)
-        counters = Counters()
-        counters.need = 1 << 16  # room for any case here (a sizing pass is one more run)
-        counters.allocate("cpu")
-        g = torch.Generator().manual_seed(seed)
-        for rep in range(2):  # as a graph's replays: the same counters, new log-probabilities
-            logp = logp[torch.randperm(logp.shape[0], generator=g)]
-            case = (scores, nodes, logp, ptr, codes, off, F)
-            with counters.serving():
-                got = trie_topk(*case, k, cap, impl="numba")
-            assert counters.overflow == 0 and counters.at > 0, (seed, counters.at)
-            for a, b in zip(got, trie_topk_reference(*case, k, cap)):
-                assert torch.equal(a, b), (seed, rep, a, b)
-            assert int(counters.buf.count_nonzero()) == 0, (seed, rep, counters.buf)
-        n += 1
-    print("ok", n)
-""")
-
-
-def test_grid_and_merge_kernels_leave_their_counters_zero_under_the_simulator():
-    """The grid and merge launches on one arena of counters (``counters.Counters``, what a
-    decode plan's graph replays) twice over new log-probabilities: each equals the reference
-    and leaves every counter zero; a kernel that left one set would misroute the next call's
-    blocks (its last-block election or its list slots). Two small cases: the simulator is
-    slow, and the GPU test covers the served shapes."""
-    assert simulate(SIM_COUNTERS, cases=[GRID[0], MERGE[0]]) == ["ok", "2"]
 
 
 def test_magic_division_is_exact():
@@ -416,9 +403,9 @@ def test_quad_rebin_crowded_under_the_simulator():
 
 
 ROOT = textwrap.dedent("""
-    import numpy as np, torch, sys
+    import numpy as np, os, torch, sys
     sys.path.insert(0, {root!r})
-    from tests.kernels.test_trie_topk import random_case
+    from tests.kernels.test_trie_topk import counted, random_case
     from streamgr.kernels.head_lse import LogProbs, row_lse_reference
     from streamgr.kernels.trie_topk import trie_topk, trie_topk_reference
     from streamgr.kernels import trie_topk_root as rt

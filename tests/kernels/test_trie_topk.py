@@ -227,79 +227,6 @@ def test_numba_kernels_under_the_simulator(cases, env):
     assert simulate(SIM, cases=cases, **env) == ["ok", str(len(cases))]
 
 
-def test_magic_division_is_exact():
-    """The kernels' ``c // F`` without a division (``trie_topk_keys.magic``), over fan-outs
-    1..5,000 and the served ones, at the candidate indices where rounding would show first."""
-    from streamgr.kernels.trie_topk_keys import magic
-    rng = np.random.default_rng(0)
-    for F in list(range(1, 5001)) + [8192, 177, 2 ** 20 + 3, 2 ** 29 - 1]:
-        fm = magic(F)
-        m, sh = fm & ((1 << 40) - 1), fm >> 40
-        assert m < 2 ** 32, F  # div_f multiplies 32 x 32 bits
-        cs = [0, F - 1, F, F + 1, 2 ** 30 - 1] + [int(x) for x in rng.integers(0, 2 ** 30, 20)]
-        for c in cs:
-            assert (c * m) >> sh == c // F and c * m < 2 ** 63, (F, c)
-
-
-def test_requests_past_the_kernels_index_range_take_the_stable_reference(monkeypatch):
-    """More than 2**30 candidates a request (beams x fan-out) would overflow the kernels' key
-    index and their exact c // F: such a step runs the stable reference (the kernels' order)
-    instead of answering wrong; at the limit the kernels still serve."""
-    from streamgr.kernels import trie_topk as tt
-    from streamgr.kernels import trie_topk_numba as nb  # noqa: F401  (imported by the dispatch)
-    calls = []
-    monkeypatch.setattr(tt, "usable", lambda t: True)
-    monkeypatch.setattr(tt, "trie_topk_reference",
-                        lambda *a, stable: calls.append(("reference", stable)) or "ref")
-    monkeypatch.setattr(nb, "run", lambda *a: calls.append(("numba", a[6])) or "numba")
-    B = 1024
-    scores, nodes = torch.zeros(1, B), torch.zeros(1, B, dtype=torch.int64)
-    logp = torch.zeros(B, 8)
-    ptr, codes, cap = torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), \
-        torch.ones(1, dtype=torch.int64)
-    fan = tt.NUMBA_MAX_N // B
-    assert tt.trie_topk(scores, nodes, logp, ptr, codes, 0, fan, 4, cap, impl="numba") == "numba"
-    assert tt.trie_topk(scores, nodes, logp, ptr, codes, 0, fan + 1, 4, cap,
-                        impl="numba") == "ref"
-    assert calls == [("numba", fan), ("reference", True)]
-
-
-ROUTING = """
-from streamgr.kernels import trie_topk_merge as tm
-assert tm.plan(45312, 16, 256, 132) == (8192, 6), tm.plan(45312, 16, 256, 132)
-assert tm.plan(45312, 8, 256, 132) == (8192, 6), tm.plan(45312, 8, 256, 132)
-assert tm.plan(45312, 48, 256, 132) == (8192, 6), tm.plan(45312, 48, 256, 132)
-assert max(R for R in range(1, 100) if tm.plan(45312, R, 256, 132)) == 66
-for args in [(8192, 16, 256), (181248, 16, 1024), (2097152, 1, 256)]:
-    assert tm.plan(*args, 132) is None, args
-from streamgr.kernels import trie_topk_quad as q
-assert q.serves(3072, 1024) and q.serves(4096, 513) and q.serves(1025, 600)
-assert not q.serves(3072, 512) and not q.serves(1024, 1024) and not q.serves(4097, 1024)
-from streamgr.kernels import trie_topk_root as rt
-assert rt.serves(1, 8192) and rt.serves(1, 1025) and not rt.serves(1, 1024)
-assert not rt.serves(1, 8193) and not rt.serves(2, 4096)
-print("ok")
-"""
-
-
-def test_merge_and_quad_routing_on_the_h200():
-    """Where the one-launch merge serves (``trie_topk_merge.plan``; H200 measurements in
-    docs/benchmarks.md, sessions 29-30): gen-ref's step 2 in 6 chunks of 8,192 (at 16 requests
-    faster than 8 of 6,144 or 12 of 4,096; with the sampled floor off, 8 requests take 12 of
-    4,096 so that the blocks' lists fit the last block), from 1 request up to 66 (three waves of
-    blocks, 48 among them); not step 1 (one block of 8,192 was faster), not k over 512, not one
-    request's flat 2,097,152. Four candidates a thread (``trie_topk_quad``) for 1,025-4,096
-    candidates wanting over 512 (gen-ref's step 3 at beams of 1,024); eight
-    (``trie_topk_root``) for one beam of 1,025-8,192 children (step 1 at any width). In a
-    process of its own without the simulator, whose block sizes differ."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    p = subprocess.run([sys.executable, "-c", ROUTING], env=env, capture_output=True, text=True,
-                       timeout=120, cwd=root)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.split() == ["ok"]
-
-
 NOTE = textwrap.dedent("""
     import numpy as np, torch, sys
     sys.path.insert(0, {root!r})
@@ -403,9 +330,9 @@ def test_quad_rebin_crowded_under_the_simulator():
 
 
 ROOT = textwrap.dedent("""
-    import numpy as np, os, torch, sys
+    import numpy as np, torch, sys
     sys.path.insert(0, {root!r})
-    from tests.kernels.test_trie_topk import counted, random_case
+    from tests.kernels.test_trie_topk import random_case
     from streamgr.kernels.head_lse import LogProbs, row_lse_reference
     from streamgr.kernels.trie_topk import trie_topk, trie_topk_reference
     from streamgr.kernels import trie_topk_root as rt

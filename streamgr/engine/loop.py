@@ -101,16 +101,17 @@ class BatchLoop:
         try:
             fut = loop.run_in_executor(self.finisher, self.runner.finish, handle)
             try:
-                # wait, not wait_for: a TimeoutError the runner raises stays the runner's
-                done, _ = await asyncio.wait({fut}, timeout=self.stall_timeout or None)
-                if not done:
-                    self.stalled = True
-                    self.on_error(batch, EngineDead(
-                        f"{self.name}: a batch of {len(batch)} did not finish within "
-                        f"{self.stall_timeout:g} s (engine.stall_timeout_s): the device looks "
-                        f"stalled, e.g. a hung kernel; restart the engine"))
-                    return
-                outcome = fut.result()
+                if self.stall_timeout:  # 0: awaited as is, no waiter or timer a batch
+                    # wait, not wait_for: a TimeoutError the runner raises stays the runner's
+                    done, _ = await asyncio.wait({fut}, timeout=self.stall_timeout)
+                    if not done:
+                        self.stalled = True
+                        self.on_error(batch, EngineDead(
+                            f"{self.name}: a batch of {len(batch)} did not finish within "
+                            f"{self.stall_timeout:g} s (engine.stall_timeout_s): the device "
+                            f"looks stalled, e.g. a hung kernel; restart the engine"))
+                        return
+                outcome = await fut
             except asyncio.CancelledError:
                 refuse(batch)
                 raise

@@ -5,7 +5,8 @@ in up to three waves of blocks: up to 66 requests on 132 SMs).
 Every block of a request takes a chunk of at most ``ONE_MAX`` candidates, computes their okeys
 into shared memory as ``trie_topk_one`` does, and hands on a superset of its own ``k`` best to
 the request's list in global memory, as absolute keys ``okey << 31 | (MAXC - c)`` (comparable
-across blocks: no per-block shift): the keys at or above a floor sampled from its chunk
+across blocks: no per-block shift), each with its answer (child node and code, ``aux_of``)
+beside it: the keys at or above a floor sampled from its chunk
 (``trie_topk_sample``), or, where that list would not hold from ``k`` to a block of keys (or
 the chunk is small, or ``STREAMGR_TOPK_SAMPLE=0``), every key of the bins from its ``k``-th's
 up (one round of ``obin`` bins below its best score; where those hold over a block of keys,
@@ -13,11 +14,13 @@ exactly its ``k`` best by radix select). The request's ``k`` best are among the 
 best, so the request's last block to finish (each block adds its listed count and its one to
 the request's done counter in one atomic, so the last learns the list's length from it)
 selects from the list alone:
-held in registers from one round of four loads a thread (up to ``UCAP`` keys),
-``select_held`` (one bins round below the list's best score, each key of the bins from the
-``k``-th's up ranked within its bin, or sorted whole where a bin is crowded; each answer's
-child and code loaded while the block bins); a longer list (ties), or one of only ``-inf``
-keys, by radix select over the list in global memory, then decoded as every path does.
+held in registers from one round of four loads a thread (up to ``UCAP`` keys, with their
+answers), ``select_held`` (one bins round below the list's best score, each key of the bins
+from the ``k``-th's up ranked within its bin and answered from its listed answer, or sorted
+whole where a bin is crowded); a longer list (ties), or one of only ``-inf`` keys, by radix
+select over the list in global memory, then decoded as every path does. A listing block
+reduces only its chunk's best score (``best_okey``: one barrier; the smallest only a radix
+fallback would use, and it then counts from the lowest okey).
 
 Against the grid path (``trie_topk_bins``: two launches, a global histogram of
 4,096 bins flushed by every block, every candidate group near the pick scored twice, the
@@ -43,10 +46,10 @@ from .trie_topk import SIMULATED
 from .trie_topk_bins import MAXK, SMS_SIM, sm_count
 from .trie_topk_dev import (BIG, DIG, I32MAX, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length,
                             collect, minmax, pick, radix, sort_desc, sort_span)
-from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, decode, okey_float
+from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, child_of, decode, okey_float
 from .trie_topk_held import select_held
-from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, list_above, obin, obin_hist,
-                               sample_floor, score_chunk)
+from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, best_okey, list_above, obin,
+                               obin_hist, rev_okey, sample_floor, score_chunk)
 
 MERGE = os.environ.get("STREAMGR_TOPK_MERGE", "1") == "1"
 # Requests that fit one block stay one block (trie_topk_one): on the H200 step 1 (8,192
@@ -56,9 +59,13 @@ MERGE_MIN = ONE_MAX
 # full batches of 48 among them) the blocks of the later waves list while the first ones wait.
 # STREAMGR_TOPK_MERGE_WAVES=1: one wave, as before (A/B)
 WAVES = int(os.environ.get("STREAMGR_TOPK_MERGE_WAVES", "3"))
-# A block's chunk: whole rounds of four candidates a thread (note_all). At step 2 (16 requests)
-# 6 blocks of 8,192 took 0.0363 ms, 8 of 6,144 0.0374, 12 of 4,096 0.0447: fewer lists to merge.
-UNIT = min(4 * NT, ONE_MAX // 2)
+# A block's chunk: whole rounds of one candidate a thread (note_all takes four a thread while
+# over two rounds are left). At step 2 (16 requests) 6 blocks of 8,192 took 0.0363 ms, 8 of
+# 6,144 0.0374, 12 of 4,096 0.0447 when the last block loaded each answer (session 29); with the
+# answers listed beside the keys (aux_of) 8 blocks of 6,144 took 0.0140-0.0141 ms against 6 of
+# 8,192's 0.0143-0.0144 on the H200 (session 42). STREAMGR_TOPK_MERGE_UNIT sets it (A/B runs;
+# 4,096 was the unit before).
+UNIT = int(os.environ.get("STREAMGR_TOPK_MERGE_UNIT", str(NT)))
 # A block's list in quarters of k, for the plan: ~7/4 above a sampled floor (sample_floor's
 # margin), ~5/4 from the bins (and under the simulator, whose test cases are sized for it)
 LIST4 = 7 if SAMPLE and not SIMULATED else 5
@@ -67,7 +74,6 @@ LIST4 = 7 if SAMPLE and not SIMULATED else 5
 DONE, UCNT = 0, 1
 assert UCAP <= 4 * NT  # the last block loads its list in one round of four a thread
 LISTED = 24  # ws[r, DONE]'s low bits: blocks done (a request has at most WAVES x SMs blocks)
-
 
 @cuda.jit(device=True, **INLINE)
 def akey(u, c):
@@ -103,7 +109,25 @@ def last_listed(ws, r, listed, flag, cnt, res):
 
 
 @cuda.jit(device=True, **INLINE)
-def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr):
+def aux_of(r, v, F, FM, scores, nodes, ptr, codes):
+    """List key ``v``'s answer beside it (``ua``): its child node << 32 | its code (0 and 0
+    where it is no child), as ``put_abs`` computes them. The block that scored the key reads
+    them, so its loads (beam, child range, code) hit lines its scoring brought into the SM's
+    L1; the last block then answers with no load of its own (``select_held``)."""
+    _, _, real, ch, cd = child_of(r, MAXC - (v & MAXC), F, FM, scores, nodes, ptr, codes)
+    return (ch << 32) | ((cd & LOW32) if real else int64(0))
+
+
+@cuda.jit(device=True, **INLINE)
+def put_listed(ul, ua, r, p, v, F, FM, scores, nodes, ptr, codes):
+    """List key ``v`` into slot ``p`` of request r's list, its answer beside it."""
+    ul[r, p] = v
+    ua[r, p] = aux_of(r, v, F, FM, scores, nodes, ptr, codes)
+
+
+@cuda.jit(device=True, **INLINE)
+def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, ua, F, FM, scores, nodes, ptr, codes, hist, srt,
+            scan, res, red, ctr):
     """List a superset of the chunk's ``want`` best keys (``kx[:n]``, candidates ``c0 + i``):
     those of the bins from its ``want``-th's up where they hold at most a block, else exactly
     the ``want`` best (radix select); where every candidate is -inf, the ``want`` lowest.
@@ -112,7 +136,8 @@ def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr):
     if hi <= KEY_NEG_INF:  # block-uniform
         pos = reserve(ws, r, want, red)
         for i in range(tid, want, NT):
-            ul[r, pos + i] = akey(KEY_NEG_INF, c0 + i)
+            put_listed(ul, ua, r, pos + i, akey(KEY_NEG_INF, c0 + i), F, FM, scores, nodes, ptr,
+                       codes)
         return want
     ref = okey_float(hi)
     if SAMPLE and n > SAMPLE_MIN:  # the keys at or above a sampled floor, if they fit
@@ -121,7 +146,7 @@ def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr):
         if want <= cnt and cnt <= NT:  # block-uniform; a block lists at most NT keys
             pos = reserve(ws, r, cnt, red)
             if tid < cnt:
-                ul[r, pos + tid] = srt[tid]
+                put_listed(ul, ua, r, pos + tid, srt[tid], F, FM, scores, nodes, ptr, codes)
             return cnt
     obin_hist(hist, kx, n, ref)
     stamp(10)
@@ -137,7 +162,10 @@ def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr):
         for base in range(0, n, NT):
             i = min(base + tid, n - 1)
             take = base + tid < n and obin(kx[i], ref) >= d
-            append(ul[r], ctr, 0, akey(int64(kx[i]) & LOW32, c0 + i), take)
+            v = akey(int64(kx[i]) & LOW32, c0 + i)
+            p = append(ul[r], ctr, 0, v, take)
+            if p >= 0:
+                ua[r, p] = aux_of(r, v, F, FM, scores, nodes, ptr, codes)
         return total
     tmin = lo if lo != BIG else KEY_NEG_INF  # ties: the want best exactly, by their digits
     top_bit = 31 + bit_length(max(hi - tmin + 1, int64(1)))
@@ -148,14 +176,15 @@ def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr):
     pos = reserve(ws, r, want, red)
     for j in range(tid, want, NT):
         i = MAXC - (srt[j] & MAXC)
-        ul[r, pos + j] = akey(int64(kx[i]) & LOW32, c0 + i)
+        put_listed(ul, ua, r, pos + j, akey(int64(kx[i]) & LOW32, c0 + i), F, FM, scores, nodes,
+                   ptr, codes)
     return want
 
 
 @cached
 @cuda.jit(**JIT_NT)
 def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws, ul,
-                 cap, top, parent, child, code):
+                 ua, cap, top, parent, child, code):
     r = cuda.blockIdx.y
     tid = cuda.threadIdx.x
     kx = cuda.shared.array(ONE_MAX, int32)
@@ -167,11 +196,15 @@ def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
     ctr = cuda.shared.array(1, int32)
     flag = cuda.shared.array(1, int32)
     cnt = cuda.shared.array(1, int32)
+    bst = cuda.shared.array(4, int32)  # the chunk's best (best_okey's cell: res[3] is the floor's)
     c0 = int64(cuda.blockIdx.x) * ch
     n = min(N - c0, ch)
-    lo, hi, _ = score_chunk(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
-                            off, red, ctr)
-    listed = hand_on(kx, c0, n, min(k, n), lo, hi, r, ws, ul, hist, srt, scan, res, red, ctr)
+    lo, hi, _ = score_chunk(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off,
+                            red, ctr, bst, True)
+    hi = best_okey(rev_okey(hi), bst)  # the chunk's best alone, one barrier (lo BIG: hand_on's
+    stamp(2)  # radix fallback then counts from KEY_NEG_INF)
+    listed = hand_on(kx, c0, n, min(k, n), lo, hi, r, ws, ul, ua, F, FM, scores, nodes, ptr, codes,
+                     hist, srt, scan, res, red, ctr)
     if STAMP:
         cuda.syncthreads()
         stamp(3)
@@ -181,12 +214,12 @@ def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
     stamp(4)
     cuda.threadfence()
     if tid == 0:
-        ctr[0] = 0  # published by minmax's barriers
+        ctr[0] = 0  # published by select_held's (or minmax's) barriers
         # every block of the request has added to both: zero for the next launch (counters)
         ws[r, DONE] = 0
         ws[r, UCNT] = 0
     U = int64(cnt[0])  # >= k: each block listed min(k, its n)
-    if U <= UCAP and select_held(ul, U, k, KP, kx, hist, srt, scan, res, ctr, r, F, FM, B,
+    if U <= UCAP and select_held(ul, ua, U, k, KP, kx, hist, srt, scan, res, ctr, r, F, FM, B,
                                  scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
                                  child, code):
         if STAMP:
@@ -245,5 +278,6 @@ def run(launch, R, N, k, KP, ch, g, F, FM, B, sc, nd, lp, trie, outs, dev, arr):
     graph's own, which the last blocks leave zero, or a fill)."""
     ws = zeroed((R, 2), dev)
     ul = torch.empty(R, g * NT, dtype=torch.int64, device=dev)  # a block lists <= NT (k <= NT)
+    ua = torch.empty_like(ul)  # each listed key's answer (aux_of)
     launch(merge_select, (g, R), NT)(N, k, KP, ch, F, FM, B, sc, nd, *lp, *trie, arr(ws), arr(ul),
-                                     *outs)
+                                     arr(ua), *outs)

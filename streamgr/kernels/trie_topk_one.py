@@ -46,7 +46,7 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
     red = cuda.shared.array(RED_N, int64)
     ctr = cuda.shared.array(1, int32)
     lo, hi, beam = score_chunk(kx, 0, N, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
-                               off, red, ctr)
+                               off, red, ctr, res, False)
     tmin = lo if lo != BIG else KEY_NEG_INF
     # a list of the keys that may be among the k best, selected by one round of bins below the
     # best score (block-uniform; for k over half the block the bins rarely fit a block, and

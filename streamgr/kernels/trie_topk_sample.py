@@ -24,7 +24,7 @@ import os
 from numba import cuda, int32, int64, uint32
 
 from .trie_topk import SIMULATED
-from .trie_topk_dev import HALF, I32MAX, NB, NT, SEG_MAX, append, hist_add, minmax, \
+from .trie_topk_dev import BIG, HALF, I32MAX, NB, NT, SEG_MAX, append, hist_add, minmax, \
     bin_rank, pick, pick_segments, reserve_slots, sort_desc, sort_span, warp_min_into
 from .numba_common import INLINE, stamp
 from .trie_topk_keys import LOW32, MAXC, _bits, div_f, note_all, note_beam, okey_float, put_abs
@@ -131,31 +131,42 @@ def obin_hist(hist, kx, n, ref):
 
 
 @cuda.jit(device=True, **INLINE)
-def chunk_begin(ctr):
-    """A scoring phase's start (``score_chunk``): stamp 14, and
-    ``ctr`` zeroed (published by the phase's barriers)."""
+def chunk_begin(ctr, cell, best):
+    """A scoring phase's start (``score_chunk``): stamp 14, and ``ctr`` zeroed (published by
+    the phase's barriers); where ``best``, ``cell[2]`` and ``cell[3]`` set for the caller's
+    ``warp_min2_into`` and published."""
     stamp(14)
     if cuda.threadIdx.x == 0:
         ctr[0] = 0
+        cell[2] = I32MAX
+        cell[3] = I32MAX
+    if best:
+        cuda.syncthreads()
 
 
 @cuda.jit(device=True, **INLINE)
-def chunk_end(lo, hi, red):
+def chunk_end(lo, hi, red, best):
     """A scoring phase's end: the threads' (smallest real, largest) okeys reduced over the
-    block, to every thread (its barriers publish the okeys; stamps 1, 2)."""
+    block, to every thread (its barriers publish the okeys; stamps 1, 2); where ``best``, left
+    to the caller (the thread's own largest returned, the smallest as ``BIG``: none known)."""
     stamp(1)
-    lo, hi = minmax(lo, hi, red)
-    stamp(2)
+    if best:
+        lo = BIG
+    else:
+        lo, hi = minmax(lo, hi, red)
+        stamp(2)
     return lo, hi
 
 
 @cuda.jit(device=True, **INLINE)
-def score_chunk(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, red, ctr):
+def score_chunk(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, red, ctr,
+                cell, best):
     """The selection kernels' first phases: ``ctr`` zeroed, the okeys of candidates ``c0 ..
     c0 + n - 1`` into ``kx`` (``note_beam`` where they are one beam's children, else
-    ``note_all``) and the block's (smallest real, largest) okey, returned to every thread with
-    the beam where the chunk is one beam's children (``put_abs``'s ``beam``, else -1)."""
-    chunk_begin(ctr)
+    ``note_all``) and the block's (smallest real, largest) okey (``best``: the thread's largest,
+    for the caller to reduce, and ``BIG``), returned to every thread with the beam where the
+    chunk is one beam's children (``put_abs``'s ``beam``, else -1)."""
+    chunk_begin(ctr, cell, best)
     beam = int64(-1)
     if BEAM and div_f(c0, FM) == div_f(c0 + n - 1, FM):  # one beam's children (block-uniform)
         lo, hi, beam = note_beam(kx, c0, n, NT, r, F, FM, B, scores, nodes, logp, lse, sh, ptr,
@@ -166,7 +177,7 @@ def score_chunk(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes
     else:
         lo, hi = note_all(kx, c0, n, NT, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
                           off)
-    lo, hi = chunk_end(lo, hi, red)
+    lo, hi = chunk_end(lo, hi, red, best)
     return lo, hi, beam
 
 

@@ -53,6 +53,8 @@ def test_numba_is_used():
     # the merge's last block with four listed keys a thread (4 blocks of 8,192, each listing
     # 512-1,024: lists of 2,048-4,096, mostly over 3,072; trie_topk_held), with and without ties
     (2, 256, 128, 512, False), (3, 256, 128, 500, True),
+    # the merge over 13 blocks (chunks of 4,096 at k 128), with and without ties
+    (1, 256, 200, 128, False), (2, 256, 200, 100, True),
     (16, 256, 3, 256, True), (2, 1024, 40, 1024, False), (4, 64, 8192, 1024, True),
     (5, 37, 13, 100, True), (1, 256, 8192, 256, False)])
 def test_trie_topk_equals_reference(R, B, fan, k, ties):

@@ -52,8 +52,8 @@ def test_requests_past_the_kernels_index_range_take_the_stable_reference(monkeyp
 
 ROUTING = """
 from streamgr.kernels import trie_topk_merge as tm
-assert tm.plan(45312, 16, 256, 132) == (8192, 6), tm.plan(45312, 16, 256, 132)
-assert tm.plan(45312, 8, 256, 132) == (8192, 6), tm.plan(45312, 8, 256, 132)
+assert tm.plan(45312, 16, 256, 132) == (6144, 8), tm.plan(45312, 16, 256, 132)
+assert tm.plan(45312, 8, 256, 132) == (5120, 9), tm.plan(45312, 8, 256, 132)
 assert tm.plan(45312, 48, 256, 132) == (8192, 6), tm.plan(45312, 48, 256, 132)
 assert max(R for R in range(1, 100) if tm.plan(45312, R, 256, 132)) == 66
 for args in [(8192, 16, 256), (181248, 16, 1024), (2097152, 1, 256)]:
@@ -70,10 +70,10 @@ print("ok")
 
 def test_merge_and_quad_routing_on_the_h200():
     """Where the one-launch merge serves (``trie_topk_merge.plan``; H200 measurements in
-    docs/benchmarks.md, sessions 29-30): gen-ref's step 2 in 6 chunks of 8,192 (at 16 requests
-    faster than 8 of 6,144 or 12 of 4,096; with the sampled floor off, 8 requests take 12 of
-    4,096 so that the blocks' lists fit the last block), from 1 request up to 66 (three waves of
-    blocks, 48 among them); not step 1 (one block of 8,192 was faster), not k over 512, not one
+    docs/benchmarks.md, sessions 29-30, 42): gen-ref's step 2 at 16 requests in 8 chunks of
+    6,144 (one block an SM; with the answers listed beside the keys as fast as 6 of 8,192 or
+    faster, session 42), at 8 requests in 9 of 5,120 (the blocks' lists within the last
+    block's), at 48 in 6 of 8,192, from 1 request up to 66 (three waves of blocks); not step 1 (one block of 8,192 was faster), not k over 512, not one
     request's flat 2,097,152. Four candidates a thread (``trie_topk_quad``) for 1,025-4,096
     candidates wanting over 512 (gen-ref's step 3 at beams of 1,024); eight
     (``trie_topk_root``) for one beam of 1,025-8,192 children (step 1 at any width). In a

@@ -38,23 +38,14 @@ def child(names: list[str]) -> None:
         sys.path.insert(0, root)
     sys.path.insert(0, str(HERE))
     import torch
-    from bench_topk import DEV, level
-    from graph_timing import graph_ms
-    from streamgr.kernels import trie_topk as tt
+    from bench_topk import DEV, against_topk, level
     out = {}
     for name in names:
         R, B, F, k = SHAPES[name]
         case = list(level(R, B, F, seed=R + B + F + k))
         if "s2s" in name:
             case[0] = case[0].sort(dim=1, descending=True).values
-        cap = torch.full((R,), k, device=DEV)
-        got = tt.trie_topk(*case, k, cap, impl="numba")
-        ref = tt.trie_topk_reference(*case, k, cap)
-        equal = all(torch.equal(a, b) for a, b in zip(got, ref))
-        grid = torch.randn(R, B * F, device=DEV)
-        t_nb = graph_ms(lambda: tt.trie_topk(*case, k, cap, impl="numba"))
-        t_topk = graph_ms(lambda: grid.topk(k, dim=1))
-        out[name] = (t_nb, t_topk, equal)
+        out[name] = against_topk(case, k, torch.full((R,), k, device=DEV))
     print("AB " + json.dumps(out))
 
 

@@ -36,6 +36,19 @@ def level(R, B, F, seed=0):
     return scores, nodes, logp, ptr, codes, 3, F
 
 
+def against_topk(case, k, cap):
+    """(the Numba selection's ms, ``torch.topk``'s ms on a grid of the same [R, B x F], whether
+    the selection equals the stable reference bit for bit), graph-replayed."""
+    R, B = case[0].shape
+    got = tt.trie_topk(*case, k, cap, impl="numba")
+    ref = tt.trie_topk_reference(*case, k, cap)
+    equal = all(torch.equal(a, b) for a, b in zip(got, ref))
+    grid = torch.randn(R, B * case[-1], device=DEV)
+    t_nb = graph_ms(lambda: tt.trie_topk(*case, k, cap, impl="numba"))
+    t_topk = graph_ms(lambda: grid.topk(k, dim=1))
+    return t_nb, t_topk, equal
+
+
 def main() -> None:
     shapes = [("step 1 (root)", 16, 1, 8192, 256), ("step 2", 16, 256, 177, 256),
               ("step 3", 16, 256, 3, 256), ("flat one request", 1, 256, 8192, 256),
@@ -52,12 +65,7 @@ def main() -> None:
     for name, R, B, F, k in shapes:
         case = level(R, B, F, seed=R + B + F + k)
         cap = torch.full((R,), k, device=DEV)
-        got = tt.trie_topk(*case, k, cap, impl="numba")
-        ref = tt.trie_topk_reference(*case, k, cap)
-        equal = all(torch.equal(a, b) for a, b in zip(got, ref))
-        grid = torch.randn(R, B * F, device=DEV)
-        t_nb = graph_ms(lambda: tt.trie_topk(*case, k, cap, impl="numba"))
-        t_topk = graph_ms(lambda: grid.topk(k, dim=1))
+        t_nb, t_topk, equal = against_topk(case, k, cap)
         t_ref = graph_ms(lambda: _torch_step(case, k, cap))
         gbs = R * B * F * 4 / t_nb / 1e6
         worst.append(t_topk / t_nb)

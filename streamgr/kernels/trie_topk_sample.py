@@ -133,13 +133,13 @@ def obin_hist(hist, kx, n, ref):
 @cuda.jit(device=True, **INLINE)
 def chunk_begin(ctr, cell, best):
     """A scoring phase's start (``score_chunk``): stamp 14, and ``ctr`` zeroed (published by
-    the phase's barriers); where ``best``, ``cell[2]`` and ``cell[3]`` set for the caller's
-    ``warp_min2_into`` and published."""
+    the phase's barriers); where ``best``, ``cell[3]`` set for the caller's ``best_okey`` and
+    published (its atomics come before any later barrier)."""
     stamp(14)
     if cuda.threadIdx.x == 0:
         ctr[0] = 0
-        cell[2] = I32MAX
-        cell[3] = I32MAX
+        if best:
+            cell[3] = I32MAX
     if best:
         cuda.syncthreads()
 

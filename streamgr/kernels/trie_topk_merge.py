@@ -75,6 +75,7 @@ DONE, UCNT = 0, 1
 assert UCAP <= 4 * NT  # the last block loads its list in one round of four a thread
 LISTED = 24  # ws[r, DONE]'s low bits: blocks done (a request has at most WAVES x SMs blocks)
 
+
 @cuda.jit(device=True, **INLINE)
 def akey(u, c):
     """Candidate c's absolute key from its okey ``u`` (32 bits): comparable across blocks."""

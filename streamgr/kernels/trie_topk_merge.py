@@ -63,8 +63,8 @@ WAVES = int(os.environ.get("STREAMGR_TOPK_MERGE_WAVES", "3"))
 # over two rounds are left). At step 2 (16 requests) 6 blocks of 8,192 took 0.0363 ms, 8 of
 # 6,144 0.0374, 12 of 4,096 0.0447 when the last block loaded each answer (session 29); with the
 # answers listed beside the keys (aux_of) 8 blocks of 6,144 took 0.0140-0.0141 ms against 6 of
-# 8,192's 0.0143-0.0144 on the H200 (session 42). STREAMGR_TOPK_MERGE_UNIT sets it (A/B runs;
-# 4,096 was the unit before).
+# 8,192's 0.0143-0.0144 in one call on the H200, a gain within the spread of the calls around it
+# (session 42). STREAMGR_TOPK_MERGE_UNIT sets it (A/B runs; 4,096 was the unit before).
 UNIT = int(os.environ.get("STREAMGR_TOPK_MERGE_UNIT", str(NT)))
 # A block's list in quarters of k, for the plan: ~7/4 above a sampled floor (sample_floor's
 # margin), ~5/4 from the bins (and under the simulator, whose test cases are sized for it)
@@ -129,7 +129,8 @@ def put_listed(ul, ua, r, p, v, F, FM, scores, nodes, ptr, codes):
 @cuda.jit(device=True, **INLINE)
 def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, ua, F, FM, scores, nodes, ptr, codes, hist, srt,
             scan, res, red, ctr):
-    """List a superset of the chunk's ``want`` best keys (``kx[:n]``, candidates ``c0 + i``):
+    """List a superset of the chunk's ``want`` best keys (``kx[:n]``, candidates ``c0 + i``),
+    each with its answer (``put_listed``):
     those of the bins from its ``want``-th's up where they hold at most a block, else exactly
     the ``want`` best (radix select); where every candidate is -inf, the ``want`` lowest.
     Returns how many it listed (to every thread)."""
@@ -202,8 +203,10 @@ def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
     n = min(N - c0, ch)
     lo, hi, _ = score_chunk(kx, c0, n, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off,
                             red, ctr, bst, True)
-    hi = best_okey(rev_okey(hi), bst)  # the chunk's best alone, one barrier (lo BIG: hand_on's
-    stamp(2)  # radix fallback then counts from KEY_NEG_INF)
+    # the chunk's best alone, one barrier (lo is BIG: hand_on's radix fallback then counts from
+    # KEY_NEG_INF)
+    hi = best_okey(rev_okey(hi), bst)
+    stamp(2)
     listed = hand_on(kx, c0, n, min(k, n), lo, hi, r, ws, ul, ua, F, FM, scores, nodes, ptr, codes,
                      hist, srt, scan, res, red, ctr)
     if STAMP:

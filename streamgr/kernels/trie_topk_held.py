@@ -22,8 +22,11 @@ from __future__ import annotations
 from numba import cuda, int32, int64, uint32
 
 from .numba_common import INLINE, stamp
-from .trie_topk_dev import NB, NT, SEG_MAX, append, hist_add, pick_segments
-from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, NEG_INF, div_f, ix, okey_float, put_abs
+from .trie_topk_bins import MAXK
+from .trie_topk_dev import (DIG, NB, NT, SEG_MAX, append, bit_length, collect, hist_add,
+                            minmax, pick_segments, radix, sort_desc, sort_span)
+from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, NEG_INF, decode, div_f, ix, okey_float,
+                             put_abs)
 from .trie_topk_sample import UCAP, best_okey, obin, rev_okey, slot_rank
 
 
@@ -110,3 +113,37 @@ def select_held(ul, ua, U, k, KP, held, hist, srt, scan, res, ctr, r, F, FM, B, 
             put_abs(v, rank, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap,
                     top, parent, child, code, -1)
     return True
+
+
+@cuda.jit(device=True, **INLINE)
+def select_global(ul, U, k, KP, hist, srt, scan, res, red, ctr, r, F, FM, B, scores, nodes, logp,
+                  lse, sh, ptr, codes, off, cap, top, parent, child, code):
+    """Answer request r's ``k`` best from its ``U >= k`` listed keys ``ul[r, :U]`` in global
+    memory, whatever they hold (ties, only ``-inf``, ``k`` over half a block): sorted whole where
+    they fit a block, else a radix select of the ``k`` over the list's bits below those all its
+    keys share, then sorted; decoded as every path does. ``ctr[0]`` 0 on entry (published).
+    Every thread calls it."""
+    tid = cuda.threadIdx.x
+    lo = MAXK
+    hi = int64(-1)
+    for j in range(tid, U, NT):
+        v = ul[r, j]
+        lo = min(lo, v)
+        hi = max(hi, v)
+    lo, hi = minmax(lo, hi, red)
+    if U <= NT:  # the whole list sorted
+        srt[tid] = ul[r, tid] if tid < U else int64(0)
+        cuda.syncthreads()
+        sort_desc(srt, sort_span(U, KP))
+    else:
+        fixed = bit_length(lo ^ hi)  # U > k >= 1 distinct keys: they differ
+        prefix = (hi >> fixed) << fixed
+        shift = fixed - DIG if fixed > DIG else 0
+        p, s = radix(hist, ul[r], 1, U, 0, k, prefix, fixed, shift, hist, scan, res, NT)
+        collect(hist, ul[r], 1, U, 0, p, fixed, s, srt, ctr)
+        for i in range(k + tid, KP, NT):
+            srt[i] = 0
+        cuda.syncthreads()
+        sort_desc(srt, KP)
+    decode(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
+           child, code)

@@ -43,11 +43,11 @@ from .counters import zeroed
 from .kernel_cache import cached
 from .numba_common import INLINE, STAMP, stamp
 from .trie_topk import SIMULATED
-from .trie_topk_bins import MAXK, SMS_SIM, sm_count
+from .trie_topk_bins import SMS_SIM, sm_count
 from .trie_topk_dev import (BIG, DIG, I32MAX, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length,
-                            collect, minmax, pick, radix, sort_desc, sort_span)
-from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, child_of, decode, okey_float
-from .trie_topk_held import select_held
+                            collect, pick, radix)
+from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, child_of, okey_float
+from .trie_topk_held import select_global, select_held
 from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, best_okey, list_above, obin,
                                obin_hist, rev_okey, sample_floor, score_chunk)
 
@@ -231,29 +231,8 @@ def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
             stamp(15)
         return
     # ties or only -inf: radix select over the list in global memory
-    lo = MAXK
-    hi = int64(-1)
-    for j in range(tid, U, NT):
-        v = ul[r, j]
-        lo = min(lo, v)
-        hi = max(hi, v)
-    lo, hi = minmax(lo, hi, red)
-    if U <= NT:  # the whole list sorted
-        srt[tid] = ul[r, tid] if tid < U else int64(0)
-        cuda.syncthreads()
-        sort_desc(srt, sort_span(U, KP))
-    else:
-        fixed = bit_length(lo ^ hi)  # U > k >= 1 distinct keys: they differ
-        prefix = (hi >> fixed) << fixed
-        shift = fixed - DIG if fixed > DIG else 0
-        p, s = radix(hist, ul[r], 1, U, 0, k, prefix, fixed, shift, hist, scan, res, NT)
-        collect(hist, ul[r], 1, U, 0, p, fixed, s, srt, ctr)
-        for i in range(k + tid, KP, NT):
-            srt[i] = 0
-        cuda.syncthreads()
-        sort_desc(srt, KP)
-    decode(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
-           child, code)
+    select_global(ul, U, k, KP, hist, srt, scan, res, red, ctr, r, F, FM, B, scores, nodes, logp,
+                  lse, sh, ptr, codes, off, cap, top, parent, child, code)
 
 
 def plan(N: int, R: int, k: int, sms: int):

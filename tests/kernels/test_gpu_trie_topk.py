@@ -226,6 +226,8 @@ from streamgr.kernels import trie_topk_root
 assert trie_topk_root.ROOT == (os.environ.get("STREAMGR_TOPK_ROOT") != "0")
 from streamgr.kernels import trie_topk_levels
 assert trie_topk_levels.LEVELS == (os.environ.get("STREAMGR_TOPK_LEVELS") == "1")
+from streamgr.kernels import trie_topk_filter
+assert trie_topk_filter.FILTER == (os.environ.get("STREAMGR_TOPK_FILTER") == "1")
 for R, B, fan, k, ties in {cases!r}:
     case = level(R, B, fan, V=max(fan, 64) * 2, seed=R + B + fan, ties=ties)
     k = min(k, B * case[-1])
@@ -249,7 +251,8 @@ AB_CASES = {("STREAMGR_TOPK_SAMPLE", "0"): STEP2 + ONE_CASES,
             ("STREAMGR_TOPK_QUAD", "0"): QUAD_CASES,
             ("STREAMGR_TOPK_QUAD", "2"): QUAD_CASES + ONE_CASES,
             ("STREAMGR_TOPK_ROOT", "0"): ROOT_CASES,
-            ("STREAMGR_TOPK_LEVELS", "1"): STEP2 + ONE_CASES}
+            ("STREAMGR_TOPK_LEVELS", "1"): STEP2 + ONE_CASES,
+            ("STREAMGR_TOPK_FILTER", "1"): GRID + [(16, 1024, 177, 1024, False)]}
 
 
 def _ab_check(name: str, value: str, cases, timeout: float) -> None:
@@ -274,8 +277,9 @@ def test_kernels_under_their_ab_settings(name, value):
     ranking its own key and answering from its registers), ``STREAMGR_TOPK_QUAD=0`` (requests
     of up to four blocks wanting over half a block on the one-block path's radix rounds),
     ``=2`` (four candidates a thread for any ``k``), ``STREAMGR_TOPK_ROOT=0`` (one beam's
-    children on the one-block path, or four a thread) and ``STREAMGR_TOPK_LEVELS=1`` (chunks of
-    five to eight blocks scored a load level at a time, ``trie_topk_levels``)."""
+    children on the one-block path, or four a thread), ``STREAMGR_TOPK_LEVELS=1`` (chunks of
+    five to eight blocks scored a load level at a time, ``trie_topk_levels``) and
+    ``STREAMGR_TOPK_FILTER=1`` (the one-launch filter where the grid launches serve by default)."""
     _ab_check(name, value, AB_CASES[name, value], 600)
 
 
@@ -286,3 +290,59 @@ def test_the_merge_with_the_sampled_floor_finishes():
     of the per-thread choice of each thread's floor candidate; ``trie_topk_sample.or_max`` chooses
     it without a branch). A hang here fails in 300 s instead of stalling the suite."""
     _ab_check("STREAMGR_TOPK_SAMPLE", "1", STEP2 + [(1, 256, 177, 256, False)], 300)
+
+
+@pytest.mark.parametrize("R,B,fan,k,kind", [
+    (16, 1024, 177, 1024, "random"), (16, 1024, 177, 1024, "sorted"), (1, 256, 8192, 256, "random"),
+    (1, 256, 8192, 1024, "bf16"), (2, 1024, 177, 1024, "const"), (3, 1024, 177, 700, "dead"),
+    (4, 300, 100, 300, "ties"), (2, 100, 177, 1, "random")])
+def test_filter_equals_reference(monkeypatch, R, B, fan, k, kind):
+    """``trie_topk_filter`` (a floor sampled from the whole request, one launch): gen-ref's step
+    2 at beams of 1,024 (random, and beams sorted best first so the best candidates crowd the
+    first blocks), one request's flat 2,097,152 at k 256 and (bf16 logits) 1,024, every key
+    tied, most beams dead, ties, k 1; widths from 1 to k. (Off by default: on here.)"""
+    from streamgr.kernels import trie_topk_filter as tf
+    monkeypatch.setattr(tf, "FILTER", True)
+    case, cap = uniform_case(R, B, fan, k, kind == "const", kind == "bf16",
+                             seed=R * 17 + B + fan + k)
+    if kind == "sorted":
+        case[0] = case[0].sort(dim=1, descending=True).values
+    if kind == "dead":  # the widths of the step before: beams past them dead
+        case[0][:, 3:] = float("-inf")
+    if kind == "ties":
+        case[2] = (case[2] * 2).round() / 2
+        case[0] = case[0].round()
+    assert tf.plan_for(B * case[-1], R, k, DEV) is not None
+    assert_kernels_equal_reference(case, k, cap)
+
+
+@pytest.mark.parametrize("how", ["high", "low"])
+def test_filter_exact_floor(monkeypatch, how):
+    """Where the sampled floor misses (forced: its best sampled key, so fewer than ``k`` are
+    listed, or its least with a list of room for ``k + 1``, so the list overflows) the last
+    block's exact floor answers, equal to the reference; a captured replay after it leaves the
+    counters zero."""
+    from streamgr.kernels import trie_topk_filter as tf
+    monkeypatch.setattr(tf, "FILTER", True)
+    R, B, fan, k = 2, 1024, 177, 700
+    case, cap = uniform_case(R, B, fan, k, False, False, seed=99)
+    plan_for = tf.plan_for
+
+    def forced(*a):
+        ch, g, S, ws, cap_u = plan_for(*a)
+        return (ch, g, S, 1, cap_u) if how == "high" else (ch, g, S, S, k + 1)
+    monkeypatch.setattr(tf, "plan_for", forced)
+    assert_kernels_equal_reference(case, k, cap)
+    counters = Counters()
+    with counters.sizing():
+        tt.trie_topk(*case, k, cap, impl="numba")
+    counters.allocate(DEV)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g), counters.serving():
+        out = tt.trie_topk(*case, k, cap, impl="numba")
+    case[2].normal_()
+    g.replay()
+    for name, a, b in zip(("top", "parent", "child", "code"), out,
+                          tt.trie_topk_reference(*case, k, cap)):
+        assert torch.equal(a, b), name
+    assert int(counters.buf.count_nonzero()) == 0

@@ -28,7 +28,10 @@ def test_layer0_computes_while_deep_layers_onload():
     again = req("a", a_items, a_actions, [1, 2, 3])
     runner = hier.runner
     last = runner.model.cfg.num_layers - 1
-    runner.onload.delay_layers = {last: 0.3}  # hold back the deepest layer's copies
+    # hold back the deepest layer's copies: 1 s (with 0.3 s it failed once in an earlier session
+    # and once in session 43's whole GPU suite, 8 processes wide, and passed alone three times;
+    # why was not measured: more margin for layer 0's host work under such load)
+    runner.onload.delay_layers = {last: 1.0}
     runner.onload.trace_events = {}
     runner.trace_events = {}
     ref = torch.cuda.Event(enable_timing=True)

@@ -435,8 +435,8 @@ FILTER = textwrap.dedent("""
 def test_filter_under_the_simulator():
     """``trie_topk_filter`` (one launch: a floor sampled from the whole request, each block
     listing its keys at or above it, the last block selecting; on under
-    ``STREAMGR_TOPK_FILTER=1``) equals the reference where the merge does not serve: ``k`` over and within half a block, ties, every score equal, every
-    beam dead, bf16 logits; where the sampled floor is forced too high (fewer than ``k`` listed)
+    ``STREAMGR_TOPK_FILTER=1``) equals the reference where the merge does not serve: ``k``
+    over and within half a block, ties, every score equal, every beam dead, bf16 logits; where the sampled floor is forced too high (fewer than ``k`` listed)
     or too low (over the list's capacity) the last block's exact floor answers; its counters
     are left zero on a graph's arena (``counted``)."""
     assert simulate(FILTER, STREAMGR_TOPK_FILTER="1") == ["ok", "6"]

@@ -137,7 +137,8 @@ def append(out, ctr, at, v, take):
 @cuda.jit(device=True, **INLINE)
 def warp_min_into(m, cell, at):
     """The block-wide min of the threads' int32 ``m``, returned to every thread: each warp's by
-    shuffles, then one shared atomic a warp into ``cell[at]`` (``I32MAX`` on entry, published).
+    shuffles, then one shared atomic a warp into ``cell[at]`` (``I32MAX`` on entry, published;
+    int64 ``m`` and ``cell`` work alike, ``MAXK`` on entry: ``trie_topk_filter``'s floor).
     Every thread calls it; it ends with one barrier (the callers leave ``cell[at]`` alone until
     a later one)."""
     if not SIMULATED:

@@ -49,11 +49,12 @@ from .counters import zeroed
 from .kernel_cache import cached
 from .numba_common import INLINE, STAMP, stamp
 from .trie_topk import SIMULATED
-from .trie_topk_bins import MAXK, SMS_SIM, last_block, sm_count
+from .trie_topk_bins import MAXK, SMS_SIM, chunk, last_block, sm_count
 from .trie_topk_dev import (DIG, DM, FULL, JIT_NT, NB, NT, RED_N, SCAN_N, bit_length, hist_add,
-                            lane_mask_lt, minmax, pick, radix)
+                            lane_mask_lt, minmax, pick, radix, warp_min_into)
 from .trie_topk_held import select_global, select_held
-from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, at, cand, okey, tkey
+from .trie_topk_keys import KEY_NEG_INF, LOW32, at, cand, okey, tkey
+from .trie_topk_merge import akey
 from .trie_topk_sample import ONE_MAX, UCAP
 
 FILTER = os.environ.get("STREAMGR_TOPK_FILTER", "0") == "1"  # off: slower (above)
@@ -79,23 +80,7 @@ def sample_at(s, S, N):
 def cand_key(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
     """Candidate c's absolute key and its answer (child node << 32 | code; 0 where no child)."""
     v, ch, cd = cand(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-    return (okey(v) << 31) | (MAXC - c), (ch << 32) | (cd & LOW32)
-
-
-@cuda.jit(device=True, **INLINE)
-def block_min(m, cell):
-    """The block's least int64 ``m`` (to every thread): shuffles, then one shared atomic a warp
-    into ``cell[0]`` (``MAXK`` on entry, published). Every thread calls it; it ends
-    synchronized."""
-    if not SIMULATED:
-        for o in (16, 8, 4, 2, 1):
-            m = min(m, cuda.shfl_xor_sync(FULL, m, o))
-    if SIMULATED or (cuda.threadIdx.x & 31) == 0:
-        cuda.atomic.min(cell, 0, m)
-    cuda.syncthreads()
-    v = cell[0]
-    cuda.syncthreads()
-    return v
+    return akey(okey(v), c), (ch << 32) | (cd & LOW32)
 
 
 @cuda.jit(device=True, **INLINE)
@@ -136,7 +121,7 @@ def sampled_floor(kx, S, N, want, r, F, FM, B, scores, nodes, logp, lse, sh, ptr
     stamp(1)
     _, hi = minmax(int64(0), hi, red)  # okeys < 2**32: within minmax's range
     if tid == 0:
-        red[0] = MAXK  # block_min's cell (radix's barriers publish it)
+        red[0] = MAXK  # warp_min_into's cell (radix's barriers publish it)
     # keys (okey - KEY_NEG_INF + 1) << 31 | MAXC - s: every okey at or above -inf's, so none
     # collapses to 0 and the order is (okey, lower s), the candidates' own
     top_bit = 31 + bit_length(max(hi - KEY_NEG_INF + 1, int64(1)))
@@ -148,8 +133,9 @@ def sampled_floor(kx, S, N, want, r, F, FM, B, scores, nodes, logp, lse, sh, ptr
     for s in range(tid, S, NT):
         u = int64(kx[s]) & LOW32
         if (tkey(u, int64(s), KEY_NEG_INF) >> shift) >= thr:
-            m = min(m, (u << 31) | (MAXC - sample_at(s, S, N)))
-    t = block_min(m, red)
+            m = min(m, akey(u, sample_at(s, S, N)))
+    # the block's least (red[0] is left alone until the last block's barriers)
+    t = warp_min_into(m, red, 0)
     stamp(2)
     return t
 
@@ -284,11 +270,10 @@ def filter_select(N, k, KP, ch, S, want, cap_u, F, FM, B, scores, nodes, logp, l
         ws[r, DONE] = 0
         ws[r, UCNT] = 0
     cuda.syncthreads()
-    if 2 * k <= NT and U <= UCAP and select_held(ul, ua, U, k, KP, kx, hist, srt, scan, res,
-                                                 ctr, r, F, FM, B, scores, nodes, logp, lse, sh,
-                                                 ptr, codes, off, cap, top, parent, child, code):
-        pass
-    else:
+    if not (2 * k <= NT and U <= UCAP and select_held(ul, ua, U, k, KP, kx, hist, srt, scan, res,
+                                                      ctr, r, F, FM, B, scores, nodes, logp, lse,
+                                                      sh, ptr, codes, off, cap, top, parent,
+                                                      child, code)):
         stamp(10)
         select_global(ul, U, k, KP, hist, srt, scan, res, red, ctr, r, F, FM, B, scores, nodes,
                       logp, lse, sh, ptr, codes, off, cap, top, parent, child, code)
@@ -316,10 +301,7 @@ def plan(N: int, R: int, k: int, sms: int):
         spt *= 2
     S = spt * NT
     ws = want_sample(k, S, N)
-    per = max(1, sms // max(R, 1))
-    step = 4 * NT
-    ch = -(-N // per)
-    ch = -(-ch // step) * step
+    ch = chunk(N, R, sms)
     cap_u = max(2 * k, 4 * (ws * N // S))
     return ch, -(-N // ch), S, ws, cap_u
 

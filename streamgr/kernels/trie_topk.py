@@ -26,12 +26,11 @@ every key, up to ``UCAP``), one histogram round over bins of each listed score's
 best, then the keys of the bins from the ``k``-th up ranked within their bins (or sorted whole where
 a bin is crowded), or radix select by 10-bit digits where the list outgrows a block; decode
 (``trie_topk_one``, ``trie_topk_sample``). A longer one takes two grid launches: each
-block bins its candidates' scores below the request's best beam score (the last block picks the bin
-of the ``k``-th), then scores them again where a group of 32 reaches that bin and appends the keys
-to a list; the request's last block sorts the list (or radix-selects from it) and decodes
-(``trie_topk_bins``; ``STREAMGR_TOPK_FILTER=1``: one launch listing the keys above a floor
-sampled from the whole request instead, ``trie_topk_filter``, off by default: slower on the
-H200). Where a request splits over a few blocks of at most ``ONE_MAX`` each (in up to
+block loads its beams into shared memory, scores its candidates (a code and a log-probability
+load each), writes their keys and bins their scores below the request's best beam score (the last
+block picks the bin of the ``k``-th); then each block reads its keys back and appends those from
+that bin up to a list; the request's last block sorts the list (or radix-selects from it) and
+decodes (``trie_topk_bins``). Where a request splits over a few blocks of at most ``ONE_MAX`` each (in up to
 three waves) and ``k`` is at most half a block, one launch instead: each block lists its own best
 keys, and the request's last block selects from that list (``trie_topk_merge``).
 ``NUMBA_ENABLE_CUDASIM=1`` runs the same kernels on the CPU with small sizes, so CI checks their

@@ -27,17 +27,17 @@ from __future__ import annotations
 import functools
 
 import torch
-from numba import cuda, float32, int32, int64
+from numba import cuda, float32, int32, int64, uint32
 
 from .counters import zeroed
 from .kernel_cache import cached
-from .numba_common import INLINE
+from .numba_common import INLINE, stamp
 from .trie_topk import SIMULATED
-from .trie_topk_dev import (BIG, DIG, FULL, JIT_NT, NB, NT, NW, RED_N, SCAN_N, append,
-                            bit_length, collect, hist_add, minmax, pick, radix, sort_desc,
+from .trie_topk_dev import (BIG, DIG, HALF, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length,
+                            collect, hist_add, minmax, pick, radix, sort_desc, sort_pairs,
                             sort_span)
-from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, _bits, _float, cand, decode, okey,
-                             okey_float)
+from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, NEG_INF, _bits, _float, div_f, ix,
+                             logp_at, okey, okey_float, put_abs)
 
 GBITS = 8 if SIMULATED else 12  # bins of bin_hist: 16 KiB of shared counters on the GPU
 GB = 1 << GBITS
@@ -48,7 +48,7 @@ HG = 8
 W_LEN = HG + GB
 MAXK = int64(0x7FFFFFFFFFFFFFFF)
 SMS_SIM = 4  # the simulator's "SMs" (blocks a wave)
-VOTE_N = 32 if SIMULATED else 1  # ballot's scratch (the simulator's only)
+SRT_N = 2 * NT  # keys bin_select's last block sorts whole (sort_pairs: two a thread)
 
 
 @cuda.jit(device=True, **INLINE)
@@ -79,61 +79,114 @@ def gbin(x, ref):
 
 
 @cuda.jit(device=True, **INLINE)
-def score(r, i, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
-    v, _, _ = cand(r, min(i, N - 1), F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-    return v
+def load_beams(r, b0, nb, B, scores, nodes, ptr, lse, sh, bs, bm, bl, bf, bc):
+    """The block's beams ``b0 .. b0 + nb - 1`` (``nb`` <= NT) into shared memory, one a thread:
+    score, the row's max and log-sum, first child and children (0 where the beam is dead), so
+    that a candidate then loads its code and its log-probability only (two dependent loads
+    where ``cand`` issues four). The caller's next barrier publishes them."""
+    t = cuda.threadIdx.x
+    if t < nb:
+        b = uint32(b0 + t)
+        s = scores[ix(r), ix(b)]
+        n = nodes[ix(r), ix(b)]
+        alive = s > NEG_INF
+        n = uint32(n) if alive else uint32(0)
+        first = uint32(ptr[ix(n)])
+        cnt = uint32(uint32(ptr[ix(n + uint32(1))]) - first) if alive else uint32(0)
+        row = ix(uint32(r) * uint32(B) + b)
+        bs[t] = s
+        bm[t] = lse[0, row]
+        bl[t] = lse[ix(sh >> 4), row]
+        bf[t] = int32(first)
+        bc[t] = int32(cnt)
 
 
 @cuda.jit(device=True, **INLINE)
-def _count(hist, gm, r, i, end, g):
-    """Candidate i's bin ``g`` into the block's histogram, and the highest bin of its group of
-    32 (a warp's lanes: i's low five bits) into ``gm``; every lane calls it."""
+def pscore(r, i, end, F, FM, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc):
+    """Candidate i's score (``cand``'s, bit for bit) from the block's beams in shared memory
+    (``load_beams``); an index at or past ``end`` is read as ``end - 1`` (its beam loaded)."""
+    c = min(i, end - 1)
+    b = div_f(c, FM)
+    j = uint32(uint32(c) - uint32(b) * uint32(F))
+    t = ix(uint32(b) - uint32(b0))
+    real = j < uint32(bc[t])
+    ch = uint32(uint32(bf[t]) + j) if real else uint32(0)
+    cd = codes[ix(ch)]
+    row = ix(uint32(r) * uint32(B) + uint32(b))
+    x = logp_at(logp, row, uint32(off) + uint32(cd), sh, bm[t], bl[t])
+    return bs[t] + x if real else NEG_INF
+
+
+@cuda.jit(device=True, **INLINE)
+def score4(r, i, end, F, FM, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc):
+    """Candidates i, i + NT, i + 2 NT, i + 3 NT scored, their loads in flight together."""
+    x0 = pscore(r, i, end, F, FM, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc)
+    x1 = pscore(r, i + NT, end, F, FM, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc)
+    x2 = pscore(r, i + 2 * NT, end, F, FM, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc)
+    x3 = pscore(r, i + 3 * NT, end, F, FM, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc)
+    return x0, x1, x2, x3
+
+
+@cuda.jit(device=True, **INLINE)
+def keep(keys, hist, r, i, end, x, ref):
+    """Candidate i's okey into ``keys`` and its bin into the block's histogram (every lane)."""
     ok = i < end
-    hist_add(hist, g, ok)
-    v = g if ok else int32(-1)
-    if SIMULATED:  # no shuffles: gm starts at -1
-        if ok:
-            cuda.atomic.max(gm, (r, i >> 5), v)
-        return
-    for o in (16, 8, 4, 2, 1):
-        v = max(v, cuda.shfl_xor_sync(FULL, v, o))
-    if (cuda.threadIdx.x & 31) == 0 and (i & ~31) < end:
-        gm[r, i >> 5] = v
+    if ok:
+        kx = okey(x)
+        keys[ix(r), ix(i)] = int32(kx - (int64(1) << 32) if kx >= HALF else kx)
+    hist_add(hist, gbin(x, ref), ok)
 
 
 @cached
 @cuda.jit(**JIT_NT)
-def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws, gm):
+def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws, keys):
     r = cuda.blockIdx.y
     tid = cuda.threadIdx.x
+    stamp(14)
     hist = cuda.shared.array(GB, int32)
     scan = cuda.shared.array(SCAN_N, int32)
     res = cuda.shared.array(3, int32)
     red = cuda.shared.array(RED_N, int64)
     flag = cuda.shared.array(1, int32)
+    bs = cuda.shared.array(NT, float32)
+    bm = cuda.shared.array(NT, float32)
+    bl = cuda.shared.array(NT, float32)
+    bf = cuda.shared.array(NT, int32)
+    bc = cuda.shared.array(NT, int32)
     for i in range(tid, GB, NT):
         hist[i] = 0
-    ref = best_beam(scores, r, B, red)  # its barriers also publish the zeroed hist
     start = cuda.blockIdx.x * ch
     end = min(N, start + ch)
-    for base in range(start, end, 4 * NT):  # four load chains in flight before the adds
+    b0 = div_f(start, FM)
+    load_beams(r, b0, div_f(end - 1, FM) - b0 + 1, B, scores, nodes, ptr, lse, sh, bs, bm, bl,
+               bf, bc)
+    ref = best_beam(scores, r, B, red)  # its barriers publish the zeroed hist and the beams
+    stamp(1)
+    for base in range(start, end, 8 * NT):  # eight candidates' loads in flight a thread
         i0 = base + tid
-        x0 = score(r, i0, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-        x1 = score(r, i0 + NT, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-        x2 = score(r, i0 + 2 * NT, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-        x3 = score(r, i0 + 3 * NT, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-        _count(hist, gm, r, i0, end, gbin(x0, ref))
-        _count(hist, gm, r, i0 + NT, end, gbin(x1, ref))
-        _count(hist, gm, r, i0 + 2 * NT, end, gbin(x2, ref))
-        _count(hist, gm, r, i0 + 3 * NT, end, gbin(x3, ref))
+        x0, x1, x2, x3 = score4(r, i0, end, F, FM, b0, B, logp, sh, codes, off, bs, bm, bl, bf,
+                                bc)
+        x4, x5, x6, x7 = score4(r, i0 + 4 * NT, end, F, FM, b0, B, logp, sh, codes, off, bs, bm,
+                                bl, bf, bc)
+        keep(keys, hist, r, i0, end, x0, ref)
+        keep(keys, hist, r, i0 + NT, end, x1, ref)
+        keep(keys, hist, r, i0 + 2 * NT, end, x2, ref)
+        keep(keys, hist, r, i0 + 3 * NT, end, x3, ref)
+        keep(keys, hist, r, i0 + 4 * NT, end, x4, ref)
+        keep(keys, hist, r, i0 + 5 * NT, end, x5, ref)
+        keep(keys, hist, r, i0 + 6 * NT, end, x6, ref)
+        keep(keys, hist, r, i0 + 7 * NT, end, x7, ref)
     cuda.syncthreads()
+    stamp(2)
     # every non-empty bin (adding only those from the block's own k-th up, exact too, measured
     # no faster on the H200, session 27)
     for i in range(tid, GB, NT):
         if hist[i]:
             cuda.atomic.add(ws, (r, HG + i), int64(hist[i]))
     if not last_block(ws, r, DONE1, flag):
+        stamp(15)
         return
+    stamp(3)
     cuda.threadfence()
     # atomically: not from a stale cache line; each read leaves its counter zero, as every
     # block has added to it (counters.zeroed: a graph needs no memset node)
@@ -148,75 +201,50 @@ def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, 
         ws[r, NEED] = need
         ws[r, ND] = n
         ws[r, REF] = _bits(ref)  # bin_select bins by the same reference, bit for bit
+    stamp(15)
 
 
 @cuda.jit(device=True, **INLINE)
-def ballot(pred, vote):
-    """The warp's lanes whose ``pred`` holds, as bits; every lane calls it. The simulator has no
-    ballot: there a block is one warp, and ``vote`` (shared) gathers the lanes' votes."""
-    if SIMULATED:
-        lane = cuda.threadIdx.x & 31
-        vote[lane] = 1 if pred else 0
-        cuda.syncthreads()
-        m = int64(0)
-        for j in range(32):
-            if vote[j]:
-                m |= int64(1) << j
-        cuda.syncthreads()
-        return m
-    return int64(cuda.ballot_sync(FULL, pred)) & LOW32
-
-
-@cuda.jit(device=True, **INLINE)
-def _route(sure, buf, ws, r, x, c, ok, ref, d, all_in):
-    """Candidate c's key to ``sure`` (its bin above D) or ``buf`` (in D); every lane calls it."""
-    g = gbin(x, ref)
-    v = (okey(x) << 31) | (MAXC - c)
+def _route(sure, buf, ws, r, kx, c, ok, ref, d, all_in):
+    """Candidate c's key (okey ``kx``) to ``sure`` (its bin above D) or ``buf`` (in D); every
+    lane calls it."""
+    g = gbin(okey_float(kx), ref)
+    v = (kx << 31) | (MAXC - c)
     append(sure[r], ws[r], NSURE, v, ok and (g > d or (g == d and all_in)))
     append(buf[r], ws[r], NBUF, v, ok and g == d and not all_in)
 
 
 @cached
 @cuda.jit(**JIT_NT)
-def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws, gm,
+def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws, keys,
                sure, buf, cap, top, parent, child, code):
     r = cuda.blockIdx.y
     tid = cuda.threadIdx.x
-    srt = cuda.shared.array(NT, int64)
+    srt = cuda.shared.array(SRT_N, int64)
     hist = cuda.shared.array(NB, int32)
     scan = cuda.shared.array(SCAN_N, int32)
     res = cuda.shared.array(4, int32)
     red = cuda.shared.array(RED_N, int64)
     flag = cuda.shared.array(1, int32)
     cnt = cuda.shared.array(2, int32)  # counts (a shared int32 atomic: no CAS loop)
-    vote = cuda.shared.array(VOTE_N, int32)
     ref = _float(int32(ws[r, REF]))
     d, need = ws[r, D], ws[r, NEED]
     all_in = need == ws[r, ND]
     start = cuda.blockIdx.x * ch
     end = min(N, start + ch)
-    # each warp reads 32 of its groups' highest bins at once, then scores the groups reaching
-    # D two at a time (their load chains in flight together)
-    lane = tid & 31
-    per = (ch >> 5) // NW  # groups a warp: the chunk's over the block's warps
-    g0 = (start >> 5) + (tid >> 5) * per
-    gend = (end + 31) >> 5
-    for gg in range(g0, g0 + per, 32):
-        gi = gg + lane
-        m = ballot(gi < g0 + per and gi < gend and gm[r, gi] >= d, vote)
-        while m != 0:  # warp-uniform
-            low = m & -m
-            m ^= low
-            ia = (gg + cuda.popc(low - 1)) * 32 + lane
-            two = m != 0
-            low = m & -m
-            m ^= low
-            ib = (gg + cuda.popc(low - 1)) * 32 + lane if two else ia
-            xa = score(r, ia, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-            xb = score(r, ib, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-            _route(sure, buf, ws, r, xa, int64(ia), ia < end, ref, d, all_in)
-            _route(sure, buf, ws, r, xb, int64(ib), two and ib < end, ref, d, all_in)
+    for base in range(start, end, 4 * NT):  # the keys bin_hist wrote, four loads in flight
+        i0 = base + tid
+        k0 = int64(keys[ix(r), ix(min(i0, end - 1))]) & LOW32
+        k1 = int64(keys[ix(r), ix(min(i0 + NT, end - 1))]) & LOW32
+        k2 = int64(keys[ix(r), ix(min(i0 + 2 * NT, end - 1))]) & LOW32
+        k3 = int64(keys[ix(r), ix(min(i0 + 3 * NT, end - 1))]) & LOW32
+        _route(sure, buf, ws, r, k0, int64(i0), i0 < end, ref, d, all_in)
+        _route(sure, buf, ws, r, k1, int64(i0 + NT), i0 + NT < end, ref, d, all_in)
+        _route(sure, buf, ws, r, k2, int64(i0 + 2 * NT), i0 + 2 * NT < end, ref, d, all_in)
+        _route(sure, buf, ws, r, k3, int64(i0 + 3 * NT), i0 + 3 * NT < end, ref, d, all_in)
+    stamp(7)
     if not last_block(ws, r, DONE2, flag):
+        stamp(15)
         return
     cuda.threadfence()
     if tid == 0:  # read and left zero for the next launch (counters.zeroed), as is the
@@ -229,12 +257,16 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     n_sure = cnt[0]
     n_buf = cnt[1]
     total = n_sure + n_buf
-    if total <= NT:  # sort them all (pad with 0, below every key)
+    if total <= SRT_N:  # sort them all (pad with 0, below every key)
         P = sort_span(total, KP)
         for i in range(tid, P, NT):
             srt[i] = sure[r, i] if i < n_sure else (buf[r, i - n_sure] if i < total else 0)
         cuda.syncthreads()
-        sort_desc(srt, P)
+        stamp(8)
+        if P <= NT:
+            sort_desc(srt, P)
+        else:
+            sort_pairs(srt, P)
     else:  # many tied in D: the rest of the k by the bits below those buf's keys share
         for i in range(tid, KP, NT):
             srt[i] = sure[r, i] if i < n_sure else 0
@@ -245,43 +277,46 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
             lo = min(lo, v)
             hi = max(hi, v)
         lo, hi = minmax(lo, hi, red)  # cnt[0], the collect's counter, holds n_sure
+        stamp(8)
         fixed = bit_length(lo ^ hi)  # n_buf > need >= 1: keys differ
         prefix = (hi >> fixed) << fixed
         shift = fixed - DIG if fixed > DIG else 0
         p, s = radix(hist, buf[r], 1, n_buf, 0, need, prefix, fixed, shift, hist, scan, res, NT)
         collect(hist, buf[r], 1, n_buf, 0, p, fixed, s, srt, cnt)
         sort_desc(srt, KP)
-    decode(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
-           child, code)
+    stamp(9)
+    for i in range(tid, k, NT):  # each answer's score from its key (put_abs)
+        put_abs(srt[i], i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap,
+                top, parent, child, code, int64(-1))
+    stamp(15)
 
 
-def chunk(N: int, R: int, sms: int) -> int:
-    """Candidates a block scores (a multiple of 4 NT): as many as leave one wave of blocks
-    (1,024 threads each, one an SM) where the requests fill the GPU; fewer blocks in a second
-    wave measured slower (the wave's latency, not its bytes, bounds them; session 19)."""
+def chunk(N: int, R: int, sms: int, F: int) -> int:
+    """Candidates a block scores: as many as leave one wave of blocks (1,024 threads each, one
+    an SM) where the requests fill the GPU (fewer blocks in a second wave measured slower: the
+    wave's latency, not its bytes, bounds them; session 19), in whole steps of ``4 NT``, and
+    at most a span of ``NT`` beams (``load_beams`` holds one a thread)."""
     per = max(1, sms // max(R, 1))  # blocks a request
     step = 4 * NT
     n = -(-N // per)  # a block's share, rounded up to whole steps
-    return max(step, -(-n // step) * step)
+    return min(max(step, -(-n // step) * step), (NT - 2) * F + 1)
 
 
 def run(launch, R, N, k, KP, F, FM, B, sc, nd, lp, trie, outs, dev, arr):
     """The two launches (``launch(fn, grid, threads)``) for R requests of N candidates, on a
     workspace of counters (``zeroed``: a graph's own, which the last blocks leave zero, or a
-    fill)."""
-    ch = chunk(N, R, SMS_SIM if SIMULATED else sm_count(dev))
+    fill) and an [R, N] int32 buffer of the candidates' okeys (written whole by ``bin_hist``:
+    in the L2 cache when ``bin_select`` reads it)."""
+    ch = chunk(N, R, SMS_SIM if SIMULATED else sm_count(dev), F)
     g = -(-N // ch)
     ws = zeroed((R, W_LEN), dev)
     sure = torch.empty(R, k, dtype=torch.int64, device=dev)
     buf = torch.empty(R, N, dtype=torch.int64, device=dev)
-    # each group of 32 candidates' highest bin (every group written by bin_hist)
-    groups = (R, -(-N // 32))
-    gm = torch.full(groups, -1, dtype=torch.int32, device=dev) if SIMULATED else \
-        torch.empty(groups, dtype=torch.int32, device=dev)
-    w, g_ = arr(ws), arr(gm)
-    launch(bin_hist, (g, R), NT)(N, k, ch, F, FM, B, sc, nd, *lp, *trie, w, g_)
-    launch(bin_select, (g, R), NT)(N, k, KP, ch, F, FM, B, sc, nd, *lp, *trie, w, g_, arr(sure),
-                                   arr(buf), *outs)
+    keys = arr(torch.empty(R, N, dtype=torch.int32, device=dev))
+    w = arr(ws)
+    launch(bin_hist, (g, R), NT)(N, k, ch, F, FM, B, sc, nd, *lp, *trie, w, keys)
+    launch(bin_select, (g, R), NT)(N, k, KP, ch, F, FM, B, sc, nd, *lp, *trie, w, keys,
+                                   arr(sure), arr(buf), *outs)
 
 
 @functools.lru_cache(maxsize=None)

@@ -137,8 +137,7 @@ def append(out, ctr, at, v, take):
 @cuda.jit(device=True, **INLINE)
 def warp_min_into(m, cell, at):
     """The block-wide min of the threads' int32 ``m``, returned to every thread: each warp's by
-    shuffles, then one shared atomic a warp into ``cell[at]`` (``I32MAX`` on entry, published;
-    int64 ``m`` and ``cell`` work alike, ``MAXK`` on entry: ``trie_topk_filter``'s floor).
+    shuffles, then one shared atomic a warp into ``cell[at]`` (``I32MAX`` on entry, published).
     Every thread calls it; it ends with one barrier (the callers leave ``cell[at]`` alone until
     a later one)."""
     if not SIMULATED:
@@ -375,6 +374,29 @@ def sort_desc(srt, KP):
     if live:
         srt[tid] = x
     cuda.syncthreads()
+
+
+@cuda.jit(device=True, **INLINE)
+def sort_pairs(srt, P):
+    """Bitonic sort of ``srt[:P]`` (shared int64, P a power of two, ``2 NT`` at most)
+    descending, all through shared memory: each thread one compare-exchange a stage, for lists
+    of up to two keys a thread (``sort_desc`` holds one a thread). Keys are distinct. Every
+    thread calls it after the keys are published; it ends synchronized."""
+    tid = cuda.threadIdx.x
+    size = 2
+    while size <= P:
+        stride = size >> 1
+        while stride > 0:
+            for t in range(tid, P >> 1, cuda.blockDim.x):
+                i = 2 * t - (t & (stride - 1))  # the pair's lower index: its ``stride`` bit 0
+                a = srt[i]
+                b = srt[i + stride]
+                if (a < b) == ((i & size) == 0):  # descending where i's ``size`` bit is 0
+                    srt[i] = b
+                    srt[i + stride] = a
+            cuda.syncthreads()
+            stride >>= 1
+        size <<= 1
 
 
 if SIMULATED:  # the simulator's clz counts over 32 bits only

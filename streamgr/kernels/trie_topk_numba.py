@@ -6,8 +6,7 @@ candidates is one block of eight candidates a thread (``trie_topk_root``); else 
 a block of candidates is one block of one candidate a thread (``trie_topk_own``), one of at most
 four blocks wanting over half a block four candidates a thread (``trie_topk_quad``), one of at most
 ``ONE_MAX`` one block that bins (or radix-selects) first (``trie_topk_one``), a longer one two grid
-launches (``trie_topk_bins``; under ``STREAMGR_TOPK_FILTER=1`` one launch that lists the keys
-above a floor sampled from the request instead, ``trie_topk_filter``: slower so far);
+launches (``trie_topk_bins``);
 the keys, scans and sort they share are in ``trie_topk_keys`` and ``trie_topk_dev``.
 
 Imported only when they run: a CUDA device with numba-cuda, or ``NUMBA_ENABLE_CUDASIM=1``.
@@ -22,7 +21,6 @@ from __future__ import annotations
 import torch
 
 from . import trie_topk_bins as bins
-from . import trie_topk_filter as tf
 from . import trie_topk_merge as tm
 from .head_lse import LogProbs
 from .numba_common import as_array, torch_stream
@@ -57,13 +55,10 @@ def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
     sa, nd = a(sc), a(nodes.contiguous())
     root = root_serves(B, N)  # before the merge: under the simulator their sizes overlap
     merge = None if root else tm.plan_for(N, R, k, dev)
-    filt = None if root or merge is not None else tf.plan_for(N, R, k, dev)
     if root:
         launch(root_select, (R,), NT)(N, k, KP, F, magic(F), B, sa, nd, *lp, *trie, *outs)
     elif merge is not None:
         tm.run(launch, R, N, k, KP, *merge, F, magic(F), B, sa, nd, lp, trie, outs, dev, a)
-    elif filt is not None:
-        tf.run(launch, R, N, k, KP, *filt, F, magic(F), B, sa, nd, lp, trie, outs, dev, a)
     elif quad_serves(N, k):
         launch(quad_select, (R,), NT)(N, k, KP, F, magic(F), B, sa, nd, *lp, *trie, *outs)
     elif OWN and N <= NT:

@@ -226,8 +226,6 @@ from streamgr.kernels import trie_topk_root
 assert trie_topk_root.ROOT == (os.environ.get("STREAMGR_TOPK_ROOT") != "0")
 from streamgr.kernels import trie_topk_levels
 assert trie_topk_levels.LEVELS == (os.environ.get("STREAMGR_TOPK_LEVELS") == "1")
-from streamgr.kernels import trie_topk_filter
-assert trie_topk_filter.FILTER == (os.environ.get("STREAMGR_TOPK_FILTER") == "1")
 for R, B, fan, k, ties in {cases!r}:
     case = level(R, B, fan, V=max(fan, 64) * 2, seed=R + B + fan, ties=ties)
     k = min(k, B * case[-1])
@@ -251,8 +249,7 @@ AB_CASES = {("STREAMGR_TOPK_SAMPLE", "0"): STEP2 + ONE_CASES,
             ("STREAMGR_TOPK_QUAD", "0"): QUAD_CASES,
             ("STREAMGR_TOPK_QUAD", "2"): QUAD_CASES + ONE_CASES,
             ("STREAMGR_TOPK_ROOT", "0"): ROOT_CASES,
-            ("STREAMGR_TOPK_LEVELS", "1"): STEP2 + ONE_CASES,
-            ("STREAMGR_TOPK_FILTER", "1"): GRID + [(16, 1024, 177, 1024, False)]}
+            ("STREAMGR_TOPK_LEVELS", "1"): STEP2 + ONE_CASES}
 
 
 def _ab_check(name: str, value: str, cases, timeout: float) -> None:
@@ -278,8 +275,7 @@ def test_kernels_under_their_ab_settings(name, value):
     of up to four blocks wanting over half a block on the one-block path's radix rounds),
     ``=2`` (four candidates a thread for any ``k``), ``STREAMGR_TOPK_ROOT=0`` (one beam's
     children on the one-block path, or four a thread), ``STREAMGR_TOPK_LEVELS=1`` (chunks of
-    five to eight blocks scored a load level at a time, ``trie_topk_levels``) and
-    ``STREAMGR_TOPK_FILTER=1`` (the one-launch filter where the grid launches serve by default)."""
+    five to eight blocks scored a load level at a time, ``trie_topk_levels``)."""
     _ab_check(name, value, AB_CASES[name, value], 600)
 
 
@@ -295,14 +291,14 @@ def test_the_merge_with_the_sampled_floor_finishes():
 @pytest.mark.parametrize("R,B,fan,k,kind", [
     (16, 1024, 177, 1024, "random"), (16, 1024, 177, 1024, "sorted"), (1, 256, 8192, 256, "random"),
     (1, 256, 8192, 1024, "bf16"), (2, 1024, 177, 1024, "const"), (3, 1024, 177, 700, "dead"),
-    (4, 300, 100, 300, "ties"), (2, 100, 177, 1, "random")])
-def test_filter_equals_reference(monkeypatch, R, B, fan, k, kind):
-    """``trie_topk_filter`` (a floor sampled from the whole request, one launch): gen-ref's step
-    2 at beams of 1,024 (random, and beams sorted best first so the best candidates crowd the
-    first blocks), one request's flat 2,097,152 at k 256 and (bf16 logits) 1,024, every key
-    tied, most beams dead, ties, k 1; widths from 1 to k. (Off by default: on here.)"""
-    from streamgr.kernels import trie_topk_filter as tf
-    monkeypatch.setattr(tf, "FILTER", True)
+    (2, 1024, 100, 600, "ties"), (3, 1024, 177, 513, "random"), (1, 5000, 3, 1000, "random")])
+def test_grid_equals_reference(R, B, fan, k, kind):
+    """The two grid launches (``trie_topk_bins``): gen-ref's step 2 at beams of 1,024 (random,
+    and beams sorted best first so the best candidates crowd the first blocks), one request's
+    flat 2,097,152 at k 256 and (bf16 logits) 1,024, every key tied (the radix fallback over a
+    crowded bin), most beams dead, ties, k just over half a block, and a fan-out of 3 (chunks of
+    at most ``NT - 2`` beams: more blocks than SMs); widths from 1 to k."""
+    from streamgr.kernels import trie_topk_merge as tm
     case, cap = uniform_case(R, B, fan, k, kind == "const", kind == "bf16",
                              seed=R * 17 + B + fan + k)
     if kind == "sorted":
@@ -312,27 +308,15 @@ def test_filter_equals_reference(monkeypatch, R, B, fan, k, kind):
     if kind == "ties":
         case[2] = (case[2] * 2).round() / 2
         case[0] = case[0].round()
-    assert tf.plan_for(B * case[-1], R, k, DEV) is not None
+    assert tm.plan_for(B * case[-1], R, k, DEV) is None  # not the merge's
     assert_kernels_equal_reference(case, k, cap)
 
 
-@pytest.mark.parametrize("how", ["high", "low"])
-def test_filter_exact_floor(monkeypatch, how):
-    """Where the sampled floor misses (forced: its best sampled key, so fewer than ``k`` are
-    listed, or its least with a list of room for ``k + 1``, so the list overflows) the last
-    block's exact floor answers, equal to the reference; a captured replay after it leaves the
-    counters zero."""
-    from streamgr.kernels import trie_topk_filter as tf
-    monkeypatch.setattr(tf, "FILTER", True)
+def test_grid_replays_with_its_counters_left_zero():
+    """A captured replay of the grid launches on fresh logits equals the reference and leaves
+    the plan's counters zero (the next replay's start)."""
     R, B, fan, k = 2, 1024, 177, 700
     case, cap = uniform_case(R, B, fan, k, False, False, seed=99)
-    plan_for = tf.plan_for
-
-    def forced(*a):
-        ch, g, S, ws, cap_u = plan_for(*a)
-        return (ch, g, S, 1, cap_u) if how == "high" else (ch, g, S, S, k + 1)
-    monkeypatch.setattr(tf, "plan_for", forced)
-    assert_kernels_equal_reference(case, k, cap)
     counters = Counters()
     with counters.sizing():
         tt.trie_topk(*case, k, cap, impl="numba")

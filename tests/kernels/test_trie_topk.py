@@ -152,11 +152,12 @@ ONE_BLOCK = [(0, False, 3, (1, 5), 4), (1, True, 6, (2, 8), 8), (4, False, 9, (0
              (14, False, 8, (4, 8), 12), (15, False, 6, (8, 8), 16),
              (27, "const", 4, (6, 8), 8), (28, True, 5, (4, 6), 10),
              (29, False, 4, (3, 5), 6, 2, 1.0, "one")]
-# ... and the grid launches (> 64 candidates; 256 bins; the one-launch filter, off by default,
-# serves these sizes under STREAMGR_TOPK_FILTER=1: test_filter_under_the_simulator): ties, k reaching into the -inf slots,
-# so that the last block's list outgrows the block (its radix select from the list in global
-# memory) as well as fits it (sorted whole), k = 1.
-GRID = [(2, False, 40, (4, 12), 16), (8, True, 30, (4, 10), 32), (9, False, 40, (5, 10), 1)]
+# ... and the grid launches (> 64 candidates; 256 bins; chunks of at most 30 beams, the
+# simulator's NT - 2): the last block's list sorted a key a thread (2, 9) or two (8: ties, 50
+# keys), or outgrowing two blocks' worth (61: every score equal, its radix select from the list
+# in global memory), k = 1, a fan-out of 1 (62: chunks of 31, seven blocks a request).
+GRID = [(2, False, 40, (4, 12), 16), (8, True, 30, (4, 10), 32), (9, False, 40, (5, 10), 1),
+        (61, "const", 40, (4, 8), 20), (62, False, 200, (1, 1), 20)]
 # ... and the one-launch merge (2-4 blocks of <= 64 candidates a request, the last block's list
 # held up to 32 keys; fields R and the dead share added): the list ranked in its bins (16), sorted
 # where a bin is crowded (21), selected from global memory where it outgrows 32 (23) or holds
@@ -384,58 +385,3 @@ def test_root_kernel_under_the_simulator():
     that ran high and crowded bins (the radix select over the registers), dead beams, bf16
     logits."""
     assert simulate(ROOT) == ["ok", "6"]
-
-
-FILTER = textwrap.dedent("""
-    import numpy as np, torch, sys
-    sys.path.insert(0, {root!r})
-    from tests.kernels.test_trie_topk import counted, random_case
-    from streamgr.kernels.head_lse import LogProbs, row_lse_reference
-    from streamgr.kernels.trie_topk import trie_topk, trie_topk_reference
-    from streamgr.kernels import trie_topk_filter as tf, trie_topk_merge as tm
-    plan_for = tf.plan_for
-    runs = []
-
-    def check(seed, ties, B, fan, k, R, dead, bf16=False, how=None):
-        case = random_case(seed, R=R, B=B, fan=fan, ties=ties, dead=dead)
-        N = B * case[-1]
-        k = min(k, N)
-        assert tm.plan_for(N, R, k, None) is None and plan_for(N, R, k, None), (seed, N, k)
-        cap = torch.tensor([k] + [max(1, k // 2)] * (R - 1))
-        if bf16:
-            lg = (case[2] * 3).to(torch.bfloat16)
-            case = (*case[:2], LogProbs(lg, lg.shape[1], row_lse_reference(lg, lg.shape[1])),
-                    *case[3:])
-        # the sampled floor as planned, or forced high (its best key: the list short of k),
-        # low (its least: the list over a capacity of k + 1), both answered by the exact floor
-        ch, g, S, ws, cap_u = plan_for(N, R, k, None)
-        tf.plan_for = lambda *a: {{None: (ch, g, S, ws, cap_u), "high": (ch, g, S, 1, cap_u),
-                                   "low": (ch, g, S, S, k + 1)}}[how]
-        got = trie_topk(*case, k, cap, impl="numba")
-        tf.plan_for = plan_for
-        for a, b in zip(got, trie_topk_reference(*case, k, cap)):
-            assert torch.equal(a, b), (seed, how, a, b)
-        runs.append(seed)
-        return case, k, cap
-
-    # k over half the simulator's block (the list selected from global memory), k within it
-    # (held in registers), every beam dead, bf16 logits, the floor forced high and low (with
-    # ties); every score equal runs on the GPU (test_filter_equals_reference, const)
-    check(60, False, 40, (4, 12), 16, 2, 0.2, bf16=True)
-    check(64, False, 20, (4, 4), 20, 2, 1.0)
-    check(65, False, 40, (4, 12), 16, 2, 0.2, how="high")
-    check(66, True, 30, (4, 10), 6, 2, 0.2, how="low")
-    case, k, cap = check(67, False, 40, (4, 12), 20, 2, 0.3, how="low")
-    counted(case, k, cap, 67)
-    print("ok", len(runs))
-""")
-
-
-def test_filter_under_the_simulator():
-    """``trie_topk_filter`` (one launch: a floor sampled from the whole request, each block
-    listing its keys at or above it, the last block selecting; on under
-    ``STREAMGR_TOPK_FILTER=1``) equals the reference where the merge does not serve: ``k``
-    over and within half a block, ties, every beam dead, bf16 logits; where the sampled floor is forced too high (fewer than ``k`` listed)
-    or too low (over the list's capacity) the last block's exact floor answers; its counters
-    are left zero on a graph's arena (``counted``)."""
-    assert simulate(FILTER, STREAMGR_TOPK_FILTER="1") == ["ok", "5"]

@@ -33,9 +33,9 @@ from .counters import zeroed
 from .kernel_cache import cached
 from .numba_common import INLINE, stamp
 from .trie_topk import SIMULATED
-from .trie_topk_dev import (BIG, DIG, HALF, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length,
-                            collect, hist_add, minmax, pick, radix, sort_desc, sort_pairs,
-                            sort_span)
+from .trie_topk_dev import (BIG, DIG, HALF, JIT_NT, NB, NT, RED_N, SCAN_N, SEG_MAX, append,
+                            bin_rank, bit_length, collect, hist_add, minmax, pick,
+                            pick_segments, radix, sort_desc, sort_pairs, sort_span)
 from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, NEG_INF, _bits, _float, div_f, ix,
                              logp_at, okey, okey_float, put_abs)
 
@@ -214,6 +214,61 @@ def _route(sure, buf, ws, r, kx, c, ok, ref, d, all_in):
     append(buf[r], ws[r], NBUF, v, ok and g == d and not all_in)
 
 
+@cuda.jit(device=True, **INLINE)
+def rank_list(srt, seg, hist, scan, res, red, total, k, KP):
+    """``srt[:k]`` = the best ``k`` of the ``total`` (``k`` to ``SRT_N``) distinct keys in
+    ``srt[:total]``, best first. Each thread holds two; one histogram of their scores over
+    ``NB`` linear bins between the list's least and best (``pick_segments``), the keys of the
+    bins from the ``k``-th's up placed by bin in ``seg`` and each ranked within its bin
+    (``bin_rank``). A bitonic sort (``sort_pairs``; 43 us for 2,048 keys on the H200, session
+    44, where this takes a few barriers) only where such a bin holds over ``SEG_MAX`` keys
+    (ties). Every thread calls it after ``srt`` is published; it ends synchronized."""
+    tid = cuda.threadIdx.x
+    has0 = tid < total
+    has1 = tid + NT < total
+    v0 = srt[tid] if has0 else int64(0)
+    v1 = srt[min(tid + NT, SRT_N - 1)] if has1 else int64(0)
+    u0 = v0 >> 31
+    u1 = v1 >> 31
+    hist[tid] = 0  # NB == NT: a bin a thread
+    lo, hi = minmax(min(u0 if has0 else BIG, u1 if has1 else BIG),
+                    max(u0 if has0 else int64(-1), u1 if has1 else int64(-1)), red)
+    # fp32 math: monotone in the key (both roundings are), and no 64-bit division
+    scale = float32(NB - 1) / float32(max(hi - lo, int64(1)))
+    b0 = min(int32(float32(u0 - lo) * scale), int32(NB - 1)) if has0 else int32(0)
+    b1 = min(int32(float32(u1 - lo) * scale), int32(NB - 1)) if has1 else int32(0)
+    hist_add(hist, b0, has0)
+    hist_add(hist, b1, has1)
+    cuda.syncthreads()
+    d, _, _, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
+    if big == 0:
+        in0 = has0 and b0 >= d
+        in1 = has1 and b1 >= d
+        if in0:
+            seg[cuda.atomic.add(hist, b0, 1)] = v0
+        if in1:
+            seg[cuda.atomic.add(hist, b1, 1)] = v1
+        cuda.syncthreads()
+        if in0:
+            r0 = bin_rank(seg, v0, b0, hist, NB)
+            if r0 < k:
+                srt[r0] = v0
+        if in1:
+            r1 = bin_rank(seg, v1, b1, hist, NB)
+            if r1 < k:
+                srt[r1] = v1
+        cuda.syncthreads()
+        return
+    P = sort_span(total, KP)
+    for i in range(total + tid, P, NT):  # pad with 0, below every key
+        srt[i] = 0
+    cuda.syncthreads()
+    if P <= NT:
+        sort_desc(srt, P)
+    else:
+        sort_pairs(srt, P)
+
+
 @cached
 @cuda.jit(**JIT_NT)
 def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws, keys,
@@ -221,6 +276,7 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     r = cuda.blockIdx.y
     tid = cuda.threadIdx.x
     srt = cuda.shared.array(SRT_N, int64)
+    seg = cuda.shared.array(SRT_N, int64)
     hist = cuda.shared.array(NB, int32)
     scan = cuda.shared.array(SCAN_N, int32)
     res = cuda.shared.array(4, int32)
@@ -257,19 +313,13 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     n_sure = cnt[0]
     n_buf = cnt[1]
     total = n_sure + n_buf
-    if total <= SRT_N:  # sort them all (pad with 0, below every key)
-        P = sort_span(total, KP)
-        for i in range(tid, P, NT):
-            srt[i] = sure[r, i] if i < n_sure else (buf[r, i - n_sure] if i < total else 0)
+    if total <= SRT_N:
+        for i in range(tid, total, NT):
+            srt[i] = sure[r, i] if i < n_sure else buf[r, i - n_sure]
         cuda.syncthreads()
-        stamp(8)
-        if P <= NT:
-            sort_desc(srt, P)
-        else:
-            sort_pairs(srt, P)
     else:  # many tied in D: the rest of the k by the bits below those buf's keys share
-        for i in range(tid, KP, NT):
-            srt[i] = sure[r, i] if i < n_sure else 0
+        for i in range(tid, n_sure, NT):
+            srt[i] = sure[r, i]
         lo = MAXK
         hi = int64(-1)
         for i in range(tid, n_buf, NT):
@@ -277,13 +327,14 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
             lo = min(lo, v)
             hi = max(hi, v)
         lo, hi = minmax(lo, hi, red)  # cnt[0], the collect's counter, holds n_sure
-        stamp(8)
         fixed = bit_length(lo ^ hi)  # n_buf > need >= 1: keys differ
         prefix = (hi >> fixed) << fixed
         shift = fixed - DIG if fixed > DIG else 0
         p, s = radix(hist, buf[r], 1, n_buf, 0, need, prefix, fixed, shift, hist, scan, res, NT)
         collect(hist, buf[r], 1, n_buf, 0, p, fixed, s, srt, cnt)
-        sort_desc(srt, KP)
+        total = k
+    stamp(8)
+    rank_list(srt, seg, hist, scan, res, red, total, k, KP)
     stamp(9)
     for i in range(tid, k, NT):  # each answer's score from its key (put_abs)
         put_abs(srt[i], i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap,

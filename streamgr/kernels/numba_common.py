@@ -29,6 +29,7 @@ INLINE = {} if SIMULATED else {"forceinline": True}
 # (the default) ``stamp`` compiles to nothing.
 STAMP = 0 if SIMULATED else int(os.environ.get("STREAMGR_NUMBA_STAMP", "0"), 0)
 STAMP_SLOTS = 16  # per block: slot s of block (y, x) at (y * gridDim.x + x) * 16 + s
+STAMP_SECOND = 4096  # a kernel's second launch stamps blocks from here (``stamp(s, 1)``)
 
 
 def as_array(t: torch.Tensor):
@@ -123,10 +124,11 @@ def lane_sum(width: int):
 
 if STAMP == 0:
     @cuda.jit(device=True, **INLINE)
-    def stamp(slot):
+    def stamp(slot, second=0):
         """Thread 0's SM clock (``%clock64``) into the stamp buffer's ``slot`` (1-12) for its
         block, where ``STREAMGR_NUMBA_STAMP`` names one: slot 14 (the kernel's start) and 15
-        (its end) take ``%globaltimer`` ns, with the clock at slots 0 and 13. Here nothing."""
+        (its end) take ``%globaltimer`` ns, with the clock at slots 0 and 13; ``second`` 1 in the
+        second launch of a pair (its own rows, from ``STAMP_SECOND``). Here nothing."""
         return
 else:
     from llvmlite import ir
@@ -155,9 +157,9 @@ else:
         return types.void(addr, val), codegen
 
     @cuda.jit(device=True, **INLINE)
-    def stamp(slot):
+    def stamp(slot, second=0):
         if cuda.threadIdx.x == 0:
-            blk = int64(cuda.blockIdx.y) * cuda.gridDim.x + cuda.blockIdx.x
+            blk = int64(cuda.blockIdx.y) * cuda.gridDim.x + cuda.blockIdx.x + second * STAMP_SECOND
             at = int64(STAMP) + (blk * STAMP_SLOTS + slot) * 8
             if slot >= 14:
                 _store(at, _timer())

@@ -201,6 +201,7 @@ def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, 
         ws[r, NEED] = need
         ws[r, ND] = n
         ws[r, REF] = _bits(ref)  # bin_select bins by the same reference, bit for bit
+    stamp(4)
     stamp(15)
 
 
@@ -283,6 +284,7 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     red = cuda.shared.array(RED_N, int64)
     flag = cuda.shared.array(1, int32)
     cnt = cuda.shared.array(2, int32)  # counts (a shared int32 atomic: no CAS loop)
+    stamp(14, 1)
     ref = _float(int32(ws[r, REF]))
     d, need = ws[r, D], ws[r, NEED]
     all_in = need == ws[r, ND]
@@ -298,9 +300,9 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
         _route(sure, buf, ws, r, k1, int64(i0 + NT), i0 + NT < end, ref, d, all_in)
         _route(sure, buf, ws, r, k2, int64(i0 + 2 * NT), i0 + 2 * NT < end, ref, d, all_in)
         _route(sure, buf, ws, r, k3, int64(i0 + 3 * NT), i0 + 3 * NT < end, ref, d, all_in)
-    stamp(7)
+    stamp(7, 1)
     if not last_block(ws, r, DONE2, flag):
-        stamp(15)
+        stamp(15, 1)
         return
     cuda.threadfence()
     if tid == 0:  # read and left zero for the next launch (counters.zeroed), as is the
@@ -333,13 +335,13 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
         p, s = radix(hist, buf[r], 1, n_buf, 0, need, prefix, fixed, shift, hist, scan, res, NT)
         collect(hist, buf[r], 1, n_buf, 0, p, fixed, s, srt, cnt)
         total = k
-    stamp(8)
+    stamp(8, 1)
     rank_list(srt, seg, hist, scan, res, red, total, k, KP)
-    stamp(9)
+    stamp(9, 1)
     for i in range(tid, k, NT):  # each answer's score from its key (put_abs)
         put_abs(srt[i], i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap,
                 top, parent, child, code, int64(-1))
-    stamp(15)
+    stamp(15, 1)
 
 
 def chunk(N: int, R: int, sms: int, F: int) -> int:

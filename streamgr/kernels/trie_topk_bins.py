@@ -33,7 +33,7 @@ from .counters import zeroed
 from .kernel_cache import cached
 from .numba_common import INLINE, stamp
 from .trie_topk import SIMULATED
-from .trie_topk_dev import (BIG, DIG, HALF, JIT_NT, NB, NT, RED_N, SCAN_N, SEG_MAX, append,
+from .trie_topk_dev import (BIG, DIG, FULL, HALF, JIT_NT, NB, NT, RED_N, SCAN_N, SEG_MAX, append,
                             bin_rank, bit_length, collect, hist_add, minmax, pick,
                             pick_segments, radix, sort_desc, sort_pairs, sort_span)
 from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, NEG_INF, _bits, _float, div_f, ix,
@@ -47,6 +47,7 @@ DONE1, DONE2, NSURE, NBUF, D, NEED, ND, REF = range(8)
 HG = 8
 W_LEN = HG + GB
 MAXK = int64(0x7FFFFFFFFFFFFFFF)
+OKEY_TOP = int64(0xFF800001)  # past okey(+inf): above every real score's
 SMS_SIM = 4  # the simulator's "SMs" (blocks a wave)
 SRT_N = 2 * NT  # keys bin_select's last block sorts whole (sort_pairs: two a thread)
 
@@ -206,13 +207,33 @@ def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, 
 
 
 @cuda.jit(device=True, **INLINE)
-def _route(sure, buf, ws, r, kx, c, ok, ref, d, all_in):
-    """Candidate c's key (okey ``kx``) to ``sure`` (its bin above D) or ``buf`` (in D); every
-    lane calls it."""
-    g = gbin(okey_float(kx), ref)
+def okey_from(g, ref):
+    """The least okey whose score's bin (``gbin``) is ``g`` or above (``OKEY_TOP`` for none):
+    a binary search over the okeys of real scores, ``-inf`` to ``+inf``, where ``gbin`` of the
+    score is monotone. Every thread computes it alike, no barrier."""
+    lo = KEY_NEG_INF
+    hi = OKEY_TOP
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if gbin(okey_float(mid), ref) >= g:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@cuda.jit(device=True, **INLINE)
+def _route(sure, buf, ws, r, kx, c, ok, t_d, t_s):
+    """Candidate c's key (okey ``kx``) to ``sure`` (at or above ``t_s``: its bin above D, or D
+    where D is wanted whole) or ``buf`` (from ``t_d`` up: in D); every lane calls it, and a
+    warp none of whose keys reach D skips the appends."""
+    take = ok and kx >= t_d
+    if not SIMULATED:
+        if not cuda.any_sync(FULL, take):  # most warps: about k of the N keys reach D
+            return
     v = (kx << 31) | (MAXC - c)
-    append(sure[r], ws[r], NSURE, v, ok and (g > d or (g == d and all_in)))
-    append(buf[r], ws[r], NBUF, v, ok and g == d and not all_in)
+    append(sure[r], ws[r], NSURE, v, take and kx >= t_s)
+    append(buf[r], ws[r], NBUF, v, take and kx < t_s)
 
 
 @cuda.jit(device=True, **INLINE)
@@ -287,7 +308,9 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     stamp(14, 1)
     ref = _float(int32(ws[r, REF]))
     d, need = ws[r, D], ws[r, NEED]
-    all_in = need == ws[r, ND]
+    # the okeys from which a key's bin reaches D and passes it (D wanted whole: sure too)
+    t_d = okey_from(d, ref)
+    t_s = t_d if need == ws[r, ND] else okey_from(d + 1, ref)
     start = cuda.blockIdx.x * ch
     end = min(N, start + ch)
     for base in range(start, end, 4 * NT):  # the keys bin_hist wrote, four loads in flight
@@ -296,10 +319,10 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
         k1 = int64(keys[ix(r), ix(min(i0 + NT, end - 1))]) & LOW32
         k2 = int64(keys[ix(r), ix(min(i0 + 2 * NT, end - 1))]) & LOW32
         k3 = int64(keys[ix(r), ix(min(i0 + 3 * NT, end - 1))]) & LOW32
-        _route(sure, buf, ws, r, k0, int64(i0), i0 < end, ref, d, all_in)
-        _route(sure, buf, ws, r, k1, int64(i0 + NT), i0 + NT < end, ref, d, all_in)
-        _route(sure, buf, ws, r, k2, int64(i0 + 2 * NT), i0 + 2 * NT < end, ref, d, all_in)
-        _route(sure, buf, ws, r, k3, int64(i0 + 3 * NT), i0 + 3 * NT < end, ref, d, all_in)
+        _route(sure, buf, ws, r, k0, int64(i0), i0 < end, t_d, t_s)
+        _route(sure, buf, ws, r, k1, int64(i0 + NT), i0 + NT < end, t_d, t_s)
+        _route(sure, buf, ws, r, k2, int64(i0 + 2 * NT), i0 + 2 * NT < end, t_d, t_s)
+        _route(sure, buf, ws, r, k3, int64(i0 + 3 * NT), i0 + 3 * NT < end, t_d, t_s)
     stamp(7, 1)
     if not last_block(ws, r, DONE2, flag):
         stamp(15, 1)

@@ -36,14 +36,14 @@ from .trie_topk import SIMULATED
 from .trie_topk_dev import (BIG, DIG, FULL, HALF, JIT_NT, NB, NT, RED_N, SCAN_N, SEG_MAX, append,
                             bin_rank, bit_length, collect, hist_add, minmax, pick,
                             pick_segments, radix, sort_desc, sort_pairs, sort_span)
-from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, NEG_INF, _bits, _float, div_f, ix,
+from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, NEG_INF, div_f, ix,
                              logp_at, okey, okey_float, put_abs)
 
 GBITS = 8 if SIMULATED else 12  # bins of bin_hist: 16 KiB of shared counters on the GPU
 GB = 1 << GBITS
 GSHIFT = 32 - GBITS
 # ws columns: counters and the pick, then the request's histogram
-DONE1, DONE2, NSURE, NBUF, D, NEED, ND, REF = range(8)
+DONE1, DONE2, NSURE, NBUF, NEED, TD, TS = range(7)
 HG = 8
 W_LEN = HG + GB
 MAXK = int64(0x7FFFFFFFFFFFFFFF)
@@ -197,28 +197,45 @@ def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, 
         ws[r, DONE1] = 0
     cuda.syncthreads()
     d, need, n = pick(hist, GB, k, scan, res, NT)
-    if tid == 0:
-        ws[r, D] = d
-        ws[r, NEED] = need
-        ws[r, ND] = n
-        ws[r, REF] = _bits(ref)  # bin_select bins by the same reference, bit for bit
+    if tid < 32:  # the okeys from which a key's bin reaches D and passes it (one warp)
+        t_d = okey_from(d, ref)
+        t_s = t_d if need == n else okey_from(d + 1, ref)  # D wanted whole: sure too
+        if tid == 0:
+            ws[r, NEED] = need
+            ws[r, TD] = t_d
+            ws[r, TS] = t_s
     stamp(4)
     stamp(15)
 
 
 @cuda.jit(device=True, **INLINE)
 def okey_from(g, ref):
-    """The least okey whose score's bin (``gbin``) is ``g`` or above (``OKEY_TOP`` for none):
-    a binary search over the okeys of real scores, ``-inf`` to ``+inf``, where ``gbin`` of the
-    score is monotone. Every thread computes it alike, no barrier."""
+    """The least okey whose score's bin (``gbin``) is ``g`` or above (``OKEY_TOP`` for none),
+    over the okeys of real scores, ``-inf`` to ``+inf``, where ``gbin`` of the score is
+    monotone. On the GPU one warp calls it: each round its lanes test 32 points spread over
+    the range left (seven rounds for 2**32 okeys); the simulator bisects, every thread alike."""
     lo = KEY_NEG_INF
-    hi = OKEY_TOP
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if gbin(okey_float(mid), ref) >= g:
-            hi = mid
+    hi = OKEY_TOP  # the answer is in [lo, hi]; hi itself is never tested
+    if SIMULATED:
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if gbin(okey_float(mid), ref) >= g:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+    lane = cuda.threadIdx.x & 31
+    while lo < hi:  # warp-uniform: every lane holds the same lo, hi
+        p = lo + (((hi - lo) * lane) >> 5)  # p of lane 0 is lo; every p below hi
+        m = cuda.ballot_sync(FULL, gbin(okey_float(p), ref) >= g)  # monotone in the lane
+        q = cuda.shfl_sync(FULL, p, max(cuda.ffs(m) - 2, 0))  # the last point below it
+        if m == 0:
+            lo = cuda.shfl_sync(FULL, p, 31) + 1
+        elif (m & 1) != 0:
+            hi = lo
         else:
-            lo = mid + 1
+            hi = cuda.shfl_sync(FULL, p, cuda.ffs(m) - 1)
+            lo = q + 1
     return lo
 
 
@@ -306,11 +323,9 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     flag = cuda.shared.array(1, int32)
     cnt = cuda.shared.array(2, int32)  # counts (a shared int32 atomic: no CAS loop)
     stamp(14, 1)
-    ref = _float(int32(ws[r, REF]))
-    d, need = ws[r, D], ws[r, NEED]
-    # the okeys from which a key's bin reaches D and passes it (D wanted whole: sure too)
-    t_d = okey_from(d, ref)
-    t_s = t_d if need == ws[r, ND] else okey_from(d + 1, ref)
+    need = ws[r, NEED]
+    t_d = ws[r, TD]
+    t_s = ws[r, TS]
     start = cuda.blockIdx.x * ch
     end = min(N, start + ch)
     for base in range(start, end, 4 * NT):  # the keys bin_hist wrote, four loads in flight
@@ -332,7 +347,7 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
         # pick, which every block of the request has read by now
         cnt[0] = cuda.atomic.exch(ws, (r, NSURE), int64(0))
         cnt[1] = cuda.atomic.exch(ws, (r, NBUF), int64(0))
-        for j in (DONE2, D, NEED, ND, REF):
+        for j in (DONE2, NEED, TD, TS):
             ws[r, j] = 0
     cuda.syncthreads()
     n_sure = cnt[0]

@@ -330,3 +330,48 @@ def test_grid_replays_with_its_counters_left_zero():
                           tt.trie_topk_reference(*case, k, cap)):
         assert torch.equal(a, b), name
     assert int(counters.buf.count_nonzero()) == 0
+
+
+def _okey(x):
+    """trie_topk_keys.okey on the host (float32 array -> uint32 order-preserving bits)."""
+    b = (np.asarray(x, np.float32) + np.float32(0.0)).view(np.uint32)
+    return np.where(b >> 31 == 1, ~b, b | np.uint32(0x80000000)).astype(np.uint32)
+
+
+def test_okey_from_equals_a_bisection():
+    """``trie_topk_bins.okey_from`` (a warp's 32-point search for the least okey whose bin
+    reaches ``g``) equals a host bisection over the same monotone ``gbin``, for bins across
+    the range (the lowest, the -inf keys' and past the highest) and references of both
+    signs."""
+    from numba import cuda, float32 as nf32, int64 as ni64
+    from streamgr.kernels import trie_topk_bins as bn
+    from streamgr.kernels.numba_common import as_array, torch_stream
+
+    @cuda.jit
+    def kern(gs, refs, out):
+        i = cuda.blockIdx.x
+        t = bn.okey_from(ni64(gs[i]), nf32(refs[i]))
+        if cuda.threadIdx.x == 0:
+            out[i] = t
+
+    def gbin(u, ref):  # the host's bn.gbin(okey_float(u), ref)
+        b = np.uint32(u)
+        bits = (b ^ np.uint32(0x80000000)) if b >> 31 else ~b
+        return int(_okey(bits.view(np.float32) - np.float32(ref)) >> np.uint32(bn.GSHIFT))
+
+    def bisect(g, ref):
+        lo, hi = int(bn.KEY_NEG_INF), int(bn.OKEY_TOP)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if gbin(mid, ref) >= g else (mid + 1, hi)
+        return lo
+
+    cases = [(g, ref) for ref in (0.0, 3.25, -7.5, 1e-30) for g in
+             (0, 1, gbin(int(bn.KEY_NEG_INF), ref), 1000, 2047, 2048, 2049, 3000, bn.GB - 1,
+              bn.GB)]
+    gs = torch.tensor([c[0] for c in cases], dtype=torch.int64, device=DEV)
+    refs = torch.tensor([c[1] for c in cases], dtype=torch.float32, device=DEV)
+    out = torch.zeros(len(cases), dtype=torch.int64, device=DEV)
+    kern[len(cases), 32, torch_stream(DEV)](as_array(gs), as_array(refs), as_array(out))
+    torch.cuda.synchronize()
+    assert out.tolist() == [bisect(g, ref) for g, ref in cases]

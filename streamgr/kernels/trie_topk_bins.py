@@ -37,7 +37,7 @@ from .trie_topk_dev import (BIG, DIG, FULL, HALF, JIT_NT, NB, NT, RED_N, SCAN_N,
                             bin_rank, bit_length, collect, hist_add, minmax, pick,
                             pick_segments, radix, sort_desc, sort_pairs, sort_span)
 from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, NEG_INF, div_f, ix,
-                             logp_at, okey, okey_float, put_abs)
+                             logp_of, okey, okey_float, put_abs)
 
 GBITS = 8 if SIMULATED else 12  # bins of bin_hist: 16 KiB of shared counters on the GPU
 GB = 1 << GBITS
@@ -103,29 +103,56 @@ def load_beams(r, b0, nb, B, scores, nodes, ptr, lse, sh, bs, bm, bl, bf, bc):
 
 
 @cuda.jit(device=True, **INLINE)
-def pscore(r, i, end, F, FM, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc):
-    """Candidate i's score (``cand``'s, bit for bit) from the block's beams in shared memory
-    (``load_beams``); an index at or past ``end`` is read as ``end - 1`` (its beam loaded)."""
-    c = min(i, end - 1)
+def pslot(r, c, F, FM, b0, B, bf, bc):
+    """Candidate c's (beam slot of ``load_beams``, child node or 0 where it is none, logits
+    row, mask: all ones where it is a child), by arithmetic alone: a select over a loaded
+    value becomes a branch in LLVM's code (it sank each candidate's loads into one, and the
+    round's loads then waited on each other, session 44)."""
     b = div_f(c, FM)
     j = uint32(uint32(c) - uint32(b) * uint32(F))
     t = ix(uint32(b) - uint32(b0))
-    real = j < uint32(bc[t])
-    ch = uint32(uint32(bf[t]) + j) if real else uint32(0)
-    cd = codes[ix(ch)]
-    row = ix(uint32(r) * uint32(B) + uint32(b))
-    x = logp_at(logp, row, uint32(off) + uint32(cd), sh, bm[t], bl[t])
-    return bs[t] + x if real else NEG_INF
+    m = uint32(0) - uint32(j < uint32(bc[t]))
+    ch = (uint32(bf[t]) + j) & m
+    return t, ch, ix(uint32(r) * uint32(B) + uint32(b)), m
 
 
 @cuda.jit(device=True, **INLINE)
-def score4(r, i, end, F, FM, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc):
-    """Candidates i, i + NT, i + 2 NT, i + 3 NT scored, their loads in flight together."""
-    x0 = pscore(r, i, end, F, FM, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc)
-    x1 = pscore(r, i + NT, end, F, FM, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc)
-    x2 = pscore(r, i + 2 * NT, end, F, FM, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc)
-    x3 = pscore(r, i + 3 * NT, end, F, FM, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc)
-    return x0, x1, x2, x3
+def pval(logp, row, cd, off, sh, t, m, bs, bm, bl):
+    """The candidate's score from its code ``cd`` (``cand``'s; -inf where the mask says no
+    child: an add, so that the log-probability's load has no branch around it)."""
+    x = logp_of(logp[row, ix(uint32(off) + uint32(cd))], sh, bm[t], bl[t])
+    return bs[t] + x + (float32(0.0) if m != 0 else NEG_INF)
+
+
+@cuda.jit(device=True, **INLINE)
+def score8(r, i, end, F, FM, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc):
+    """Candidates ``i + m NT`` (m < 8; past ``end`` read as ``end - 1``) scored a load level
+    at a time: the eight codes' loads, then the eight log-probabilities'."""
+    e = end - 1
+    t0, c0, w0, m0 = pslot(r, min(i, e), F, FM, b0, B, bf, bc)
+    t1, c1, w1, m1 = pslot(r, min(i + NT, e), F, FM, b0, B, bf, bc)
+    t2, c2, w2, m2 = pslot(r, min(i + 2 * NT, e), F, FM, b0, B, bf, bc)
+    t3, c3, w3, m3 = pslot(r, min(i + 3 * NT, e), F, FM, b0, B, bf, bc)
+    t4, c4, w4, m4 = pslot(r, min(i + 4 * NT, e), F, FM, b0, B, bf, bc)
+    t5, c5, w5, m5 = pslot(r, min(i + 5 * NT, e), F, FM, b0, B, bf, bc)
+    t6, c6, w6, m6 = pslot(r, min(i + 6 * NT, e), F, FM, b0, B, bf, bc)
+    t7, c7, w7, m7 = pslot(r, min(i + 7 * NT, e), F, FM, b0, B, bf, bc)
+    d0 = codes[ix(c0)]
+    d1 = codes[ix(c1)]
+    d2 = codes[ix(c2)]
+    d3 = codes[ix(c3)]
+    d4 = codes[ix(c4)]
+    d5 = codes[ix(c5)]
+    d6 = codes[ix(c6)]
+    d7 = codes[ix(c7)]
+    return (pval(logp, w0, d0, off, sh, t0, m0, bs, bm, bl),
+            pval(logp, w1, d1, off, sh, t1, m1, bs, bm, bl),
+            pval(logp, w2, d2, off, sh, t2, m2, bs, bm, bl),
+            pval(logp, w3, d3, off, sh, t3, m3, bs, bm, bl),
+            pval(logp, w4, d4, off, sh, t4, m4, bs, bm, bl),
+            pval(logp, w5, d5, off, sh, t5, m5, bs, bm, bl),
+            pval(logp, w6, d6, off, sh, t6, m6, bs, bm, bl),
+            pval(logp, w7, d7, off, sh, t7, m7, bs, bm, bl))
 
 
 @cuda.jit(device=True, **INLINE)
@@ -165,10 +192,8 @@ def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, 
     stamp(1)
     for base in range(start, end, 8 * NT):  # eight candidates' loads in flight a thread
         i0 = base + tid
-        x0, x1, x2, x3 = score4(r, i0, end, F, FM, b0, B, logp, sh, codes, off, bs, bm, bl, bf,
-                                bc)
-        x4, x5, x6, x7 = score4(r, i0 + 4 * NT, end, F, FM, b0, B, logp, sh, codes, off, bs, bm,
-                                bl, bf, bc)
+        x0, x1, x2, x3, x4, x5, x6, x7 = score8(r, i0, end, F, FM, b0, B, logp, sh, codes, off,
+                                                bs, bm, bl, bf, bc)
         keep(keys, hist, r, i0, end, x0, ref)
         keep(keys, hist, r, i0 + NT, end, x1, ref)
         keep(keys, hist, r, i0 + 2 * NT, end, x2, ref)

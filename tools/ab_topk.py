@@ -36,6 +36,11 @@ def child(names: list[str]) -> None:
     root = os.environ.get("AB_ROOT")
     if root:
         sys.path.insert(0, root)
+    # this variant's streamgr imported first: bench_topk puts this repository's root at the
+    # front of sys.path before it imports streamgr (until session 44 every --tree variant
+    # ran this tree's package)
+    import streamgr
+    assert not root or Path(streamgr.__file__).resolve().is_relative_to(Path(root).resolve())
     sys.path.insert(0, str(HERE))
     import torch
     from bench_topk import DEV, against_topk, level

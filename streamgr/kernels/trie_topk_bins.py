@@ -33,7 +33,7 @@ from .counters import zeroed
 from .kernel_cache import cached
 from .numba_common import INLINE, stamp
 from .trie_topk import SIMULATED
-from .trie_topk_dev import (BIG, DIG, FULL, HALF, JIT_NT, NB, NT, RED_N, SCAN_N, SEG_MAX, append,
+from .trie_topk_dev import (BIG, DIG, FULL, HALF, JIT_NT, NB, NT, NW, RED_N, SCAN_N, SEG_MAX, append,
                             bin_rank, bit_length, collect, hist_add, minmax, pick,
                             pick_segments, radix, sort_desc, sort_pairs, sort_span)
 from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, NEG_INF, div_f, ix,
@@ -65,11 +65,22 @@ def last_block(ws, r, col, flag):
 
 @cuda.jit(device=True, **INLINE)
 def best_beam(scores, r, B, red):
-    """The request's best beam score (0 where every beam is dead): the bins' reference."""
+    """The request's best beam score (0 where every beam is dead): the bins' reference. Each
+    warp's best by shuffles into ``red``, then one barrier (it publishes what the block wrote
+    to shared memory before) and every thread reads the warps' ``NW``."""
     hi = int64(-1)
     for b in range(cuda.threadIdx.x, B, cuda.blockDim.x):
         hi = max(hi, okey(scores[r, b]))
-    _, hi = minmax(BIG, hi, red)
+    if SIMULATED:  # no shuffles: the block-wide reduction
+        _, hi = minmax(BIG, hi, red)
+    else:
+        for o in (16, 8, 4, 2, 1):
+            hi = max(hi, cuda.shfl_xor_sync(FULL, hi, o))
+        if (cuda.threadIdx.x & 31) == 0:
+            red[cuda.threadIdx.x >> 5] = hi
+        cuda.syncthreads()
+        for w in range(NW):
+            hi = max(hi, red[w])
     return okey_float(hi) if hi > KEY_NEG_INF else float32(0.0)
 
 
@@ -222,13 +233,15 @@ def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, 
         ws[r, DONE1] = 0
     cuda.syncthreads()
     d, need, n = pick(hist, GB, k, scan, res, NT)
-    if tid < 32:  # the okeys from which a key's bin reaches D and passes it (one warp)
-        t_d = okey_from(d, ref)
-        t_s = t_d if need == n else okey_from(d + 1, ref)  # D wanted whole: sure too
+    # the okeys from which a key's bin reaches D (warp 0) and passes it (warp 1; D wanted
+    # whole: from D too): a search a warp, the two at once
+    if tid < 64:
+        t = okey_from(d + (1 if tid >= 32 and need != n else 0), ref)
         if tid == 0:
             ws[r, NEED] = need
-            ws[r, TD] = t_d
-            ws[r, TS] = t_s
+            ws[r, TD] = t
+        if tid == 32:
+            ws[r, TS] = t
     stamp(4)
     stamp(15)
 
@@ -353,16 +366,25 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     t_s = ws[r, TS]
     start = cuda.blockIdx.x * ch
     end = min(N, start + ch)
-    for base in range(start, end, 4 * NT):  # the keys bin_hist wrote, four loads in flight
+    for base in range(start, end, 8 * NT):  # the keys bin_hist wrote, eight loads in flight
         i0 = base + tid
-        k0 = int64(keys[ix(r), ix(min(i0, end - 1))]) & LOW32
-        k1 = int64(keys[ix(r), ix(min(i0 + NT, end - 1))]) & LOW32
-        k2 = int64(keys[ix(r), ix(min(i0 + 2 * NT, end - 1))]) & LOW32
-        k3 = int64(keys[ix(r), ix(min(i0 + 3 * NT, end - 1))]) & LOW32
+        e = end - 1
+        k0 = int64(keys[ix(r), ix(min(i0, e))]) & LOW32
+        k1 = int64(keys[ix(r), ix(min(i0 + NT, e))]) & LOW32
+        k2 = int64(keys[ix(r), ix(min(i0 + 2 * NT, e))]) & LOW32
+        k3 = int64(keys[ix(r), ix(min(i0 + 3 * NT, e))]) & LOW32
+        k4 = int64(keys[ix(r), ix(min(i0 + 4 * NT, e))]) & LOW32
+        k5 = int64(keys[ix(r), ix(min(i0 + 5 * NT, e))]) & LOW32
+        k6 = int64(keys[ix(r), ix(min(i0 + 6 * NT, e))]) & LOW32
+        k7 = int64(keys[ix(r), ix(min(i0 + 7 * NT, e))]) & LOW32
         _route(sure, buf, ws, r, k0, int64(i0), i0 < end, t_d, t_s)
         _route(sure, buf, ws, r, k1, int64(i0 + NT), i0 + NT < end, t_d, t_s)
         _route(sure, buf, ws, r, k2, int64(i0 + 2 * NT), i0 + 2 * NT < end, t_d, t_s)
         _route(sure, buf, ws, r, k3, int64(i0 + 3 * NT), i0 + 3 * NT < end, t_d, t_s)
+        _route(sure, buf, ws, r, k4, int64(i0 + 4 * NT), i0 + 4 * NT < end, t_d, t_s)
+        _route(sure, buf, ws, r, k5, int64(i0 + 5 * NT), i0 + 5 * NT < end, t_d, t_s)
+        _route(sure, buf, ws, r, k6, int64(i0 + 6 * NT), i0 + 6 * NT < end, t_d, t_s)
+        _route(sure, buf, ws, r, k7, int64(i0 + 7 * NT), i0 + 7 * NT < end, t_d, t_s)
     stamp(7, 1)
     if not last_block(ws, r, DONE2, flag):
         stamp(15, 1)

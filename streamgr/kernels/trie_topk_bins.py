@@ -235,7 +235,12 @@ def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, 
     d, need, n = pick(hist, GB, k, scan, res, NT)
     # the okeys from which a key's bin reaches D (warp 0) and passes it (warp 1; D wanted
     # whole: from D too): a search a warp, the two at once
-    if tid < 64:
+    if SIMULATED:  # a block of one warp there
+        if tid == 0:
+            ws[r, NEED] = need
+            ws[r, TD] = okey_from(d, ref)
+            ws[r, TS] = okey_from(d + (0 if need == n else 1), ref)
+    elif tid < 64:
         t = okey_from(d + (1 if tid >= 32 and need != n else 0), ref)
         if tid == 0:
             ws[r, NEED] = need

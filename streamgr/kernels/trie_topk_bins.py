@@ -1,21 +1,27 @@
 """Binned grid selection of ``trie_topk`` for requests of more than ``ONE_MAX`` candidates
-(gen-ref's step 2: 45,312 at beams of 256, 181,248 at 1,024; one request's flat 2,097,152):
-one histogram round instead of a range pass and two radix digits, and no key buffer. Two
+that the merge does not serve (gen-ref's step 2 at beams of 1,024: 181,248 a request at k
+1,024; one request's flat 2,097,152): one histogram round instead of radix digits. Two
 launches on a workspace of counters that their last blocks leave zero (``counters.zeroed``):
 
 1. ``bin_hist``: every block (``chunk`` candidates, one wave of 1,024-thread blocks over the GPU)
-   scores its candidates and adds each to the bin of ``x - ref`` (``gbin``: the top ``GBITS`` of
-   that difference's order-preserving bits, so bins are finest near the request's best beam
-   score ``ref``, where the ``k``-th best lies, and every score has one); the request's last
-   block to finish picks the bin ``D`` holding the ``k``-th best candidate.
-2. ``bin_select``: every block scores again the candidates of its groups of 32 whose highest
-   bin (``gm``, recorded by ``bin_hist``) reaches ``D`` (the keys are never written) and appends
-   the keys of bins above ``D`` to ``sure`` (fewer than ``k``) and those in ``D`` to ``buf``;
-   the request's last block selects: if ``sure`` and ``buf`` fit a block it sorts them all
-   (the usual case: ``D`` holds tens to hundreds; ranking each key within its bin, as
-   ``trie_topk_one`` does, measured slower here: session 28), else it radix-selects the rest of
-   the ``k`` from ``buf`` by the keys' bits below those they share (ties; exact either way),
-   sorts the ``k`` and decodes them.
+   loads its beams into shared memory (``trie_topk_beams``: a candidate then loads its code and
+   its log-probability, eight candidates a thread a round), writes each candidate's okey to an
+   [R, N] buffer and adds it to the bin of ``x - ref`` (``gbin``: the top ``GBITS`` of that
+   difference's order-preserving bits, so bins are finest near the request's best beam score
+   ``ref``, where the ``k``-th best lies, and every score has one); the request's last block
+   picks the bin ``D`` holding the ``k``-th best and two warps find the okeys where ``D``
+   starts and ends (``okey_from``).
+2. ``bin_select``: every block reads its keys back (from the L2 cache, where bin_hist left
+   them: no second scoring) and appends those past ``D`` to ``sure`` (fewer than ``k``) and
+   those in ``D`` to ``buf`` (a compare with the two okeys; warps with no key reaching ``D``
+   skip the appends); the request's last block ranks the lists' keys by linear bins
+   (``rank_list``; 2,048 keys at most, two a thread), or where they are more (ties in ``D``)
+   radix-selects the rest of the ``k`` from ``buf`` first, and answers each rank from its key.
+
+On the H200 (session 44) step 2 at beams of 1,024 took 0.0351 ms graph-replayed against
+0.0632 for the previous two launches (which scored every candidate twice, the second time
+where a group of 32 reached ``D``, and sorted the lists bitonically), flat 0.0274 against
+0.0403, flat at k 1,024 0.0317 against 0.0529.
 
 The binning is a monotone function of the score (``x - ref`` rounds monotonically), so every key
 of a bin above ``D`` beats every key in ``D``: the answer is the stable order's, exactly, with
@@ -27,17 +33,17 @@ from __future__ import annotations
 import functools
 
 import torch
-from numba import cuda, float32, int32, int64, uint32
+from numba import cuda, float32, int32, int64
 
 from .counters import zeroed
 from .kernel_cache import cached
 from .numba_common import INLINE, stamp
 from .trie_topk import SIMULATED
+from .trie_topk_beams import load_beams, score8
 from .trie_topk_dev import (BIG, DIG, FULL, HALF, JIT_NT, NB, NT, RED_N, SCAN_N, SEG_MAX, append,
                             bin_rank, bit_length, collect, hist_add, minmax, pick,
                             pick_segments, radix, sort_desc, sort_pairs, sort_span)
-from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, NEG_INF, div_f, ix,
-                             logp_of, okey, okey_float, put_abs)
+from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, div_f, ix, okey, okey_float, put_abs
 
 GBITS = 8 if SIMULATED else 12  # bins of bin_hist: 16 KiB of shared counters on the GPU
 GB = 1 << GBITS
@@ -79,82 +85,6 @@ def best_beam(scores, r, B, red):
 def gbin(x, ref):
     """The bin of score ``x`` (higher bins hold higher scores)."""
     return int32(okey(x - ref) >> GSHIFT)
-
-
-@cuda.jit(device=True, **INLINE)
-def load_beams(r, b0, nb, B, scores, nodes, ptr, lse, sh, bs, bm, bl, bf, bc):
-    """The block's beams ``b0 .. b0 + nb - 1`` (``nb`` <= NT) into shared memory, one a thread:
-    score, the row's max and log-sum, first child and children (0 where the beam is dead), so
-    that a candidate then loads its code and its log-probability only (two dependent loads
-    where ``cand`` issues four). The caller's next barrier publishes them."""
-    t = cuda.threadIdx.x
-    if t < nb:
-        b = uint32(b0 + t)
-        s = scores[ix(r), ix(b)]
-        n = nodes[ix(r), ix(b)]
-        alive = s > NEG_INF
-        n = uint32(n) if alive else uint32(0)
-        first = uint32(ptr[ix(n)])
-        cnt = uint32(uint32(ptr[ix(n + uint32(1))]) - first) if alive else uint32(0)
-        row = ix(uint32(r) * uint32(B) + b)
-        bs[t] = s
-        bm[t] = lse[0, row]
-        bl[t] = lse[ix(sh >> 4), row]
-        bf[t] = int32(first)
-        bc[t] = int32(cnt)
-
-
-@cuda.jit(device=True, **INLINE)
-def pslot(r, c, F, FM, b0, B, bf, bc):
-    """Candidate c's (beam slot of ``load_beams``, child node or 0 where it is none, logits
-    row, mask: all ones where it is a child), by arithmetic alone: a select over a loaded
-    value becomes a branch in LLVM's code (it sank each candidate's loads into one, and the
-    round's loads then waited on each other, session 44)."""
-    b = div_f(c, FM)
-    j = uint32(uint32(c) - uint32(b) * uint32(F))
-    t = ix(uint32(b) - uint32(b0))
-    m = uint32(0) - uint32(j < uint32(bc[t]))
-    ch = (uint32(bf[t]) + j) & m
-    return t, ch, ix(uint32(r) * uint32(B) + uint32(b)), m
-
-
-@cuda.jit(device=True, **INLINE)
-def pval(logp, row, cd, off, sh, t, m, bs, bm, bl):
-    """The candidate's score from its code ``cd`` (``cand``'s; -inf where the mask says no
-    child: an add, so that the log-probability's load has no branch around it)."""
-    x = logp_of(logp[row, ix(uint32(off) + uint32(cd))], sh, bm[t], bl[t])
-    return bs[t] + x + (float32(0.0) if m != 0 else NEG_INF)
-
-
-@cuda.jit(device=True, **INLINE)
-def score8(r, i, end, F, FM, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc):
-    """Candidates ``i + m NT`` (m < 8; past ``end`` read as ``end - 1``) scored a load level
-    at a time: the eight codes' loads, then the eight log-probabilities'."""
-    e = end - 1
-    t0, c0, w0, m0 = pslot(r, min(i, e), F, FM, b0, B, bf, bc)
-    t1, c1, w1, m1 = pslot(r, min(i + NT, e), F, FM, b0, B, bf, bc)
-    t2, c2, w2, m2 = pslot(r, min(i + 2 * NT, e), F, FM, b0, B, bf, bc)
-    t3, c3, w3, m3 = pslot(r, min(i + 3 * NT, e), F, FM, b0, B, bf, bc)
-    t4, c4, w4, m4 = pslot(r, min(i + 4 * NT, e), F, FM, b0, B, bf, bc)
-    t5, c5, w5, m5 = pslot(r, min(i + 5 * NT, e), F, FM, b0, B, bf, bc)
-    t6, c6, w6, m6 = pslot(r, min(i + 6 * NT, e), F, FM, b0, B, bf, bc)
-    t7, c7, w7, m7 = pslot(r, min(i + 7 * NT, e), F, FM, b0, B, bf, bc)
-    d0 = codes[ix(c0)]
-    d1 = codes[ix(c1)]
-    d2 = codes[ix(c2)]
-    d3 = codes[ix(c3)]
-    d4 = codes[ix(c4)]
-    d5 = codes[ix(c5)]
-    d6 = codes[ix(c6)]
-    d7 = codes[ix(c7)]
-    return (pval(logp, w0, d0, off, sh, t0, m0, bs, bm, bl),
-            pval(logp, w1, d1, off, sh, t1, m1, bs, bm, bl),
-            pval(logp, w2, d2, off, sh, t2, m2, bs, bm, bl),
-            pval(logp, w3, d3, off, sh, t3, m3, bs, bm, bl),
-            pval(logp, w4, d4, off, sh, t4, m4, bs, bm, bl),
-            pval(logp, w5, d5, off, sh, t5, m5, bs, bm, bl),
-            pval(logp, w6, d6, off, sh, t6, m6, bs, bm, bl),
-            pval(logp, w7, d7, off, sh, t7, m7, bs, bm, bl))
 
 
 @cuda.jit(device=True, **INLINE)

@@ -16,7 +16,7 @@ from numba import cuda, float32, int32, uint32
 
 from .numba_common import INLINE
 from .trie_topk_dev import NT
-from .trie_topk_keys import NEG_INF, div_f, ix, logp_of
+from .trie_topk_keys import NEG_INF, beam_at, div_f, ix, logp_of
 
 
 @cuda.jit(device=True, **INLINE)
@@ -28,12 +28,7 @@ def load_beams(r, b0, nb, B, scores, nodes, ptr, lse, sh, bs, bm, bl, bf, bc):
     t = cuda.threadIdx.x
     if t < nb:
         b = uint32(b0 + t)
-        s = scores[ix(r), ix(b)]
-        n = nodes[ix(r), ix(b)]
-        alive = s > NEG_INF
-        n = uint32(n) if alive else uint32(0)
-        first = uint32(ptr[ix(n)])
-        cnt = uint32(uint32(ptr[ix(n + uint32(1))]) - first) if alive else uint32(0)
+        s, first, cnt = beam_at(r, b, scores, nodes, ptr)
         row = ix(uint32(r) * uint32(B) + b)
         bs[t] = s
         bm[t] = lse[0, row]

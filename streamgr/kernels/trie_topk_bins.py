@@ -40,10 +40,10 @@ from .kernel_cache import cached
 from .numba_common import INLINE, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_beams import load_beams, score8
-from .trie_topk_dev import (BIG, DIG, FULL, HALF, JIT_NT, NB, NT, RED_N, SCAN_N, SEG_MAX, append,
-                            bin_rank, bit_length, collect, hist_add, minmax, pick,
-                            pick_segments, radix, sort_desc, sort_pairs, sort_span)
+from .trie_topk_dev import (BIG, DIG, FULL, HALF, JIT_NT, NB, NT, RED_N, SCAN_N, append,
+                            bit_length, collect, hist_add, minmax, pick, radix)
 from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, div_f, ix, okey, okey_float, put_abs
+from .trie_topk_rank import SRT_N, rank_list
 
 GBITS = 8 if SIMULATED else 12  # bins of bin_hist: 16 KiB of shared counters on the GPU
 GB = 1 << GBITS
@@ -55,7 +55,6 @@ W_LEN = HG + GB
 MAXK = int64(0x7FFFFFFFFFFFFFFF)
 OKEY_TOP = int64(0xFF800001)  # past okey(+inf): above every real score's
 SMS_SIM = 4  # the simulator's "SMs" (blocks a wave)
-SRT_N = 2 * NT  # keys bin_select's last block sorts whole (sort_pairs: two a thread)
 
 
 @cuda.jit(device=True, **INLINE)
@@ -215,61 +214,6 @@ def _route(sure, buf, ws, r, kx, c, ok, t_d, t_s):
     v = (kx << 31) | (MAXC - c)
     append(sure[r], ws[r], NSURE, v, take and kx >= t_s)
     append(buf[r], ws[r], NBUF, v, take and kx < t_s)
-
-
-@cuda.jit(device=True, **INLINE)
-def rank_list(srt, seg, hist, scan, res, red, total, k, KP):
-    """``srt[:k]`` = the best ``k`` of the ``total`` (``k`` to ``SRT_N``) distinct keys in
-    ``srt[:total]``, best first. Each thread holds two; one histogram of their scores over
-    ``NB`` linear bins between the list's least and best (``pick_segments``), the keys of the
-    bins from the ``k``-th's up placed by bin in ``seg`` and each ranked within its bin
-    (``bin_rank``). A bitonic sort (``sort_pairs``; 43 us for 2,048 keys on the H200, session
-    44, where this takes a few barriers) only where such a bin holds over ``SEG_MAX`` keys
-    (ties). Every thread calls it after ``srt`` is published; it ends synchronized."""
-    tid = cuda.threadIdx.x
-    has0 = tid < total
-    has1 = tid + NT < total
-    v0 = srt[tid] if has0 else int64(0)
-    v1 = srt[min(tid + NT, SRT_N - 1)] if has1 else int64(0)
-    u0 = v0 >> 31
-    u1 = v1 >> 31
-    hist[tid] = 0  # NB == NT: a bin a thread
-    lo, hi = minmax(min(u0 if has0 else BIG, u1 if has1 else BIG),
-                    max(u0 if has0 else int64(-1), u1 if has1 else int64(-1)), red)
-    # fp32 math: monotone in the key (both roundings are), and no 64-bit division
-    scale = float32(NB - 1) / float32(max(hi - lo, int64(1)))
-    b0 = min(int32(float32(u0 - lo) * scale), int32(NB - 1)) if has0 else int32(0)
-    b1 = min(int32(float32(u1 - lo) * scale), int32(NB - 1)) if has1 else int32(0)
-    hist_add(hist, b0, has0)
-    hist_add(hist, b1, has1)
-    cuda.syncthreads()
-    d, _, _, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
-    if big == 0:
-        in0 = has0 and b0 >= d
-        in1 = has1 and b1 >= d
-        if in0:
-            seg[cuda.atomic.add(hist, b0, 1)] = v0
-        if in1:
-            seg[cuda.atomic.add(hist, b1, 1)] = v1
-        cuda.syncthreads()
-        if in0:
-            r0 = bin_rank(seg, v0, b0, hist, NB)
-            if r0 < k:
-                srt[r0] = v0
-        if in1:
-            r1 = bin_rank(seg, v1, b1, hist, NB)
-            if r1 < k:
-                srt[r1] = v1
-        cuda.syncthreads()
-        return
-    P = sort_span(total, KP)
-    for i in range(total + tid, P, NT):  # pad with 0, below every key
-        srt[i] = 0
-    cuda.syncthreads()
-    if P <= NT:
-        sort_desc(srt, P)
-    else:
-        sort_pairs(srt, P)
 
 
 @cached

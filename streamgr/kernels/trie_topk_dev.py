@@ -376,29 +376,6 @@ def sort_desc(srt, KP):
     cuda.syncthreads()
 
 
-@cuda.jit(device=True, **INLINE)
-def sort_pairs(srt, P):
-    """Bitonic sort of ``srt[:P]`` (shared int64, P a power of two, ``2 NT`` at most)
-    descending, all through shared memory: each thread one compare-exchange a stage, for lists
-    of up to two keys a thread (``sort_desc`` holds one a thread). Keys are distinct. Every
-    thread calls it after the keys are published; it ends synchronized."""
-    tid = cuda.threadIdx.x
-    size = 2
-    while size <= P:
-        stride = size >> 1
-        while stride > 0:
-            for t in range(tid, P >> 1, cuda.blockDim.x):
-                i = 2 * t - (t & (stride - 1))  # the pair's lower index: its ``stride`` bit 0
-                a = srt[i]
-                b = srt[i + stride]
-                if (a < b) == ((i & size) == 0):  # descending where i's ``size`` bit is 0
-                    srt[i] = b
-                    srt[i + stride] = a
-            cuda.syncthreads()
-            stride >>= 1
-        size <<= 1
-
-
 if SIMULATED:  # the simulator's clz counts over 32 bits only
     def bit_length(x):
         return int(x).bit_length()

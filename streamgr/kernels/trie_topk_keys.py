@@ -91,13 +91,20 @@ def beam_of(r, c, F, FM, scores, nodes, ptr):
     was most of a candidate's instructions."""
     b = div_f(c, FM)
     j = uint32(uint32(c) - uint32(b) * uint32(F))
+    s, first, cnt = beam_at(r, b, scores, nodes, ptr)
+    return b, int64(j), s, int64(first), int64(cnt)
+
+
+@cuda.jit(device=True, **INLINE)
+def beam_at(r, b, scores, nodes, ptr):
+    """Beam b's score, first child and number of children (uint32; 0 where it is dead)."""
     s = scores[ix(r), ix(b)]
     n = nodes[ix(r), ix(b)]
     alive = s > NEG_INF
     n = uint32(n) if alive else uint32(0)
     first = uint32(ptr[ix(n)])
     cnt = uint32(uint32(ptr[ix(n + uint32(1))]) - first) if alive else uint32(0)
-    return b, int64(j), s, int64(first), int64(cnt)
+    return s, first, cnt
 
 
 @cuda.jit(device=True, **INLINE)

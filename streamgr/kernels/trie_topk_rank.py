@@ -1,0 +1,94 @@
+"""The grid selection's last block ordering its list (``trie_topk_bins.bin_select``): up to
+``SRT_N`` = two blocks' worth of distinct keys, two a thread, ranked by one histogram over
+linear bins of their okeys (``rank_list``), or sorted bitonically where a bin is crowded by ties
+(``sort_pairs``). On the H200 (session 44) ranking 1,000-1,300 keys took 3.9-4.2 us where the
+bitonic sort of 2,048 took 42.9 us.
+"""
+
+from __future__ import annotations
+
+from numba import cuda, float32, int32, int64
+
+from .numba_common import INLINE
+from .trie_topk_dev import (BIG, NB, NT, SEG_MAX, bin_rank, hist_add, minmax, pick_segments,
+                            sort_desc, sort_span)
+
+SRT_N = 2 * NT  # keys the last block holds (two a thread)
+
+
+@cuda.jit(device=True, **INLINE)
+def sort_pairs(srt, P):
+    """Bitonic sort of ``srt[:P]`` (shared int64, P a power of two, ``2 NT`` at most)
+    descending, all through shared memory: each thread one compare-exchange a stage, for lists
+    of up to two keys a thread (``sort_desc`` holds one a thread). Keys are distinct. Every
+    thread calls it after the keys are published; it ends synchronized."""
+    tid = cuda.threadIdx.x
+    size = 2
+    while size <= P:
+        stride = size >> 1
+        while stride > 0:
+            for t in range(tid, P >> 1, cuda.blockDim.x):
+                i = 2 * t - (t & (stride - 1))  # the pair's lower index: its ``stride`` bit 0
+                a = srt[i]
+                b = srt[i + stride]
+                if (a < b) == ((i & size) == 0):  # descending where i's ``size`` bit is 0
+                    srt[i] = b
+                    srt[i + stride] = a
+            cuda.syncthreads()
+            stride >>= 1
+        size <<= 1
+
+
+@cuda.jit(device=True, **INLINE)
+def rank_list(srt, seg, hist, scan, res, red, total, k, KP):
+    """``srt[:k]`` = the best ``k`` of the ``total`` (``k`` to ``SRT_N``) distinct keys in
+    ``srt[:total]``, best first. Each thread holds two; one histogram of their scores over
+    ``NB`` linear bins between the list's least and best (``pick_segments``), the keys of the
+    bins from the ``k``-th's up placed by bin in ``seg`` and each ranked within its bin
+    (``bin_rank``). A bitonic sort (``sort_pairs``; 43 us for 2,048 keys on the H200, session
+    44, where this takes a few barriers) only where such a bin holds over ``SEG_MAX`` keys
+    (ties). Every thread calls it after ``srt`` is published; it ends synchronized."""
+    tid = cuda.threadIdx.x
+    has0 = tid < total
+    has1 = tid + NT < total
+    v0 = srt[tid] if has0 else int64(0)
+    v1 = srt[min(tid + NT, SRT_N - 1)] if has1 else int64(0)
+    u0 = v0 >> 31
+    u1 = v1 >> 31
+    hist[tid] = 0  # NB == NT: a bin a thread
+    lo, hi = minmax(min(u0 if has0 else BIG, u1 if has1 else BIG),
+                    max(u0 if has0 else int64(-1), u1 if has1 else int64(-1)), red)
+    # fp32 math: monotone in the key (both roundings are), and no 64-bit division
+    scale = float32(NB - 1) / float32(max(hi - lo, int64(1)))
+    b0 = min(int32(float32(u0 - lo) * scale), int32(NB - 1)) if has0 else int32(0)
+    b1 = min(int32(float32(u1 - lo) * scale), int32(NB - 1)) if has1 else int32(0)
+    hist_add(hist, b0, has0)
+    hist_add(hist, b1, has1)
+    cuda.syncthreads()
+    d, _, _, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
+    if big == 0:
+        in0 = has0 and b0 >= d
+        in1 = has1 and b1 >= d
+        if in0:
+            seg[cuda.atomic.add(hist, b0, 1)] = v0
+        if in1:
+            seg[cuda.atomic.add(hist, b1, 1)] = v1
+        cuda.syncthreads()
+        if in0:
+            r0 = bin_rank(seg, v0, b0, hist, NB)
+            if r0 < k:
+                srt[r0] = v0
+        if in1:
+            r1 = bin_rank(seg, v1, b1, hist, NB)
+            if r1 < k:
+                srt[r1] = v1
+        cuda.syncthreads()
+        return
+    P = sort_span(total, KP)
+    for i in range(total + tid, P, NT):  # pad with 0, below every key
+        srt[i] = 0
+    cuda.syncthreads()
+    if P <= NT:
+        sort_desc(srt, P)
+    else:
+        sort_pairs(srt, P)

@@ -26,6 +26,7 @@ def test_demo_prints_its_table():
     assert "demo [" in p.stderr  # progress shown
 
 
+@pytest.mark.slow
 def test_init_model_then_serve_from_checkpoint(tmp_path):
     out = tmp_path / "model"
     p = run("init-model", "--spec", "rank-small", "--out", str(out), "--seed", "5",

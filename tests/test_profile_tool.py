@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -21,6 +23,7 @@ def test_profile_rank_runs_on_the_cpu():
     assert "profile_rank rank-small: 2 batches of 8" in p.stdout
 
 
+@pytest.mark.slow
 def test_probe_hosthit_runs_on_the_cpu():
     """tools/probe_hosthit.py interleaves its configurations over host-hit batches and prints
     each one's latency against recompute and its stages, then traces two batches' host calls."""
@@ -75,6 +78,7 @@ def test_probe_recompute_runs_on_the_cpu():
         assert want in p.stdout, (want, p.stdout[-1000:])
 
 
+@pytest.mark.slow
 def test_bench_update_refits_from_checkpoints_on_the_cpu():
     """tools/bench_update.py --checkpoints --rounds 2: refits from checkpoint directories
     written before the timed phases, in two rounds of both phases (items taken down in the
@@ -128,6 +132,7 @@ def test_stall_watch_names_each_threads_place_during_a_stall():
     assert "MainThread" in report and "spinner" in report and "spin (test_profile_tool.py" in report
 
 
+@pytest.mark.slow
 def test_probe_gen_host_runs_the_engine_with_the_device_stubbed():
     """tools/probe_gen_host.py: gen-ref's requests through a started engine whose device work
     is canned beams; it prints the rate and the event loop's time per request."""
@@ -140,6 +145,7 @@ def test_probe_gen_host_runs_the_engine_with_the_device_stubbed():
     assert m and int(m.group(1).replace(",", "")) > 0 and int(m.group(2)) > 0, p.stdout
 
 
+@pytest.mark.slow
 def test_bench_rank_interleaves_the_modes_batch_by_batch(tmp_path):
     """tools/bench_rank.py --interleave: the three engines open at once, every batch timed in
     every mode (recompute included, not every k-th), the cached modes' scores checked against

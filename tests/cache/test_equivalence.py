@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 import numpy as np
+import pytest
 from collections import Counter
 
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -72,6 +73,7 @@ def test_cached_scores_equal_recompute(cache, steps, seed):
     _run(cache, steps, seed, Counter())
 
 
+@pytest.mark.slow
 def test_equivalence_workloads_reached_every_path():
     """The same property over a fixed (derandomized) set of workloads, which must reach
     evictions, host hits, tail loss, rewrites...: host hits are rare (a few in a thousand

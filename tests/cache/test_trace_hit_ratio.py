@@ -3,6 +3,8 @@ hierarchical cache reaches a total hit ratio of at least 98%, above gpu-only, ab
 
 from __future__ import annotations
 
+import pytest
+
 from streamgr import RankRequest
 from streamgr.config import load_spec
 from streamgr.engine.core import Engine
@@ -39,6 +41,7 @@ def replay(mode: str, trace, batch_size: int = 2) -> dict:
     return tot
 
 
+@pytest.mark.slow
 def test_hierarchical_hit_ratio_on_kuairand_like_trace():
     trace = list(with_full_history(synth_trace("small", seed=1)))
     res = {m: replay(m, trace) for m in ("recompute", "gpu-only", "hierarchical")}

@@ -126,6 +126,7 @@ async def by_user(eng, reqs):
     return out
 
 
+@pytest.mark.slow
 def test_affinity_results_updates_ingress_and_a_lost_replica(cluster):
     reqs = requests()
     want = asyncio.run(embedded(reqs))
@@ -221,6 +222,7 @@ def test_affinity_results_updates_ingress_and_a_lost_replica(cluster):
     asyncio.run(eng.close())
 
 
+@pytest.mark.slow
 def test_serve_ray_process_speaks_the_protocol(tmp_path):
     """`streamgr serve --ray` as a real process: a Serve application behind the socket; a
     client's rank and stats go through it, and SIGTERM stops it (removing the application)."""

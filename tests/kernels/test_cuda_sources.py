@@ -26,6 +26,7 @@ def nvcc() -> str:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("src", SOURCES, ids=[p.name for p in SOURCES])
 def test_compiles_for_sm90(src, tmp_path):
     """sm_90, and sm_90a for a source that says it is for that target (wgmma): its sm_90

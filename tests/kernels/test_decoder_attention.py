@@ -55,6 +55,7 @@ SIM = CASES + textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_numba_kernel_under_the_simulator():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # (T, layers, rows, heads, d, step, seed): first/middle/last step, rows not a multiple of

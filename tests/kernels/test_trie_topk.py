@@ -221,6 +221,7 @@ def simulate(script: str, cases=None, **env) -> list[str]:
                           "SIM_COUNTED": "16"}),
     (UNSAMPLED, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_SAMPLE": "0"})],
     ids=["one_block", "grid", "merge", "unsampled"])
+@pytest.mark.slow
 def test_numba_kernels_under_the_simulator(cases, env):
     """The one-candidate-a-thread, four-a-thread, one-block, grid and merge kernels equal the
     reference on small shapes (a process each: the simulator is set at import), the one-block
@@ -379,6 +380,7 @@ ROOT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_root_kernel_under_the_simulator():
     """``trie_topk_root`` (one beam, over a block of candidates and at most ``RN`` blocks, held
     in registers) equals the reference: the linear bins from the sampled cutoff up, a sample

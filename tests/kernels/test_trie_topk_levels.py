@@ -4,6 +4,8 @@ simulator: the same okeys and per-thread (smallest real, largest) okeys, bit for
 
 import textwrap
 
+import pytest
+
 from tests.kernels.test_trie_topk import simulate
 
 LEVELS = textwrap.dedent("""
@@ -56,6 +58,7 @@ LEVELS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_levels_equal_two_rounds_under_the_simulator():
     """Chunks of 129-256 candidates (five to eight of the simulator's 32-thread blocks) from a
     request's start and middle, over beams with and without children in range, all beams

@@ -19,6 +19,7 @@ from tests.conftest import small_overrides
 from tests.protocol.helpers import ServerThread
 
 
+@pytest.mark.slow
 def test_synth_kuairand_profile_statistics():
     p = PROFILES["kuairand-1k"]
     trace = synth_trace("kuairand-1k", seed=3, users=200)
@@ -110,6 +111,7 @@ def test_replay_ids_that_do_not_fit_name_fold_ids(tmp_path):
     assert runs[0]["requests"] + runs[0]["skipped_over_max_history"] == 40
 
 
+@pytest.mark.slow
 def test_cli_end_to_end(tmp_path):
     run = lambda *a: subprocess.run([sys.executable, "-m", "streamgr", "trace", *a],  # noqa: E731
                                     capture_output=True, text=True, timeout=300)

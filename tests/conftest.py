@@ -19,10 +19,6 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
 
 def pytest_collection_modifyitems(config, items):
-    # the tests marked slow first (a stable sort: each worker collects the same order), so
-    # that xdist starts them early and the short ones even out the workers' ends (CI's two
-    # workers otherwise ended up to ~20 s apart, one of them on a 40 s test)
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run tools/gpu_check.sh on the GPU)")

@@ -40,10 +40,11 @@ from .kernel_cache import cached
 from .numba_common import INLINE, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_beams import load_beams, score8
-from .trie_topk_dev import (BIG, DIG, FULL, HALF, JIT_NT, NB, NT, RED_N, SCAN_N, append,
-                            bit_length, collect, hist_add, minmax, pick, radix)
-from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, div_f, ix, okey, okey_float, put_abs
-from .trie_topk_rank import SRT_N, rank_list
+from .trie_topk_dev import (BIG, FULL, JIT_NT, NB, NT, RED_N, SCAN_N, append, hist_add,
+                            minmax, pick)
+from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, div_f, ix, okey, okey_float,
+                             put_abs)
+from .trie_topk_rank import SRT_N, radix_rest, rank_list
 
 GBITS = 8 if SIMULATED else 12  # bins of bin_hist: 16 KiB of shared counters on the GPU
 GB = 1 << GBITS
@@ -52,7 +53,6 @@ GSHIFT = 32 - GBITS
 DONE1, DONE2, NSURE, NBUF, NEED, TD, TS = range(7)
 HG = 8
 W_LEN = HG + GB
-MAXK = int64(0x7FFFFFFFFFFFFFFF)
 OKEY_TOP = int64(0xFF800001)  # past okey(+inf): above every real score's
 SMS_SIM = 4  # the simulator's "SMs" (blocks a wave)
 
@@ -92,7 +92,7 @@ def keep(keys, hist, r, i, end, x, ref):
     ok = i < end
     if ok:
         kx = okey(x)
-        keys[ix(r), ix(i)] = int32(kx - (int64(1) << 32) if kx >= HALF else kx)
+        keys[ix(r), ix(i)] = int32(kx - (int64(1) << 32) if kx >= (int64(1) << 31) else kx)
     hist_add(hist, gbin(x, ref), ok)
 
 
@@ -274,21 +274,10 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
         for i in range(tid, total, NT):
             srt[i] = sure[r, i] if i < n_sure else buf[r, i - n_sure]
         cuda.syncthreads()
-    else:  # many tied in D: the rest of the k by the bits below those buf's keys share
+    else:  # many tied in D: the rest of the k from buf (appended at cnt[0], which holds n_sure)
         for i in range(tid, n_sure, NT):
             srt[i] = sure[r, i]
-        lo = MAXK
-        hi = int64(-1)
-        for i in range(tid, n_buf, NT):
-            v = buf[r, i]
-            lo = min(lo, v)
-            hi = max(hi, v)
-        lo, hi = minmax(lo, hi, red)  # cnt[0], the collect's counter, holds n_sure
-        fixed = bit_length(lo ^ hi)  # n_buf > need >= 1: keys differ
-        prefix = (hi >> fixed) << fixed
-        shift = fixed - DIG if fixed > DIG else 0
-        p, s = radix(hist, buf[r], 1, n_buf, 0, need, prefix, fixed, shift, hist, scan, res, NT)
-        collect(hist, buf[r], 1, n_buf, 0, p, fixed, s, srt, cnt)
+        radix_rest(buf, r, n_buf, need, hist, scan, res, red, srt, cnt)
         total = k
     stamp(8, 1)
     rank_list(srt, seg, hist, scan, res, red, total, k, KP)

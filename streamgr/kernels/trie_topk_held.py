@@ -22,11 +22,10 @@ from __future__ import annotations
 from numba import cuda, int32, int64, uint32
 
 from .numba_common import INLINE, stamp
-from .trie_topk_bins import MAXK
-from .trie_topk_dev import (DIG, NB, NT, SEG_MAX, append, bit_length, collect, hist_add,
-                            minmax, pick_segments, radix, sort_desc, sort_span)
+from .trie_topk_dev import NB, NT, SEG_MAX, append, hist_add, pick_segments, sort_desc, sort_span
 from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, NEG_INF, decode, div_f, ix, okey_float,
                              put_abs)
+from .trie_topk_rank import radix_rest
 from .trie_topk_sample import UCAP, best_okey, obin, rev_okey, slot_rank
 
 
@@ -124,23 +123,12 @@ def select_global(ul, U, k, KP, hist, srt, scan, res, red, ctr, r, F, FM, B, sco
     keys share, then sorted; decoded as every path does. ``ctr[0]`` 0 on entry (published).
     Every thread calls it."""
     tid = cuda.threadIdx.x
-    lo = MAXK
-    hi = int64(-1)
-    for j in range(tid, U, NT):
-        v = ul[r, j]
-        lo = min(lo, v)
-        hi = max(hi, v)
-    lo, hi = minmax(lo, hi, red)
     if U <= NT:  # the whole list sorted
         srt[tid] = ul[r, tid] if tid < U else int64(0)
         cuda.syncthreads()
         sort_desc(srt, sort_span(U, KP))
     else:
-        fixed = bit_length(lo ^ hi)  # U > k >= 1 distinct keys: they differ
-        prefix = (hi >> fixed) << fixed
-        shift = fixed - DIG if fixed > DIG else 0
-        p, s = radix(hist, ul[r], 1, U, 0, k, prefix, fixed, shift, hist, scan, res, NT)
-        collect(hist, ul[r], 1, U, 0, p, fixed, s, srt, ctr)
+        radix_rest(ul, r, U, k, hist, scan, res, red, srt, ctr)
         for i in range(k + tid, KP, NT):
             srt[i] = 0
         cuda.syncthreads()

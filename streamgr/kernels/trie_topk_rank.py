@@ -1,8 +1,10 @@
-"""The grid selection's last block ordering its list (``trie_topk_bins.bin_select``): up to
-``SRT_N`` = two blocks' worth of distinct keys, two a thread, ranked by one histogram over
+"""A last block ordering its request's list: the grid selection's (``trie_topk_bins.bin_select``)
+up to ``SRT_N`` = two blocks' worth of distinct keys, two a thread, ranked by one histogram over
 linear bins of their okeys (``rank_list``), or sorted bitonically where a bin is crowded by ties
-(``sort_pairs``). On the H200 (session 44) ranking 1,000-1,300 keys took 3.9-4.2 us where the
-bitonic sort of 2,048 took 42.9 us.
+(``sort_pairs``); and, for it and the merge's fallback (``trie_topk_held.select_global``), the
+best of a longer list in global memory by one radix select (``radix_rest``). On the H200
+(session 44) ranking 1,000-1,300 keys took 3.9-4.2 us where the bitonic sort of 2,048 took
+42.9 us.
 """
 
 from __future__ import annotations
@@ -10,10 +12,32 @@ from __future__ import annotations
 from numba import cuda, float32, int32, int64
 
 from .numba_common import INLINE
-from .trie_topk_dev import (BIG, NB, NT, SEG_MAX, bin_rank, hist_add, minmax, pick_segments,
-                            sort_desc, sort_span)
+from .trie_topk_dev import (BIG, DIG, NB, NT, SEG_MAX, bin_rank, bit_length, collect, hist_add,
+                            minmax, pick_segments, radix, sort_desc, sort_span)
 
 SRT_N = 2 * NT  # keys the last block holds (two a thread)
+MAXK = int64(0x7FFFFFFFFFFFFFFF)
+
+
+@cuda.jit(device=True, **INLINE)
+def radix_rest(lists, r, n, want, hist, scan, res, red, out, ctr):
+    """Append the ``want`` best of the ``n`` (more than ``want``) distinct int64 keys
+    ``lists[r, :n]`` to ``out`` at ``ctr[0]`` (shared int32): one radix select by the bits
+    below those all of them share. (The row's view is taken after the min and max: taken
+    before, it held registers over them and ``bin_select`` spilled 8 bytes.) Every thread
+    calls it; it ends synchronized."""
+    lo = MAXK
+    hi = int64(-1)
+    for i in range(cuda.threadIdx.x, n, NT):
+        v = lists[r, i]
+        lo = min(lo, v)
+        hi = max(hi, v)
+    lo, hi = minmax(lo, hi, red)
+    fixed = bit_length(lo ^ hi)  # n > want >= 1 distinct keys: they differ
+    prefix = (hi >> fixed) << fixed
+    shift = fixed - DIG if fixed > DIG else 0
+    p, s = radix(hist, lists[r], 1, n, 0, want, prefix, fixed, shift, hist, scan, res, NT)
+    collect(hist, lists[r], 1, n, 0, p, fixed, s, out, ctr)
 
 
 @cuda.jit(device=True, **INLINE)

@@ -25,7 +25,7 @@ from .numba_common import INLINE, stamp
 from .trie_topk_dev import NB, NT, SEG_MAX, append, hist_add, pick_segments, sort_desc, sort_span
 from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, NEG_INF, decode, div_f, ix, okey_float,
                              put_abs)
-from .trie_topk_rank import radix_rest
+from .trie_topk_rank import radix_rest, sort_k
 from .trie_topk_sample import UCAP, best_okey, obin, rev_okey, slot_rank
 
 
@@ -129,9 +129,6 @@ def select_global(ul, U, k, KP, hist, srt, scan, res, red, ctr, r, F, FM, B, sco
         sort_desc(srt, sort_span(U, KP))
     else:
         radix_rest(ul, r, U, k, hist, scan, res, red, srt, ctr)
-        for i in range(k + tid, KP, NT):
-            srt[i] = 0
-        cuda.syncthreads()
-        sort_desc(srt, KP)
+        sort_k(srt, k, KP)
     decode(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
            child, code)

@@ -24,8 +24,9 @@ from numba import cuda, int32, int64
 
 from .kernel_cache import cached
 from .numba_common import STAMP, stamp
-from .trie_topk_dev import BIG, DIG, JIT_NT, NT, RED_N, SCAN_N, bit_length, collect, radix, sort_desc
+from .trie_topk_dev import BIG, DIG, JIT_NT, NT, RED_N, SCAN_N, bit_length, collect, radix
 from .trie_topk_keys import KEY_NEG_INF, decode, okey_float
+from .trie_topk_rank import sort_k
 from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, hold, list_above, sample_floor,
                                score_chunk, select_list)
 
@@ -85,9 +86,6 @@ def one_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off
     prefix, shift = radix(kx, srt, 0, N, tmin, k, int64(0), int64(63), shift, hist, scan, res,
                           NT)
     collect(kx, srt, 0, N, tmin, prefix, int64(63), shift, srt, ctr)
-    for i in range(k + tid, KP, NT):
-        srt[i] = 0
-    cuda.syncthreads()
-    sort_desc(srt, KP)
+    sort_k(srt, k, KP)
     decode(srt, k, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, top, parent,
            child, code)

@@ -28,9 +28,10 @@ from numba import cuda, float32, int32, int64, uint32
 from .kernel_cache import cached
 from .numba_common import INLINE, STAMP, stamp
 from .trie_topk_dev import (DIG, DM, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, append, bin_rank,
-                            hist_add, pick, pick_segments, sort_desc)
+                            hist_add, pick, pick_segments)
 from .trie_topk_keys import (LOW32, MAXC, NEG_INF, _float, child_of, div_f, ix, logp_at, okey,
                              okey_float)
+from .trie_topk_rank import sort_k
 from .trie_topk_sample import OBASE, OCT, best_okey, obin, rev_okey, ubin
 
 # STREAMGR_TOPK_QUAD: 1 (the default) requests of NT < N <= QN * NT candidates with k over half a
@@ -232,10 +233,7 @@ def quad_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
         radix_take(lst, ctr, v1, prefix, shift)
         radix_take(lst, ctr, v2, prefix, shift)
         radix_take(lst, ctr, v3, prefix, shift)
-        for i in range(k + tid, KP, NT):
-            lst[i] = 0
-        cuda.syncthreads()
-        sort_desc(lst, KP)
+        sort_k(lst, k, KP)
         if tid < k:
             answer(lst[tid], int64(tid), r, FM, capr, held, top, parent, child, code)
     if STAMP:

@@ -20,6 +20,16 @@ MAXK = int64(0x7FFFFFFFFFFFFFFF)
 
 
 @cuda.jit(device=True, **INLINE)
+def sort_k(srt, k, KP):
+    """``srt[:k]`` (shared, written) sorted descending: padded with 0 (below every key) to
+    ``KP``, the power of two ``sort_desc`` takes. Every thread calls it; it ends synchronized."""
+    for i in range(k + cuda.threadIdx.x, KP, NT):
+        srt[i] = 0
+    cuda.syncthreads()
+    sort_desc(srt, KP)
+
+
+@cuda.jit(device=True, **INLINE)
 def radix_rest(lists, r, n, want, hist, scan, res, red, out, ctr):
     """Append the ``want`` best of the ``n`` (more than ``want``) distinct int64 keys
     ``lists[r, :n]`` to ``out`` at ``ctr[0]`` (shared int32): one radix select by the bits

@@ -35,8 +35,9 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 from .kernel_cache import cached
 from .numba_common import INLINE, STAMP, stamp
 from .trie_topk_dev import (DIG, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, bin_rank, hist_add,
-                            pick, pick_segments, sort_desc)
+                            pick, pick_segments)
 from .trie_topk_keys import MAXC, NEG_INF, beam_of, ix, logp_of, okey, okey_float
+from .trie_topk_rank import sort_k
 from .trie_topk_quad import KEY_TOP, LIST_N, key_of, lbin, place, radix_count, radix_take
 from .trie_topk_sample import best_okey, least_okey, okey32, or_max, rev_okey, ubin
 
@@ -189,10 +190,7 @@ def root_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
             shift = shift - DIG if shift > DIG else int64(0)
         for i in range(RN):
             radix_take(lst, ctr, u[i], prefix, shift)
-        for i in range(k + tid, KP, NT):
-            lst[i] = 0
-        cuda.syncthreads()
-        sort_desc(lst, KP)
+        sort_k(lst, k, KP)
         if tid < k:
             answer(lst[tid], int64(tid), r, first, cnt, capr, held, top, parent, child, code)
     if STAMP:

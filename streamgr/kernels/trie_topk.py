@@ -52,7 +52,7 @@ NEG_INF = float("-inf")
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 MAX_K = 1024
 # The kernels' candidates of a request (beams x fan-out): their keys hold the index in 31 bits
-# and their c // F is exact below 2**30 (trie_topk_keys.magic); past it the stable reference.
+# and their c // F is exact below 2**30 (trie_topk_index.magic); past it the stable reference.
 NUMBA_MAX_N = 1 << 30
 SIM_MAX_K = 32  # the simulator's select blocks (32 threads) sort at most this many
 

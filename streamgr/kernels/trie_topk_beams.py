@@ -16,7 +16,8 @@ from numba import cuda, float32, int32, uint32
 
 from .numba_common import INLINE
 from .trie_topk_dev import NT
-from .trie_topk_keys import NEG_INF, beam_at, div_f, ix, logp_of
+from .trie_topk_index import NEG_INF, beam_at, div_f, ix
+from .trie_topk_keys import logp_of
 
 
 @cuda.jit(device=True, **INLINE)
@@ -61,17 +62,17 @@ def pval(logp, row, cd, off, sh, t, m, bs, bm, bl):
 
 @cuda.jit(device=True, **INLINE)
 def score8(r, i, end, F, FM, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc):
-    """Candidates ``i + m NT`` (m < 8; past ``end`` read as ``end - 1``) scored a load level
-    at a time: the eight codes' loads, then the eight log-probabilities'."""
-    e = end - 1
+    """Candidates ``i + m NT`` (m < 8; past ``end`` read as ``end - 1``; indices uint32) scored
+    a load level at a time: the eight codes' loads, then the eight log-probabilities'."""
+    e = uint32(end - 1)
     t0, c0, w0, m0 = pslot(r, min(i, e), F, FM, b0, B, bf, bc)
-    t1, c1, w1, m1 = pslot(r, min(i + NT, e), F, FM, b0, B, bf, bc)
-    t2, c2, w2, m2 = pslot(r, min(i + 2 * NT, e), F, FM, b0, B, bf, bc)
-    t3, c3, w3, m3 = pslot(r, min(i + 3 * NT, e), F, FM, b0, B, bf, bc)
-    t4, c4, w4, m4 = pslot(r, min(i + 4 * NT, e), F, FM, b0, B, bf, bc)
-    t5, c5, w5, m5 = pslot(r, min(i + 5 * NT, e), F, FM, b0, B, bf, bc)
-    t6, c6, w6, m6 = pslot(r, min(i + 6 * NT, e), F, FM, b0, B, bf, bc)
-    t7, c7, w7, m7 = pslot(r, min(i + 7 * NT, e), F, FM, b0, B, bf, bc)
+    t1, c1, w1, m1 = pslot(r, min(uint32(i + NT), e), F, FM, b0, B, bf, bc)
+    t2, c2, w2, m2 = pslot(r, min(uint32(i + 2 * NT), e), F, FM, b0, B, bf, bc)
+    t3, c3, w3, m3 = pslot(r, min(uint32(i + 3 * NT), e), F, FM, b0, B, bf, bc)
+    t4, c4, w4, m4 = pslot(r, min(uint32(i + 4 * NT), e), F, FM, b0, B, bf, bc)
+    t5, c5, w5, m5 = pslot(r, min(uint32(i + 5 * NT), e), F, FM, b0, B, bf, bc)
+    t6, c6, w6, m6 = pslot(r, min(uint32(i + 6 * NT), e), F, FM, b0, B, bf, bc)
+    t7, c7, w7, m7 = pslot(r, min(uint32(i + 7 * NT), e), F, FM, b0, B, bf, bc)
     d0 = codes[ix(c0)]
     d1 = codes[ix(c1)]
     d2 = codes[ix(c2)]

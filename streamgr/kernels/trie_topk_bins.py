@@ -8,20 +8,24 @@ launches on a workspace of counters that their last blocks leave zero (``counter
    its log-probability, eight candidates a thread a round), writes each candidate's okey to an
    [R, N] buffer and adds it to the bin of ``x - ref`` (``gbin``: the top ``GBITS`` of that
    difference's order-preserving bits, so bins are finest near the request's best beam score
-   ``ref``, where the ``k``-th best lies, and every score has one); the request's last block
-   picks the bin ``D`` holding the ``k``-th best and two warps find the okeys where ``D``
-   starts and ends (``okey_from``).
-2. ``bin_select``: every block reads its keys back (from the L2 cache, where bin_hist left
-   them: no second scoring) and appends those past ``D`` to ``sure`` (fewer than ``k``) and
-   those in ``D`` to ``buf`` (a compare with the two okeys; warps with no key reaching ``D``
-   skip the appends); the request's last block ranks the lists' keys by linear bins
-   (``rank_list``; 2,048 keys at most, two a thread), or where they are more (ties in ``D``)
-   radix-selects the rest of the ``k`` from ``buf`` first, and answers each rank from its key.
+   ``ref``, where the ``k``-th best lies, and every score has one). No block waits for the
+   others: no last block, no pick.
+2. ``bin_select``: every block picks the bin ``D`` holding the ``k``-th best from the request's
+   histogram (each block alike) and two of its warps find the okeys where ``D`` starts and
+   ends (``okey_from``); it reads its keys back (from the L2 cache, where bin_hist left them:
+   no second scoring) and appends those past ``D`` to ``sure`` (fewer than ``k``) and those in
+   ``D`` to ``buf`` (a compare with the two okeys; warps with no key reaching ``D`` skip the
+   appends), a warp's slots in both lists by one atomic on a word that packs both counts and
+   the blocks done, so the request's last block learns the counts from its election. It ranks
+   the lists' keys by linear bins and answers each from the thread that holds it (``rank_answer``;
+   2,048 keys at most, two a thread), or where they are more (ties in ``D``) radix-selects the
+   rest of the ``k`` from ``buf`` first; it leaves the histogram and counters zero.
 
 On the H200 (session 44) step 2 at beams of 1,024 took 0.0351 ms graph-replayed against
 0.0632 for the previous two launches (which scored every candidate twice, the second time
 where a group of 32 reached ``D``, and sorted the lists bitonically), flat 0.0274 against
-0.0403, flat at k 1,024 0.0317 against 0.0529.
+0.0403, flat at k 1,024 0.0317 against 0.0529; session 45 moved the pick from bin_hist's last
+block into every bin_select block, and the answers' loads into the ranking's barriers.
 
 The binning is a monotone function of the score (``x - ref`` rounds monotonically), so every key
 of a bin above ``D`` beats every key in ``D``: the answer is the stable order's, exactly, with
@@ -33,39 +37,35 @@ from __future__ import annotations
 import functools
 
 import torch
-from numba import cuda, float32, int32, int64
+from numba import cuda, float32, int32, int64, uint32
 
 from .counters import zeroed
 from .kernel_cache import cached
 from .numba_common import INLINE, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_beams import load_beams, score8
-from .trie_topk_dev import (BIG, FULL, JIT_NT, NB, NT, RED_N, SCAN_N, append, hist_add,
-                            minmax, pick)
-from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, div_f, ix, okey, okey_float,
-                             put_abs)
-from .trie_topk_rank import SRT_N, radix_rest, rank_list
+from .trie_topk_dev import (BIG, FULL, JIT_NT, NB, NT, RED_N, SCAN_N, append, hist_add, minmax,
+                            pick, warp_slot)
+from .trie_topk_index import div_f
+from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, ix, okey, okey_float, put_abs
+from .trie_topk_rank import SRT_N, radix_rest, rank_answer
 
 GBITS = 8 if SIMULATED else 12  # bins of bin_hist: 16 KiB of shared counters on the GPU
 GB = 1 << GBITS
 GSHIFT = 32 - GBITS
-# ws columns: counters and the pick, then the request's histogram
-DONE1, DONE2, NSURE, NBUF, NEED, TD, TS = range(7)
+# ws columns: the packed counts, the request's reference okey, then its histogram from HG.
+# CNT packs buf's count (bits 0-31: at most N < 2**31), sure's (32-43: at most k <= 1,024) and
+# bin_select's blocks done (44-62), so one atomic a warp reserves its slots in both lists and
+# the election's atomic returns the final counts.
+CNT, REF = range(2)
 HG = 8
 W_LEN = HG + GB
+SURE_SH, DONE_SH = 32, 44
+SURE_M = int64(0xFFF)
+ONE_SURE = int64(1) << SURE_SH
+ONE_DONE = int64(1) << DONE_SH
 OKEY_TOP = int64(0xFF800001)  # past okey(+inf): above every real score's
 SMS_SIM = 4  # the simulator's "SMs" (blocks a wave)
-
-
-@cuda.jit(device=True, **INLINE)
-def last_block(ws, r, col, flag):
-    """True in the request's last block to get here (after its global adds are fenced)."""
-    cuda.threadfence()
-    cuda.syncthreads()
-    if cuda.threadIdx.x == 0:
-        flag[0] = cuda.atomic.add(ws, (r, col), 1) == cuda.gridDim.x - 1
-    cuda.syncthreads()
-    return flag[0]
 
 
 @cuda.jit(device=True, **INLINE)
@@ -88,12 +88,13 @@ def gbin(x, ref):
 
 @cuda.jit(device=True, **INLINE)
 def keep(keys, hist, r, i, end, x, ref):
-    """Candidate i's okey into ``keys`` and its bin into the block's histogram (every lane)."""
-    ok = i < end
-    if ok:
-        kx = okey(x)
-        keys[ix(r), ix(i)] = int32(kx - (int64(1) << 32) if kx >= (int64(1) << 31) else kx)
-    hist_add(hist, gbin(x, ref), ok)
+    """Candidate i's okey into ``keys`` and its bin into the block's histogram (every lane).
+    Past ``end`` the store goes to ``end - 1`` with its own key (``score8`` scored it there):
+    no branch around the store."""
+    kx = okey(x)
+    keys[ix(r), ix(min(i, uint32(end - 1)))] = int32(kx - (int64(1) << 32)
+                                                     if kx >= (int64(1) << 31) else kx)
+    hist_add(hist, gbin(x, ref), i < end)
 
 
 @cached
@@ -103,10 +104,7 @@ def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, 
     tid = cuda.threadIdx.x
     stamp(14)
     hist = cuda.shared.array(GB, int32)
-    scan = cuda.shared.array(SCAN_N, int32)
-    res = cuda.shared.array(3, int32)
     red = cuda.shared.array(RED_N, int64)
-    flag = cuda.shared.array(1, int32)
     bs = cuda.shared.array(NT, float32)
     bm = cuda.shared.array(NT, float32)
     bl = cuda.shared.array(NT, float32)
@@ -120,19 +118,22 @@ def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, 
     load_beams(r, b0, div_f(end - 1, FM) - b0 + 1, B, scores, nodes, ptr, lse, sh, bs, bm, bl,
                bf, bc)
     ref = best_beam(scores, r, B, red)  # its barriers publish the zeroed hist and the beams
+    if cuda.blockIdx.x == 0 and tid == 0:  # bin_select's (every block's ref is the same)
+        ws[r, REF] = okey(ref)
     stamp(1)
+    n_end = uint32(end)
     for base in range(start, end, 8 * NT):  # eight candidates' loads in flight a thread
-        i0 = base + tid
-        x0, x1, x2, x3, x4, x5, x6, x7 = score8(r, i0, end, F, FM, b0, B, logp, sh, codes, off,
-                                                bs, bm, bl, bf, bc)
-        keep(keys, hist, r, i0, end, x0, ref)
-        keep(keys, hist, r, i0 + NT, end, x1, ref)
-        keep(keys, hist, r, i0 + 2 * NT, end, x2, ref)
-        keep(keys, hist, r, i0 + 3 * NT, end, x3, ref)
-        keep(keys, hist, r, i0 + 4 * NT, end, x4, ref)
-        keep(keys, hist, r, i0 + 5 * NT, end, x5, ref)
-        keep(keys, hist, r, i0 + 6 * NT, end, x6, ref)
-        keep(keys, hist, r, i0 + 7 * NT, end, x7, ref)
+        i0 = uint32(base + tid)  # 32-bit candidate indices (64-bit: 3 instructions more each)
+        x0, x1, x2, x3, x4, x5, x6, x7 = score8(r, i0, n_end, F, FM, b0, B, logp, sh, codes,
+                                                off, bs, bm, bl, bf, bc)
+        keep(keys, hist, r, i0, n_end, x0, ref)
+        keep(keys, hist, r, uint32(i0 + NT), n_end, x1, ref)
+        keep(keys, hist, r, uint32(i0 + 2 * NT), n_end, x2, ref)
+        keep(keys, hist, r, uint32(i0 + 3 * NT), n_end, x3, ref)
+        keep(keys, hist, r, uint32(i0 + 4 * NT), n_end, x4, ref)
+        keep(keys, hist, r, uint32(i0 + 5 * NT), n_end, x5, ref)
+        keep(keys, hist, r, uint32(i0 + 6 * NT), n_end, x6, ref)
+        keep(keys, hist, r, uint32(i0 + 7 * NT), n_end, x7, ref)
     cuda.syncthreads()
     stamp(2)
     # every non-empty bin (adding only those from the block's own k-th up, exact too, measured
@@ -140,34 +141,6 @@ def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, 
     for i in range(tid, GB, NT):
         if hist[i]:
             cuda.atomic.add(ws, (r, HG + i), int64(hist[i]))
-    if not last_block(ws, r, DONE1, flag):
-        stamp(15)
-        return
-    stamp(3)
-    cuda.threadfence()
-    # atomically: not from a stale cache line; each read leaves its counter zero, as every
-    # block has added to it (counters.zeroed: a graph needs no memset node)
-    for i in range(tid, GB, NT):
-        hist[i] = int32(cuda.atomic.exch(ws, (r, HG + i), int64(0)))
-    if tid == 0:
-        ws[r, DONE1] = 0
-    cuda.syncthreads()
-    d, need, n = pick(hist, GB, k, scan, res, NT)
-    # the okeys from which a key's bin reaches D (warp 0) and passes it (warp 1; D wanted
-    # whole: from D too): a search a warp, the two at once
-    if SIMULATED:  # a block of one warp there
-        if tid == 0:
-            ws[r, NEED] = need
-            ws[r, TD] = okey_from(d, ref)
-            ws[r, TS] = okey_from(d + (0 if need == n else 1), ref)
-    elif tid < 64:
-        t = okey_from(d + (1 if tid >= 32 and need != n else 0), ref)
-        if tid == 0:
-            ws[r, NEED] = need
-            ws[r, TD] = t
-        if tid == 32:
-            ws[r, TS] = t
-    stamp(4)
     stamp(15)
 
 
@@ -203,17 +176,65 @@ def okey_from(g, ref):
 
 
 @cuda.jit(device=True, **INLINE)
-def _route(sure, buf, ws, r, kx, c, ok, t_d, t_s):
-    """Candidate c's key (okey ``kx``) to ``sure`` (at or above ``t_s``: its bin above D, or D
-    where D is wanted whole) or ``buf`` (from ``t_d`` up: in D); every lane calls it, and a
-    warp none of whose keys reach D skips the appends."""
+def bounds(ws, r, k, scan, res, bnd):
+    """(the okey from which a key's bin reaches D, the okey from which it passes D or, where
+    D is wanted whole, reaches it; how many of D's keys are wanted): ``pick`` over the
+    request's histogram where bin_hist left it in ``ws`` (read in place: 4 bins a thread, the
+    one thread where the ``k``-th falls reading its own again from its L1 cache), then a search
+    a warp, the two at once (``bnd``: 2 shared int64). Every thread calls it."""
+    ref = okey_float(ws[r, REF])
+    d, need, n = pick(ws[r, HG:], GB, k, scan, res, NT)
+    if SIMULATED:  # a block of one warp there
+        if cuda.threadIdx.x == 0:
+            bnd[0] = okey_from(d, ref)
+            bnd[1] = okey_from(d + (0 if need == n else 1), ref)
+    elif cuda.threadIdx.x < 64:
+        t = okey_from(d + (1 if cuda.threadIdx.x >= 32 and need != n else 0), ref)
+        if (cuda.threadIdx.x & 31) == 0:
+            bnd[cuda.threadIdx.x >> 5] = t
+    cuda.syncthreads()
+    return bnd[0], bnd[1], need
+
+
+@cuda.jit(device=True, **INLINE)
+def _route(buf, ws, r, kx, c, ok, t_d, t_s, stg_s, stg_b, n):
+    """Candidate c's key (okey ``kx``) to the block's stage of ``sure`` (at or above ``t_s``:
+    its bin above D, or D where D is wanted whole) or of ``buf`` (from ``t_d`` up: in D), a
+    slot by one shared atomic a warp (``n``: the stages' counts; ``flush`` then reserves the
+    block's slots in the lists by one global atomic: appended one warp at a time, the same
+    word's atomics queued behind each other, session 45). A buf key past the stage goes
+    straight to the list (ties; sure keys are fewer than ``k`` <= ``SRT_N``). Every lane calls
+    it; a warp none of whose keys reach D skips the appends."""
     take = ok and kx >= t_d
     if not SIMULATED:
         if not cuda.any_sync(FULL, take):  # most warps: about k of the N keys reach D
             return
+    s = take and kx >= t_s
     v = (kx << 31) | (MAXC - c)
-    append(sure[r], ws[r], NSURE, v, take and kx >= t_s)
-    append(buf[r], ws[r], NBUF, v, take and kx < t_s)
+    append(stg_s, n, 0, v, s)
+    p = warp_slot(n, 1, take and not s)
+    if p >= SRT_N:
+        buf[r, cuda.atomic.add(ws, (r, CNT), int64(1)) & LOW32] = v
+    elif p >= 0:
+        stg_b[p] = v
+
+
+@cuda.jit(device=True, **INLINE)
+def flush(sure, buf, ws, r, stg_s, stg_b, n, at):
+    """The block's staged keys into the request's lists, at slots reserved by one atomic on
+    ``CNT`` (``at``: 2 shared int64). Every thread calls it after the key pass."""
+    cuda.syncthreads()
+    ns = n[0]
+    nb = min(n[1], SRT_N)
+    if cuda.threadIdx.x == 0 and ns + nb > 0:
+        a = cuda.atomic.add(ws, (r, CNT), (int64(ns) << SURE_SH) | int64(nb))
+        at[0] = (a >> SURE_SH) & SURE_M
+        at[1] = a & LOW32
+    cuda.syncthreads()
+    for i in range(cuda.threadIdx.x, ns, NT):
+        sure[r, at[0] + i] = stg_s[i]
+    for i in range(cuda.threadIdx.x, nb, NT):
+        buf[r, at[1] + i] = stg_b[i]
 
 
 @cached
@@ -228,45 +249,65 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     scan = cuda.shared.array(SCAN_N, int32)
     res = cuda.shared.array(4, int32)
     red = cuda.shared.array(RED_N, int64)
+    bnd = cuda.shared.array(2, int64)
     flag = cuda.shared.array(1, int32)
     cnt = cuda.shared.array(2, int32)  # counts (a shared int32 atomic: no CAS loop)
     stamp(14, 1)
-    need = ws[r, NEED]
-    t_d = ws[r, TD]
-    t_s = ws[r, TS]
+    if tid == 0:  # the stages' counts (published by bounds' barriers)
+        cnt[0] = 0
+        cnt[1] = 0
+    t_d, t_s, need = bounds(ws, r, k, scan, res, bnd)
+    stamp(5, 1)
     start = cuda.blockIdx.x * ch
     end = min(N, start + ch)
+    e = uint32(end - 1)
+    n_end = uint32(end)
     for base in range(start, end, 8 * NT):  # the keys bin_hist wrote, eight loads in flight
-        i0 = base + tid
-        e = end - 1
+        i0 = uint32(base + tid)
         k0 = int64(keys[ix(r), ix(min(i0, e))]) & LOW32
-        k1 = int64(keys[ix(r), ix(min(i0 + NT, e))]) & LOW32
-        k2 = int64(keys[ix(r), ix(min(i0 + 2 * NT, e))]) & LOW32
-        k3 = int64(keys[ix(r), ix(min(i0 + 3 * NT, e))]) & LOW32
-        k4 = int64(keys[ix(r), ix(min(i0 + 4 * NT, e))]) & LOW32
-        k5 = int64(keys[ix(r), ix(min(i0 + 5 * NT, e))]) & LOW32
-        k6 = int64(keys[ix(r), ix(min(i0 + 6 * NT, e))]) & LOW32
-        k7 = int64(keys[ix(r), ix(min(i0 + 7 * NT, e))]) & LOW32
-        _route(sure, buf, ws, r, k0, int64(i0), i0 < end, t_d, t_s)
-        _route(sure, buf, ws, r, k1, int64(i0 + NT), i0 + NT < end, t_d, t_s)
-        _route(sure, buf, ws, r, k2, int64(i0 + 2 * NT), i0 + 2 * NT < end, t_d, t_s)
-        _route(sure, buf, ws, r, k3, int64(i0 + 3 * NT), i0 + 3 * NT < end, t_d, t_s)
-        _route(sure, buf, ws, r, k4, int64(i0 + 4 * NT), i0 + 4 * NT < end, t_d, t_s)
-        _route(sure, buf, ws, r, k5, int64(i0 + 5 * NT), i0 + 5 * NT < end, t_d, t_s)
-        _route(sure, buf, ws, r, k6, int64(i0 + 6 * NT), i0 + 6 * NT < end, t_d, t_s)
-        _route(sure, buf, ws, r, k7, int64(i0 + 7 * NT), i0 + 7 * NT < end, t_d, t_s)
+        k1 = int64(keys[ix(r), ix(min(uint32(i0 + 1 * NT), e))]) & LOW32
+        k2 = int64(keys[ix(r), ix(min(uint32(i0 + 2 * NT), e))]) & LOW32
+        k3 = int64(keys[ix(r), ix(min(uint32(i0 + 3 * NT), e))]) & LOW32
+        k4 = int64(keys[ix(r), ix(min(uint32(i0 + 4 * NT), e))]) & LOW32
+        k5 = int64(keys[ix(r), ix(min(uint32(i0 + 5 * NT), e))]) & LOW32
+        k6 = int64(keys[ix(r), ix(min(uint32(i0 + 6 * NT), e))]) & LOW32
+        k7 = int64(keys[ix(r), ix(min(uint32(i0 + 7 * NT), e))]) & LOW32
+        _route(buf, ws, r, k0, int64(i0), i0 < n_end, t_d, t_s, srt, seg, cnt)
+        i = uint32(i0 + 1 * NT)
+        _route(buf, ws, r, k1, int64(i), i < n_end, t_d, t_s, srt, seg, cnt)
+        i = uint32(i0 + 2 * NT)
+        _route(buf, ws, r, k2, int64(i), i < n_end, t_d, t_s, srt, seg, cnt)
+        i = uint32(i0 + 3 * NT)
+        _route(buf, ws, r, k3, int64(i), i < n_end, t_d, t_s, srt, seg, cnt)
+        i = uint32(i0 + 4 * NT)
+        _route(buf, ws, r, k4, int64(i), i < n_end, t_d, t_s, srt, seg, cnt)
+        i = uint32(i0 + 5 * NT)
+        _route(buf, ws, r, k5, int64(i), i < n_end, t_d, t_s, srt, seg, cnt)
+        i = uint32(i0 + 6 * NT)
+        _route(buf, ws, r, k6, int64(i), i < n_end, t_d, t_s, srt, seg, cnt)
+        i = uint32(i0 + 7 * NT)
+        _route(buf, ws, r, k7, int64(i), i < n_end, t_d, t_s, srt, seg, cnt)
+    flush(sure, buf, ws, r, srt, seg, cnt, bnd)
     stamp(7, 1)
-    if not last_block(ws, r, DONE2, flag):
+    cuda.threadfence()  # the block's appends before its election
+    cuda.syncthreads()
+    if tid == 0:  # the election's atomic returns the lists' final counts (every other block's
+        # appends came before its own election); cnt's stage counts are read by now
+        at = cuda.atomic.add(ws, (r, CNT), ONE_DONE)
+        flag[0] = (at >> DONE_SH) == cuda.gridDim.x - 1
+        cnt[0] = int32((at >> SURE_SH) & SURE_M)
+        cnt[1] = int32(at & LOW32)
+    cuda.syncthreads()
+    if not flag[0]:
         stamp(15, 1)
         return
     cuda.threadfence()
-    if tid == 0:  # read and left zero for the next launch (counters.zeroed), as is the
-        # pick, which every block of the request has read by now
-        cnt[0] = cuda.atomic.exch(ws, (r, NSURE), int64(0))
-        cnt[1] = cuda.atomic.exch(ws, (r, NBUF), int64(0))
-        for j in (DONE2, NEED, TD, TS):
-            ws[r, j] = 0
-    cuda.syncthreads()
+    # left zero for the next launch (counters.zeroed): every block read them before it voted
+    if tid == 0:
+        ws[r, CNT] = 0
+        ws[r, REF] = 0
+    for i in range(tid, GB, NT):
+        ws[r, HG + i] = 0
     n_sure = cnt[0]
     n_buf = cnt[1]
     total = n_sure + n_buf
@@ -280,11 +321,11 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
         radix_rest(buf, r, n_buf, need, hist, scan, res, red, srt, cnt)
         total = k
     stamp(8, 1)
-    rank_list(srt, seg, hist, scan, res, red, total, k, KP)
-    stamp(9, 1)
-    for i in range(tid, k, NT):  # each answer's score from its key (put_abs)
-        put_abs(srt[i], i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap,
-                top, parent, child, code, int64(-1))
+    if not rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, nodes,
+                       ptr, codes, cap, top, parent, child, code):
+        for i in range(tid, k, NT):  # sorted where ties crowd a bin: answers from the keys
+            put_abs(srt[i], i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap,
+                    top, parent, child, code, int64(-1))
     stamp(15, 1)
 
 

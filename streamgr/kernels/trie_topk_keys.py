@@ -8,10 +8,8 @@ of the request gives 1 (every ``-inf`` gives 0). Keys are distinct (the low bits
 compare as the stable order does: higher score first, then the lower ``c``. Shifting by the
 request's minimum (``tmin``) and reading digits from the highest bit of ``tmax - tmin`` down makes
 the first digit spread the request's scores over its bins instead of spending a round on the
-sign and exponent bits they all share.
-
-A request's candidates are ``c = b * F + j``; ``c // F`` is a multiply and a shift
-(``magic``, ``div_f``), exact over the candidate range.
+sign and exponent bits they all share. A candidate's index arithmetic and place in the trie
+are ``trie_topk_index``'s (its names imported here for the kernels that import this module).
 """
 
 from __future__ import annotations
@@ -23,17 +21,16 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 
 from .numba_common import INLINE
 from .trie_topk import SIMULATED
+from .trie_topk_index import LOW32, NEG_INF, beam_of, child_of, div_f, ix
 
 MAXC = int64(0x7FFFFFFF)  # candidate indices below 2**31
-LOW32 = int64(0xFFFFFFFF)
 KEY_NEG_INF = int64(0x007FFFFF)  # okey(-inf)
 NONE_LO = int64(1) << 40  # a (smallest real okey) where there is none
 NO_LO = uint32(0xFFFFFFFF)  # note's form of it
-NEG_INF = float32(-np.inf)
 # Answers from absolute keys take their score from the key (``put_abs``: no log-probability
 # read); STREAMGR_TOPK_KEYDEC=0 recomputes it as ``put`` does, for A/B runs (the merge's last
 # block, ``trie_topk_held``, reads its answers' scores from the keys either way, except where a
-# bin is crowded).
+# bin is crowded, and the grid's, ``trie_topk_rank.rank_answer``, always).
 KEYDEC = os.environ.get("STREAMGR_TOPK_KEYDEC", "1") == "1"
 
 if SIMULATED:
@@ -74,47 +71,6 @@ def tkey(key32, c, tmin):
     """Candidate c's key from its okey and the request's smallest real okey."""
     t = key32 - tmin + 1 if key32 >= tmin else int64(0)
     return (t << 31) | (MAXC - c)
-
-
-@cuda.jit(device=True, **INLINE)
-def ix(x):
-    """An index below 2**32 as the unsigned 64 bits an array takes: zero-extended from 32, so
-    the arithmetic that made it can stay 32-bit and no negative-index wraparound is emitted."""
-    return uint64(uint32(x))
-
-
-@cuda.jit(device=True, **INLINE)
-def beam_of(r, c, F, FM, scores, nodes, ptr):
-    """Candidate c's beam ``b``, its child slot ``j``, the beam's score, first child and number
-    of children (0 where the beam is dead). Indices are 32-bit (a request's candidates, the
-    trie's nodes and children below 2**31), returned widened: Numba's 64-bit index arithmetic
-    was most of a candidate's instructions."""
-    b = div_f(c, FM)
-    j = uint32(uint32(c) - uint32(b) * uint32(F))
-    s, first, cnt = beam_at(r, b, scores, nodes, ptr)
-    return b, int64(j), s, int64(first), int64(cnt)
-
-
-@cuda.jit(device=True, **INLINE)
-def beam_at(r, b, scores, nodes, ptr):
-    """Beam b's score, first child and number of children (uint32; 0 where it is dead)."""
-    s = scores[ix(r), ix(b)]
-    n = nodes[ix(r), ix(b)]
-    alive = s > NEG_INF
-    n = uint32(n) if alive else uint32(0)
-    first = uint32(ptr[ix(n)])
-    cnt = uint32(uint32(ptr[ix(n + uint32(1))]) - first) if alive else uint32(0)
-    return s, first, cnt
-
-
-@cuda.jit(device=True, **INLINE)
-def child_of(r, c, F, FM, scores, nodes, ptr, codes):
-    """Candidate c's (beam, the beam's score, whether it is a child, child node, code): child
-    node and code 0 where it is not, every load at a valid index."""
-    b, j, s, lo, cnt = beam_of(r, c, F, FM, scores, nodes, ptr)
-    real = uint32(j) < uint32(cnt)
-    ch = uint32(uint32(lo) + uint32(j)) if real else uint32(0)
-    return b, s, real, int64(ch), int64(codes[ix(ch)])
 
 
 @cuda.jit(device=True, **INLINE)
@@ -377,22 +333,15 @@ def put_abs(v, i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ca
         cd = codes[uint64(ch)]
     else:
         b, _, real, ch, cd = child_of(r, c, F, FM, scores, nodes, ptr, codes)
-    top[r, i] = okey_float(v >> 31) if i < cap[r] else NEG_INF
-    parent[r, i] = b
-    child[r, i] = ch
-    code[r, i] = cd if real else int64(0)
+    answer(v, i, r, b, real, ch, cd, cap[r], top, parent, child, code)
 
 
 @cuda.jit(device=True, **INLINE)
-def div_f(c, FM):
-    """``c // F`` for ``FM = magic(F)``: one 32 x 32 -> 64-bit multiply (c < 2**30, and the
-    multiplier is below 2**32) and a shift."""
-    return int64((ix(c) * uint64(FM & LOW32)) >> uint64(FM >> 40))
-
-
-def magic(F: int) -> int:
-    """``c // F`` for 0 <= c < 2**30 as ``(c * m) >> s`` (Hacker's Delight, round-up method:
-    exact, checked in the tests), packed as ``m | s << 40`` (m < 2**32 for F < 2**32, so that
-    ``div_f`` multiplies 32 x 32 bits)."""
-    sh = 31 + (F - 1).bit_length()
-    return ((1 << sh) // F + 1) | (sh << 40)
+def answer(v, i, r, b, real, ch, cd, w, top, parent, child, code):
+    """Rank i's answer from its absolute key ``v``: the score its okey (``-inf`` at or past the
+    request's width ``w``), parent beam ``b``, child node ``ch`` and code ``cd`` (0 where the
+    candidate is no child)."""
+    top[r, i] = okey_float(v >> 31) if i < w else NEG_INF
+    parent[r, i] = b
+    child[r, i] = ch
+    code[r, i] = cd if real else int64(0)

@@ -26,7 +26,7 @@ from .head_lse import LogProbs
 from .numba_common import as_array, torch_stream
 from .trie_topk import SIMULATED
 from .trie_topk_dev import NT
-from .trie_topk_keys import magic
+from .trie_topk_index import magic
 from .trie_topk_one import ONE_MAX, one_select
 from .trie_topk_own import OWN, own_select
 from .trie_topk_quad import quad_select, serves as quad_serves

@@ -1,17 +1,19 @@
 """A last block ordering its request's list: the grid selection's (``trie_topk_bins.bin_select``)
 up to ``SRT_N`` = two blocks' worth of distinct keys, two a thread, ranked by one histogram over
-linear bins of their okeys (``rank_list``), or sorted bitonically where a bin is crowded by ties
-(``sort_pairs``); and, for it and the merge's fallback (``trie_topk_held.select_global``), the
-best of a longer list in global memory by one radix select (``radix_rest``). On the H200
-(session 44) ranking 1,000-1,300 keys took 3.9-4.2 us where the bitonic sort of 2,048 took
-42.9 us.
+linear bins of their okeys and answered by the threads that hold them (``rank_answer``), or
+sorted bitonically where a bin is crowded by ties (``sort_pairs``); and, for it and the merge's
+fallback (``trie_topk_held.select_global``), the best of a longer list in global memory by one
+radix select (``radix_rest``). On the H200 (session 44) ranking 1,000-1,300 keys took 3.9-4.2
+us where the bitonic sort of 2,048 took 42.9 us.
 """
 
 from __future__ import annotations
 
-from numba import cuda, float32, int32, int64
+from numba import cuda, float32, int32, int64, uint32
 
 from .numba_common import INLINE
+from .trie_topk_index import beam_node, div_f, ix, node_span, span_of
+from .trie_topk_keys import LOW32, MAXC, answer
 from .trie_topk_dev import (BIG, DIG, NB, NT, SEG_MAX, bin_rank, bit_length, collect, hist_add,
                             minmax, pick_segments, radix, sort_desc, sort_span)
 
@@ -74,24 +76,45 @@ def sort_pairs(srt, P):
 
 
 @cuda.jit(device=True, **INLINE)
-def rank_list(srt, seg, hist, scan, res, red, total, k, KP):
-    """``srt[:k]`` = the best ``k`` of the ``total`` (``k`` to ``SRT_N``) distinct keys in
-    ``srt[:total]``, best first. Each thread holds two; one histogram of their scores over
-    ``NB`` linear bins between the list's least and best (``pick_segments``), the keys of the
-    bins from the ``k``-th's up placed by bin in ``seg`` and each ranked within its bin
-    (``bin_rank``). A bitonic sort (``sort_pairs``; 43 us for 2,048 keys on the H200, session
-    44, where this takes a few barriers) only where such a bin holds over ``SEG_MAX`` keys
-    (ties). Every thread calls it after ``srt`` is published; it ends synchronized."""
+def slot_of(v, has, F, FM):
+    """The beam and child slot (uint32) of absolute key ``v``'s candidate (0, 0 where there is
+    no key)."""
+    c = MAXC - (v & MAXC) if has else int64(0)
+    b = div_f(c, FM)
+    return uint32(b), uint32(uint32(c) - uint32(b) * uint32(F))
+
+
+@cuda.jit(device=True, **INLINE)
+def rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, nodes, ptr,
+                codes, cap, top, parent, child, code):
+    """Rank ``k`` of the ``total`` (``k`` to ``SRT_N``) distinct absolute keys in
+    ``srt[:total]`` and answer them (``answer``; ``w`` the request's width). Each thread holds
+    two; one histogram of their scores over ``NB`` linear bins between the list's least and
+    best (``pick_segments``), the keys of the bins from the ``k``-th's up placed by bin in
+    ``seg`` and each ranked within its bin (``bin_rank``) by the thread that holds it, which
+    stages its answer there: its beam, child range and code were read a load level a phase
+    along the ranking's barriers (``trie_topk_index``), so no answer waits on a load after it
+    (on the H200 a decoding pass of three dependent loads after the ranking took 2.1 us,
+    session 44). Codes below 2**32 (as the scoring's indexing takes them).
+    Returns False, unanswered, only where a bin from the ``k``-th's up holds over ``SEG_MAX``
+    keys (ties): ``srt[:k]`` is then sorted (``sort_pairs``; 43 us for 2,048 keys on the H200,
+    session 44) for the caller to answer. Every thread calls it after ``srt`` is published."""
     tid = cuda.threadIdx.x
     has0 = tid < total
     has1 = tid + NT < total
     v0 = srt[tid] if has0 else int64(0)
     v1 = srt[min(tid + NT, SRT_N - 1)] if has1 else int64(0)
+    p0, j0 = slot_of(v0, has0, F, FM)
+    p1, j1 = slot_of(v1, has1, F, FM)
+    s0, n0 = beam_node(r, p0, scores, nodes)  # load level 1 of the answers
+    s1, n1 = beam_node(r, p1, scores, nodes)
     u0 = v0 >> 31
     u1 = v1 >> 31
     hist[tid] = 0  # NB == NT: a bin a thread
     lo, hi = minmax(min(u0 if has0 else BIG, u1 if has1 else BIG),
                     max(u0 if has0 else int64(-1), u1 if has1 else int64(-1)), red)
+    e0, g0 = node_span(s0, n0, ptr)  # level 2 (level 1 used after minmax's barriers)
+    e1, g1 = node_span(s1, n1, ptr)
     # fp32 math: monotone in the key (both roundings are), and no 64-bit division
     scale = float32(NB - 1) / float32(max(hi - lo, int64(1)))
     b0 = min(int32(float32(u0 - lo) * scale), int32(NB - 1)) if has0 else int32(0)
@@ -101,6 +124,14 @@ def rank_list(srt, seg, hist, scan, res, red, total, k, KP):
     cuda.syncthreads()
     d, _, _, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
     if big == 0:
+        f0, m0 = span_of(s0, e0, g0)  # level 2 used after pick's barriers
+        f1, m1 = span_of(s1, e1, g1)
+        real0 = j0 < m0
+        real1 = j1 < m1
+        h0 = uint32(f0 + j0) if real0 else uint32(0)
+        h1 = uint32(f1 + j1) if real1 else uint32(0)
+        d0 = codes[ix(h0)]  # level 3, used after the placement's barrier
+        d1 = codes[ix(h1)]
         in0 = has0 and b0 >= d
         in1 = has1 and b1 >= d
         if in0:
@@ -108,16 +139,24 @@ def rank_list(srt, seg, hist, scan, res, red, total, k, KP):
         if in1:
             seg[cuda.atomic.add(hist, b1, 1)] = v1
         cuda.syncthreads()
-        if in0:
-            r0 = bin_rank(seg, v0, b0, hist, NB)
-            if r0 < k:
-                srt[r0] = v0
-        if in1:
-            r1 = bin_rank(seg, v1, b1, hist, NB)
-            if r1 < k:
-                srt[r1] = v1
+        r0 = bin_rank(seg, v0, b0, hist, NB) if in0 else k
+        r1 = bin_rank(seg, v1, b1, hist, NB) if in1 else k
+        # staged by rank (srt's keys were read at the start): the answers' stores then
+        # coalesce (scattered, they took 2 us more on the H200, session 45)
+        if r0 < k:
+            srt[r0] = v0
+            srt[NT + r0] = (int64(h0) << 32) | (d0 & LOW32 if real0 else int64(0))
+        if r1 < k:
+            srt[r1] = v1
+            srt[NT + r1] = (int64(h1) << 32) | (d1 & LOW32 if real1 else int64(0))
         cuda.syncthreads()
-        return
+        w = cap[r]
+        for i in range(tid, k, NT):
+            v = srt[i]
+            a = srt[NT + i]
+            answer(v, i, r, div_f(MAXC - (v & MAXC), FM), True, a >> 32, a & LOW32, w, top,
+                   parent, child, code)
+        return True
     P = sort_span(total, KP)
     for i in range(total + tid, P, NT):  # pad with 0, below every key
         srt[i] = 0
@@ -126,3 +165,4 @@ def rank_list(srt, seg, hist, scan, res, red, total, k, KP):
         sort_desc(srt, P)
     else:
         sort_pairs(srt, P)
+    return False

@@ -236,6 +236,7 @@ NOTE = textwrap.dedent("""
     from numba import cuda, int32, int64
     from tests.kernels.test_trie_topk import random_case
     from streamgr.kernels import trie_topk_keys as K
+    from streamgr.kernels.trie_topk_index import magic
     from streamgr.kernels.head_lse import LogProbs, row_lse_reference
     from streamgr.kernels.numba_common import as_array as a
     from streamgr.kernels.trie_topk_numba import _log_probs
@@ -273,7 +274,7 @@ NOTE = textwrap.dedent("""
         for c0, n in ((0, F), (F, F), (2 * F + 5, F - 9), (1, 33), (7, 36), (F + 2, 1)):
             out = np.zeros((NT, 5), np.int64)
             kxs = np.zeros((2, 128), np.int32)
-            both[1, NT](out, kxs, c0, n, F, K.magic(F), 3, a(sc), a(nodes), *bits, a(ptr),
+            both[1, NT](out, kxs, c0, n, F, magic(F), 3, a(sc), a(nodes), *bits, a(ptr),
                         a(codes), off)
             assert (out[:, :2] == out[:, 2:4]).all(), (seed, c0, n, out)
             b = c0 // F  # the beam put_abs is handed: its first child << 32 | children

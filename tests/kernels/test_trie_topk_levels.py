@@ -14,6 +14,7 @@ LEVELS = textwrap.dedent("""
     from numba import cuda, int32
     from tests.kernels.test_trie_topk import random_case
     from streamgr.kernels import trie_topk_keys as K, trie_topk_levels as L
+    from streamgr.kernels.trie_topk_index import magic
     from streamgr.kernels.head_lse import LogProbs, row_lse_reference
     from streamgr.kernels.numba_common import as_array as a
     from streamgr.kernels.trie_topk_dev import NT
@@ -47,7 +48,7 @@ LEVELS = textwrap.dedent("""
             for c0, n in ((0, 256), (3, 129), (44, 256), (100, 200), (171, 129)):
                 out = np.zeros((NT, 4), np.int64)
                 kxs = np.zeros((2, 256), np.int32)
-                both[1, NT](out, kxs, c0, n, F, K.magic(F), 6, a(sc), a(nodes), *bits,
+                both[1, NT](out, kxs, c0, n, F, magic(F), 6, a(sc), a(nodes), *bits,
                             a(ptr), a(codes), off)
                 assert (out[:, :2] == out[:, 2:]).all(), (seed, c0, n, out)
                 assert (kxs[0, :n] == kxs[1, :n]).all(), (seed, c0, n, kxs[:, :n])

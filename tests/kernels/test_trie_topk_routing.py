@@ -14,9 +14,9 @@ import torch
 
 
 def test_magic_division_is_exact():
-    """The kernels' ``c // F`` without a division (``trie_topk_keys.magic``), over fan-outs
+    """The kernels' ``c // F`` without a division (``trie_topk_index.magic``), over fan-outs
     1..5,000 and the served ones, at the candidate indices where rounding would show first."""
-    from streamgr.kernels.trie_topk_keys import magic
+    from streamgr.kernels.trie_topk_index import magic
     rng = np.random.default_rng(0)
     for F in list(range(1, 5001)) + [8192, 177, 2 ** 20 + 3, 2 ** 29 - 1]:
         fm = magic(F)

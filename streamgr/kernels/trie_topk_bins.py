@@ -44,8 +44,8 @@ from .kernel_cache import cached
 from .numba_common import INLINE, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_beams import load_beams, score8
-from .trie_topk_dev import (BIG, FULL, JIT_NT, NB, NT, RED_N, SCAN_N, append, hist_add, minmax,
-                            pick, warp_slot)
+from .trie_topk_dev import (BIG, FULL, JIT_NT, NB, NT, RED_N, SCAN_N, hist_add, lane_mask_lt,
+                            minmax, pick)
 from .trie_topk_index import div_f
 from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, ix, okey, okey_float, put_abs
 from .trie_topk_rank import SRT_N, radix_rest, rank_answer
@@ -148,8 +148,9 @@ def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, 
 def okey_from(g, ref):
     """The least okey whose score's bin (``gbin``) is ``g`` or above (``OKEY_TOP`` for none),
     over the okeys of real scores, ``-inf`` to ``+inf``, where ``gbin`` of the score is
-    monotone. On the GPU one warp calls it: each round its lanes test 32 points spread over
-    the range left (seven rounds for 2**32 okeys); the simulator bisects, every thread alike."""
+    monotone. On the GPU one warp calls it: a round over the 32 okeys around the answer's
+    estimate, else rounds whose lanes test 32 points spread over the range left (seven for
+    2**32 okeys); the simulator bisects, every thread alike."""
     lo = KEY_NEG_INF
     hi = OKEY_TOP  # the answer is in [lo, hi]; hi itself is never tested
     if SIMULATED:
@@ -161,6 +162,14 @@ def okey_from(g, ref):
                 lo = mid + 1
         return lo
     lane = cuda.threadIdx.x & 31
+    if g < GB:  # first the 32 okeys around ref + the least difference of bin g: the answer
+        # is the least x with x - ref at or past that difference, within an ulp of their sum
+        # (a round where the search takes seven); past the window, the search
+        u = okey(ref + okey_float(int64(g) << GSHIFT))
+        p = min(max(u + (lane - 16), KEY_NEG_INF), OKEY_TOP - 1)
+        m = cuda.ballot_sync(FULL, gbin(okey_float(p), ref) >= g)
+        if m != 0 and (m & 1) == 0:
+            return cuda.shfl_sync(FULL, p, cuda.ffs(m) - 1)
     while lo < hi:  # warp-uniform: every lane holds the same lo, hi
         p = lo + (((hi - lo) * lane) >> 5)  # p of lane 0 is lo; every p below hi
         m = cuda.ballot_sync(FULL, gbin(okey_float(p), ref) >= g)  # monotone in the lane
@@ -197,44 +206,38 @@ def bounds(ws, r, k, scan, res, bnd):
 
 
 @cuda.jit(device=True, **INLINE)
-def _route(buf, ws, r, kx, c, ok, t_d, t_s, stg_s, stg_b, n):
-    """Candidate c's key (okey ``kx``) to the block's stage of ``sure`` (at or above ``t_s``:
-    its bin above D, or D where D is wanted whole) or of ``buf`` (from ``t_d`` up: in D), a
-    slot by one shared atomic a warp (``n``: the stages' counts; ``flush`` then reserves the
-    block's slots in the lists by one global atomic: appended one warp at a time, the same
-    word's atomics queued behind each other, session 45). A buf key past the stage goes
-    straight to the list (ties; sure keys are fewer than ``k`` <= ``SRT_N``). Every lane calls
-    it; a warp none of whose keys reach D skips the appends."""
+def _route(sure, buf, ws, r, kx, c, ok, t_d, t_s):
+    """Candidate c's key (okey ``kx``) to ``sure`` (at or above ``t_s``: its bin above D, or D
+    where D is wanted whole) or ``buf`` (from ``t_d`` up: in D); every lane calls it, and a
+    warp none of whose keys reach D skips the appends. One atomic a warp reserves its slots in
+    both lists (``CNT`` packs their counts)."""
     take = ok and kx >= t_d
     if not SIMULATED:
         if not cuda.any_sync(FULL, take):  # most warps: about k of the N keys reach D
             return
     s = take and kx >= t_s
     v = (kx << 31) | (MAXC - c)
-    append(stg_s, n, 0, v, s)
-    p = warp_slot(n, 1, take and not s)
-    if p >= SRT_N:
-        buf[r, cuda.atomic.add(ws, (r, CNT), int64(1)) & LOW32] = v
-    elif p >= 0:
-        stg_b[p] = v
-
-
-@cuda.jit(device=True, **INLINE)
-def flush(sure, buf, ws, r, stg_s, stg_b, n, at):
-    """The block's staged keys into the request's lists, at slots reserved by one atomic on
-    ``CNT`` (``at``: 2 shared int64). Every thread calls it after the key pass."""
-    cuda.syncthreads()
-    ns = n[0]
-    nb = min(n[1], SRT_N)
-    if cuda.threadIdx.x == 0 and ns + nb > 0:
-        a = cuda.atomic.add(ws, (r, CNT), (int64(ns) << SURE_SH) | int64(nb))
-        at[0] = (a >> SURE_SH) & SURE_M
-        at[1] = a & LOW32
-    cuda.syncthreads()
-    for i in range(cuda.threadIdx.x, ns, NT):
-        sure[r, at[0] + i] = stg_s[i]
-    for i in range(cuda.threadIdx.x, nb, NT):
-        buf[r, at[1] + i] = stg_b[i]
+    if SIMULATED:
+        if take:
+            at = cuda.atomic.add(ws, (r, CNT), ONE_SURE if s else int64(1))
+            if s:
+                sure[r, (at >> SURE_SH) & SURE_M] = v
+            else:
+                buf[r, at & LOW32] = v
+        return
+    ms = cuda.ballot_sync(FULL, s)
+    mb = cuda.ballot_sync(FULL, take and not s)
+    lane = cuda.threadIdx.x & 31
+    at = int64(0)
+    if lane == 0:
+        at = cuda.atomic.add(ws, (r, CNT), (int64(cuda.popc(ms)) << SURE_SH)
+                             | int64(cuda.popc(mb)))
+    at = cuda.shfl_sync(FULL, at, 0)
+    below = lane_mask_lt(lane)
+    if s:
+        sure[r, ((at >> SURE_SH) & SURE_M) + cuda.popc(int64(ms) & below)] = v
+    elif take:
+        buf[r, (at & LOW32) + cuda.popc(int64(mb) & below)] = v
 
 
 @cached
@@ -253,9 +256,6 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     flag = cuda.shared.array(1, int32)
     cnt = cuda.shared.array(2, int32)  # counts (a shared int32 atomic: no CAS loop)
     stamp(14, 1)
-    if tid == 0:  # the stages' counts (published by bounds' barriers)
-        cnt[0] = 0
-        cnt[1] = 0
     t_d, t_s, need = bounds(ws, r, k, scan, res, bnd)
     stamp(5, 1)
     start = cuda.blockIdx.x * ch
@@ -272,27 +272,26 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
         k5 = int64(keys[ix(r), ix(min(uint32(i0 + 5 * NT), e))]) & LOW32
         k6 = int64(keys[ix(r), ix(min(uint32(i0 + 6 * NT), e))]) & LOW32
         k7 = int64(keys[ix(r), ix(min(uint32(i0 + 7 * NT), e))]) & LOW32
-        _route(buf, ws, r, k0, int64(i0), i0 < n_end, t_d, t_s, srt, seg, cnt)
+        _route(sure, buf, ws, r, k0, int64(i0), i0 < n_end, t_d, t_s)
         i = uint32(i0 + 1 * NT)
-        _route(buf, ws, r, k1, int64(i), i < n_end, t_d, t_s, srt, seg, cnt)
+        _route(sure, buf, ws, r, k1, int64(i), i < n_end, t_d, t_s)
         i = uint32(i0 + 2 * NT)
-        _route(buf, ws, r, k2, int64(i), i < n_end, t_d, t_s, srt, seg, cnt)
+        _route(sure, buf, ws, r, k2, int64(i), i < n_end, t_d, t_s)
         i = uint32(i0 + 3 * NT)
-        _route(buf, ws, r, k3, int64(i), i < n_end, t_d, t_s, srt, seg, cnt)
+        _route(sure, buf, ws, r, k3, int64(i), i < n_end, t_d, t_s)
         i = uint32(i0 + 4 * NT)
-        _route(buf, ws, r, k4, int64(i), i < n_end, t_d, t_s, srt, seg, cnt)
+        _route(sure, buf, ws, r, k4, int64(i), i < n_end, t_d, t_s)
         i = uint32(i0 + 5 * NT)
-        _route(buf, ws, r, k5, int64(i), i < n_end, t_d, t_s, srt, seg, cnt)
+        _route(sure, buf, ws, r, k5, int64(i), i < n_end, t_d, t_s)
         i = uint32(i0 + 6 * NT)
-        _route(buf, ws, r, k6, int64(i), i < n_end, t_d, t_s, srt, seg, cnt)
+        _route(sure, buf, ws, r, k6, int64(i), i < n_end, t_d, t_s)
         i = uint32(i0 + 7 * NT)
-        _route(buf, ws, r, k7, int64(i), i < n_end, t_d, t_s, srt, seg, cnt)
-    flush(sure, buf, ws, r, srt, seg, cnt, bnd)
+        _route(sure, buf, ws, r, k7, int64(i), i < n_end, t_d, t_s)
     stamp(7, 1)
     cuda.threadfence()  # the block's appends before its election
     cuda.syncthreads()
     if tid == 0:  # the election's atomic returns the lists' final counts (every other block's
-        # appends came before its own election); cnt's stage counts are read by now
+        # appends came before its own election)
         at = cuda.atomic.add(ws, (r, CNT), ONE_DONE)
         flag[0] = (at >> DONE_SH) == cuda.gridDim.x - 1
         cnt[0] = int32((at >> SURE_SH) & SURE_M)

@@ -110,29 +110,28 @@ def hist_add(hist, bin_, take):
 
 
 @cuda.jit(device=True, **INLINE)
-def warp_slot(ctr, at, take):
-    """This lane's slot ``ctr[at]++`` where ``take`` (else -1), one atomic per warp; every lane
-    calls it. ``ctr``: a global int64 array or a shared int32 one (ptxas makes a 64-bit shared
-    atomic add a compare-and-swap loop: ~9 rounds an add under the block's contention, ncu,
-    session 27)."""
+def append(out, ctr, at, v, take):
+    """out[ctr[at]++] = v where ``take``, one atomic per warp; every lane calls it. ``ctr``:
+    a global int64 array or a shared int32 one (ptxas makes a 64-bit shared atomic add a
+    compare-and-swap loop: ~9 rounds an add under the block's contention, ncu, session 27).
+    Returns the slot (or -1)."""
     if SIMULATED:
-        return int64(cuda.atomic.add(ctr, at, 1)) if take else int64(-1)
+        if take:
+            p = cuda.atomic.add(ctr, at, 1)
+            out[p] = v
+            return p
+        return int64(-1)
     mask = cuda.ballot_sync(FULL, take)
     lane = cuda.threadIdx.x & 31
     base = int64(0)
     if lane == 0 and mask != 0:
         base = int64(cuda.atomic.add(ctr, at, cuda.popc(mask)))
     base = cuda.shfl_sync(FULL, base, 0)
-    return base + cuda.popc(int64(mask) & lane_mask_lt(lane)) if take else int64(-1)
-
-
-@cuda.jit(device=True, **INLINE)
-def append(out, ctr, at, v, take):
-    """out[ctr[at]++] = v where ``take`` (``warp_slot``); returns the slot (or -1)."""
-    p = warp_slot(ctr, at, take)
-    if p >= 0:
+    if take:
+        p = base + cuda.popc(int64(mask) & lane_mask_lt(lane))
         out[p] = v
-    return p
+        return p
+    return int64(-1)
 
 
 @cuda.jit(device=True, **INLINE)

@@ -24,8 +24,11 @@ launches on a workspace of counters that their last blocks leave zero (``counter
 On the H200 (session 44) step 2 at beams of 1,024 took 0.0351 ms graph-replayed against
 0.0632 for the previous two launches (which scored every candidate twice, the second time
 where a group of 32 reached ``D``, and sorted the lists bitonically), flat 0.0274 against
-0.0403, flat at k 1,024 0.0317 against 0.0529; session 45 moved the pick from bin_hist's last
-block into every bin_select block, and the answers' loads into the ranking's barriers.
+0.0403, flat at k 1,024 0.0317 against 0.0529. Session 45 (the pick in every bin_select block,
+one counter word, answers staged by rank, 32-bit candidate indices, ``okey_from`` starting at
+its estimate) took them, on one machine, from 0.0348-0.0350 to 0.0304-0.0306 ms, 0.0270-0.0273
+to 0.0234-0.0235 and 0.0315-0.0316 to 0.0278. Staging each block's appends in shared memory
+(one global atomic a block instead of one a warp) measured no faster and was dropped.
 
 The binning is a monotone function of the score (``x - ref`` rounds monotonically), so every key
 of a bin above ``D`` beats every key in ``D``: the answer is the stable order's, exactly, with
@@ -206,17 +209,17 @@ def bounds(ws, r, k, scan, res, bnd):
 
 
 @cuda.jit(device=True, **INLINE)
-def _route(sure, buf, ws, r, kx, c, ok, t_d, t_s):
-    """Candidate c's key (okey ``kx``) to ``sure`` (at or above ``t_s``: its bin above D, or D
-    where D is wanted whole) or ``buf`` (from ``t_d`` up: in D); every lane calls it, and a
-    warp none of whose keys reach D skips the appends. One atomic a warp reserves its slots in
-    both lists (``CNT`` packs their counts)."""
-    take = ok and kx >= t_d
+def _route(sure, buf, ws, r, kx, c, end, t_d, t_s):
+    """Candidate c's key (okey ``kx``; none at or past ``end``) to ``sure`` (at or above
+    ``t_s``: its bin above D, or D where D is wanted whole) or ``buf`` (from ``t_d`` up: in
+    D); every lane calls it, and a warp none of whose keys reach D skips the appends. One
+    atomic a warp reserves its slots in both lists (``CNT`` packs their counts)."""
+    take = c < end and kx >= t_d
     if not SIMULATED:
         if not cuda.any_sync(FULL, take):  # most warps: about k of the N keys reach D
             return
     s = take and kx >= t_s
-    v = (kx << 31) | (MAXC - c)
+    v = (kx << 31) | (MAXC - int64(c))
     if SIMULATED:
         if take:
             at = cuda.atomic.add(ws, (r, CNT), ONE_SURE if s else int64(1))
@@ -272,21 +275,14 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
         k5 = int64(keys[ix(r), ix(min(uint32(i0 + 5 * NT), e))]) & LOW32
         k6 = int64(keys[ix(r), ix(min(uint32(i0 + 6 * NT), e))]) & LOW32
         k7 = int64(keys[ix(r), ix(min(uint32(i0 + 7 * NT), e))]) & LOW32
-        _route(sure, buf, ws, r, k0, int64(i0), i0 < n_end, t_d, t_s)
-        i = uint32(i0 + 1 * NT)
-        _route(sure, buf, ws, r, k1, int64(i), i < n_end, t_d, t_s)
-        i = uint32(i0 + 2 * NT)
-        _route(sure, buf, ws, r, k2, int64(i), i < n_end, t_d, t_s)
-        i = uint32(i0 + 3 * NT)
-        _route(sure, buf, ws, r, k3, int64(i), i < n_end, t_d, t_s)
-        i = uint32(i0 + 4 * NT)
-        _route(sure, buf, ws, r, k4, int64(i), i < n_end, t_d, t_s)
-        i = uint32(i0 + 5 * NT)
-        _route(sure, buf, ws, r, k5, int64(i), i < n_end, t_d, t_s)
-        i = uint32(i0 + 6 * NT)
-        _route(sure, buf, ws, r, k6, int64(i), i < n_end, t_d, t_s)
-        i = uint32(i0 + 7 * NT)
-        _route(sure, buf, ws, r, k7, int64(i), i < n_end, t_d, t_s)
+        _route(sure, buf, ws, r, k0, i0, n_end, t_d, t_s)
+        _route(sure, buf, ws, r, k1, uint32(i0 + 1 * NT), n_end, t_d, t_s)
+        _route(sure, buf, ws, r, k2, uint32(i0 + 2 * NT), n_end, t_d, t_s)
+        _route(sure, buf, ws, r, k3, uint32(i0 + 3 * NT), n_end, t_d, t_s)
+        _route(sure, buf, ws, r, k4, uint32(i0 + 4 * NT), n_end, t_d, t_s)
+        _route(sure, buf, ws, r, k5, uint32(i0 + 5 * NT), n_end, t_d, t_s)
+        _route(sure, buf, ws, r, k6, uint32(i0 + 6 * NT), n_end, t_d, t_s)
+        _route(sure, buf, ws, r, k7, uint32(i0 + 7 * NT), n_end, t_d, t_s)
     stamp(7, 1)
     cuda.threadfence()  # the block's appends before its election
     cuda.syncthreads()

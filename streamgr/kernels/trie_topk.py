@@ -27,11 +27,11 @@ best, then the keys of the bins from the ``k``-th up ranked within their bins (o
 a bin is crowded), or radix select by 10-bit digits where the list outgrows a block; decode
 (``trie_topk_one``, ``trie_topk_sample``). A longer one takes two grid launches: each
 block loads its beams into shared memory, scores its candidates (a code and a log-probability
-load each), writes their keys and bins their scores below the request's best beam score (the last
-block picks the bin of the ``k``-th); then each block reads its keys back and appends those from
-that bin up to a list; the request's last block ranks the list by linear bins (or
-radix-selects from it where ties crowd the bin) and decodes (``trie_topk_bins``,
-``trie_topk_beams``, ``trie_topk_rank``). Where a request splits over a few blocks of at most ``ONE_MAX`` each (in up to
+load each), writes their keys and bins their scores below the request's best beam score; then
+each block picks the bin of the ``k``-th from the request's histogram, reads its keys back and
+appends those from that bin up to a list; the request's last block ranks the list by linear bins
+and answers from loads issued along the ranking (or radix-selects from it where ties crowd the
+bin) (``trie_topk_bins``, ``trie_topk_beams``, ``trie_topk_rank``, ``trie_topk_index``). Where a request splits over a few blocks of at most ``ONE_MAX`` each (in up to
 three waves) and ``k`` is at most half a block, one launch instead: each block lists its own best
 keys, and the request's last block selects from that list (``trie_topk_merge``).
 ``NUMBA_ENABLE_CUDASIM=1`` runs the same kernels on the CPU with small sizes, so CI checks their

@@ -88,14 +88,15 @@ def slot_of(v, has, F, FM):
 def rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, nodes, ptr,
                 codes, cap, top, parent, child, code):
     """Rank ``k`` of the ``total`` (``k`` to ``SRT_N``) distinct absolute keys in
-    ``srt[:total]`` and answer them (``answer``; ``w`` the request's width). Each thread holds
-    two; one histogram of their scores over ``NB`` linear bins between the list's least and
-    best (``pick_segments``), the keys of the bins from the ``k``-th's up placed by bin in
+    ``srt[:total]`` and answer them (``answer``; ``cap[r]`` the request's width). Each thread
+    holds two; one histogram of their scores over ``NB`` linear bins between the list's least
+    and best (``pick_segments``), the keys of the bins from the ``k``-th's up placed by bin in
     ``seg`` and each ranked within its bin (``bin_rank``) by the thread that holds it, which
-    stages its answer there: its beam, child range and code were read a load level a phase
-    along the ranking's barriers (``trie_topk_index``), so no answer waits on a load after it
-    (on the H200 a decoding pass of three dependent loads after the ranking took 2.1 us,
-    session 44). Codes below 2**32 (as the scoring's indexing takes them).
+    stages its answer by rank in ``srt`` (key, then child and code): its beam, child range and
+    code were read a load level a phase along the ranking's barriers (``trie_topk_index``), so
+    no answer waits on a load after it (on the H200 a decoding pass of three dependent loads
+    after the ranking took 2.1 us, session 44); the block then writes the answers out
+    coalesced. Codes below 2**32 (as the scoring's indexing takes them).
     Returns False, unanswered, only where a bin from the ``k``-th's up holds over ``SEG_MAX``
     keys (ties): ``srt[:k]`` is then sorted (``sort_pairs``; 43 us for 2,048 keys on the H200,
     session 44) for the caller to answer. Every thread calls it after ``srt`` is published."""

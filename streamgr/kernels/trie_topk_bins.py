@@ -49,7 +49,7 @@ from .trie_topk import SIMULATED
 from .trie_topk_beams import load_beams, score8
 from .trie_topk_dev import (BIG, FULL, JIT_NT, NB, NT, RED_N, SCAN_N, hist_add, lane_mask_lt,
                             minmax, pick)
-from .trie_topk_index import div_f
+from .trie_topk_index import bits32, div_f
 from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, ix, okey, okey_float, put_abs
 from .trie_topk_rank import SRT_N, radix_rest, rank_answer
 
@@ -95,8 +95,7 @@ def keep(keys, hist, r, i, end, x, ref):
     Past ``end`` the store goes to ``end - 1`` with its own key (``score8`` scored it there):
     no branch around the store."""
     kx = okey(x)
-    keys[ix(r), ix(min(i, uint32(end - 1)))] = int32(kx - (int64(1) << 32)
-                                                     if kx >= (int64(1) << 31) else kx)
+    keys[ix(r), ix(min(i, uint32(end - 1)))] = bits32(kx)
     hist_add(hist, gbin(x, ref), i < end)
 
 

@@ -15,7 +15,7 @@ a use right after its load waits the load's whole round trip).
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32, int64, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from .numba_common import INLINE
 
@@ -28,6 +28,13 @@ def ix(x):
     """An index below 2**32 as the unsigned 64 bits an array takes: zero-extended from 32, so
     the arithmetic that made it can stay 32-bit and no negative-index wraparound is emitted."""
     return uint64(uint32(x))
+
+
+@cuda.jit(device=True, **INLINE)
+def bits32(u):
+    """The int32 whose bits are ``u``'s (``0 <= u < 2**32``, as an okey): how a key's 32 bits
+    are stored in an int32 array."""
+    return int32(u - (int64(1) << 32) if u >= (int64(1) << 31) else u)
 
 
 @cuda.jit(device=True, **INLINE)

@@ -21,7 +21,7 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 
 from .numba_common import INLINE
 from .trie_topk import SIMULATED
-from .trie_topk_index import LOW32, NEG_INF, beam_of, child_of, div_f, ix
+from .trie_topk_index import LOW32, NEG_INF, beam_of, bits32, child_of, div_f, ix
 
 MAXC = int64(0x7FFFFFFF)  # candidate indices below 2**31
 KEY_NEG_INF = int64(0x007FFFFF)  # okey(-inf)
@@ -63,7 +63,7 @@ def okey(val):
 def okey_float(u):
     """The fp32 value of the order-preserving bits ``u`` (``okey``'s inverse)."""
     b = (u ^ int64(0x80000000)) if u >= int64(0x80000000) else (LOW32 ^ u)
-    return _float(int32(b - (int64(1) << 32) if b >= (int64(1) << 31) else b))
+    return _float(bits32(b))
 
 
 @cuda.jit(device=True, **INLINE)
@@ -116,7 +116,7 @@ def note(kx, i, key, lo, hi):
     """``kx[i]`` = the okey ``key`` as int32 bits; the running (smallest real less one, largest)
     okey, both uint32 (from ``note_start``; ``note_end`` widens them): 64-bit min/max took
     about a tenth of a candidate's instructions."""
-    kx[i] = int32(key - (int64(1) << 32) if key >= (int64(1) << 31) else key)
+    kx[i] = bits32(key)
     hi = max(hi, uint32(key))
     lo = min(lo, uint32(key - 1) if key > KEY_NEG_INF else NO_LO)  # key - 1 < NO_LO
     return lo, hi

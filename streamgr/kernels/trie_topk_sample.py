@@ -27,6 +27,7 @@ from .trie_topk import SIMULATED
 from .trie_topk_dev import BIG, HALF, I32MAX, NB, NT, SEG_MAX, append, hist_add, minmax, \
     bin_rank, pick, pick_segments, reserve_slots, sort_desc, sort_span, warp_min_into
 from .numba_common import INLINE, stamp
+from .trie_topk_index import bits32
 from .trie_topk_keys import LOW32, MAXC, _bits, div_f, note_all, note_beam, okey_float, put_abs
 from .trie_topk_levels import LEVELS, note_levels
 
@@ -69,7 +70,7 @@ def obin(kx, ref):
 @cuda.jit(device=True, **INLINE)
 def ubin(u, ref):
     """``obin`` of the okey ``u`` (unsigned 32-bit, as int64)."""
-    return obin(int32(u - (int64(1) << 32) if u >= (int64(1) << 31) else u), ref)
+    return obin(bits32(u), ref)
 
 
 @cuda.jit(device=True, **INLINE)
@@ -252,7 +253,7 @@ def ukey(kx, j):
 def hold(kx, j, v):
     """Absolute key ``v`` as listed key j (``ukey``'s inverse)."""
     u = v >> 31
-    kx[j] = int32(u - (int64(1) << 32) if u >= (int64(1) << 31) else u)
+    kx[j] = bits32(u)
     kx[UCAP + j] = int32(MAXC - (v & MAXC))
 
 

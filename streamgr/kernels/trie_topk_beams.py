@@ -16,7 +16,7 @@ from numba import cuda, float32, int32, uint32
 
 from .numba_common import INLINE
 from .trie_topk_dev import NT
-from .trie_topk_index import NEG_INF, beam_at, div_f, ix
+from .trie_topk_index import NEG_INF, beam_at, ix, slot
 from .trie_topk_keys import logp_of
 
 
@@ -44,8 +44,7 @@ def pslot(r, c, F, FM, b0, B, bf, bc):
     row, mask: all ones where it is a child), by arithmetic alone: a select over a loaded
     value becomes a branch in LLVM's code (it sank each candidate's loads into one, and the
     round's loads then waited on each other, session 44)."""
-    b = div_f(c, FM)
-    j = uint32(uint32(c) - uint32(b) * uint32(F))
+    b, j = slot(c, F, FM)
     t = ix(uint32(b) - uint32(b0))
     m = uint32(0) - uint32(j < uint32(bc[t]))
     ch = (uint32(bf[t]) + j) & m

@@ -23,7 +23,7 @@ from numba import cuda, int32, int64, uint32
 
 from .numba_common import INLINE, stamp
 from .trie_topk_dev import NB, NT, SEG_MAX, append, hist_add, pick_segments, sort_desc, sort_span
-from .trie_topk_keys import (KEY_NEG_INF, LOW32, MAXC, NEG_INF, decode, div_f, ix, okey_float,
+from .trie_topk_keys import (KEY_NEG_INF, LOW32, NEG_INF, decode, div_f, ix, key_c, okey_float,
                              put_abs)
 from .trie_topk_rank import radix_rest, sort_k
 from .trie_topk_sample import UCAP, best_okey, obin, rev_okey, slot_rank
@@ -54,7 +54,7 @@ def answer_held(v, rank, r, FM, capr, held, top, parent, child, code):
     tid = cuda.threadIdx.x
     rr, kk = ix(r), ix(rank)
     top[rr, kk] = okey_float(v >> 31) if rank < capr else NEG_INF
-    parent[rr, kk] = div_f(MAXC - (v & MAXC), FM)
+    parent[rr, kk] = div_f(key_c(v), FM)
     child[rr, kk] = int64(uint32(held[tid]))
     code[rr, kk] = int64(held[UCAP + tid])
 

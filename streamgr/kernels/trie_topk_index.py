@@ -53,6 +53,13 @@ def magic(F: int) -> int:
 
 
 @cuda.jit(device=True, **INLINE)
+def slot(c, F, FM):
+    """Candidate c's beam ``c // F`` (int64) and child slot ``c % F`` (uint32)."""
+    b = div_f(c, FM)
+    return b, uint32(uint32(c) - uint32(b) * uint32(F))
+
+
+@cuda.jit(device=True, **INLINE)
 def beam_node(r, b, scores, nodes):
     """Beam b's score and trie node, as loaded (the first load level)."""
     return scores[ix(r), ix(b)], nodes[ix(r), ix(b)]
@@ -88,7 +95,7 @@ def beam_of(r, c, F, FM, scores, nodes, ptr):
     """Candidate c's beam ``b``, its child slot ``j``, the beam's score, first child and number
     of children (0 where the beam is dead). Indices are 32-bit (a request's candidates, the
     trie's nodes and children below 2**31), returned widened."""
-    b = div_f(c, FM)
+    b = div_f(c, FM)  # (``slot`` here changed the merge's and one-block kernels' SASS: kept)
     j = uint32(uint32(c) - uint32(b) * uint32(F))
     s, first, cnt = beam_at(r, b, scores, nodes, ptr)
     return b, int64(j), s, int64(first), int64(cnt)

@@ -46,7 +46,7 @@ from .trie_topk import SIMULATED
 from .trie_topk_bins import SMS_SIM, sm_count
 from .trie_topk_dev import (BIG, DIG, I32MAX, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length,
                             collect, pick, radix)
-from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, child_of, okey_float
+from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, child_of, key_c, okey_float
 from .trie_topk_held import select_global, select_held
 from .trie_topk_sample import (ONE_MAX, SAMPLE, SAMPLE_MIN, UCAP, best_okey, list_above, obin,
                                obin_hist, rev_okey, sample_floor, score_chunk)
@@ -115,7 +115,7 @@ def aux_of(r, v, F, FM, scores, nodes, ptr, codes):
     where it is no child), as ``put_abs`` computes them. The block that scored the key reads
     them, so its loads (beam, child range, code) hit lines its scoring brought into the SM's
     L1; the last block then answers with no load of its own (``select_held``)."""
-    _, _, real, ch, cd = child_of(r, MAXC - (v & MAXC), F, FM, scores, nodes, ptr, codes)
+    _, _, real, ch, cd = child_of(r, key_c(v), F, FM, scores, nodes, ptr, codes)
     return (ch << 32) | ((cd & LOW32) if real else int64(0))
 
 
@@ -177,7 +177,7 @@ def hand_on(kx, c0, n, want, lo, hi, r, ws, ul, ua, F, FM, scores, nodes, ptr, c
     collect(kx, srt, 0, n, tmin, prefix, int64(63), shift, srt, ctr)
     pos = reserve(ws, r, want, red)
     for j in range(tid, want, NT):
-        i = MAXC - (srt[j] & MAXC)
+        i = key_c(srt[j])
         put_listed(ul, ua, r, pos + j, akey(int64(kx[i]) & LOW32, c0 + i), F, FM, scores, nodes,
                    ptr, codes)
     return want

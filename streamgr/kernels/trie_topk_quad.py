@@ -29,8 +29,8 @@ from .kernel_cache import cached
 from .numba_common import INLINE, STAMP, stamp
 from .trie_topk_dev import (DIG, DM, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, append, bin_rank,
                             hist_add, pick, pick_segments)
-from .trie_topk_keys import (LOW32, MAXC, NEG_INF, _float, child_of, div_f, ix, logp_at, okey,
-                             okey_float)
+from .trie_topk_keys import (LOW32, MAXC, NEG_INF, _float, child_of, div_f, ix, key_c, logp_at,
+                             okey, okey_float)
 from .trie_topk_rank import sort_k
 from .trie_topk_sample import OBASE, OCT, best_okey, obin, rev_okey, ubin
 
@@ -129,7 +129,7 @@ def place(lst, hist, u, c, b, d):
 def answer(v, rank, r, FM, capr, held, top, parent, child, code):
     """The answer of rank ``rank`` from its key ``v`` and the held (child + 1, code); ``capr``
     the request's width."""
-    c = MAXC - (v & MAXC)
+    c = key_c(v)
     p = held[ix(c)]
     rr, kk = ix(r), ix(rank)  # unsigned: no negative-index wraparound selects a store
     top[rr, kk] = okey_float(v >> 31) if rank < capr else NEG_INF

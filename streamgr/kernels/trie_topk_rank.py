@@ -12,8 +12,8 @@ from __future__ import annotations
 from numba import cuda, float32, int32, int64, uint32
 
 from .numba_common import INLINE
-from .trie_topk_index import beam_node, div_f, ix, node_span, span_of
-from .trie_topk_keys import LOW32, MAXC, answer
+from .trie_topk_index import beam_node, div_f, ix, node_span, slot, span_of
+from .trie_topk_keys import LOW32, answer, key_c
 from .trie_topk_dev import (BIG, DIG, NB, NT, SEG_MAX, bin_rank, bit_length, collect, hist_add,
                             minmax, pick_segments, radix, sort_desc, sort_span)
 
@@ -79,9 +79,8 @@ def sort_pairs(srt, P):
 def slot_of(v, has, F, FM):
     """The beam and child slot (uint32) of absolute key ``v``'s candidate (0, 0 where there is
     no key)."""
-    c = MAXC - (v & MAXC) if has else int64(0)
-    b = div_f(c, FM)
-    return uint32(b), uint32(uint32(c) - uint32(b) * uint32(F))
+    b, j = slot(key_c(v) if has else int64(0), F, FM)
+    return uint32(b), j
 
 
 @cuda.jit(device=True, **INLINE)
@@ -155,7 +154,7 @@ def rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, 
         for i in range(tid, k, NT):
             v = srt[i]
             a = srt[NT + i]
-            answer(v, i, r, div_f(MAXC - (v & MAXC), FM), True, a >> 32, a & LOW32, w, top,
+            answer(v, i, r, div_f(key_c(v), FM), True, a >> 32, a & LOW32, w, top,
                    parent, child, code)
         return True
     P = sort_span(total, KP)

@@ -36,7 +36,7 @@ from .kernel_cache import cached
 from .numba_common import INLINE, STAMP, stamp
 from .trie_topk_dev import (DIG, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, bin_rank, hist_add,
                             pick, pick_segments)
-from .trie_topk_keys import MAXC, NEG_INF, beam_of, ix, logp_of, okey, okey_float
+from .trie_topk_keys import NEG_INF, beam_of, ix, key_c, logp_of, okey, okey_float
 from .trie_topk_rank import sort_k
 from .trie_topk_quad import KEY_TOP, LIST_N, key_of, lbin, place, radix_count, radix_take
 from .trie_topk_sample import best_okey, least_okey, okey32, or_max, rev_okey, ubin
@@ -70,7 +70,7 @@ def cbin(u, ref, scale):
 def answer(v, rank, r, first, cnt, capr, held, top, parent, child, code):
     """The answer of rank ``rank`` from its key ``v`` (candidate c: the beam's child slot c) and
     the held code; ``capr`` the request's width."""
-    c = MAXC - (v & MAXC)
+    c = key_c(v)
     rr, kk = ix(r), ix(rank)  # unsigned: no negative-index wraparound selects a store
     top[rr, kk] = okey_float(v >> 31) if rank < capr else NEG_INF
     parent[rr, kk] = 0

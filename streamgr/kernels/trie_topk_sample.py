@@ -28,7 +28,8 @@ from .trie_topk_dev import BIG, HALF, I32MAX, NB, NT, SEG_MAX, append, hist_add,
     bin_rank, pick, pick_segments, reserve_slots, sort_desc, sort_span, warp_min_into
 from .numba_common import INLINE, stamp
 from .trie_topk_index import bits32
-from .trie_topk_keys import LOW32, MAXC, _bits, div_f, note_all, note_beam, okey_float, put_abs
+from .trie_topk_keys import (LOW32, MAXC, _bits, div_f, key_c, note_all, note_beam, okey_float,
+                             put_abs)
 from .trie_topk_levels import LEVELS, note_levels
 
 # obin's window: 2**OCT bins an octave of the distance below the best score, NB >> OCT octaves
@@ -254,7 +255,7 @@ def hold(kx, j, v):
     """Absolute key ``v`` as listed key j (``ukey``'s inverse)."""
     u = v >> 31
     kx[j] = bits32(u)
-    kx[UCAP + j] = int32(MAXC - (v & MAXC))
+    kx[UCAP + j] = int32(key_c(v))
 
 
 @cuda.jit(device=True, **INLINE)

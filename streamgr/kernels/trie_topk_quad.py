@@ -139,6 +139,19 @@ def answer(v, rank, r, FM, capr, held, top, parent, child, code):
 
 
 @cuda.jit(device=True, **INLINE)
+def rank_slot(lst, hist, s, total, ref, scale, k, r, FM, capr, held, top, parent, child, code):
+    """Slot ``s`` of the ``total`` laid-out keys, if it is one, ranked in its bin (``lbin``
+    where the keys were binned again, ``scale`` > 0, else ``obin``) and answered if in the
+    ``k`` best."""
+    if s < total:
+        v = lst[s]
+        b = lbin(v >> 31, ref, scale) if scale > 0 else obin(v >> 31, ref)
+        rank = bin_rank(lst, v, b, hist, NB)
+        if rank < k:
+            answer(v, rank, r, FM, capr, held, top, parent, child, code)
+
+
+@cuda.jit(device=True, **INLINE)
 def radix_count(hist, v, prefix, fixed, shift):
     """``radix``'s histogram add for a register key ``v`` (``-1``: none)."""
     hist_add(hist, int32((v >> shift) & DM), v >= 0 and (v >> fixed) == (prefix >> fixed))
@@ -205,12 +218,12 @@ def quad_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
         place(lst, hist, u3, c3, b3, d)
         cuda.syncthreads()
         stamp(12)
-        for s in range(tid, total, NT):
-            v = lst[s]
-            b = lbin(v >> 31, ref, scale) if scale > 0 else obin(v >> 31, ref)
-            rank = bin_rank(lst, v, b, hist, NB)
-            if rank < k:
-                answer(v, rank, r, FM, capr, held, top, parent, child, code)
+        # total <= LIST_N: two slots a thread at most, each its own site (range()'s 64-bit
+        # trip count cost more than the second slot's test)
+        rank_slot(lst, hist, tid, total, ref, scale, k, r, FM, capr, held, top, parent, child,
+                  code)
+        rank_slot(lst, hist, tid + NT, total, ref, scale, k, r, FM, capr, held, top, parent,
+                  child, code)
     else:  # a crowded bin: radix select over the registers' keys, then a sort of the k
         v0, v1, v2, v3 = key_of(u0, c0), key_of(u1, c1), key_of(u2, c2), key_of(u3, c3)
         prefix, fixed, shift, want = int64(0), int64(63), int64(KEY_TOP), int64(k)

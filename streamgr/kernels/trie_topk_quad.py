@@ -29,8 +29,9 @@ from .kernel_cache import cached
 from .numba_common import INLINE, STAMP, stamp
 from .trie_topk_dev import (DIG, DM, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, append, bin_rank,
                             hist_add, pick, pick_segments)
+from .trie_topk_index import beam_node, node_span, span_of
 from .trie_topk_keys import (LOW32, MAXC, NEG_INF, _float, child_of, div_f, ix, key_c, logp_at,
-                             okey, okey_float)
+                             logp_of, okey, okey_float)
 from .trie_topk_rank import sort_k
 from .trie_topk_sample import OBASE, OCT, best_okey, obin, rev_okey, ubin
 
@@ -44,6 +45,10 @@ QUAD = os.environ.get("STREAMGR_TOPK_QUAD", "1")
 # ranked against its bin's): on the H200 0.0124 -> 0.0098 ms so (session 35, call 3).
 # STREAMGR_TOPK_QREBIN=0: one round (A/B runs).
 REBIN = os.environ.get("STREAMGR_TOPK_QREBIN", "1") == "1"
+# Requests of at most a block of beams of at most QN children (step 3: fan-out 3) scored by
+# beam, thread t its beam t's children: one beam, child range and log-sum load a thread instead
+# of one a candidate. STREAMGR_TOPK_QBEAM=0: by candidate always (A/B runs).
+BEAMWISE = os.environ.get("STREAMGR_TOPK_QBEAM", "1") == "1"
 QN = 4  # candidates a thread (the kernel's code holds four by name)
 QMAX = QN * NT
 LIST_N = NT + SEG_MAX  # the bins from the k-th's up hold at most k - 1 + SEG_MAX <= this
@@ -69,6 +74,44 @@ def score(r, c, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
     val = s + x if real else NEG_INF
     pk = ((ch + 1) << 32) | (cd & LOW32) if real else int64(0)
     return (okey(val) if c < N else int64(-1)), pk
+
+
+@cuda.jit(device=True, **INLINE)
+def child_key(i, ok, base, N, s, first, cnt, row, logp, sh, m, ls, codes, off):
+    """``score``'s (okey, held pair) and candidate index (``N`` where slot ``i`` is none) of
+    child slot ``i`` of a beam scored ``s`` (``first``, ``cnt``: its child range; ``row`` its
+    log-probabilities' row, ``m``, ``ls`` their max and log-sum), whose candidates start at
+    ``base``; ``ok``: the slot is a candidate."""
+    real = uint32(i) < cnt
+    ch = first + uint32(i) if real else uint32(0)
+    cd = codes[ix(ch)]
+    x = logp_of(logp[row, ix(uint32(off) + uint32(cd))], sh, m, ls)
+    val = s + x if real else NEG_INF
+    pk = ((int64(ch) + 1) << 32) | (cd & LOW32) if real else int64(0)
+    return (okey(val) if ok else int64(-1)), pk, (int64(base + uint32(i)) if ok else N)
+
+
+@cuda.jit(device=True, **INLINE)
+def score_beam(r, t, N, F, B, scores, nodes, logp, lse, sh, ptr, codes, off):
+    """Thread t's candidates where the request has at most a block of beams of at most ``QN``
+    children: beam t's children ``t F + i`` (``child_key``), its score, node, child range and
+    the row's log-sum loaded once."""
+    has = uint32(t) < uint32(B)
+    b = uint32(t) if has else uint32(0)
+    s, n = beam_node(r, b, scores, nodes)
+    row = ix(uint32(r) * uint32(B) + b)
+    m, ls = lse[0, row], lse[ix(sh >> 4), row]
+    lo, hi = node_span(s, n, ptr)
+    first, cnt = span_of(s, lo, hi)
+    base = uint32(t) * uint32(F)
+    u0, p0, c0 = child_key(0, has, base, N, s, first, cnt, row, logp, sh, m, ls, codes, off)
+    u1, p1, c1 = child_key(1, has and F > 1, base, N, s, first, cnt, row, logp, sh, m, ls, codes,
+                           off)
+    u2, p2, c2 = child_key(2, has and F > 2, base, N, s, first, cnt, row, logp, sh, m, ls, codes,
+                           off)
+    u3, p3, c3 = child_key(3, has and F > 3, base, N, s, first, cnt, row, logp, sh, m, ls, codes,
+                           off)
+    return u0, u1, u2, u3, p0, p1, p2, p3, c0, c1, c2, c3
 
 
 @cuda.jit(device=True, **INLINE)
@@ -179,11 +222,15 @@ def quad_select(N, k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, of
     ctr = cuda.shared.array(1, int32)
     stamp(14)
     capr = cap[r]  # with the scoring's loads, not alone at the answers (no change seen, s35)
-    c0, c1, c2, c3 = tid, tid + NT, tid + 2 * NT, tid + 3 * NT
-    u0, p0 = score(r, c0, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-    u1, p1 = score(r, c1, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-    u2, p2 = score(r, c2, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-    u3, p3 = score(r, c3, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    if BEAMWISE and F <= QN and B <= NT:  # block-uniform
+        u0, u1, u2, u3, p0, p1, p2, p3, c0, c1, c2, c3 = score_beam(
+            r, tid, N, F, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+    else:
+        c0, c1, c2, c3 = int64(tid), int64(tid + NT), int64(tid + 2 * NT), int64(tid + 3 * NT)
+        u0, p0 = score(r, c0, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+        u1, p1 = score(r, c1, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+        u2, p2 = score(r, c2, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
+        u3, p3 = score(r, c3, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
     hold(held, c0, N, p0)
     hold(held, c1, N, p1)
     hold(held, c2, N, p2)

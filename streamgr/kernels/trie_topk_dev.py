@@ -190,24 +190,27 @@ def block_scan(x, scan, nt):
         return out, total
     lane = tid & 31
     w = tid >> 5
+    # 32-bit sums (counts of a block's keys), each cast back: Numba widens int32 arithmetic to
+    # 64 bits, and a 64-bit scan shuffles twice a step (ncu, session 46)
+    x = int32(x)
     if work:
         for o in (1, 2, 4, 8, 16):
             y = cuda.shfl_up_sync(FULL, x, o)
             if lane >= o:
-                x += y
+                x = int32(x + y)
         if lane == 31:
             scan[w] = x
     cuda.syncthreads()
     if w == 0:
-        t = scan[lane] if lane < (nt >> 5) else 0
+        t = scan[lane] if lane < (nt >> 5) else int32(0)
         for o in (1, 2, 4, 8, 16):
             y = cuda.shfl_up_sync(FULL, t, o)
             if lane >= o:
-                t += y
+                t = int32(t + y)
         if lane < (nt >> 5):
             scan[lane] = t
     cuda.syncthreads()
-    out = x + (scan[w - 1] if w > 0 and work else 0)
+    out = int32(x + (scan[w - 1] if w > 0 and work else int32(0)))
     total = scan[(nt >> 5) - 1]
     cuda.syncthreads()
     return out, total
@@ -224,18 +227,19 @@ def pick(hist, nbins, want, scan, res, nt):
     own = int32(0)
     if tid < nt:
         for e in range(per):
-            own += hist[hi - e]
+            own = int32(own + hist[hi - e])
     incl, _ = block_scan(own, scan, nt)
-    above = incl - own
-    if tid < nt and above < want and want <= incl:
+    above = int32(incl - own)
+    w = int32(want)  # below 2**31 (a request's candidates): 32-bit sums, as block_scan's
+    if tid < nt and above < w and w <= incl:
         for e in range(per):
             h = hist[hi - e]
-            if above + h >= want:
+            if int32(above + h) >= w:
                 res[0] = hi - e
-                res[1] = want - above
+                res[1] = int32(w - above)
                 res[2] = h
                 break
-            above += h
+            above = int32(above + h)
     cuda.syncthreads()
     return int64(res[0]), int64(res[1]), int64(res[2])
 
@@ -255,20 +259,21 @@ def pick_segments(cnt, nbins, want, seg_max, scan, res):
         res[3] = 0  # before the scan's barriers: every set below comes after them
     own = int32(0)
     for e in range(per):
-        own += cnt[hi - e]
+        own = int32(own + cnt[hi - e])
     incl, _ = block_scan(own, scan, NT)
-    above = incl - own
+    above = int32(incl - own)
+    w = int32(want)  # at most a block's keys: 32-bit sums throughout (as block_scan's)
     for e in range(per):
         h = cnt[hi - e]
-        if above < want:  # the bins from the want-th key's up (ranked one by one)
-            if want <= above + h:
+        if above < w:  # the bins from the want-th key's up (ranked one by one)
+            if w <= int32(above + h):
                 res[0] = hi - e
-                res[1] = want - above
+                res[1] = int32(w - above)
                 res[2] = h
             if h > seg_max:
                 res[3] = 1
         cnt[hi - e] = above
-        above += h
+        above = int32(above + h)
     cuda.syncthreads()
     return int64(res[0]), int64(res[1]), int64(res[2]), res[3]
 
@@ -282,10 +287,11 @@ def bin_rank(keys, v, b, cur, nbins):
     e = int32(cur[b])
     rank = s
     # a 32-bit while loop: range()'s 64-bit trip count took ~45 SASS instructions to set up
-    # before each key's first compare (ncu, quad_select, session 46)
+    # before each key's first compare (ncu, quad_select, session 46); every sum cast back to
+    # int32, since Numba widens int32 arithmetic to 64 bits
     while s < e:
-        rank += int32(keys[uint32(s)] > v)
-        s += int32(1)
+        rank = int32(rank + int32(keys[uint32(s)] > v))
+        s = int32(s + int32(1))
     return int64(rank)
 
 

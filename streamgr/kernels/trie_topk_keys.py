@@ -68,8 +68,8 @@ def key_c(v):
 @cuda.jit(device=True, **INLINE)
 def okey_float(u):
     """The fp32 value of the order-preserving bits ``u`` (``okey``'s inverse)."""
-    b = (u ^ int64(0x80000000)) if u >= int64(0x80000000) else (LOW32 ^ u)
-    return _float(bits32(b))
+    x = bits32(u)  # in 32 bits: the top bit flipped where it is set, else every bit
+    return _float(int32(x ^ int32(-0x80000000)) if x < 0 else int32(~x))
 
 
 @cuda.jit(device=True, **INLINE)

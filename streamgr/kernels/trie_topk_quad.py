@@ -109,8 +109,9 @@ def score_beam(r, t, N, F, B, scores, nodes, logp, lse, sh, ptr, codes, off):
                            off)
     u2, p2, c2 = child_key(2, has and F > 2, base, N, s, first, cnt, row, logp, sh, m, ls, codes,
                            off)
-    u3, p3, c3 = child_key(3, has and F > 3, base, N, s, first, cnt, row, logp, sh, m, ls, codes,
-                           off)
+    u3, p3, c3 = int64(-1), int64(0), N
+    if F > 3:  # block-uniform: step 3's fan-out of 3 issues no fourth child's loads
+        u3, p3, c3 = child_key(3, has, base, N, s, first, cnt, row, logp, sh, m, ls, codes, off)
     return u0, u1, u2, u3, p0, p1, p2, p3, c0, c1, c2, c3
 
 

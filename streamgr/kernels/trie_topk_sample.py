@@ -64,8 +64,10 @@ def obin(kx, ref):
     """The bin (of NB, higher for higher scores) of the score whose okey's int32 bits are
     ``kx``, by its distance below the request's best score ``ref``: monotone in the score."""
     e = okey_float(int64(kx) & LOW32) - ref  # <= 0
-    g = int64((_bits(e) & 0x7FFFFFFF) >> (23 - OCT)) - OBASE
-    return int32(NB - 1 - min(max(g, int64(0)), int64(NB - 1)))
+    # 32-bit (each sum cast back: Numba widens int32 arithmetic)
+    g = int32(int32(int32(_bits(e)) & int32(0x7FFFFFFF)) >> int32(23 - OCT))
+    g = int32(g - int32(OBASE))
+    return int32(int32(NB - 1) - min(max(g, int32(0)), int32(NB - 1)))
 
 
 @cuda.jit(device=True, **INLINE)

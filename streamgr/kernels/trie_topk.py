@@ -32,7 +32,7 @@ each block picks the bin of the ``k``-th from the request's histogram, reads its
 appends those from that bin up to a list; the request's last block ranks the list by linear bins
 and answers from loads issued along the ranking (or radix-selects from it where ties crowd the
 bin) (``trie_topk_bins``, ``trie_topk_beams``, ``trie_topk_rank``, ``trie_topk_index``). Where
-a request splits over a few blocks of at most ``ONE_MAX`` each (in up to three waves) and ``k``
+a request splits over a few blocks of at most ``ONE_MAX`` each (in up to two waves) and ``k``
 is at most half a block, one launch instead: each block lists its own best
 keys, and the request's last block selects from that list (``trie_topk_merge``).
 ``NUMBA_ENABLE_CUDASIM=1`` runs the same kernels on the CPU with small sizes, so CI checks their

@@ -190,9 +190,7 @@ def block_scan(x, scan, nt):
         return out, total
     lane = tid & 31
     w = tid >> 5
-    # 32-bit sums (counts of a block's keys), each cast back: Numba widens int32 arithmetic to
-    # 64 bits, and a 64-bit scan shuffles twice a step (ncu, session 46)
-    x = int32(x)
+    x = int32(x)  # 32-bit sums, each cast back: a 64-bit scan shuffles twice a step
     if work:
         for o in (1, 2, 4, 8, 16):
             y = cuda.shfl_up_sync(FULL, x, o)
@@ -286,9 +284,8 @@ def bin_rank(keys, v, b, cur, nbins):
     s = int32(cur[b + 1]) if b < nbins - 1 else int32(0)
     e = int32(cur[b])
     rank = s
-    # a 32-bit while loop: range()'s 64-bit trip count took ~45 SASS instructions to set up
-    # before each key's first compare (ncu, quad_select, session 46); every sum cast back to
-    # int32, since Numba widens int32 arithmetic to 64 bits
+    # 32-bit, each sum cast back (Numba widens int32 sums): range()'s 64-bit trip count took
+    # ~45 SASS instructions before each key's first compare (ncu, session 46)
     while s < e:
         rank = int32(rank + int32(keys[uint32(s)] > v))
         s = int32(s + int32(1))

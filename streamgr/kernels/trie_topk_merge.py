@@ -1,6 +1,6 @@
 """Two-level selection of ``trie_topk`` in one launch, for requests whose candidates split over a
 few blocks (gen-ref's step 2 at beams of 256: 45,312 candidates, ``k`` 256, 6 blocks a request,
-in up to three waves of blocks: up to 66 requests on 132 SMs).
+in up to two waves of blocks: up to 44 requests on 132 SMs).
 
 Every block of a request takes a chunk of at most ``ONE_MAX`` candidates, computes their okeys
 into shared memory as ``trie_topk_one`` does, and hands on a superset of its own ``k`` best to
@@ -55,10 +55,12 @@ MERGE = os.environ.get("STREAMGR_TOPK_MERGE", "1") == "1"
 # Requests that fit one block stay one block (trie_topk_one): on the H200 step 1 (8,192
 # candidates) took 0.0273 ms here over 2-8 blocks, 0.0251 there (session 29).
 MERGE_MIN = ONE_MAX
-# Waves of blocks (one an SM) a launch may take: past one (step 2 at 23 to 66 requests, gen-ref's
-# full batches of 48 among them) the blocks of the later waves list while the first ones wait.
-# STREAMGR_TOPK_MERGE_WAVES=1: one wave, as before (A/B)
-WAVES = int(os.environ.get("STREAMGR_TOPK_MERGE_WAVES", "3"))
+# Waves of blocks (one an SM) a launch may take: past one (step 2 at 23 to 44 requests) the
+# blocks of the later waves list while the first ones wait. Not three: on the H200 gen-ref's
+# step 2 at 48 requests (6 blocks a request, 2.2 waves) took 0.0293-0.0296 ms here against the
+# grid launches' 0.0272-0.0273; at 24 and 40 requests (two waves) 0.0211 and 0.0225 here against
+# 0.0227 and 0.0236 there (session 46). STREAMGR_TOPK_MERGE_WAVES=1: one wave (A/B).
+WAVES = int(os.environ.get("STREAMGR_TOPK_MERGE_WAVES", "2"))
 # A block's chunk: whole rounds of one candidate a thread (note_all takes four a thread while
 # over two rounds are left). At step 2 (16 requests) 6 blocks of 8,192 took 0.0363 ms, 8 of
 # 6,144 0.0374, 12 of 4,096 0.0447 when the last block loaded each answer (session 29); with the

@@ -225,17 +225,20 @@ def test_affinity_results_updates_ingress_and_a_lost_replica(cluster):
 
 
 @pytest.mark.slow
-def test_serve_ray_process_speaks_the_protocol(tmp_path):
+def test_serve_ray_process_speaks_the_protocol(cluster, tmp_path):
     """`streamgr serve --ray` as a real process: a Serve application behind the socket; a
-    client's rank and stats go through it, and SIGTERM stops it (removing the application)."""
+    client's rank and stats go through it, and SIGTERM stops it (removing the application).
+    It joins the module's cluster (``--ray-address``), as a process joins a running cluster in
+    production, instead of starting one of its own."""
     import re
     import subprocess
     import sys
 
     from streamgr.client import Client
+    address = ray.get_runtime_context().gcs_address
     proc = subprocess.Popen([sys.executable, "-m", "streamgr", "serve", "rank-small", "--ray",
-                             "--replicas", "1", "--port", "0", "--set", "engine.device=cpu",
-                             "--set", "model.dtype=float32"],
+                             "--ray-address", address, "--replicas", "1", "--port", "0",
+                             "--set", "engine.device=cpu", "--set", "model.dtype=float32"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line, t_end = "", time.monotonic() + 180

@@ -6,8 +6,11 @@ registers.
 ``trie_topk_one`` serves such a ``k`` with its radix rounds (two or three histogram rounds over
 every key), then sorts the ``k`` keys whole (a bitonic network of 55 stages) and answers each by
 reading its beam, child range and code again: on the H200 0.0270 ms against ``torch.topk``'s
-0.0382 (1.41x), this kernel 0.0094 against 0.0356 (3.77x; session 35). As in
-``trie_topk_own``: each thread scores its ``QN`` candidates (their loads overlap), keeps their
+0.0382 (1.41x), this kernel 0.0094 against 0.0356 (3.77x; session 35), 0.0072-0.0074 against
+0.0376 (5.21x; session 46, with the scoring by beam and its ranks, scans and okey arithmetic in
+32 bits). As in ``trie_topk_own``: each thread scores its ``QN`` candidates (their loads
+overlap; where a request has at most a block of beams of at most ``QN`` children, as step 3,
+they are beam t's children, ``score_beam``: the beam's loads once), keeps their
 okeys in registers and their (child, code) in shared memory; the block's best okey is a warp min
 and one shared atomic; one round of score bins below it (``obin``) and ``pick_segments`` give
 the bin of the ``k``-th key; a second round bins the keys from that bin up linearly over their

@@ -5,9 +5,6 @@ bad shapes refused."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -15,6 +12,8 @@ import torch
 
 from streamgr.errors import StreamgrError
 from streamgr.kernels.decoder_attention import self_attend, self_attend_reference
+
+from .simulator import simulate
 
 CASES = textwrap.dedent("""
     import torch
@@ -57,17 +56,12 @@ SIM = CASES + textwrap.dedent("""
 
 @pytest.mark.slow
 def test_numba_kernel_under_the_simulator():
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # (T, layers, rows, heads, d, step, seed): first/middle/last step, rows not a multiple of
     # the block (nor even: a half-warp idle), d of 3 quads (lanes idle), one head; seeds 2
     # and 5 read q, k, v as strided slices of one fused projection.
     cases = [(3, 2, 3, 3, 8, 0, 0), (3, 2, 3, 3, 8, 2, 1), (4, 1, 9, 1, 12, 1, 2),
              (5, 3, 3, 1, 64, 4, 3), (3, 1, 5, 2, 128, 1, 5)]  # d = 128: two quads a lane
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    p = subprocess.run([sys.executable, "-c", SIM.format(cases=cases)], env=env,
-                       capture_output=True, text=True, timeout=600, cwd=root)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.split() == ["ok", str(len(cases))]
+    assert simulate(SIM.format(cases=cases)) == ["ok", str(len(cases))]
 
 
 def test_bad_shapes_are_refused():

@@ -5,9 +5,6 @@ graph); what it refuses."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -16,6 +13,8 @@ import torch.nn.functional as F
 
 from streamgr.errors import StreamgrError
 from streamgr.kernels.rms_norm import rms_norm
+
+from .simulator import simulate
 
 CASES = textwrap.dedent("""
     import torch
@@ -42,15 +41,10 @@ SIM = CASES + textwrap.dedent("""
 
 
 def test_numba_kernel_under_the_simulator():
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # (rows, d, seed): rows not a multiple of a block's warps, one quad a row, several quads a
     # lane (d past 4 x 32)
     cases = [(3, 8, 0), (5, 4, 1), (2, 144, 2), (9, 512, 3)]
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    p = subprocess.run([sys.executable, "-c", SIM.format(cases=cases)], env=env,
-                       capture_output=True, text=True, timeout=600, cwd=root)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.split() == ["ok"]
+    assert simulate(SIM.format(cases=cases)) == ["ok"]
 
 
 def test_what_the_kernel_does_not_take_goes_to_torch():

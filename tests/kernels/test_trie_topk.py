@@ -4,9 +4,6 @@ NUMBA_ENABLE_CUDASIM=1: small sizes, so every pass and path runs on small inputs
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -14,6 +11,8 @@ import pytest
 import torch
 
 from streamgr.kernels.trie_topk import trie_topk_reference
+
+from . import simulator as sim
 
 
 def random_case(seed, R=3, B=5, V=None, fan=(1, 6), ties=False, dead=0.2):
@@ -202,15 +201,9 @@ QUAD_ANY_K = [(35, False, 12, (3, 3), 5, 2, 0.2, "quad"), (36, True, 9, (4, 6), 
 
 
 def simulate(script: str, cases=None, **env) -> list[str]:
-    """``script`` (formatted with the repository root and ``cases``) run in a process of its own
-    under the CUDA simulator with ``env`` added (the simulator and the A/B settings are read at
-    import); its stdout's words, after asserting it exited 0."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", **env)
-    p = subprocess.run([sys.executable, "-c", script.format(root=root, cases=cases)], env=env,
-                       capture_output=True, text=True, timeout=600, cwd=root)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return p.stdout.split()
+    """``script`` (formatted with the repository root and ``cases``) run under the CUDA
+    simulator with ``env`` added (``simulator.simulate``): its stdout's words."""
+    return sim.simulate(script.format(root=sim.ROOT, cases=cases), **env)
 
 
 @pytest.mark.parametrize("cases,env", [

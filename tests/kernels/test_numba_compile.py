@@ -86,7 +86,8 @@ def test_selection_kernels_fit_a_block_of_1024(name, tmp_path):
     """The select kernels launch 1,024 threads (the sort kernel 256), so 64 registers a thread at
     most (Numba sets no launch bounds: on the H200 an unaligned logits view's indexing took 68
     and the launch failed). They carry that cap (``JIT_NT``) and compile under it spilling at
-    most a word (``bin_select`` three, where it breaks ties). (One case a kernel: xdist spreads the compiles over CI's workers.)"""
+    most a word (``bin_select`` three, where it breaks ties). (One case a kernel: xdist spreads
+    the compiles over CI's workers.)"""
     from streamgr.kernels import trie_topk_bins as bn, trie_topk_dev as dev
     from streamgr.kernels import trie_topk_merge as merge, trie_topk_one as one
     from streamgr.kernels import trie_topk_own as own

@@ -76,9 +76,9 @@ def test_merge_and_quad_routing_on_the_h200():
     block's), at 40 in 6 of 8,192, from 1 request up to 44 (two waves of blocks; at 48, 2.2
     waves, the grid launches were faster, session 46); not step 1 (one block of 8,192 was
     faster), not k over 512, not one request's flat 2,097,152. Four candidates a thread
-    (``trie_topk_quad``) for 1,025-4,096 candidates wanting over 512 (gen-ref's step 3 at beams of 1,024); eight
-    (``trie_topk_root``) for one beam of 1,025-8,192 children (step 1 at any width). In a
-    process of its own without the simulator, whose block sizes differ."""
+    (``trie_topk_quad``) for 1,025-4,096 candidates wanting over 512 (gen-ref's step 3 at
+    beams of 1,024); eight (``trie_topk_root``) for one beam of 1,025-8,192 children (step 1 at
+    any width). In a process of its own without the simulator, whose block sizes differ."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     p = subprocess.run([sys.executable, "-c", ROUTING], env=env, capture_output=True, text=True,

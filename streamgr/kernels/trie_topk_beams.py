@@ -1,23 +1,36 @@
 """Candidates scored from their block's beams in shared memory, for the grid selection's
-``bin_hist`` (``trie_topk_bins``): a block's chunk of consecutive candidates spans at most ``NT``
-beams, so it first loads each beam's score, log-sum row statistics, first child and child count
-(``load_beams``: the two dependent loads of the beam's node and its child range, once a beam);
-each candidate then loads its child's code and that code's log-probability only, two dependent
-loads where ``trie_topk_keys.cand`` issues four. ``score8`` scores eight candidates a thread a
-round with no branch, so that the round's loads issue together: on the H200 (session 44) this
-took step 2's scoring at beams of 1,024 (22,656 candidates a block) from 13.4 us with selects
-(LLVM turned them into branches around each load) to 9.7 us. Scores equal ``cand``'s bit for
-bit (a ``+0.0`` aside, which the keys cannot tell from ``-0.0``).
+``bin_hist`` (``trie_topk_bins``), with the request's reference score, the bins and the keeping
+of each candidate's okey and bin that go with it (``best_beam``, ``gbin``, ``keep``).
+
+A block's chunk spans at most ``NT`` beams, so it first loads each beam's score, log-sum row
+statistics, first child and child count (``load_beams``: the two dependent loads of the beam's
+node and its child range, once a beam); each candidate then loads its child's code and that
+code's log-probability only, two dependent loads where ``trie_topk_keys.cand`` issues four.
+Where the fan-out is at least ``UMIN`` (gen-ref's step 2: 177; flat: 8,192) the block owns
+whole beams and scores them in *beam units* (``score_units``): 192 consecutive child slots of
+one beam a warp, six a lane, two units at a time, everything about the beam warp-uniform, so
+no candidate divides its index or reads its beam (bin_hist executed 8.72 -> 5.75 M
+instructions at step 2 at beams of 1,024 on the H200, session 47). Else ``score8`` scores
+eight consecutive candidates a thread a round with no branch, so that the round's loads issue
+together (session 44: 13.4 us with selects, which LLVM turned into branches around each load,
+-> 9.7 us). Scores equal ``cand``'s bit for bit (a ``+0.0`` aside, which the keys cannot tell
+from ``-0.0``).
 """
 
 from __future__ import annotations
 
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from .numba_common import INLINE
-from .trie_topk_dev import NT
-from .trie_topk_index import NEG_INF, beam_at, ix, slot
-from .trie_topk_keys import logp_of
+from .trie_topk import SIMULATED
+from .trie_topk_dev import BIG, FULL, NT, NW, hist_add, minmax
+from .trie_topk_index import NEG_INF, beam_at, bits32, ix, slot
+from .trie_topk_keys import KEY_NEG_INF, logp_of, okey, okey_float
+
+GBITS = 8 if SIMULATED else 12  # bins of bin_hist: 16 KiB of shared counters on the GPU
+GB = 1 << GBITS
+GSHIFT = 32 - GBITS
+GB1 = GB + 1  # bin_hist's counters: GB, the spare one for beam units' slots past the fan-out
 
 
 @cuda.jit(device=True, **INLINE)
@@ -88,3 +101,167 @@ def score8(r, i, end, F, FM, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc):
             pval(logp, w5, d5, off, sh, t5, m5, bs, bm, bl),
             pval(logp, w6, d6, off, sh, t6, m6, bs, bm, bl),
             pval(logp, w7, d7, off, sh, t7, m7, bs, bm, bl))
+
+
+# Beam units (``bin_hist`` where F >= UMIN): a unit is UNIT = 32 UW consecutive child slots of
+# one beam, a warp's; lane l holds slots l, l + 32, .. (UW of them). Everything about the beam
+# is warp-uniform (one shared-memory read a unit, no candidate division, no per-candidate
+# beam reads): about a third of score8's instructions a candidate. A warp scores two units at
+# once, so that twelve loads a level are in flight a thread.
+UW = 6
+UNIT = 32 * UW
+UMIN = 64  # below it a unit would be mostly empty slots (score8's rounds instead)
+
+
+@cuda.jit(device=True, **INLINE)
+def unit_at(u, nu, upb, F, b0, r, B, bs, bm, bl, bf, bc):
+    """Unit ``u`` of the block's ``nu`` (``upb`` a beam; beam slots of ``load_beams``) as this
+    lane sees it: (beam score, row max, row log-sum, lane's first child, its child slots left
+    ``cnt - j``, its slots left ``F - j`` (0 where the unit is past ``nu``: nothing stored),
+    its first candidate ``b F + j``, logits row). Past ``nu`` it reads unit ``nu - 1``'s beam
+    (loads in bounds)."""
+    live = u < nu
+    uu = uint32(u if live else nu - 1)
+    t = uu if upb == 1 else uu // uint32(upb)
+    j = (uu - t * uint32(upb)) * uint32(UNIT) + uint32(cuda.threadIdx.x & 31)
+    b = uint32(b0) + t
+    return (bs[t], bm[t], bl[t], uint32(bf[t]) + j, int32(int32(bc[t]) - int32(j)),
+            int32(int32(F) - int32(j)) if live else int32(0), b * uint32(F) + j,
+            ix(uint32(r) * uint32(B) + b))
+
+
+@cuda.jit(device=True, **INLINE)
+def code_at(codes, f, n, i):
+    """Slot ``i``'s code (child ``f + 32 i`` where ``32 i < n``, else child 0's: in bounds)."""
+    m = uint32(0) - uint32(int32(32 * i) < n)
+    return codes[ix((f + uint32(32 * i)) & m)]
+
+
+@cuda.jit(device=True, **INLINE)
+def codes6(codes, f, n):
+    """The six slots' codes. (Unclamped loads at offsets where every slot's child is in bounds
+    compiled to the clamped ones' instructions: LLVM merges the two branches' addresses.)"""
+    return (code_at(codes, f, n, 0), code_at(codes, f, n, 1), code_at(codes, f, n, 2),
+            code_at(codes, f, n, 3), code_at(codes, f, n, 4), code_at(codes, f, n, 5))
+
+
+@cuda.jit(device=True, **INLINE)
+def unit_val(logp, row, cd, off, sh, s, m, ls, n, i):
+    """Slot ``i``'s score, as ``pval``'s (-inf past the beam's children: an add)."""
+    x = logp_of(logp[row, ix(uint32(off) + uint32(cd))], sh, m, ls)
+    return s + x + (float32(0.0) if int32(32 * i) < n else NEG_INF)
+
+
+@cuda.jit(device=True, **INLINE)
+def vals6(logp, row, off, sh, s, m, ls, n, d0, d1, d2, d3, d4, d5):
+    return (unit_val(logp, row, d0, off, sh, s, m, ls, n, 0),
+            unit_val(logp, row, d1, off, sh, s, m, ls, n, 1),
+            unit_val(logp, row, d2, off, sh, s, m, ls, n, 2),
+            unit_val(logp, row, d3, off, sh, s, m, ls, n, 3),
+            unit_val(logp, row, d4, off, sh, s, m, ls, n, 4),
+            unit_val(logp, row, d5, off, sh, s, m, ls, n, 5))
+
+
+def units_of(F: int, enabled: bool) -> int:
+    """Units a beam (0: score8's rounds) for fan-out ``F``."""
+    return -(-F // UNIT) if enabled and F >= UMIN else 0
+
+
+@cuda.jit(device=True, **INLINE)
+def best_beam(scores, r, B, red):
+    """The request's best beam score (0 where every beam is dead): the bins' reference. In
+    32 bits on the GPU (the okeys' order as signed ints: one shuffle a step, where ``minmax``'s
+    int64 min and max took four), two barriers. (A one-barrier version, each thread reading
+    the warps' 32 maxima, measured 0.9 us slower than three at step 2 at beams of 1,024 on
+    the H200, session 44.)"""
+    tid = cuda.threadIdx.x
+    if SIMULATED:
+        hi = int64(-1)
+        for b in range(tid, B, NT):
+            hi = max(hi, okey(scores[r, b]))
+        _, hi = minmax(BIG, hi, red)
+        return okey_float(hi) if hi > KEY_NEG_INF else float32(0.0)
+    hi = int32(-0x80000000)  # okey 0 (below every real score's) in the signed order
+    b = tid
+    while b < B:
+        hi = max(hi, int32(bits32(okey(scores[ix(r), ix(b)])) ^ int32(-0x80000000)))
+        b = int32(b + NT)
+    for o in (16, 8, 4, 2, 1):
+        hi = max(hi, cuda.shfl_xor_sync(FULL, hi, o))
+    if (tid & 31) == 0:
+        red[tid >> 5] = hi
+    cuda.syncthreads()
+    if tid < 32:
+        hi = int32(red[tid]) if tid < NW else int32(-0x80000000)
+        for o in (16, 8, 4, 2, 1):
+            hi = max(hi, cuda.shfl_xor_sync(FULL, hi, o))
+        if tid == 0:
+            red[NW] = hi
+    cuda.syncthreads()
+    top = int64(uint32(int32(red[NW]) ^ int32(-0x80000000)))
+    return okey_float(top) if top > KEY_NEG_INF else float32(0.0)
+
+
+@cuda.jit(device=True, **INLINE)
+def gbin(x, ref):
+    """The bin of score ``x`` (higher bins hold higher scores)."""
+    return int32(okey(x - ref) >> GSHIFT)
+
+
+@cuda.jit(device=True, **INLINE)
+def keep(keys, hist, r, i, end, x, ref):
+    """Candidate i's okey into ``keys`` and its bin into the block's histogram (every lane).
+    Past ``end`` the store goes to ``end - 1`` with its own key (``score8`` scored it there):
+    no branch around the store."""
+    kx = okey(x)
+    keys[ix(r), ix(min(i, uint32(end - 1)))] = bits32(kx)
+    hist_add(hist, gbin(x, ref), i < end)
+
+
+@cuda.jit(device=True, **INLINE)
+def keep6(keys, hist, r, c, v, ref, x0, x1, x2, x3, x4, x5):
+    """A unit's six slots (``unit_at``'s lane view: first candidate ``c``, ``v`` slots left)
+    into ``keys`` and the histogram, as ``keep``'s."""
+    keep_slot(keys, hist, r, c, v, ref, x0, 0)
+    keep_slot(keys, hist, r, c, v, ref, x1, 1)
+    keep_slot(keys, hist, r, c, v, ref, x2, 2)
+    keep_slot(keys, hist, r, c, v, ref, x3, 3)
+    keep_slot(keys, hist, r, c, v, ref, x4, 4)
+    keep_slot(keys, hist, r, c, v, ref, x5, 5)
+
+
+@cuda.jit(device=True, **INLINE)
+def keep_slot(keys, hist, r, c, v, ref, x, i):
+    """Slot ``i`` of a unit as ``keep`` keeps a candidate; a slot past the fan-out (``32 i >=
+    v``) stores nothing and counts in the spare bin ``GB`` (an add with no branch around it)."""
+    take = int32(32 * i) < v
+    kx = bits32(okey(x))
+    if take:
+        keys[ix(r), ix(c) + uint64(32 * i)] = kx
+    hist_add(hist, gbin(x, ref) if take else int32(GB), True)
+
+
+@cuda.jit(device=True, **INLINE)
+def score_units(r, nb, upb, F, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc, keys, hist, ref):
+    """The block's beam units (``upb`` a beam, ``nb`` beams), two a warp at a time (twelve loads
+    a level in flight a thread; four at a time measured slower on the H200, session 47), into
+    ``keys`` and the histogram. ``sh`` is a constant at each
+    call (``bin_hist`` calls it once for each), so that the log-probabilities' conversion has
+    no select between the two forms."""
+    tid = cuda.threadIdx.x
+    nu = int32(nb * upb)
+    u = int32(tid >> 5)
+    while u < nu:
+        s0, m0, l0, f0, n0, v0, c0, w0 = unit_at(u, nu, upb, F, b0, r, B, bs, bm, bl, bf,
+                                                 bc)
+        s1, m1, l1, f1, n1, v1, c1, w1 = unit_at(u + NW, nu, upb, F, b0, r, B, bs, bm, bl,
+                                                 bf, bc)
+        a0, a1, a2, a3, a4, a5 = codes6(codes, f0, n0)
+        e0, e1, e2, e3, e4, e5 = codes6(codes, f1, n1)
+        x0, x1, x2, x3, x4, x5 = vals6(logp, w0, off, sh, s0, m0, l0, n0, a0, a1, a2, a3,
+                                       a4, a5)
+        y0, y1, y2, y3, y4, y5 = vals6(logp, w1, off, sh, s1, m1, l1, n1, e0, e1, e2, e3,
+                                       e4, e5)
+        keep6(keys, hist, r, c0, v0, ref, x0, x1, x2, x3, x4, x5)
+        keep6(keys, hist, r, c1, v1, ref, y0, y1, y2, y3, y4, y5)
+        u = int32(u + 2 * NW)

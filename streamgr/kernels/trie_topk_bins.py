@@ -5,7 +5,8 @@ launches on a workspace of counters that their last blocks leave zero (``counter
 
 1. ``bin_hist``: every block (``chunk`` candidates, one wave of 1,024-thread blocks over the GPU)
    loads its beams into shared memory (``trie_topk_beams``: a candidate then loads its code and
-   its log-probability, eight candidates a thread a round), writes each candidate's okey to an
+   its log-probability, in beam units where the fan-out allows, else eight candidates a thread a
+   round), writes each candidate's okey to an
    [R, N] buffer and adds it to the bin of ``x - ref`` (``gbin``: the top ``GBITS`` of that
    difference's order-preserving bits, so bins are finest near the request's best beam score
    ``ref``, where the ``k``-th best lies, and every score has one). No block waits for the
@@ -28,7 +29,10 @@ where a group of 32 reached ``D``, and sorted the lists bitonically), flat 0.027
 one counter word, answers staged by rank, 32-bit candidate indices, ``okey_from`` starting at
 its estimate) took them, on one machine, from 0.0348-0.0350 to 0.0304-0.0306 ms, 0.0270-0.0273
 to 0.0234-0.0235 and 0.0315-0.0316 to 0.0278. Staging each block's appends in shared memory
-(one global atomic a block instead of one a warp) measured no faster and was dropped.
+(one global atomic a block instead of one a warp) measured no faster and was dropped. Session
+47 (beam units, ``best_beam`` and bin_hist's loops in 32 bits) took them from 0.0303-0.0304 to
+0.0285-0.0286, 0.0239 to 0.0228-0.0230 and 0.0276-0.0277 to 0.0267 (step 2 at 48 requests
+0.0272-0.0273 to 0.0249).
 
 The binning is a monotone function of the score (``x - ref`` rounds monotonically), so every key
 of a bin above ``D`` beats every key in ``D``: the answer is the stable order's, exactly, with
@@ -38,6 +42,7 @@ no assumption about the scores' range. ``ref`` is only where the bins are finest
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from numba import cuda, float32, int32, int64, uint32
@@ -46,16 +51,13 @@ from .counters import zeroed
 from .kernel_cache import cached
 from .numba_common import INLINE, stamp
 from .trie_topk import SIMULATED
-from .trie_topk_beams import load_beams, score8
-from .trie_topk_dev import (BIG, FULL, JIT_NT, NB, NT, RED_N, SCAN_N, hist_add, lane_mask_lt,
-                            minmax, pick)
-from .trie_topk_index import bits32, div_f
+from .trie_topk_beams import (GB, GB1, GSHIFT, best_beam, gbin, keep, load_beams, score8,
+                              score_units, units_of)
+from .trie_topk_dev import FULL, JIT_NT, NB, NT, RED_N, SCAN_N, lane_mask_lt, pick
+from .trie_topk_index import div_f
 from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, ix, okey, okey_float, put_abs
 from .trie_topk_rank import SRT_N, radix_rest, rank_answer
 
-GBITS = 8 if SIMULATED else 12  # bins of bin_hist: 16 KiB of shared counters on the GPU
-GB = 1 << GBITS
-GSHIFT = 32 - GBITS
 # ws columns: the packed counts, the request's reference okey, then its histogram from HG.
 # CNT packs buf's count (bits 0-31: at most N < 2**31), sure's (32-43: at most k <= 1,024) and
 # bin_select's blocks done (44-62), so one atomic a warp reserves its slots in both lists and
@@ -69,80 +71,68 @@ ONE_SURE = int64(1) << SURE_SH
 ONE_DONE = int64(1) << DONE_SH
 OKEY_TOP = int64(0xFF800001)  # past okey(+inf): above every real score's
 SMS_SIM = 4  # the simulator's "SMs" (blocks a wave)
-
-
-@cuda.jit(device=True, **INLINE)
-def best_beam(scores, r, B, red):
-    """The request's best beam score (0 where every beam is dead): the bins' reference. (A
-    one-barrier version, each thread reading the warps' 32 maxima, measured 0.9 us slower
-    than ``minmax``'s three barriers at step 2 at beams of 1,024 on the H200, session 44.)"""
-    hi = int64(-1)
-    for b in range(cuda.threadIdx.x, B, cuda.blockDim.x):
-        hi = max(hi, okey(scores[r, b]))
-    _, hi = minmax(BIG, hi, red)
-    return okey_float(hi) if hi > KEY_NEG_INF else float32(0.0)
-
-
-@cuda.jit(device=True, **INLINE)
-def gbin(x, ref):
-    """The bin of score ``x`` (higher bins hold higher scores)."""
-    return int32(okey(x - ref) >> GSHIFT)
-
-
-@cuda.jit(device=True, **INLINE)
-def keep(keys, hist, r, i, end, x, ref):
-    """Candidate i's okey into ``keys`` and its bin into the block's histogram (every lane).
-    Past ``end`` the store goes to ``end - 1`` with its own key (``score8`` scored it there):
-    no branch around the store."""
-    kx = okey(x)
-    keys[ix(r), ix(min(i, uint32(end - 1)))] = bits32(kx)
-    hist_add(hist, gbin(x, ref), i < end)
+# bin_hist scores beam units where the fan-out allows (trie_topk_beams.units_of);
+# STREAMGR_TOPK_UNITS=0 keeps score8's rounds, for A/B runs
+UNITS = os.environ.get("STREAMGR_TOPK_UNITS", "1") == "1"
 
 
 @cached
 @cuda.jit(**JIT_NT)
-def bin_hist(N, k, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws, keys):
+def bin_hist(N, k, ch, upb, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws, keys):
     r = cuda.blockIdx.y
     tid = cuda.threadIdx.x
     stamp(14)
-    hist = cuda.shared.array(GB, int32)
+    hist = cuda.shared.array(GB1, int32)
     red = cuda.shared.array(RED_N, int64)
     bs = cuda.shared.array(NT, float32)
     bm = cuda.shared.array(NT, float32)
     bl = cuda.shared.array(NT, float32)
     bf = cuda.shared.array(NT, int32)
     bc = cuda.shared.array(NT, int32)
-    for i in range(tid, GB, NT):
+    i = tid
+    while i <= GB:  # 32-bit loops (a range() sets up a 64-bit trip count: 100 instructions)
         hist[i] = 0
+        i = int32(i + NT)
     start = cuda.blockIdx.x * ch
     end = min(N, start + ch)
     b0 = div_f(start, FM)
-    load_beams(r, b0, div_f(end - 1, FM) - b0 + 1, B, scores, nodes, ptr, lse, sh, bs, bm, bl,
-               bf, bc)
+    nb = div_f(end - 1, FM) - b0 + 1
+    load_beams(r, b0, nb, B, scores, nodes, ptr, lse, sh, bs, bm, bl, bf, bc)
     ref = best_beam(scores, r, B, red)  # its barriers publish the zeroed hist and the beams
     if cuda.blockIdx.x == 0 and tid == 0:  # bin_select's (every block's ref is the same)
         ws[r, REF] = okey(ref)
     stamp(1)
-    n_end = uint32(end)
-    for base in range(start, end, 8 * NT):  # eight candidates' loads in flight a thread
-        i0 = uint32(base + tid)  # 32-bit candidate indices (64-bit: 3 instructions more each)
-        x0, x1, x2, x3, x4, x5, x6, x7 = score8(r, i0, n_end, F, FM, b0, B, logp, sh, codes,
-                                                off, bs, bm, bl, bf, bc)
-        keep(keys, hist, r, i0, n_end, x0, ref)
-        keep(keys, hist, r, uint32(i0 + NT), n_end, x1, ref)
-        keep(keys, hist, r, uint32(i0 + 2 * NT), n_end, x2, ref)
-        keep(keys, hist, r, uint32(i0 + 3 * NT), n_end, x3, ref)
-        keep(keys, hist, r, uint32(i0 + 4 * NT), n_end, x4, ref)
-        keep(keys, hist, r, uint32(i0 + 5 * NT), n_end, x5, ref)
-        keep(keys, hist, r, uint32(i0 + 6 * NT), n_end, x6, ref)
-        keep(keys, hist, r, uint32(i0 + 7 * NT), n_end, x7, ref)
+    if upb:  # beam units (sh a constant at each call: its conversion folded, 0.0282 against
+        # 0.0287 ms with sh a variable at step 2 at beams of 1,024 on the H200, session 47)
+        if sh == 16:
+            score_units(r, nb, upb, F, b0, B, logp, 16, codes, off, bs, bm, bl, bf, bc, keys,
+                        hist, ref)
+        else:
+            score_units(r, nb, upb, F, b0, B, logp, 0, codes, off, bs, bm, bl, bf, bc, keys,
+                        hist, ref)
+    else:
+        n_end = uint32(end)
+        for base in range(start, end, 8 * NT):  # eight candidates' loads in flight a thread
+            i0 = uint32(base + tid)  # 32-bit candidate indices (64-bit: 3 instructions more)
+            x0, x1, x2, x3, x4, x5, x6, x7 = score8(r, i0, n_end, F, FM, b0, B, logp, sh,
+                                                    codes, off, bs, bm, bl, bf, bc)
+            keep(keys, hist, r, i0, n_end, x0, ref)
+            keep(keys, hist, r, uint32(i0 + NT), n_end, x1, ref)
+            keep(keys, hist, r, uint32(i0 + 2 * NT), n_end, x2, ref)
+            keep(keys, hist, r, uint32(i0 + 3 * NT), n_end, x3, ref)
+            keep(keys, hist, r, uint32(i0 + 4 * NT), n_end, x4, ref)
+            keep(keys, hist, r, uint32(i0 + 5 * NT), n_end, x5, ref)
+            keep(keys, hist, r, uint32(i0 + 6 * NT), n_end, x6, ref)
+            keep(keys, hist, r, uint32(i0 + 7 * NT), n_end, x7, ref)
     cuda.syncthreads()
     stamp(2)
     # every non-empty bin (adding only those from the block's own k-th up, exact too, measured
     # no faster on the H200, session 27)
-    for i in range(tid, GB, NT):
+    i = tid
+    while i < GB:
         if hist[i]:
             cuda.atomic.add(ws, (r, HG + i), int64(hist[i]))
+        i = int32(i + NT)
     stamp(15)
 
 
@@ -258,6 +248,8 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     flag = cuda.shared.array(1, int32)
     cnt = cuda.shared.array(2, int32)  # counts (a shared int32 atomic: no CAS loop)
     stamp(14, 1)
+    # (loading the first two rounds' keys before the pick, which does not need them, measured
+    # slower on the H200: the pick's loads queued behind them, 1.96 -> 3.15 us; session 47)
     t_d, t_s, need = bounds(ws, r, k, scan, res, bnd)
     stamp(5, 1)
     start = cuda.blockIdx.x * ch
@@ -323,12 +315,15 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     stamp(15, 1)
 
 
-def chunk(N: int, R: int, sms: int, F: int) -> int:
+def chunk(N: int, R: int, sms: int, F: int, B: int, upb: int) -> int:
     """Candidates a block scores: as many as leave one wave of blocks (1,024 threads each, one
     an SM) where the requests fill the GPU (fewer blocks in a second wave measured slower: the
     wave's latency, not its bytes, bounds them; session 19), in whole steps of ``4 NT``, and
-    at most a span of ``NT`` beams (``load_beams`` holds one a thread)."""
+    at most a span of ``NT`` beams (``load_beams`` holds one a thread); with beam units
+    (``upb`` a beam), whole beams, at most ``NT``."""
     per = max(1, sms // max(R, 1))  # blocks a request
+    if upb:
+        return min(-(-B // per), NT) * F
     step = 4 * NT
     n = -(-N // per)  # a block's share, rounded up to whole steps
     return min(max(step, -(-n // step) * step), (NT - 2) * F + 1)
@@ -339,14 +334,15 @@ def run(launch, R, N, k, KP, F, FM, B, sc, nd, lp, trie, outs, dev, arr):
     workspace of counters (``zeroed``: a graph's own, which the last blocks leave zero, or a
     fill) and an [R, N] int32 buffer of the candidates' okeys (written whole by ``bin_hist``:
     in the L2 cache when ``bin_select`` reads it)."""
-    ch = chunk(N, R, SMS_SIM if SIMULATED else sm_count(dev), F)
+    upb = units_of(F, UNITS)
+    ch = chunk(N, R, SMS_SIM if SIMULATED else sm_count(dev), F, B, upb)
     g = -(-N // ch)
     ws = zeroed((R, W_LEN), dev)
     sure = torch.empty(R, k, dtype=torch.int64, device=dev)
     buf = torch.empty(R, N, dtype=torch.int64, device=dev)
     keys = arr(torch.empty(R, N, dtype=torch.int32, device=dev))
     w = arr(ws)
-    launch(bin_hist, (g, R), NT)(N, k, ch, F, FM, B, sc, nd, *lp, *trie, w, keys)
+    launch(bin_hist, (g, R), NT)(N, k, ch, upb, F, FM, B, sc, nd, *lp, *trie, w, keys)
     launch(bin_select, (g, R), NT)(N, k, KP, ch, F, FM, B, sc, nd, *lp, *trie, w, keys,
                                    arr(sure), arr(buf), *outs)
 

@@ -228,6 +228,8 @@ from streamgr.kernels import trie_topk_root
 assert trie_topk_root.ROOT == (os.environ.get("STREAMGR_TOPK_ROOT") != "0")
 from streamgr.kernels import trie_topk_levels
 assert trie_topk_levels.LEVELS == (os.environ.get("STREAMGR_TOPK_LEVELS") == "1")
+from streamgr.kernels import trie_topk_bins
+assert trie_topk_bins.UNITS == (os.environ.get("STREAMGR_TOPK_UNITS") != "0")
 for R, B, fan, k, ties in {cases!r}:
     case = level(R, B, fan, V=max(fan, 64) * 2, seed=R + B + fan, ties=ties)
     k = min(k, B * case[-1])
@@ -251,7 +253,8 @@ AB_CASES = {("STREAMGR_TOPK_SAMPLE", "0"): STEP2 + ONE_CASES,
             ("STREAMGR_TOPK_QUAD", "0"): QUAD_CASES,
             ("STREAMGR_TOPK_QUAD", "2"): QUAD_CASES + ONE_CASES,
             ("STREAMGR_TOPK_ROOT", "0"): ROOT_CASES,
-            ("STREAMGR_TOPK_LEVELS", "1"): STEP2 + ONE_CASES}
+            ("STREAMGR_TOPK_LEVELS", "1"): STEP2 + ONE_CASES,
+            ("STREAMGR_TOPK_UNITS", "0"): GRID}
 
 
 def _ab_check(name: str, value: str, cases, timeout: float) -> None:
@@ -277,7 +280,9 @@ def test_kernels_under_their_ab_settings(name, value):
     of up to four blocks wanting over half a block on the one-block path's radix rounds),
     ``=2`` (four candidates a thread for any ``k``), ``STREAMGR_TOPK_ROOT=0`` (one beam's
     children on the one-block path, or four a thread), ``STREAMGR_TOPK_LEVELS=1`` (chunks of
-    five to eight blocks scored a load level at a time, ``trie_topk_levels``)."""
+    five to eight blocks scored a load level at a time, ``trie_topk_levels``),
+    ``STREAMGR_TOPK_UNITS=0`` (the grid's scoring in rounds of eight candidates a thread
+    instead of beam units)."""
     _ab_check(name, value, AB_CASES[name, value], 600)
 
 

@@ -105,7 +105,8 @@ def test_selection_kernels_fit_a_block_of_1024(name, tmp_path):
         "one_select": (one.one_select, (i64, i64, i64) + head + lp + trie + outs),
         "merge_select": (merge.merge_select, (i64, i64, i64, i64) + head + lp + trie
                          + (A(i64, 2), A(i64, 2), A(i64, 2)) + outs),
-        "bin_hist": (bn.bin_hist, (i64, i64, i64) + head + lp + trie + (A(i64, 2), A(i32, 2))),
+        "bin_hist": (bn.bin_hist, (i64, i64, i64, i64) + head + lp + trie
+                     + (A(i64, 2), A(i32, 2))),
         "bin_select": (bn.bin_select, (i64, i64, i64, i64) + head + lp + trie
                        + (A(i64, 2), A(i32, 2), A(i64, 2), A(i64, 2)) + outs)}[name]
     ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))

@@ -6,7 +6,7 @@ A block's chunk spans at most ``NT`` beams, so it first loads each beam's score,
 statistics, first child and child count (``load_beams``: the two dependent loads of the beam's
 node and its child range, once a beam); each candidate then loads its child's code and that
 code's log-probability only, two dependent loads where ``trie_topk_keys.cand`` issues four.
-Where the fan-out is at least ``UMIN`` (gen-ref's step 2: 177; flat: 8,192) the block owns
+Where the fan-out is at least ``UMIN`` = 128 (gen-ref's step 2: 177; flat: 8,192) the block owns
 whole beams and scores them in *beam units* (``score_units``): 192 consecutive child slots of
 one beam a warp, six a lane, two units at a time, everything about the beam warp-uniform, so
 no candidate divides its index or reads its beam (bin_hist executed 8.72 -> 5.75 M
@@ -110,7 +110,10 @@ def score8(r, i, end, F, FM, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc):
 # once, so that twelve loads a level are in flight a thread.
 UW = 6
 UNIT = 32 * UW
-UMIN = 64  # below it a unit would be mostly empty slots (score8's rounds instead)
+# Below UMIN score8's rounds instead: at 128 a unit's 192 slots are two thirds used, so a real
+# candidate costs ~1.5 slots of ~40 instructions, still under score8's ~70 and keep's ~23; the
+# fan-outs timed with units are gen-ref's 177 and the flat 8,192 (session 47)
+UMIN = 128
 
 
 @cuda.jit(device=True, **INLINE)

@@ -155,10 +155,10 @@ ONE_BLOCK = [(0, False, 3, (1, 5), 4), (1, True, 6, (2, 8), 8), (4, False, 9, (0
 # simulator's NT - 2): the last block's list sorted a key a thread (2, 9) or two (8: ties, 50
 # keys), or outgrowing two blocks' worth (61: every score equal, its radix select from the list
 # in global memory), k = 1, a fan-out of 1 (62: chunks of 31, five blocks a request); bin_hist's
-# beam units (F >= 64): one a beam (65, bf16 logits too), two (66: ties, F up to 260).
+# beam units (F >= 128): one a beam (65, bf16 logits too), two (66: ties, F up to 260).
 GRID = [(2, False, 40, (4, 12), 16), (8, True, 30, (4, 10), 32), (9, False, 40, (5, 10), 1),
         (61, "const", 24, (4, 8), 20), (62, False, 140, (1, 1), 20),
-        (65, False, 3, (60, 90), 20), (66, True, 2, (200, 260), 24)]
+        (65, False, 3, (130, 180), 20), (66, True, 2, (200, 260), 24)]
 # ... and the one-launch merge (2-4 blocks of <= 64 candidates a request, the last block's list
 # held up to 32 keys; fields R and the dead share added): the list ranked in its bins (16), sorted
 # where a bin is crowded (21), selected from global memory where it outgrows 32 (23) or holds

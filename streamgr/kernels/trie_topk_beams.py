@@ -248,9 +248,8 @@ def keep_slot(keys, hist, r, c, v, ref, x, i):
 def score_units(r, nb, upb, F, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc, keys, hist, ref):
     """The block's beam units (``upb`` a beam, ``nb`` beams), two a warp at a time (twelve loads
     a level in flight a thread; four at a time measured slower on the H200, session 47), into
-    ``keys`` and the histogram. ``sh`` is a constant at each
-    call (``bin_hist`` calls it once for each), so that the log-probabilities' conversion has
-    no select between the two forms."""
+    ``keys`` and the histogram. ``sh`` is a constant at each call (``bin_hist`` calls it once
+    for each), so that the log-probabilities' conversion has no select between the two forms."""
     tid = cuda.threadIdx.x
     nu = int32(nb * upb)
     u = int32(tid >> 5)

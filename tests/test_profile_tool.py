@@ -235,3 +235,27 @@ def test_probe_topk_timeline_turns_stamps_into_phases():
     assert out[4] == "  1 block-runs ended on a path without an end stamp"
     assert _phases([torch.zeros(0, 16, dtype=torch.int64)]) == \
         ["  no stamps: this shape's kernels do not call stamp()"]
+
+
+def test_probe_topk_timeline_spans_a_pair_of_launches():
+    """--timeline's line for a pair of launches (the second's blocks stamped from
+    ``STAMP_SECOND``): each launch's span and the gap between them, medians over the runs whose
+    every block stamped its end; nothing for a single launch."""
+    import torch
+    sys.path.insert(0, str(ROOT / "tools"))
+    from probe_topk import _launches
+
+    def rows(*spans):  # (start, end) ns a block
+        st = torch.zeros(len(spans), 16, dtype=torch.int64)
+        for i, (a, b) in enumerate(spans):
+            st[i, 14], st[i, 15] = a, b
+        return st
+    late = torch.tensor([False, False, True, True])
+    run1 = (rows((1_000, 9_000), (1_200, 10_000), (11_500, 20_000), (11_000, 18_000)), late)
+    run2 = (rows((1_000, 8_000), (1_000, 8_000), (9_000, 15_000), (9_000, 15_000)), late)
+    unended = (rows((1_000, 9_000), (1_000, 0), (9_500, 12_000), (9_500, 12_000)), late)
+    out = _launches([run1, run2, unended])
+    # spans 9.0 and 7.0 us (median of two: torch's lower), gaps 1.0 and 1.0, seconds 9.0 and 6.0
+    assert out == ["  launches: first 7.00 us, gap 1.00 us, second 6.00 us (medians over 2 runs)"]
+    one = (rows((1_000, 9_000)), torch.tensor([False]))
+    assert _launches([one]) == []

@@ -18,7 +18,10 @@ summarize its per-source-line report.
    phase stamps (``STREAMGR_NUMBA_STAMP``: thread 0's SM clock at each phase boundary, the
    global timer at the kernel's start and end), then per shape and kind of block (one-block
    requests; a merge's listing blocks and last blocks) each phase's median and slowest block in
-   us, and the launch's span from its first block's start to its last block's end.
+   us, and the launch's span from its first block's start to its last block's end; for a pair
+   of launches (the grid path) each one's span and the gap between them. ``--graph`` times the
+   selection captured in a CUDA graph and replayed, as a decode plan runs it (eager, the gap
+   holds Numba's host launch).
 
 Shapes: ``s1`` (16 x 1 x 8,192, k 256), ``s2`` (16 x 256 x 177), ``s3`` (16 x 256 x 3),
 ``flat`` (1 x 256 x 8,192), ``s2b1024`` (16 x 1,024 x 177, k 1,024); all by default.
@@ -81,7 +84,7 @@ def run(names: list[str]) -> None:
         torch.cuda.nvtx.range_pop()
 
 
-def timeline(names: list[str], reps: int) -> None:
+def timeline(names: list[str], reps: int, graph: bool = False) -> None:
     import os
 
     import torch
@@ -91,23 +94,58 @@ def timeline(names: list[str], reps: int) -> None:
     from bench_topk import DEV, level
     from streamgr.kernels import numba_common as nc
     from streamgr.kernels import trie_topk as tt
+    from streamgr.kernels.counters import Counters
     assert nc.STAMP == buf.data_ptr(), "a kernel module was imported before the stamp address"
     for name in names:
         R, B, F, k = SHAPES[name]
         case = level(R, B, F, seed=R + B + F + k)
         cap = torch.full((R,), k, device=DEV)
-        tt.trie_topk(*case, k, cap, impl="numba")  # compiles
-        runs = []
+        call = lambda: tt.trie_topk(*case, k, cap, impl="numba")  # noqa: E731
+        call()  # compiles
+        if graph:  # as a decode plan replays it: the launches back to back, no host between
+            counters = Counters()
+            with counters.sizing():
+                call()
+            counters.allocate(DEV)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g), counters.serving():
+                call()
+            call = g.replay
+        runs, pairs = [], []
         for _ in range(reps):
             buf.zero_()
             torch.cuda.synchronize()
-            tt.trie_topk(*case, k, cap, impl="numba")
+            call()
             torch.cuda.synchronize()
             st = buf.view(-1, 16).cpu()
-            runs.append(st[st[:, 14] > 0])
-        print(f"== {name} (R {R}, B {B}, F {F}, k {k}); {len(runs[0])} blocks, {reps} runs")
-        for line in _phases(runs):
+            on = st[:, 14] > 0
+            runs.append(st[on])
+            pairs.append((st[on], on.nonzero().view(-1) >= nc.STAMP_SECOND))
+        print(f"== {name} (R {R}, B {B}, F {F}, k {k}); {len(runs[0])} blocks, {reps} runs"
+              f"{', graph-replayed' if graph else ''}")
+        for line in _phases(runs) + _launches(pairs):
             print(line)
+
+
+def _launches(pairs) -> list[str]:
+    """Where a shape's selection is a pair of launches (the second's blocks stamp from
+    ``STAMP_SECOND``): each launch's span (first start to last end, global timer) and the gap
+    from the first's last end to the second's first start, medians over the runs whose every
+    block stamped its end."""
+    import torch
+    first, gap, second = [], [], []
+    for st, late in pairs:
+        if not late.any() or late.all() or not (st[:, 15] > 0).all():
+            continue
+        a, b = st[~late], st[late]
+        first.append((a[:, 15].max() - a[:, 14].min()).item() / 1e3)
+        gap.append((b[:, 14].min() - a[:, 15].max()).item() / 1e3)
+        second.append((b[:, 15].max() - b[:, 14].min()).item() / 1e3)
+    if not first:
+        return []
+    med = lambda v: torch.tensor(v).median().item()  # noqa: E731
+    return [f"  launches: first {med(first):.2f} us, gap {med(gap):.2f} us, second "
+            f"{med(second):.2f} us (medians over {len(first)} runs)"]
 
 
 def _phases(runs) -> list[str]:
@@ -150,6 +188,8 @@ def main() -> None:
     ap.add_argument("--summarize", metavar="NCU_TXT")
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--timeline", action="store_true", help="phase stamps (see 3. above)")
+    ap.add_argument("--graph", action="store_true",
+                    help="with --timeline: the selection captured in a CUDA graph and replayed")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     bad = [s for s in args.shapes if s not in SHAPES]
@@ -160,7 +200,7 @@ def main() -> None:
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     if args.timeline:
-        timeline(args.shapes or list(SHAPES), args.reps)
+        timeline(args.shapes or list(SHAPES), args.reps, args.graph)
         return
     run(args.shapes or list(SHAPES))
 

@@ -111,7 +111,7 @@ def timeline(names: list[str], reps: int, graph: bool = False) -> None:
             with torch.cuda.graph(g), counters.serving():
                 call()
             call = g.replay
-        runs, pairs = [], []
+        pairs = []  # (a run's stamped rows, which of them the second launch's)
         for _ in range(reps):
             buf.zero_()
             torch.cuda.synchronize()
@@ -119,11 +119,10 @@ def timeline(names: list[str], reps: int, graph: bool = False) -> None:
             torch.cuda.synchronize()
             st = buf.view(-1, 16).cpu()
             on = st[:, 14] > 0
-            runs.append(st[on])
             pairs.append((st[on], on.nonzero().view(-1) >= nc.STAMP_SECOND))
-        print(f"== {name} (R {R}, B {B}, F {F}, k {k}); {len(runs[0])} blocks, {reps} runs"
+        print(f"== {name} (R {R}, B {B}, F {F}, k {k}); {len(pairs[0][0])} blocks, {reps} runs"
               f"{', graph-replayed' if graph else ''}")
-        for line in _phases(runs) + _launches(pairs):
+        for line in _phases([st for st, _ in pairs]) + _launches(pairs):
             print(line)
 
 

@@ -179,29 +179,29 @@ def best_beam(scores, r, B, red):
     the H200, session 44.)"""
     tid = cuda.threadIdx.x
     if SIMULATED:
-        hi = int64(-1)
+        top = int64(-1)
         for b in range(tid, B, NT):
-            hi = max(hi, okey(scores[r, b]))
-        _, hi = minmax(BIG, hi, red)
-        return okey_float(hi) if hi > KEY_NEG_INF else float32(0.0)
-    hi = int32(-0x80000000)  # okey 0 (below every real score's) in the signed order
-    b = tid
-    while b < B:
-        hi = max(hi, int32(bits32(okey(scores[ix(r), ix(b)])) ^ int32(-0x80000000)))
-        b = int32(b + NT)
-    for o in (16, 8, 4, 2, 1):
-        hi = max(hi, cuda.shfl_xor_sync(FULL, hi, o))
-    if (tid & 31) == 0:
-        red[tid >> 5] = hi
-    cuda.syncthreads()
-    if tid < 32:
-        hi = int32(red[tid]) if tid < NW else int32(-0x80000000)
+            top = max(top, okey(scores[r, b]))
+        _, top = minmax(BIG, top, red)
+    else:
+        hi = int32(-0x80000000)  # okey 0 (below every real score's) in the signed order
+        b = tid
+        while b < B:
+            hi = max(hi, int32(bits32(okey(scores[ix(r), ix(b)])) ^ int32(-0x80000000)))
+            b = int32(b + NT)
         for o in (16, 8, 4, 2, 1):
             hi = max(hi, cuda.shfl_xor_sync(FULL, hi, o))
-        if tid == 0:
-            red[NW] = hi
-    cuda.syncthreads()
-    top = int64(uint32(int32(red[NW]) ^ int32(-0x80000000)))
+        if (tid & 31) == 0:
+            red[tid >> 5] = hi
+        cuda.syncthreads()
+        if tid < 32:
+            hi = int32(red[tid]) if tid < NW else int32(-0x80000000)
+            for o in (16, 8, 4, 2, 1):
+                hi = max(hi, cuda.shfl_xor_sync(FULL, hi, o))
+            if tid == 0:
+                red[NW] = hi
+        cuda.syncthreads()
+        top = int64(uint32(int32(red[NW]) ^ int32(-0x80000000)))
     return okey_float(top) if top > KEY_NEG_INF else float32(0.0)
 
 

@@ -237,11 +237,17 @@ def keep6(keys, hist, r, c, v, ref, x0, x1, x2, x3, x4, x5):
 def keep_slot(keys, hist, r, c, v, ref, x, i):
     """Slot ``i`` of a unit as ``keep`` keeps a candidate; a slot past the fan-out (``32 i >=
     v``) stores nothing and counts in the spare bin ``GB`` (an add with no branch around it)."""
-    take = int32(32 * i) < v
     kx = bits32(okey(x))
-    if take:
+    if int32(32 * i) < v:
         keys[ix(r), ix(c) + uint64(32 * i)] = kx
-    hist_add(hist, gbin(x, ref) if take else int32(GB), True)
+    hist_add(hist, slot_bin(x, ref, v, i), True)
+
+
+@cuda.jit(device=True, **INLINE)
+def slot_bin(x, ref, v, i):
+    """The histogram bin of a unit's slot ``i`` (score ``x``, ``v`` slots left): ``gbin``'s,
+    or the spare bin ``GB`` past the fan-out."""
+    return gbin(x, ref) if int32(32 * i) < v else int32(GB)
 
 
 @cuda.jit(device=True, **INLINE)

@@ -47,6 +47,7 @@ import os
 import torch
 from numba import cuda, float32, int32, int64, uint32
 
+from . import trie_topk_kept as kept
 from .counters import zeroed
 from .kernel_cache import cached
 from .numba_common import INLINE, stamp
@@ -335,7 +336,14 @@ def run(launch, R, N, k, KP, F, FM, B, sc, nd, lp, trie, outs, dev, arr):
     fill) and an [R, N] int32 buffer of the candidates' okeys (written whole by ``bin_hist``:
     in the L2 cache when ``bin_select`` reads it)."""
     upb = units_of(F, UNITS)
-    ch = chunk(N, R, SMS_SIM if SIMULATED else sm_count(dev), F, B, upb)
+    sms = SMS_SIM if SIMULATED else sm_count(dev)
+    if kept.serves(upb):  # one launch (the simulator has no waves to keep to one)
+        bpb = kept.beams_a_block(R, B, sms, upb)
+        g = -(-B // bpb)
+        if g <= kept.GMAX and (SIMULATED or R * g <= sms):
+            kept.run(launch, R, N, k, KP, upb, F, FM, B, sc, nd, lp, trie, outs, dev, arr, bpb)
+            return
+    ch = chunk(N, R, sms, F, B, upb)
     g = -(-N // ch)
     ws = zeroed((R, W_LEN), dev)
     sure = torch.empty(R, k, dtype=torch.int64, device=dev)

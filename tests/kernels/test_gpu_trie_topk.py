@@ -254,7 +254,7 @@ AB_CASES = {("STREAMGR_TOPK_SAMPLE", "0"): STEP2 + ONE_CASES,
             ("STREAMGR_TOPK_QUAD", "2"): QUAD_CASES + ONE_CASES,
             ("STREAMGR_TOPK_ROOT", "0"): ROOT_CASES,
             ("STREAMGR_TOPK_LEVELS", "1"): STEP2 + ONE_CASES,
-            ("STREAMGR_TOPK_UNITS", "0"): GRID}
+            ("STREAMGR_TOPK_UNITS", "0"): GRID, ("STREAMGR_TOPK_KEPT", "0"): GRID}
 
 
 def _ab_check(name: str, value: str, cases, timeout: float) -> None:
@@ -282,7 +282,8 @@ def test_kernels_under_their_ab_settings(name, value):
     children on the one-block path, or four a thread), ``STREAMGR_TOPK_LEVELS=1`` (chunks of
     five to eight blocks scored a load level at a time, ``trie_topk_levels``),
     ``STREAMGR_TOPK_UNITS=0`` (the grid's scoring in rounds of eight candidates a thread
-    instead of beam units)."""
+    instead of beam units), ``STREAMGR_TOPK_KEPT=0`` (the two grid launches where the one
+    launch of ``trie_topk_kept`` serves)."""
     _ab_check(name, value, AB_CASES[name, value], 600)
 
 
@@ -298,13 +299,16 @@ def test_the_merge_with_the_sampled_floor_finishes():
 @pytest.mark.parametrize("R,B,fan,k,kind", [
     (16, 1024, 177, 1024, "random"), (16, 1024, 177, 1024, "sorted"), (1, 256, 8192, 256, "random"),
     (1, 256, 8192, 1024, "bf16"), (2, 1024, 177, 1024, "const"), (3, 1024, 177, 700, "dead"),
-    (2, 1024, 100, 600, "ties"), (3, 1024, 177, 513, "random"), (1, 5000, 3, 1000, "random")])
+    (2, 1024, 100, 600, "ties"), (3, 1024, 177, 513, "random"), (1, 5000, 3, 1000, "random"),
+    (1, 900, 128, 1000, "random")])
 def test_grid_equals_reference(R, B, fan, k, kind):
-    """The two grid launches (``trie_topk_bins``): gen-ref's step 2 at beams of 1,024 (random,
-    and beams sorted best first so the best candidates crowd the first blocks), one request's
-    flat 2,097,152 at k 256 and (bf16 logits) 1,024, every key tied (the radix fallback over a
-    crowded bin), most beams dead, ties, k just over half a block, and a fan-out of 3 (chunks of
-    at most ``NT - 2`` beams: more blocks than SMs); widths from 1 to k."""
+    """The grid paths: the one launch of ``trie_topk_kept`` where beam units fit and the two of
+    ``trie_topk_bins`` elsewhere. Gen-ref's step 2 at beams of 1,024 (random, and beams sorted
+    best first so the best candidates crowd the first blocks), one request's flat 2,097,152 at
+    k 256 and (bf16 logits) 1,024, every key tied (the radix fallback over a crowded bin), most
+    beams dead, ties, k just over half a block, a fan-out of 3 (chunks of at most ``NT - 2``
+    beams: more blocks than SMs; the two launches), and blocks of fewer than k candidates (seven
+    beams of 128 against k 1,000: each block keeps all of its own)."""
     from streamgr.kernels import trie_topk_merge as tm
     case, cap = uniform_case(R, B, fan, k, kind == "const", kind == "bf16",
                              seed=R * 17 + B + fan + k)

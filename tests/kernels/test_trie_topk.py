@@ -154,11 +154,14 @@ ONE_BLOCK = [(0, False, 3, (1, 5), 4), (1, True, 6, (2, 8), 8), (4, False, 9, (0
 # ... and the grid launches (> 64 candidates; 256 bins; chunks of at most 30 beams, the
 # simulator's NT - 2): the last block's list sorted a key a thread (2, 9) or two (8: ties, 50
 # keys), or outgrowing two blocks' worth (61: every score equal, its radix select from the list
-# in global memory), k = 1, a fan-out of 1 (62: chunks of 31, five blocks a request); bin_hist's
-# beam units (F >= 128): one a beam (65, bf16 logits too), two (66: ties, F up to 260).
+# in global memory), k = 1, a fan-out of 1 (62: chunks of 31, five blocks a request); and where
+# the fan-out takes beam units (F >= 128) the one launch of trie_topk_kept (up to four units a
+# warp): one a beam (65, bf16 logits too, twice on one arena of counters), two (66: ties, F up
+# to 260), every score equal (67: D's keys outgrow the last block, the radix select from buf).
 GRID = [(2, False, 40, (4, 12), 16), (8, True, 30, (4, 10), 32), (9, False, 40, (5, 10), 1),
         (61, "const", 24, (4, 8), 20), (62, False, 140, (1, 1), 20),
-        (65, False, 3, (130, 180), 20), (66, True, 2, (200, 260), 24)]
+        (65, False, 3, (130, 180), 20), (66, True, 2, (200, 260), 24),
+        (67, "const", 3, (130, 140), 20)]
 # ... and the one-launch merge (2-4 blocks of <= 64 candidates a request, the last block's list
 # held up to 32 keys; fields R and the dead share added): the list ranked in its bins (16), sorted
 # where a bin is crowded (21), selected from global memory where it outgrows 32 (23) or holds
@@ -211,7 +214,7 @@ def simulate(script: str, cases=None, **env) -> list[str]:
 @pytest.mark.parametrize("cases,env", [
     (ONE_BLOCK + QUAD, {"STREAMGR_TOPK_OWN": "2"}),
     (GRID + OWN1 + ONE_RADIX + ONE_BEAM, {"STREAMGR_TOPK_OWN": "1", "STREAMGR_TOPK_QUAD": "0",
-                                          "STREAMGR_TOPK_ROOT": "0", "SIM_COUNTED": "2"}),
+                                          "STREAMGR_TOPK_ROOT": "0", "SIM_COUNTED": "2,65"}),
     (MERGE + QUAD_ANY_K, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_QUAD": "2",
                           "SIM_COUNTED": "16"}),
     (UNSAMPLED, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_SAMPLE": "0"})],

@@ -1,0 +1,320 @@
+"""The grid selection of ``trie_topk`` in one launch, where a block's beam units fit four a warp
+(``serves``: gen-ref's step 2 at beams of 1,024, 128 beams of one unit a block; one request's
+flat 2,097,152, two beams of 43 units): ``kept_select`` instead of ``trie_topk_bins``' two
+launches.
+
+Each block scores its beams' units as ``bin_hist`` does (``trie_topk_beams``), but holds the
+scores in registers (24 a thread) instead of writing every candidate's okey to an [R, N] buffer
+for a second launch to read back. Its own histogram then gives the bin ``d`` of its own
+``k``-th best (``pick`` in shared memory): a candidate below ``d`` trails ``k`` of the block's
+own, so it is not among the request's ``k`` best. The block appends the rest (``k`` and the
+ties of ``d``: about ``k`` a block) to the request's *kept* list, one global atomic a block,
+adds the bins from ``d`` up to the request's histogram and votes; the request's last block picks
+the bin ``D`` of the ``k``-th best of the kept keys (which hold every key of the answer, so
+their ``k``-th is the request's), routes the kept keys past ``D`` and in ``D`` into shared
+memory by their bins (``gbin`` of the key's score again: no okey bounds to search), ranks and
+answers them (``rank_answer``), or where ties crowd ``D`` radix-selects the rest from a global
+list (``radix_rest``), and leaves the counters zero (``counters.zeroed``).
+
+Against the two launches this drops the second launch, the okey buffer's writes and reads
+(11.6 MB each at gen-ref's step 2 at beams of 1,024), every block's pick and bound search, and the
+last block's reads of two global lists. Shared memory is dynamic (``SMEM``): the scoring's
+beams and histogram and the last block's ranking arrays alias (37 KB, where the two sets side
+by side would pass the 48 KB a launch takes without an opt-in).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from numba import cuda, float32, int32, int64, uint32
+
+from .numba_common import INLINE, stamp
+from .trie_topk import SIMULATED
+from .trie_topk_beams import (GB, GB1, best_beam, codes6, gbin, load_beams, slot_bin, unit_at,
+                              vals6)
+from .trie_topk_dev import JIT_NT, NB, NT, NW, RED_N, SCAN_N, block_scan, hist_add, pick
+from .trie_topk_keys import MAXC, okey, put_abs
+from .trie_topk_rank import SRT_N, radix_rest, rank_answer
+from .counters import zeroed
+from .kernel_cache import cached
+
+# ws: the blocks done, then the request's histogram from HG (trie_topk_bins' layout)
+CNT = 0
+HG = 8
+W_LEN = HG + GB
+UPW = 4  # units a warp holds: 24 scores a thread in registers
+GMAX = NT if SIMULATED else 256  # blocks a request (the last block's segment tables)
+GMAX1 = GMAX + 1
+KEPT = os.environ.get("STREAMGR_TOPK_KEPT", "1") == "1"  # 0: the two launches (A/B)
+# dynamic shared memory (bytes): the scoring's five beam arrays then its histogram (GB1 int32),
+# or the last block's srt and seg (SRT_N int64 each) then its ranking bins (NB int32)
+BEAMS_B = 20 * NT
+SMEM = max(BEAMS_B + 4 * GB1, 16 * SRT_N + 4 * NB)
+
+
+@cuda.jit(device=True, **INLINE)
+def pair_scores(u, nu, upb, F, b0, r, B, logp, sh, codes, off, bs, bm, bl, bf, bc, hist, ref):
+    """Units ``u`` and ``u + NW`` scored (``score_units``' pair) and counted in ``hist``:
+    their twelve scores, and each unit's slots left and first candidate (``unit_at``)."""
+    s0, m0, l0, f0, n0, v0, c0, w0 = unit_at(u, nu, upb, F, b0, r, B, bs, bm, bl, bf, bc)
+    s1, m1, l1, f1, n1, v1, c1, w1 = unit_at(u + NW, nu, upb, F, b0, r, B, bs, bm, bl, bf, bc)
+    a0, a1, a2, a3, a4, a5 = codes6(codes, f0, n0)
+    e0, e1, e2, e3, e4, e5 = codes6(codes, f1, n1)
+    x0, x1, x2, x3, x4, x5 = vals6(logp, w0, off, sh, s0, m0, l0, n0, a0, a1, a2, a3, a4, a5)
+    y0, y1, y2, y3, y4, y5 = vals6(logp, w1, off, sh, s1, m1, l1, n1, e0, e1, e2, e3, e4, e5)
+    bins6(hist, v0, ref, x0, x1, x2, x3, x4, x5)
+    bins6(hist, v1, ref, y0, y1, y2, y3, y4, y5)
+    return x0, x1, x2, x3, x4, x5, y0, y1, y2, y3, y4, y5, v0, c0, v1, c1
+
+
+@cuda.jit(device=True, **INLINE)
+def bins6(hist, v, ref, x0, x1, x2, x3, x4, x5):
+    """A unit's six slots into the histogram (slots past the fan-out into the spare bin)."""
+    hist_add(hist, slot_bin(x0, ref, v, 0), True)
+    hist_add(hist, slot_bin(x1, ref, v, 1), True)
+    hist_add(hist, slot_bin(x2, ref, v, 2), True)
+    hist_add(hist, slot_bin(x3, ref, v, 3), True)
+    hist_add(hist, slot_bin(x4, ref, v, 4), True)
+    hist_add(hist, slot_bin(x5, ref, v, 5), True)
+
+
+@cuda.jit(device=True, **INLINE)
+def cursors(hist, k, scan, res, cum, ws, r, blk):
+    """The bin ``d`` of the block's ``k``-th best (0 where it holds fewer: every key kept), as
+    ``pick`` finds it; then for each bin ``g`` from ``d`` up: ``hist[g]`` becomes the keys in
+    bins above it (the bin's first slot in the block's segment, keys ordered by bin, best
+    first), ``cum[r, blk, g]`` the keys in it and above, and its count goes to the request's
+    histogram. Threads own ``GB // NT`` bins each, the highest first (their counts read again
+    from shared memory: no local array). ``res[0]`` is 0 on entry. Every thread calls it; it
+    ends synchronized."""
+    per = GB // NT
+    hi = GB - 1 - cuda.threadIdx.x * per
+    own = int32(0)
+    for e in range(per):
+        own = int32(own + hist[hi - e])
+    incl, _ = block_scan(own, scan, NT)
+    ex = int32(incl - own)
+    w = int32(k)
+    if ex < w and w <= incl:
+        for e in range(per):
+            h = hist[hi - e]
+            if int32(ex + h) >= w:
+                res[0] = hi - e
+                break
+            ex = int32(ex + h)
+    cuda.syncthreads()
+    d = res[0]
+    ex = int32(incl - own)
+    for e in range(per):
+        g = hi - e
+        h = hist[g]
+        if g >= d:
+            hist[g] = ex
+            cum[r, blk, g] = int32(ex + h)
+            if h != 0:
+                cuda.atomic.add(ws, (r, HG + g), int64(h))
+        ex = int32(ex + h)
+    cuda.syncthreads()
+    return d
+
+
+@cuda.jit(device=True, **INLINE)
+def put1(kept, r, seg, hist, c, v, ref, d, x, i):
+    """Slot ``i``'s absolute key (``okey << 31 | MAXC - c``) into its bin's next slot of the
+    block's segment (``kept[r, seg:]``) where it is a candidate's in bin ``d`` or above."""
+    g = gbin(x, ref)
+    if int32(32 * i) < v and g >= d:
+        kept[r, seg + cuda.atomic.add(hist, g, 1)] = ((okey(x) << 31)
+                                                      | (MAXC - int64(uint32(c + uint32(32 * i)))))
+
+
+@cuda.jit(device=True, **INLINE)
+def put6(kept, r, seg, hist, c, v, ref, d, x0, x1, x2, x3, x4, x5):
+    put1(kept, r, seg, hist, c, v, ref, d, x0, 0)
+    put1(kept, r, seg, hist, c, v, ref, d, x1, 1)
+    put1(kept, r, seg, hist, c, v, ref, d, x2, 2)
+    put1(kept, r, seg, hist, c, v, ref, d, x3, 3)
+    put1(kept, r, seg, hist, c, v, ref, d, x4, 4)
+    put1(kept, r, seg, hist, c, v, ref, d, x5, 5)
+
+
+@cuda.jit(device=True, **INLINE)
+def fetch(kept, r, ch, pre, pa, gb, i):
+    """The last block's key ``i`` of the keys in ``D`` and above, taken from the blocks'
+    segments in block order (``pre``: each block's first, ``pa``: keys past ``D`` before it,
+    ``gb`` + 1 entries each): (key, its slot among those past ``D`` or -1, its slot among
+    ``D``'s)."""
+    lo = int32(0)
+    hi = int32(gb - 1)
+    while lo < hi:  # the block whose keys hold i: the last with pre <= i
+        mid = int32((lo + hi + 1) >> 1)
+        if pre[mid] <= i:
+            lo = mid
+        else:
+            hi = int32(mid - 1)
+    j = int32(i - pre[lo])
+    na = int32(pa[lo + 1] - pa[lo])  # the block's keys past D: its segment's first
+    v = kept[r, int64(lo) * ch + j]
+    return v, int32(pa[lo] + j) if j < na else int32(-1), int32(pre[lo] - pa[lo] + j - na)
+
+
+@cuda.jit(device=True, **INLINE)
+def place(srt, buf, r, v, a, dn, above, small):
+    """A fetched key to its slot: past ``D`` at ``a``, in ``D`` after those (``small``) or in
+    ``buf``."""
+    if a >= 0:
+        srt[a] = v
+    elif small:
+        srt[above + dn] = v
+    else:
+        buf[r, dn] = v
+
+
+@cached
+@cuda.jit(**JIT_NT)
+def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws,
+                kept, cum, buf, cap, top, parent, child, code):
+    r = cuda.blockIdx.y
+    blk = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    stamp(14)
+    dyn_f = cuda.shared.array(0, float32)
+    dyn_i = cuda.shared.array(0, int32)
+    dyn_l = cuda.shared.array(0, int64)
+    bs = dyn_f[0:NT]
+    bm = dyn_f[NT:2 * NT]
+    bl = dyn_f[2 * NT:3 * NT]
+    bf = dyn_i[3 * NT:4 * NT]
+    bc = dyn_i[4 * NT:5 * NT]
+    hist = dyn_i[5 * NT:5 * NT + GB1]
+    scan = cuda.shared.array(SCAN_N, int32)
+    res = cuda.shared.array(4, int32)
+    red = cuda.shared.array(RED_N, int64)
+    flag = cuda.shared.array(1, int32)
+    cnt = cuda.shared.array(2, int32)
+    pre = cuda.shared.array(GMAX1, int32)
+    pa = cuda.shared.array(GMAX1, int32)
+    i = tid
+    while i <= GB:
+        hist[i] = 0
+        i = int32(i + NT)
+    if tid == 0:
+        res[0] = 0  # cursors' pick leaves it where the block holds fewer than k: keep them all
+    b0 = blk * bpb
+    nb = min(bpb, B - b0)
+    load_beams(r, b0, nb, B, scores, nodes, ptr, lse, sh, bs, bm, bl, bf, bc)
+    ref = best_beam(scores, r, B, red)  # its barriers publish the zeroed hist and the beams
+    stamp(1)
+    nu = int32(nb * upb)
+    u = int32(tid >> 5)
+    if sh == 16:  # a constant at each call: the conversion folded, as in bin_hist
+        x0, x1, x2, x3, x4, x5, y0, y1, y2, y3, y4, y5, v0, c0, v1, c1 = pair_scores(
+            u, nu, upb, F, b0, r, B, logp, 16, codes, off, bs, bm, bl, bf, bc, hist, ref)
+        z0, z1, z2, z3, z4, z5, q0, q1, q2, q3, q4, q5, v2, c2, v3, c3 = pair_scores(
+            u + 2 * NW, nu, upb, F, b0, r, B, logp, 16, codes, off, bs, bm, bl, bf, bc, hist,
+            ref)
+    else:
+        x0, x1, x2, x3, x4, x5, y0, y1, y2, y3, y4, y5, v0, c0, v1, c1 = pair_scores(
+            u, nu, upb, F, b0, r, B, logp, 0, codes, off, bs, bm, bl, bf, bc, hist, ref)
+        z0, z1, z2, z3, z4, z5, q0, q1, q2, q3, q4, q5, v2, c2, v3, c3 = pair_scores(
+            u + 2 * NW, nu, upb, F, b0, r, B, logp, 0, codes, off, bs, bm, bl, bf, bc, hist,
+            ref)
+    cuda.syncthreads()
+    stamp(2)
+    d = cursors(hist, k, scan, res, cum, ws, r, blk)
+    stamp(3)
+    seg = int64(blk) * (bpb * F)  # the block's segment: its chunk's candidates' span
+    put6(kept, r, seg, hist, c0, v0, ref, d, x0, x1, x2, x3, x4, x5)
+    put6(kept, r, seg, hist, c1, v1, ref, d, y0, y1, y2, y3, y4, y5)
+    put6(kept, r, seg, hist, c2, v2, ref, d, z0, z1, z2, z3, z4, z5)
+    put6(kept, r, seg, hist, c3, v3, ref, d, q0, q1, q2, q3, q4, q5)
+    cuda.threadfence()  # the block's keys, cum and bins before its vote
+    cuda.syncthreads()
+    stamp(4)
+    if tid == 0:
+        flag[0] = cuda.atomic.add(ws, (r, CNT), int64(1)) == cuda.gridDim.x - 1
+    cuda.syncthreads()
+    if not flag[0]:
+        stamp(15)
+        return
+    cuda.threadfence()
+    d, need, nd = pick(ws[r, HG:], GB, k, scan, res, NT)  # D: the request's k-th best's bin
+    d = int32(d)
+    above = int32(k - need)  # keys past D
+    total = int32(above + nd)
+    small = total <= SRT_N
+    if tid == 0:  # left zero for the next launch (every block read them before it voted)
+        ws[r, CNT] = 0
+        cnt[0] = above  # radix_rest's appends (where D is crowded)
+    for i in range(tid, GB, NT):
+        ws[r, HG + i] = 0
+    gb = cuda.gridDim.x
+    n_all = int32(0)
+    n_a = int32(0)
+    if tid < gb:  # each block's keys in D and above, and past D
+        n_all = cum[r, tid, d]
+        n_a = cum[r, tid, d + 1] if d + 1 < GB else int32(0)
+    s_all, _ = block_scan(n_all, scan, NT)
+    s_a, _ = block_scan(n_a, scan, NT)
+    if tid < gb:
+        pre[tid] = int32(s_all - n_all)
+        pa[tid] = int32(s_a - n_a)
+        if tid == gb - 1:
+            pa[gb] = s_a
+    srt = dyn_l[0:SRT_N]  # the scoring's arrays are dead: the ranking's alias them
+    seg2 = dyn_l[SRT_N:2 * SRT_N]
+    hist2 = dyn_i[4 * SRT_N:4 * SRT_N + NB]
+    cuda.syncthreads()
+    stamp(5)
+    ch = bpb * F
+    if small:  # two keys a thread at most: both loads issued before either is placed
+        w0, a0, n0 = fetch(kept, r, ch, pre, pa, gb, min(tid, total - 1))
+        w1, a1, n1 = fetch(kept, r, ch, pre, pa, gb, min(tid + NT, total - 1))
+        if tid < total:
+            place(srt, buf, r, w0, a0, n0, above, True)
+        if tid + NT < total:
+            place(srt, buf, r, w1, a1, n1, above, True)
+    else:
+        for i in range(tid, total, NT):
+            w0, a0, n0 = fetch(kept, r, ch, pre, pa, gb, i)
+            place(srt, buf, r, w0, a0, n0, above, False)
+    cuda.syncthreads()
+    stamp(7)
+    if not small:  # ties crowd D: the rest of the k from buf (appended at cnt[0] = above)
+        radix_rest(buf, r, nd, need, hist2, scan, res, red, srt, cnt)
+        total = k
+    stamp(8)
+    if not rank_answer(srt, seg2, hist2, scan, res, red, total, k, KP, r, F, FM, scores, nodes,
+                       ptr, codes, cap, top, parent, child, code):
+        for i in range(tid, k, NT):  # sorted where ties crowd a bin: answers from the keys
+            put_abs(srt[i], i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap,
+                    top, parent, child, code, int64(-1))
+    stamp(15)
+
+
+def serves(upb: int) -> bool:
+    """Whether ``kept_select`` takes a request of ``upb`` beam units a beam (0: none)."""
+    return KEPT and 0 < upb <= UPW * NW
+
+
+def beams_a_block(R: int, B: int, sms: int, upb: int) -> int:
+    """Beams a block: as many as leave one wave of blocks where the requests fill the GPU
+    (``trie_topk_bins.chunk``'s rule), at most ``UPW NW`` units' worth."""
+    per = max(1, sms // max(R, 1))
+    return max(1, min(-(-B // per), (UPW * NW) // upb))
+
+
+def run(launch, R, N, k, KP, upb, F, FM, B, sc, nd, lp, trie, outs, dev, arr, bpb):
+    """The one launch for R requests of B beams of fan-out F (``upb`` units a beam, ``bpb``
+    beams a block), on a workspace of counters (``zeroed``) and [R, N] int64 lists: the kept
+    keys, and D's keys where ties crowd it (written only then)."""
+    g = -(-B // bpb)
+    assert g <= GMAX, (g, GMAX)
+    ws = zeroed((R, W_LEN), dev)
+    kept = torch.empty(R, N, dtype=torch.int64, device=dev)
+    cum = torch.empty(R, g, GB, dtype=torch.int32, device=dev)
+    buf = torch.empty(R, N, dtype=torch.int64, device=dev)
+    launch(kept_select, (g, R), NT, SMEM)(N, k, KP, upb, bpb, F, FM, B, sc, nd, *lp, *trie,
+                                          arr(ws), arr(kept), arr(cum), arr(buf), *outs)

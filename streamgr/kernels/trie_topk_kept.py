@@ -34,7 +34,7 @@ from .numba_common import INLINE, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_beams import (GB, GB1, best_beam, codes6, gbin, load_beams, slot_bin, unit_at,
                               vals6)
-from .trie_topk_dev import JIT_NT, NB, NT, NW, RED_N, SCAN_N, block_scan, hist_add, pick
+from .trie_topk_dev import FULL, JIT_NT, NB, NT, NW, RED_N, SCAN_N, block_scan, hist_add, pick
 from .trie_topk_keys import MAXC, okey, put_abs
 from .trie_topk_rank import SRT_N, radix_rest, rank_answer
 from .counters import zeroed
@@ -45,9 +45,10 @@ CNT = 0
 HG = 8
 W_LEN = HG + GB
 UPW = 4  # units a warp holds: 24 scores a thread in registers
-GMAX = NT if SIMULATED else 256  # blocks a request (the last block's segment tables)
+GMAX = 32  # blocks a request: one warp sums their counts (``starts``)
 GMAX1 = GMAX + 1
 KEPT = os.environ.get("STREAMGR_TOPK_KEPT", "1") == "1"  # 0: the two launches (A/B)
+FENCE1 = os.environ.get("STREAMGR_TOPK_FENCE1", "0") == "1"
 # dynamic shared memory (bytes): the scoring's five beam arrays then its histogram (GB1 int32),
 # or the last block's srt and seg (SRT_N int64 each) then its ranking bins (NB int32)
 BEAMS_B = 20 * NT
@@ -161,6 +162,39 @@ def fetch(kept, r, ch, pre, pa, gb, i):
 
 
 @cuda.jit(device=True, **INLINE)
+def starts(cum, r, gb, d, pre, pa, scan):
+    """Each of the request's ``gb`` (at most 32) blocks' first slot, in block order, of the
+    keys from ``D`` (``d``) up into ``pre``, and of those past ``D`` into ``pa`` (``gb`` + 1
+    entries, their total last), from the blocks' ``cum``: on the GPU by one warp's shuffles
+    (two block scans took four barriers). The caller's next barrier publishes them."""
+    tid = cuda.threadIdx.x
+    n_all = int32(0)
+    n_a = int32(0)
+    if tid < gb:
+        n_all = cum[r, tid, d]
+        n_a = cum[r, tid, d + 1] if d + 1 < GB else int32(0)
+    x = int32(0)
+    y = int32(0)
+    if SIMULATED:  # no shuffles there
+        x, _ = block_scan(n_all, scan, NT)
+        y, _ = block_scan(n_a, scan, NT)
+    elif tid < 32:
+        x = n_all
+        y = n_a
+        for o in (1, 2, 4, 8, 16):
+            xo = cuda.shfl_up_sync(FULL, x, o)
+            yo = cuda.shfl_up_sync(FULL, y, o)
+            if tid >= o:
+                x = int32(x + xo)
+                y = int32(y + yo)
+    if tid < gb:
+        pre[tid] = int32(x - n_all)
+        pa[tid] = int32(y - n_a)
+        if tid == gb - 1:
+            pa[gb] = y
+
+
+@cuda.jit(device=True, **INLINE)
 def place(srt, buf, r, v, a, dn, above, small):
     """A fetched key to its slot: past ``D`` at ``a``, in ``D`` after those (``small``) or in
     ``buf``."""
@@ -230,10 +264,14 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     put6(kept, r, seg, hist, c1, v1, ref, d, y0, y1, y2, y3, y4, y5)
     put6(kept, r, seg, hist, c2, v2, ref, d, z0, z1, z2, z3, z4, z5)
     put6(kept, r, seg, hist, c3, v3, ref, d, q0, q1, q2, q3, q4, q5)
-    cuda.threadfence()  # the block's keys, cum and bins before its vote
+    if not FENCE1:
+        cuda.threadfence()  # the block's keys, cum and bins before its vote
     cuda.syncthreads()
     stamp(4)
     if tid == 0:
+        if FENCE1:  # one fence after the barrier, cumulative over the block's writes (as a
+            # cooperative grid sync orders them)
+            cuda.threadfence()
         flag[0] = cuda.atomic.add(ws, (r, CNT), int64(1)) == cuda.gridDim.x - 1
     cuda.syncthreads()
     if not flag[0]:
@@ -251,18 +289,7 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     for i in range(tid, GB, NT):
         ws[r, HG + i] = 0
     gb = cuda.gridDim.x
-    n_all = int32(0)
-    n_a = int32(0)
-    if tid < gb:  # each block's keys in D and above, and past D
-        n_all = cum[r, tid, d]
-        n_a = cum[r, tid, d + 1] if d + 1 < GB else int32(0)
-    s_all, _ = block_scan(n_all, scan, NT)
-    s_a, _ = block_scan(n_a, scan, NT)
-    if tid < gb:
-        pre[tid] = int32(s_all - n_all)
-        pa[tid] = int32(s_a - n_a)
-        if tid == gb - 1:
-            pa[gb] = s_a
+    starts(cum, r, gb, d, pre, pa, scan)
     srt = dyn_l[0:SRT_N]  # the scoring's arrays are dead: the ranking's alias them
     seg2 = dyn_l[SRT_N:2 * SRT_N]
     hist2 = dyn_i[4 * SRT_N:4 * SRT_N + NB]

@@ -1,6 +1,6 @@
 """Candidates scored from their block's beams in shared memory, for the grid selection's
 ``bin_hist`` (``trie_topk_bins``), with the request's reference score, the bins and the keeping
-of each candidate's okey and bin that go with it (``best_beam``, ``gbin``, ``keep``).
+of each candidate's okey and bin that go with it (``best_bound``, ``gbin``, ``keep``).
 
 A block's chunk spans at most ``NT`` beams, so it first loads each beam's score, log-sum row
 statistics, first child and child count (``load_beams``: the two dependent loads of the beam's
@@ -171,23 +171,29 @@ def units_of(F: int, enabled: bool) -> int:
 
 
 @cuda.jit(device=True, **INLINE)
-def best_beam(scores, r, B, red):
-    """The request's best beam score (0 where every beam is dead): the bins' reference. In
-    32 bits on the GPU (the okeys' order as signed ints: one shuffle a step, where ``minmax``'s
-    int64 min and max took four), two barriers. (A one-barrier version, each thread reading
-    the warps' 32 maxima, measured 0.9 us slower than three at step 2 at beams of 1,024 on
-    the H200, session 44.)"""
+def best_bound(scores, lse, sh, r, B, red):
+    """The request's best beam score less its row's log-sum where the log-probabilities are
+    bf16 logits read with their row statistics (``sh`` 16: the best any of the beam's children
+    can score, as a child's log-probability is at most ``-logsum``), else its best beam score
+    (0 where every beam is dead): the bins' reference, where they are finest. (The best beam
+    score alone left gen-ref's bf16 step 2 at beams of 1,024 ~5.7 below it, where a bin spans
+    0.5 and its k-th best's bin held hundreds of keys: 0.0689 ms against fp32's 0.0253 on the
+    H200, session 48.) In 32 bits on the GPU (the okeys' order as signed ints: one shuffle a
+    step, where ``minmax``'s int64 min and max took four), two barriers. (A one-barrier
+    version, each thread reading the warps' 32 maxima, measured 0.9 us slower than three at
+    step 2 at beams of 1,024 on the H200, session 44.)"""
     tid = cuda.threadIdx.x
     if SIMULATED:
         top = int64(-1)
         for b in range(tid, B, NT):
-            top = max(top, okey(scores[r, b]))
+            top = max(top, okey(bound_of(scores, lse, sh, r, B, b)))
         _, top = minmax(BIG, top, red)
     else:
         hi = int32(-0x80000000)  # okey 0 (below every real score's) in the signed order
         b = tid
         while b < B:
-            hi = max(hi, int32(bits32(okey(scores[ix(r), ix(b)])) ^ int32(-0x80000000)))
+            hi = max(hi, int32(bits32(okey(bound_of(scores, lse, sh, r, B, b)))
+                               ^ int32(-0x80000000)))
             b = int32(b + NT)
         for o in (16, 8, 4, 2, 1):
             hi = max(hi, cuda.shfl_xor_sync(FULL, hi, o))
@@ -203,6 +209,15 @@ def best_beam(scores, r, B, red):
         cuda.syncthreads()
         top = int64(uint32(int32(red[NW]) ^ int32(-0x80000000)))
     return okey_float(top) if top > KEY_NEG_INF else float32(0.0)
+
+
+@cuda.jit(device=True, **INLINE)
+def bound_of(scores, lse, sh, r, B, b):
+    """Beam b's score, less its row's log-sum where ``sh`` is 16 (``lse`` row ``sh >> 4``: in
+    bounds either way)."""
+    s = scores[ix(r), ix(b)]
+    ls = lse[ix(sh >> 4), ix(uint32(r) * uint32(B) + uint32(b))]
+    return s - ls if sh else s
 
 
 @cuda.jit(device=True, **INLINE)

@@ -52,7 +52,7 @@ from .counters import zeroed
 from .kernel_cache import cached
 from .numba_common import INLINE, stamp
 from .trie_topk import SIMULATED
-from .trie_topk_beams import (GB, GB1, GSHIFT, best_beam, gbin, keep, load_beams, score8,
+from .trie_topk_beams import (GB, GB1, GSHIFT, best_bound, gbin, keep, load_beams, score8,
                               score_units, units_of)
 from .trie_topk_dev import FULL, JIT_NT, NB, NT, RED_N, SCAN_N, lane_mask_lt, pick
 from .trie_topk_index import div_f
@@ -99,7 +99,7 @@ def bin_hist(N, k, ch, upb, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, 
     b0 = div_f(start, FM)
     nb = div_f(end - 1, FM) - b0 + 1
     load_beams(r, b0, nb, B, scores, nodes, ptr, lse, sh, bs, bm, bl, bf, bc)
-    ref = best_beam(scores, r, B, red)  # its barriers publish the zeroed hist and the beams
+    ref = best_bound(scores, lse, sh, r, B, red)  # its barriers publish the hist and beams
     if cuda.blockIdx.x == 0 and tid == 0:  # bin_select's (every block's ref is the same)
         ws[r, REF] = okey(ref)
     stamp(1)

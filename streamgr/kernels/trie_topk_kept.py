@@ -32,7 +32,7 @@ from numba import cuda, float32, int32, int64, uint32
 
 from .numba_common import INLINE, stamp
 from .trie_topk import SIMULATED
-from .trie_topk_beams import (GB, GB1, best_beam, codes6, gbin, load_beams, slot_bin, unit_at,
+from .trie_topk_beams import (GB, GB1, best_bound, codes6, gbin, load_beams, slot_bin, unit_at,
                               vals6)
 from .trie_topk_dev import FULL, JIT_NT, NB, NT, NW, RED_N, SCAN_N, block_scan, hist_add, pick
 from .trie_topk_keys import MAXC, okey, put_abs
@@ -239,7 +239,7 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     b0 = blk * bpb
     nb = min(bpb, B - b0)
     load_beams(r, b0, nb, B, scores, nodes, ptr, lse, sh, bs, bm, bl, bf, bc)
-    ref = best_beam(scores, r, B, red)  # its barriers publish the zeroed hist and the beams
+    ref = best_bound(scores, lse, sh, r, B, red)  # its barriers publish the hist and beams
     stamp(1)
     nu = int32(nb * upb)
     u = int32(tid >> 5)

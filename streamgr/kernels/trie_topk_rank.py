@@ -13,7 +13,7 @@ from numba import cuda, float32, int32, int64, uint32
 
 from .numba_common import INLINE
 from .trie_topk_index import beam_node, div_f, ix, node_span, slot, span_of
-from .trie_topk_keys import LOW32, answer, key_c
+from .trie_topk_keys import LOW32, answer, key_c, okey_float
 from .trie_topk_dev import (BIG, DIG, NB, NT, SEG_MAX, bin_rank, bit_length, collect, hist_add,
                             minmax, pick_segments, radix, sort_desc, sort_span)
 
@@ -84,6 +84,22 @@ def slot_of(v, has, F, FM):
 
 
 @cuda.jit(device=True, **INLINE)
+def lin_bin(u, lo, hi):
+    """Okey ``u``'s bin of ``NB`` linear bins over the scores from okey ``lo`` to ``hi``: by
+    score where their span is finite (linear in the okeys, a span across 0 crowded all but a
+    few bins, the bins of tiny magnitudes being empty: gen-ref's bf16 bench step 2 at beams
+    of 1,024 sorted its lists, 0.0690 ms against fp32's 0.0253 on the H200, session 48), else
+    by okey (infinities, NaN). fp32 math, monotone in the key either way (every rounding is)."""
+    xlo = okey_float(lo)
+    span = okey_float(hi) - xlo
+    if span > float32(0.0) and span < float32(3.0e38):
+        x = (okey_float(u) - xlo) * (float32(NB - 1) / span)
+    else:
+        x = float32(u - lo) * (float32(NB - 1) / float32(max(hi - lo, int64(1))))
+    return min(int32(x), int32(NB - 1))
+
+
+@cuda.jit(device=True, **INLINE)
 def rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, nodes, ptr,
                 codes, cap, top, parent, child, code):
     """Rank ``k`` of the ``total`` (``k`` to ``SRT_N``) distinct absolute keys in
@@ -115,10 +131,8 @@ def rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, 
                     max(u0 if has0 else int64(-1), u1 if has1 else int64(-1)), red)
     e0, g0 = node_span(s0, n0, ptr)  # level 2 (level 1 used after minmax's barriers)
     e1, g1 = node_span(s1, n1, ptr)
-    # fp32 math: monotone in the key (both roundings are), and no 64-bit division
-    scale = float32(NB - 1) / float32(max(hi - lo, int64(1)))
-    b0 = min(int32(float32(u0 - lo) * scale), int32(NB - 1)) if has0 else int32(0)
-    b1 = min(int32(float32(u1 - lo) * scale), int32(NB - 1)) if has1 else int32(0)
+    b0 = lin_bin(u0, lo, hi) if has0 else int32(0)
+    b1 = lin_bin(u1, lo, hi) if has1 else int32(0)
     hist_add(hist, b0, has0)
     hist_add(hist, b1, has1)
     cuda.syncthreads()

@@ -337,12 +337,10 @@ def run(launch, R, N, k, KP, F, FM, B, sc, nd, lp, trie, outs, dev, arr):
     in the L2 cache when ``bin_select`` reads it)."""
     upb = units_of(F, UNITS)
     sms = SMS_SIM if SIMULATED else sm_count(dev)
-    if kept.serves(upb):  # one launch (the simulator has no waves to keep to one)
-        bpb = kept.beams_a_block(R, B, sms, upb)
-        g = -(-B // bpb)
-        if g <= kept.GMAX and (SIMULATED or R * g <= sms):
-            kept.run(launch, R, N, k, KP, upb, F, FM, B, sc, nd, lp, trie, outs, dev, arr, bpb)
-            return
+    bpb = kept.plan(R, B, sms, upb)
+    if bpb is not None:  # one launch
+        kept.run(launch, R, N, k, KP, upb, F, FM, B, sc, nd, lp, trie, outs, dev, arr, bpb)
+        return
     ch = chunk(N, R, sms, F, B, upb)
     g = -(-N // ch)
     ws = zeroed((R, W_LEN), dev)

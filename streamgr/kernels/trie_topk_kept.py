@@ -321,16 +321,19 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     stamp(15)
 
 
-def serves(upb: int) -> bool:
-    """Whether ``kept_select`` takes a request of ``upb`` beam units a beam (0: none)."""
-    return KEPT and 0 < upb <= UPW * NW
-
-
-def beams_a_block(R: int, B: int, sms: int, upb: int) -> int:
-    """Beams a block: as many as leave one wave of blocks where the requests fill the GPU
-    (``trie_topk_bins.chunk``'s rule), at most ``UPW NW`` units' worth."""
+def plan(R: int, B: int, sms: int, upb: int) -> int | None:
+    """Beams a block where ``kept_select`` serves R requests of B beams of ``upb`` beam units
+    (0: none) on ``sms`` SMs, else None: at most ``UPW NW`` units a block, as many beams as
+    leave one wave of blocks where the requests fill the GPU (``trie_topk_bins.chunk``'s
+    rule; the simulator has no waves to keep to), at most ``GMAX`` blocks a request (one
+    request's flat 2,097,152 takes 128: the two launches, which were faster there, session
+    48)."""
+    if not KEPT or not 0 < upb <= UPW * NW:
+        return None
     per = max(1, sms // max(R, 1))
-    return max(1, min(-(-B // per), (UPW * NW) // upb))
+    bpb = max(1, min(-(-B // per), (UPW * NW) // upb))
+    g = -(-B // bpb)
+    return bpb if g <= GMAX and (SIMULATED or R * g <= sms) else None
 
 
 def run(launch, R, N, k, KP, upb, F, FM, B, sc, nd, lp, trie, outs, dev, arr, bpb):

@@ -64,6 +64,15 @@ assert not q.serves(3072, 512) and not q.serves(1024, 1024) and not q.serves(409
 from streamgr.kernels import trie_topk_root as rt
 assert rt.serves(1, 8192) and rt.serves(1, 1025) and not rt.serves(1, 1024)
 assert not rt.serves(1, 8193) and not rt.serves(2, 4096)
+from streamgr.kernels import trie_topk_kept as kp
+from streamgr.kernels.trie_topk_beams import units_of
+u177, u8192 = units_of(177, True), units_of(8192, True)
+assert (u177, u8192, units_of(127, True)) == (1, 43, 0)
+assert kp.plan(16, 1024, 132, u177) == 128 and kp.plan(48, 256, 132, u177) == 128
+assert kp.plan(8, 1024, 132, u177) == 64 and kp.plan(4, 200, 132, 1) == 7
+assert kp.plan(64, 1024, 132, u177) is None  # 8 blocks a request: 512 blocks, four waves
+assert kp.plan(1, 256, 132, u8192) is None  # 128 blocks of two beams: past GMAX
+assert kp.plan(16, 1024, 132, 0) is None
 print("ok")
 """
 
@@ -78,7 +87,11 @@ def test_merge_and_quad_routing_on_the_h200():
     faster), not k over 512, not one request's flat 2,097,152. Four candidates a thread
     (``trie_topk_quad``) for 1,025-4,096 candidates wanting over 512 (gen-ref's step 3 at
     beams of 1,024); eight (``trie_topk_root``) for one beam of 1,025-8,192 children (step 1 at
-    any width). In a process of its own without the simulator, whose block sizes differ."""
+    any width). The one launch of ``trie_topk_kept`` (``plan``: beams a block) for gen-ref's
+    step 2 at beams of 1,024 (8 blocks of 128 beams a request) and at 48 requests (2 of 128),
+    not where blocks of four units a warp would take more than one wave or 32 blocks a request
+    (one request's flat 2,097,152: 128). In a process of its own without the simulator, whose
+    block sizes differ."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     p = subprocess.run([sys.executable, "-c", ROUTING], env=env, capture_output=True, text=True,

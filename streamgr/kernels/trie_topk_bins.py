@@ -1,7 +1,9 @@
 """Binned grid selection of ``trie_topk`` for requests of more than ``ONE_MAX`` candidates
 that the merge does not serve (gen-ref's step 2 at beams of 1,024: 181,248 a request at k
-1,024; one request's flat 2,097,152): one histogram round instead of radix digits. Two
-launches on a workspace of counters that their last blocks leave zero (``counters.zeroed``):
+1,024; one request's flat 2,097,152): one histogram round instead of radix digits. Where beam
+units fit four a warp in one wave of at most 32 blocks a request, ``trie_topk_kept`` serves in
+one launch (step 2 at beams of 1,024 and at 48 requests, since session 48); else two launches
+on a workspace of counters that their last blocks leave zero (``counters.zeroed``):
 
 1. ``bin_hist``: every block (``chunk`` candidates, one wave of 1,024-thread blocks over the GPU)
    loads its beams into shared memory (``trie_topk_beams``: a candidate then loads its code and

@@ -1,26 +1,35 @@
-"""The grid selection of ``trie_topk`` in one launch, where a block's beam units fit four a warp
-(``serves``: gen-ref's step 2 at beams of 1,024, 128 beams of one unit a block; one request's
-flat 2,097,152, two beams of 43 units): ``kept_select`` instead of ``trie_topk_bins``' two
-launches.
+"""The grid selection of ``trie_topk`` in one launch (``kept_select``), where a block's beam
+units fit four a warp and the blocks one wave of at most ``GMAX`` a request (``plan``: gen-ref's
+step 2 at beams of 1,024, 8 blocks of 128 beams a request; at 48 requests, 2): instead of
+``trie_topk_bins``' two launches, which keep one request's flat 2,097,152 (128 blocks).
 
 Each block scores its beams' units as ``bin_hist`` does (``trie_topk_beams``), but holds the
 scores in registers (24 a thread) instead of writing every candidate's okey to an [R, N] buffer
 for a second launch to read back. Its own histogram then gives the bin ``d`` of its own
-``k``-th best (``pick`` in shared memory): a candidate below ``d`` trails ``k`` of the block's
-own, so it is not among the request's ``k`` best. The block appends the rest (``k`` and the
-ties of ``d``: about ``k`` a block) to the request's *kept* list, one global atomic a block,
-adds the bins from ``d`` up to the request's histogram and votes; the request's last block picks
-the bin ``D`` of the ``k``-th best of the kept keys (which hold every key of the answer, so
-their ``k``-th is the request's), routes the kept keys past ``D`` and in ``D`` into shared
-memory by their bins (``gbin`` of the key's score again: no okey bounds to search), ranks and
-answers them (``rank_answer``), or where ties crowd ``D`` radix-selects the rest from a global
-list (``radix_rest``), and leaves the counters zero (``counters.zeroed``).
+``k``-th best (``cursors``): a candidate below ``d`` trails ``k`` of the block's own, so it is
+not among the request's ``k`` best. The block writes the rest (``k`` and the ties of ``d``:
+about ``k`` a block) to its own segment of ``kept`` in bin order, best first (each bin's
+first slot from the scan, then a shared atomic a key), its counts from each bin up to ``cum``,
+adds its bins from ``d`` up to the request's histogram and votes. The request's last block
+picks the bin ``D`` of the ``k``-th best of the kept keys (they hold every key of the answer,
+and ``D`` is at or above every block's ``d``), takes each block's keys from ``D`` up, those
+past ``D`` first, by its counts (``starts``: one warp's scan), places them (``fetch``,
+``place``), ranks and answers them (``rank_answer``), or where ties crowd ``D`` radix-selects
+the rest from ``buf`` (``radix_rest``), and leaves the counters zero (``counters.zeroed``).
 
 Against the two launches this drops the second launch, the okey buffer's writes and reads
-(11.6 MB each at gen-ref's step 2 at beams of 1,024), every block's pick and bound search, and the
-last block's reads of two global lists. Shared memory is dynamic (``SMEM``): the scoring's
-beams and histogram and the last block's ranking arrays alias (37 KB, where the two sets side
-by side would pass the 48 KB a launch takes without an opt-in).
+(11.6 MB each at gen-ref's step 2 at beams of 1,024), every block's pick and bound search and
+the last block's reads of two global lists; the last block reads ~1,100 keys. On the H200
+(session 48, graph-replayed) step 2 at beams of 1,024 took 0.0249 ms against 0.0282-0.0283
+for the two launches, step 2 at 48 requests 0.0201 against 0.0250; the flat 2,097,152 took
+0.0243 against 0.0228 at 128 blocks, so it keeps the two launches. Tried and dropped: the kept
+keys unordered (one list a request, the last block routing all ~8,300 by bin: 0.0310 ms), and
+each key's answer (child, code) written beside it with the last block ranking in the
+request's bins and reading no trie (0.0318: the code loads and the second store cost the
+scoring blocks 2.5 us, and a bin near ``D`` held ~100 keys to rank one by one). Shared memory
+is dynamic (``SMEM``): the scoring's beams and histogram and the last block's ranking arrays
+alias (37 KB, where the two sets side by side would pass the 48 KB a launch takes without an
+opt-in).
 """
 
 from __future__ import annotations
@@ -48,7 +57,6 @@ UPW = 4  # units a warp holds: 24 scores a thread in registers
 GMAX = 32  # blocks a request: one warp sums their counts (``starts``)
 GMAX1 = GMAX + 1
 KEPT = os.environ.get("STREAMGR_TOPK_KEPT", "1") == "1"  # 0: the two launches (A/B)
-FENCE1 = os.environ.get("STREAMGR_TOPK_FENCE1", "0") == "1"
 # dynamic shared memory (bytes): the scoring's five beam arrays then its histogram (GB1 int32),
 # or the last block's srt and seg (SRT_N int64 each) then its ranking bins (NB int32)
 BEAMS_B = 20 * NT
@@ -264,14 +272,11 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     put6(kept, r, seg, hist, c1, v1, ref, d, y0, y1, y2, y3, y4, y5)
     put6(kept, r, seg, hist, c2, v2, ref, d, z0, z1, z2, z3, z4, z5)
     put6(kept, r, seg, hist, c3, v3, ref, d, q0, q1, q2, q3, q4, q5)
-    if not FENCE1:
-        cuda.threadfence()  # the block's keys, cum and bins before its vote
+    cuda.threadfence()  # the block's keys, cum and bins before its vote (one fence by the
+    # voting thread after the barrier measured the same on the H200, session 48)
     cuda.syncthreads()
     stamp(4)
     if tid == 0:
-        if FENCE1:  # one fence after the barrier, cumulative over the block's writes (as a
-            # cooperative grid sync orders them)
-            cuda.threadfence()
         flag[0] = cuda.atomic.add(ws, (r, CNT), int64(1)) == cuda.gridDim.x - 1
     cuda.syncthreads()
     if not flag[0]:

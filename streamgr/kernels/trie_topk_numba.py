@@ -5,8 +5,9 @@ launch whose blocks list their best and whose last block selects from the list
 candidates is one block of eight candidates a thread (``trie_topk_root``); else a request of at most
 a block of candidates is one block of one candidate a thread (``trie_topk_own``), one of at most
 four blocks wanting over half a block four candidates a thread (``trie_topk_quad``), one of at most
-``ONE_MAX`` one block that bins (or radix-selects) first (``trie_topk_one``), a longer one two grid
-launches (``trie_topk_bins``);
+``ONE_MAX`` one block that bins (or radix-selects) first (``trie_topk_one``), a longer one the grid:
+one launch whose blocks keep their own best in bin order for the last block
+(``trie_topk_kept``, where beam units fit) or two launches (``trie_topk_bins``);
 the keys, scans and sort they share are in ``trie_topk_keys`` and ``trie_topk_dev``.
 
 Imported only when they run: a CUDA device with numba-cuda, or ``NUMBA_ENABLE_CUDASIM=1``.

@@ -30,12 +30,7 @@ def random_case(seed, R=3, B=5, V=None, fan=(1, 6), ties=False, dead=0.2):
     scores = rng.normal(size=(R, B)).astype(np.float32)
     scores[rng.random((R, B)) < dead] = -np.inf
     logp = rng.normal(size=(R * B, V)).astype(np.float32)
-    if ties == "spread":  # each log-probability its own power of two (past 2**100 tied), beams
-        # at 0: the scores' bins (bin_hist's, by exponent) hold two keys at most near the top
-        logp = -np.exp2(np.minimum(rng.permutation(logp.size), 100)).reshape(logp.shape)
-        logp = logp.astype(np.float32)
-        scores = np.where(np.isfinite(scores), 0, scores).astype(np.float32)
-    elif ties == "const":  # every score equal: the order is the candidate index alone
+    if ties == "const":  # every score equal: the order is the candidate index alone
         logp[:] = -1.5
         scores = np.where(np.isfinite(scores), 0, scores).astype(np.float32)
     elif ties:  # many equal scores: the order must fall back to the lower candidate index
@@ -162,12 +157,11 @@ ONE_BLOCK = [(0, False, 3, (1, 5), 4), (1, True, 6, (2, 8), 8), (4, False, 9, (0
 # in global memory), k = 1, a fan-out of 1 (62: chunks of 31, five blocks a request); and where
 # the fan-out takes beam units (F >= 128) the one launch of trie_topk_kept (up to four units a
 # warp): one a beam (65, bf16 logits too, twice on one arena of counters), two (66: ties, F up
-# to 260), every score equal (67: D's keys outgrow the last block, the radix select from buf),
-# every bin near the top holding two keys at most (68: ranked in the bins, answered from aux).
+# to 260), every score equal (67: D's keys outgrow the last block, the radix select from buf).
 GRID = [(2, False, 40, (4, 12), 16), (8, True, 30, (4, 10), 32), (9, False, 40, (5, 10), 1),
         (61, "const", 24, (4, 8), 20), (62, False, 140, (1, 1), 20),
         (65, False, 3, (130, 180), 20), (66, True, 2, (200, 260), 24),
-        (67, "const", 3, (130, 140), 20), (68, "spread", 3, (130, 140), 20)]
+        (67, "const", 3, (130, 140), 20)]
 # ... and the one-launch merge (2-4 blocks of <= 64 candidates a request, the last block's list
 # held up to 32 keys; fields R and the dead share added): the list ranked in its bins (16), sorted
 # where a bin is crowded (21), selected from global memory where it outgrows 32 (23) or holds

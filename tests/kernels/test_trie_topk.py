@@ -176,9 +176,11 @@ MERGE = [(16, False, 12, (6, 6), 4, 1, 0.1),
 
 # ... and without the sampled floor (STREAMGR_TOPK_SAMPLE=0, an A/B setting; a process of its
 # own): the one-block cases over the simulator's block of candidates (7 x 9, 8 x 8, 6 x 8), the
-# merge's list ranked in its bins, every score tied, two waves of blocks.
+# merge's list ranked in its bins, every score tied, two waves of blocks; in the same process
+# STREAMGR_TOPK_KEPT=0 (an A/B setting): bin_hist's beam units, two a beam (66), on the two
+# grid launches, which the one launch of trie_topk_kept serves in the grid cases' process.
 UNSAMPLED = ([c for c in ONE_BLOCK if c[0] in (10, 14, 15)]
-             + [c for c in MERGE if c[0] in (16, 21, 24)])
+             + [c for c in MERGE if c[0] in (16, 21, 24)] + [c for c in GRID if c[0] == 66])
 
 
 # ... and one candidate a thread with each thread ranking its own key, answered from its
@@ -217,14 +219,17 @@ def simulate(script: str, cases=None, **env) -> list[str]:
                                           "STREAMGR_TOPK_ROOT": "0", "SIM_COUNTED": "2,65"}),
     (MERGE + QUAD_ANY_K, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_QUAD": "2",
                           "SIM_COUNTED": "16"}),
-    (UNSAMPLED, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_SAMPLE": "0"})],
+    (UNSAMPLED, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_SAMPLE": "0",
+                 "STREAMGR_TOPK_KEPT": "0"})],
     ids=["one_block", "grid", "merge", "unsampled"])
 @pytest.mark.slow
 def test_numba_kernels_under_the_simulator(cases, env):
     """The one-candidate-a-thread, four-a-thread, one-block, grid and merge kernels equal the
     reference on small shapes (a process each: the simulator is set at import), the one-block
-    and merge kernels also without the sampled floor (``STREAMGR_TOPK_SAMPLE=0``); one grid and
-    one merge case also twice on one arena of counters, left zero (``counted``)."""
+    and merge kernels also without the sampled floor (``STREAMGR_TOPK_SAMPLE=0``), the two grid
+    launches' beam units where the one launch would serve (``STREAMGR_TOPK_KEPT=0``); two grid
+    cases (the two launches, the one) and one merge case also twice on one arena of counters,
+    left zero (``counted``)."""
     assert simulate(SIM, cases=cases, **env) == ["ok", str(len(cases))]
 
 

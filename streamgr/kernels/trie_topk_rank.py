@@ -1,6 +1,7 @@
-"""A last block ordering its request's list: the grid selection's (``trie_topk_bins.bin_select``)
-up to ``SRT_N`` = two blocks' worth of distinct keys, two a thread, ranked by one histogram over
-linear bins of their okeys and answered by the threads that hold them (``rank_answer``), or
+"""A last block ordering its request's list: the grid selection's (``trie_topk_bins.bin_select``,
+``trie_topk_kept.kept_select``) up to ``SRT_N`` = two blocks' worth of distinct keys, two a
+thread, ranked by one histogram over linear bins of their scores (``lin_bin``) and answered by
+the threads that hold them (``rank_answer``), or
 sorted bitonically where a bin is crowded by ties (``sort_pairs``); and, for it and the merge's
 fallback (``trie_topk_held.select_global``), the best of a longer list in global memory by one
 radix select (``radix_rest``). On the H200 (session 44) ranking 1,000-1,300 keys took 3.9-4.2

@@ -275,16 +275,22 @@ def score_units(r, nb, upb, F, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc, 
     nu = int32(nb * upb)
     u = int32(tid >> 5)
     while u < nu:
-        s0, m0, l0, f0, n0, v0, c0, w0 = unit_at(u, nu, upb, F, b0, r, B, bs, bm, bl, bf,
-                                                 bc)
-        s1, m1, l1, f1, n1, v1, c1, w1 = unit_at(u + NW, nu, upb, F, b0, r, B, bs, bm, bl,
-                                                 bf, bc)
-        a0, a1, a2, a3, a4, a5 = codes6(codes, f0, n0)
-        e0, e1, e2, e3, e4, e5 = codes6(codes, f1, n1)
-        x0, x1, x2, x3, x4, x5 = vals6(logp, w0, off, sh, s0, m0, l0, n0, a0, a1, a2, a3,
-                                       a4, a5)
-        y0, y1, y2, y3, y4, y5 = vals6(logp, w1, off, sh, s1, m1, l1, n1, e0, e1, e2, e3,
-                                       e4, e5)
+        x0, x1, x2, x3, x4, x5, y0, y1, y2, y3, y4, y5, v0, c0, v1, c1 = pair_vals(
+            u, nu, upb, F, b0, r, B, logp, sh, codes, off, bs, bm, bl, bf, bc)
         keep6(keys, hist, r, c0, v0, ref, x0, x1, x2, x3, x4, x5)
         keep6(keys, hist, r, c1, v1, ref, y0, y1, y2, y3, y4, y5)
         u = int32(u + 2 * NW)
+
+
+@cuda.jit(device=True, **INLINE)
+def pair_vals(u, nu, upb, F, b0, r, B, logp, sh, codes, off, bs, bm, bl, bf, bc):
+    """Units ``u`` and ``u + NW`` scored, a load level at a time for both (the codes', then
+    the log-probabilities'): their twelve scores, and each unit's slots left and first
+    candidate (``unit_at``)."""
+    s0, m0, l0, f0, n0, v0, c0, w0 = unit_at(u, nu, upb, F, b0, r, B, bs, bm, bl, bf, bc)
+    s1, m1, l1, f1, n1, v1, c1, w1 = unit_at(u + NW, nu, upb, F, b0, r, B, bs, bm, bl, bf, bc)
+    a0, a1, a2, a3, a4, a5 = codes6(codes, f0, n0)
+    e0, e1, e2, e3, e4, e5 = codes6(codes, f1, n1)
+    x0, x1, x2, x3, x4, x5 = vals6(logp, w0, off, sh, s0, m0, l0, n0, a0, a1, a2, a3, a4, a5)
+    y0, y1, y2, y3, y4, y5 = vals6(logp, w1, off, sh, s1, m1, l1, n1, e0, e1, e2, e3, e4, e5)
+    return x0, x1, x2, x3, x4, x5, y0, y1, y2, y3, y4, y5, v0, c0, v1, c1

@@ -219,6 +219,14 @@ def pick(hist, nbins, want, scan, res, nt):
     """The bin holding the ``want``-th highest key of ``hist[:nbins]`` (shared): (bin, how
     many of its keys are still wanted, its count). Threads ``t < nt`` own ``nbins // nt`` bins
     each, the highest first. Every thread calls it; it ends synchronized."""
+    pick_scan(hist, nbins, want, scan, res, nt)
+    return int64(res[0]), int64(res[1]), int64(res[2])
+
+
+@cuda.jit(device=True, **INLINE)
+def pick_scan(hist, nbins, want, scan, res, nt):
+    """``pick``'s answer into ``res[:3]`` (untouched where the bins hold fewer than ``want``);
+    returns this thread's (keys in the bins above its own, its highest bin)."""
     tid = cuda.threadIdx.x
     per = nbins // nt
     hi = nbins - 1 - tid * per
@@ -227,7 +235,8 @@ def pick(hist, nbins, want, scan, res, nt):
         for e in range(per):
             own = int32(own + hist[hi - e])
     incl, _ = block_scan(own, scan, nt)
-    above = int32(incl - own)
+    first = int32(incl - own)
+    above = first
     w = int32(want)  # below 2**31 (a request's candidates): 32-bit sums, as block_scan's
     if tid < nt and above < w and w <= incl:
         for e in range(per):
@@ -239,7 +248,7 @@ def pick(hist, nbins, want, scan, res, nt):
                 break
             above = int32(above + h)
     cuda.syncthreads()
-    return int64(res[0]), int64(res[1]), int64(res[2])
+    return first, hi
 
 
 @cuda.jit(device=True, **INLINE)

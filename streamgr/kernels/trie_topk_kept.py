@@ -41,9 +41,9 @@ from numba import cuda, float32, int32, int64, uint32
 
 from .numba_common import INLINE, stamp
 from .trie_topk import SIMULATED
-from .trie_topk_beams import (GB, GB1, best_bound, codes6, gbin, load_beams, slot_bin, unit_at,
-                              vals6)
-from .trie_topk_dev import FULL, JIT_NT, NB, NT, NW, RED_N, SCAN_N, block_scan, hist_add, pick
+from .trie_topk_beams import GB, GB1, best_bound, gbin, load_beams, pair_vals, slot_bin
+from .trie_topk_dev import (FULL, JIT_NT, NB, NT, NW, RED_N, SCAN_N, block_scan, hist_add, pick,
+                            pick_scan)
 from .trie_topk_keys import MAXC, okey, put_abs
 from .trie_topk_rank import SRT_N, radix_rest, rank_answer
 from .counters import zeroed
@@ -65,14 +65,10 @@ SMEM = max(BEAMS_B + 4 * GB1, 16 * SRT_N + 4 * NB)
 
 @cuda.jit(device=True, **INLINE)
 def pair_scores(u, nu, upb, F, b0, r, B, logp, sh, codes, off, bs, bm, bl, bf, bc, hist, ref):
-    """Units ``u`` and ``u + NW`` scored (``score_units``' pair) and counted in ``hist``:
-    their twelve scores, and each unit's slots left and first candidate (``unit_at``)."""
-    s0, m0, l0, f0, n0, v0, c0, w0 = unit_at(u, nu, upb, F, b0, r, B, bs, bm, bl, bf, bc)
-    s1, m1, l1, f1, n1, v1, c1, w1 = unit_at(u + NW, nu, upb, F, b0, r, B, bs, bm, bl, bf, bc)
-    a0, a1, a2, a3, a4, a5 = codes6(codes, f0, n0)
-    e0, e1, e2, e3, e4, e5 = codes6(codes, f1, n1)
-    x0, x1, x2, x3, x4, x5 = vals6(logp, w0, off, sh, s0, m0, l0, n0, a0, a1, a2, a3, a4, a5)
-    y0, y1, y2, y3, y4, y5 = vals6(logp, w1, off, sh, s1, m1, l1, n1, e0, e1, e2, e3, e4, e5)
+    """Units ``u`` and ``u + NW`` scored (``pair_vals``, as ``score_units`` scores them) and
+    counted in ``hist``, their scores kept in registers rather than stored."""
+    x0, x1, x2, x3, x4, x5, y0, y1, y2, y3, y4, y5, v0, c0, v1, c1 = pair_vals(
+        u, nu, upb, F, b0, r, B, logp, sh, codes, off, bs, bm, bl, bf, bc)
     bins6(hist, v0, ref, x0, x1, x2, x3, x4, x5)
     bins6(hist, v1, ref, y0, y1, y2, y3, y4, y5)
     return x0, x1, x2, x3, x4, x5, y0, y1, y2, y3, y4, y5, v0, c0, v1, c1
@@ -92,31 +88,15 @@ def bins6(hist, v, ref, x0, x1, x2, x3, x4, x5):
 @cuda.jit(device=True, **INLINE)
 def cursors(hist, k, scan, res, cum, ws, r, blk):
     """The bin ``d`` of the block's ``k``-th best (0 where it holds fewer: every key kept), as
-    ``pick`` finds it; then for each bin ``g`` from ``d`` up: ``hist[g]`` becomes the keys in
-    bins above it (the bin's first slot in the block's segment, keys ordered by bin, best
-    first), ``cum[r, blk, g]`` the keys in it and above, and its count goes to the request's
-    histogram. Threads own ``GB // NT`` bins each, the highest first (their counts read again
-    from shared memory: no local array). ``res[0]`` is 0 on entry. Every thread calls it; it
-    ends synchronized."""
-    per = GB // NT
-    hi = GB - 1 - cuda.threadIdx.x * per
-    own = int32(0)
-    for e in range(per):
-        own = int32(own + hist[hi - e])
-    incl, _ = block_scan(own, scan, NT)
-    ex = int32(incl - own)
-    w = int32(k)
-    if ex < w and w <= incl:
-        for e in range(per):
-            h = hist[hi - e]
-            if int32(ex + h) >= w:
-                res[0] = hi - e
-                break
-            ex = int32(ex + h)
-    cuda.syncthreads()
+    ``pick`` finds it (``pick_scan``); then for each bin ``g`` from ``d`` up: ``hist[g]``
+    becomes the keys in bins above it (the bin's first slot in the block's segment, keys
+    ordered by bin, best first), ``cum[r, blk, g]`` the keys in it and above, and its count
+    goes to the request's histogram. Threads own ``GB // NT`` bins each, the highest first
+    (their counts read again from shared memory: no local array). ``res[0]`` is 0 on entry.
+    Every thread calls it; it ends synchronized."""
+    ex, hi = pick_scan(hist, GB, k, scan, res, NT)
     d = res[0]
-    ex = int32(incl - own)
-    for e in range(per):
+    for e in range(GB // NT):
         g = hi - e
         h = hist[g]
         if g >= d:

@@ -1,12 +1,11 @@
 """Block-wide device functions of the radix selection kernels (``trie_topk_one``,
-``trie_topk_bins``): min/max, histogram adds, list appends, scans, digit picks, the radix rounds
-and the bitonic sort, over the keys of ``trie_topk_keys``.
+``trie_topk_bins``): min/max, histogram adds, list appends, scans, digit picks and the radix rounds,
+over the keys of ``trie_topk_keys`` (the final bitonic sort: ``trie_topk_bitonic``).
 
 On the GPU a block is ``NT`` = 1,024 threads and a digit ``DIG`` = 10 bits, so a histogram has one
 bin per thread and a bin pick is one block scan (warp shuffles, two barriers). Histogram adds are
 one shared atomic a key (``MATCH``), list appends one atomic per warp (``ballot_sync``, or a
-shuffle scan: ``reserve_slots``), and the final bitonic sort exchanges through shuffles below a
-stride of 32 and shared memory above. The CUDA simulator has no warp intrinsics: there
+shuffle scan: ``reserve_slots``). The CUDA simulator has no warp intrinsics: there
 (``SIMULATED``) every exchange goes through shared memory, on small blocks, so CI runs the same
 networks of stages.
 """
@@ -357,40 +356,6 @@ def collect(k32, k64, mode, cnt, tmin, prefix, fixed, shift, out, ctr):
     cuda.syncthreads()
 
 
-@cuda.jit(device=True, **INLINE)
-def sort_desc(srt, KP):
-    """Bitonic sort of ``srt[:KP]`` (shared int64, KP a power of two <= the block) descending:
-    one key
-    a thread, strides below WARPX through shuffles, the others through ``srt`` (two barriers
-    a stage). Every thread calls it; it ends synchronized."""
-    tid = cuda.threadIdx.x
-    live = tid < KP
-    wlive = tid < max(KP, 32)  # warps past KP only pass the barriers
-    x = srt[tid] if live else int64(0)
-    size = 2
-    while size <= KP:
-        stride = size >> 1
-        while stride > 0:
-            if stride >= WARPX:
-                if live:
-                    srt[tid] = x
-                cuda.syncthreads()
-                y = srt[tid ^ stride] if live else int64(0)
-                cuda.syncthreads()
-            elif wlive:
-                y = cuda.shfl_xor_sync(FULL, x, stride)
-            if wlive:
-                if ((tid & stride) == 0) == ((tid & size) == 0):
-                    x = max(x, y)
-                else:
-                    x = min(x, y)
-            stride >>= 1
-        size <<= 1
-    if live:
-        srt[tid] = x
-    cuda.syncthreads()
-
-
 if SIMULATED:  # the simulator's clz counts over 32 bits only
     def bit_length(x):
         return int(x).bit_length()
@@ -399,10 +364,3 @@ else:
     def bit_length(x):
         """Bits of a non-negative int64."""
         return 64 - cuda.clz(x)
-
-
-@cuda.jit(device=True, **INLINE)
-def sort_span(total, KP):
-    """The keys ``sort_desc`` takes to sort ``total`` listed keys whole (padded with 0, below
-    every key): the power of two at or above ``total``, at least ``KP``."""
-    return max(KP, int64(1) << bit_length(max(total - 1, int64(1))))

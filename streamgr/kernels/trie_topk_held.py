@@ -22,7 +22,8 @@ from __future__ import annotations
 from numba import cuda, int32, int64, uint32
 
 from .numba_common import INLINE, stamp
-from .trie_topk_dev import NB, NT, SEG_MAX, append, hist_add, pick_segments, sort_desc, sort_span
+from .trie_topk_bitonic import sort_desc, sort_span
+from .trie_topk_dev import NB, NT, SEG_MAX, append, hist_add, pick_segments
 from .trie_topk_keys import (KEY_NEG_INF, LOW32, NEG_INF, decode, div_f, ix, key_c, okey_float,
                              put_abs)
 from .trie_topk_rank import radix_rest, sort_k

@@ -30,8 +30,9 @@ from numba import cuda, float32, int32, int64
 
 from .kernel_cache import cached
 from .numba_common import STAMP, stamp
+from .trie_topk_bitonic import sort_desc, sort_span
 from .trie_topk_dev import (I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, append, bin_rank,
-                            pick_segments, sort_desc, sort_span, hist_add)
+                            pick_segments, hist_add)
 from .trie_topk_keys import MAXC, NEG_INF, cand, div_f, okey, okey_float
 from .trie_topk_sample import best_okey, or_max, rev_okey, slot_rank, ubin
 

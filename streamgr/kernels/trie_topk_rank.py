@@ -15,8 +15,9 @@ from numba import cuda, float32, int32, int64, uint32
 from .numba_common import INLINE
 from .trie_topk_index import beam_node, div_f, ix, node_span, slot, span_of
 from .trie_topk_keys import LOW32, answer, key_c, okey_float
+from .trie_topk_bitonic import sort_desc, sort_span
 from .trie_topk_dev import (BIG, DIG, NB, NT, SEG_MAX, bin_rank, bit_length, collect, hist_add,
-                            minmax, pick_segments, radix, sort_desc, sort_span)
+                            minmax, pick_segments, radix)
 
 SRT_N = 2 * NT  # keys the last block holds (two a thread)
 MAXK = int64(0x7FFFFFFFFFFFFFFF)

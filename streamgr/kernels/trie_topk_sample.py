@@ -25,7 +25,8 @@ from numba import cuda, int32, int64, uint32
 
 from .trie_topk import SIMULATED
 from .trie_topk_dev import BIG, HALF, I32MAX, NB, NT, SEG_MAX, append, hist_add, minmax, \
-    bin_rank, pick, pick_segments, reserve_slots, sort_desc, sort_span, warp_min_into
+    bin_rank, pick, pick_segments, reserve_slots, warp_min_into
+from .trie_topk_bitonic import sort_desc, sort_span
 from .numba_common import INLINE, stamp
 from .trie_topk_index import bits32
 from .trie_topk_keys import (LOW32, MAXC, _bits, div_f, key_c, note_all, note_beam, okey_float,

@@ -17,8 +17,8 @@ import torch
 
 from ..api import RankRequest
 from ..cache.history import HistoryStore
-from ..errors import (EmptyCandidates, HistoryTooLong, IdOutOfRange, InvalidRequest,
-                      LengthMismatch, TooManyCandidates)
+from ..errors import (EmptyCandidates, HistoryTooLong, InvalidRequest, LengthMismatch,
+                      TooManyCandidates)
 from ..kernels.host_loops import pack_rows
 from ..kernels.hstu_attention import JaggedKV, kernel_runs
 from ..kernels.pinned import PinnedPool, to_device

@@ -17,6 +17,11 @@ from numba import cuda, int32, int64
 
 from .decoder_attention import SIMULATED
 
+if not SIMULATED:  # inline PTX: the phase stamps, the acq_rel fence
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
 # Device functions are inlined by LLVM (``forceinline``: NVVM's alwaysinline), not in Numba's IR
 # (``inline="always"``, what ``inline=True`` means): the IR inliner deep-copies a callee's IR at
 # every call site, and merge_select took 105 s to compile that way against 13 s this way (CPU,
@@ -131,10 +136,6 @@ if STAMP == 0:
         second launch of a pair (its own rows, from ``STAMP_SECOND``). Here nothing."""
         return
 else:
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
     def _reader(reg):
         @intrinsic
         def read(typingctx):
@@ -166,3 +167,29 @@ else:
                 _store(at - (14 - 12 * (slot - 14)) * 8, _clock())
             else:
                 _store(at, _clock())
+
+
+# The grid kernels' last-block fences (a block's writes before its vote; the last block's
+# reads after it). ``cuda.threadfence()`` is ``membar.gl``, PTX's ``fence.sc.gpu``: SASS
+# MEMBAR.SC.GPU. Publishing needs only release/acquire order, ``fence.acq_rel.gpu`` (SASS
+# MEMBAR.ALL.GPU): STREAMGR_TOPK_FENCE=acqrel, an A/B setting not yet timed on the H200
+# (session 49); the default keeps the SC fence and the kernels' SASS as they were.
+FENCE_ACQREL = not SIMULATED and os.environ.get("STREAMGR_TOPK_FENCE", "sc") == "acqrel"
+
+if not FENCE_ACQREL:
+    @cuda.jit(device=True, **INLINE)
+    def fence():
+        cuda.threadfence()
+else:
+    @intrinsic
+    def _fence_acq_rel(typingctx):
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(ir.VoidType(), [])
+            builder.call(ir.InlineAsm(fnty, "fence.acq_rel.gpu;", "~{memory}",
+                                      side_effect=True), [])
+            return context.get_dummy_value()
+        return types.void(), codegen
+
+    @cuda.jit(device=True, **INLINE)
+    def fence():
+        _fence_acq_rel()

@@ -52,7 +52,7 @@ from numba import cuda, float32, int32, int64, uint32
 from . import trie_topk_kept as kept
 from .counters import zeroed
 from .kernel_cache import cached
-from .numba_common import INLINE, stamp
+from .numba_common import INLINE, fence, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_beams import (GB, GB1, GSHIFT, best_bound, gbin, keep, load_beams, score8,
                               score_units, units_of)
@@ -278,7 +278,7 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
         _route(sure, buf, ws, r, k6, uint32(i0 + 6 * NT), n_end, t_d, t_s)
         _route(sure, buf, ws, r, k7, uint32(i0 + 7 * NT), n_end, t_d, t_s)
     stamp(7, 1)
-    cuda.threadfence()  # the block's appends before its election
+    fence()  # the block's appends before its election
     cuda.syncthreads()
     if tid == 0:  # the election's atomic returns the lists' final counts (every other block's
         # appends came before its own election)
@@ -290,7 +290,7 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     if not flag[0]:
         stamp(15, 1)
         return
-    cuda.threadfence()
+    fence()
     # left zero for the next launch (counters.zeroed): every block read them before it voted
     if tid == 0:
         ws[r, CNT] = 0

@@ -39,7 +39,7 @@ import os
 import torch
 from numba import cuda, float32, int32, int64, uint32
 
-from .numba_common import INLINE, stamp
+from .numba_common import INLINE, fence, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_beams import GB, GB1, best_bound, gbin, load_beams, pair_vals, slot_bin
 from .trie_topk_dev import (FULL, JIT_NT, NB, NT, NW, RED_N, SCAN_N, block_scan, hist_add, pick,
@@ -252,7 +252,7 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     put6(kept, r, seg, hist, c1, v1, ref, d, y0, y1, y2, y3, y4, y5)
     put6(kept, r, seg, hist, c2, v2, ref, d, z0, z1, z2, z3, z4, z5)
     put6(kept, r, seg, hist, c3, v3, ref, d, q0, q1, q2, q3, q4, q5)
-    cuda.threadfence()  # the block's keys, cum and bins before its vote (one fence by the
+    fence()  # the block's keys, cum and bins before its vote (one fence by the
     # voting thread after the barrier measured the same on the H200, session 48)
     cuda.syncthreads()
     stamp(4)
@@ -262,7 +262,7 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     if not flag[0]:
         stamp(15)
         return
-    cuda.threadfence()
+    fence()
     d, need, nd = pick(ws[r, HG:], GB, k, scan, res, NT)  # D: the request's k-th best's bin
     d = int32(d)
     above = int32(k - need)  # keys past D

@@ -230,6 +230,8 @@ from streamgr.kernels import trie_topk_levels
 assert trie_topk_levels.LEVELS == (os.environ.get("STREAMGR_TOPK_LEVELS") == "1")
 from streamgr.kernels import trie_topk_bins
 assert trie_topk_bins.UNITS == (os.environ.get("STREAMGR_TOPK_UNITS") != "0")
+from streamgr.kernels import numba_common
+assert numba_common.FENCE_ACQREL == (os.environ.get("STREAMGR_TOPK_FENCE") == "acqrel")
 for R, B, fan, k, ties in {cases!r}:
     case = level(R, B, fan, V=max(fan, 64) * 2, seed=R + B + fan, ties=ties)
     k = min(k, B * case[-1])
@@ -247,6 +249,7 @@ OWN_CASES = [(16, 256, 3, 256, True), (3, 4, 256, 700, False), (1, 1, 1, 1, Fals
 QUAD_CASES = [(16, 1024, 3, 1024, False), (2, 1000, 3, 600, True)]  # 1,025-4,096 wanting > 512
 ONE_CASES = [(4, 1024, 5, 700, False), (2, 1000, 3, 100, False)]  # one block, 5,120 and 3,000
 ROOT_CASES = [(16, 1, 8192, 256, False), (3, 1, 8192, 1024, True)]  # one beam's children
+KEPT_CASES = [(16, 1024, 177, 1024, False), (48, 256, 177, 256, True)]  # trie_topk_kept's
 AB_CASES = {("STREAMGR_TOPK_SAMPLE", "0"): STEP2 + ONE_CASES,
             ("STREAMGR_TOPK_BINS", "0"): ONE_CASES, ("STREAMGR_TOPK_MERGE", "0"): STEP2 + GRID,
             ("STREAMGR_TOPK_OWN", "0"): OWN_CASES, ("STREAMGR_TOPK_OWN", "1"): OWN_CASES,
@@ -254,7 +257,8 @@ AB_CASES = {("STREAMGR_TOPK_SAMPLE", "0"): STEP2 + ONE_CASES,
             ("STREAMGR_TOPK_QUAD", "2"): QUAD_CASES + ONE_CASES,
             ("STREAMGR_TOPK_ROOT", "0"): ROOT_CASES,
             ("STREAMGR_TOPK_LEVELS", "1"): STEP2 + ONE_CASES,
-            ("STREAMGR_TOPK_UNITS", "0"): GRID, ("STREAMGR_TOPK_KEPT", "0"): GRID}
+            ("STREAMGR_TOPK_UNITS", "0"): GRID, ("STREAMGR_TOPK_KEPT", "0"): GRID,
+            ("STREAMGR_TOPK_FENCE", "acqrel"): STEP2 + GRID + KEPT_CASES}
 
 
 def _ab_check(name: str, value: str, cases, timeout: float) -> None:
@@ -283,7 +287,8 @@ def test_kernels_under_their_ab_settings(name, value):
     five to eight blocks scored a load level at a time, ``trie_topk_levels``),
     ``STREAMGR_TOPK_UNITS=0`` (the grid's scoring in rounds of eight candidates a thread
     instead of beam units), ``STREAMGR_TOPK_KEPT=0`` (the two grid launches where the one
-    launch of ``trie_topk_kept`` serves)."""
+    launch of ``trie_topk_kept`` serves), ``STREAMGR_TOPK_FENCE=acqrel`` (the grid kernels'
+    last-block fences as ``fence.acq_rel.gpu``: the merge, the two launches and the one)."""
     _ab_check(name, value, AB_CASES[name, value], 600)
 
 

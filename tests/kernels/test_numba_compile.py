@@ -122,3 +122,43 @@ def test_selection_kernels_fit_a_block_of_1024(name, tmp_path):
     # thread), the others in the same radix fallback, session 48)
     cap = {"bin_select": 12, "kept_select": 16}.get(name, 8)
     assert spills is None or spills <= cap, (name, spills)
+
+
+_FENCE_PROBE = """
+from types import SimpleNamespace
+from numba import cuda, types
+import numba.cuda.dispatcher as dispatcher
+dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=(9, 0))
+from streamgr.kernels.numba_common import fence
+
+def k(a, c):
+    a[cuda.threadIdx.x] = 1
+    fence()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        c[0] = cuda.atomic.add(c, 1, 1)
+
+arr = types.Array(types.int64, 1, "C")
+print(cuda.compile_ptx(k, (arr, arr), cc=(9, 0))[0])
+"""
+
+
+@pytest.mark.parametrize("setting,want,not_want", [(None, "membar.gl", "fence.acq_rel"),
+                                                   ("acqrel", "fence.acq_rel.gpu", "membar.gl")])
+def test_grid_fence_setting(setting, want, not_want):
+    """``numba_common.fence``, the grid kernels' last-block fences: ``cuda.threadfence()``'s
+    ``membar.gl`` (fence.sc.gpu) by default, ``fence.acq_rel.gpu`` under
+    ``STREAMGR_TOPK_FENCE=acqrel`` (read at import: a process of its own). Every grid kernel
+    module fences through it, so the A/B setting reaches them all."""
+    import sys
+    from pathlib import Path
+    env = {k: v for k, v in os.environ.items() if k != "STREAMGR_TOPK_FENCE"}
+    if setting:
+        env["STREAMGR_TOPK_FENCE"] = setting
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "-c", _FENCE_PROBE], capture_output=True, text=True,
+                       env=env, cwd=root, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert want in p.stdout and not_want not in p.stdout
+    for f in (root / "streamgr" / "kernels").glob("trie_topk_*.py"):
+        assert "cuda.threadfence()" not in f.read_text(), f.name

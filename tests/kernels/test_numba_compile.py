@@ -162,3 +162,20 @@ def test_grid_fence_setting(setting, want, not_want):
     assert want in p.stdout and not_want not in p.stdout
     for f in (root / "streamgr" / "kernels").glob("trie_topk_*.py"):
         assert "cuda.threadfence()" not in f.read_text(), f.name
+
+
+def test_cluster_probe_compiles(tmp_path):
+    """``tools/probe_cluster.py``'s kernels (cluster rank, cluster barrier, loads from another
+    block's shared memory through ``mapa``) compile for sm_90 and assemble, so the probe's GPU
+    call spends its time measuring."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    import probe_cluster as pc
+    sig = (A(i32, 2), A(i32, 2), i64)
+    ptx, _ = cuda.compile_ptx(pc.clustered.py_func, sig, cc=(9, 0))
+    for op in ("%cluster_ctarank", "barrier.cluster.arrive.release", "mapa.u64"):
+        assert op in ptx, op
+    assert _ptxas_spills(ptx, tmp_path, 64) in (0, None)
+    ptx, _ = cuda.compile_ptx(pc.last_block.py_func, (A(i32, 2), A(i64, 2), i64), cc=(9, 0))
+    assert _ptxas_spills(ptx, tmp_path, 64) in (0, None)

@@ -228,6 +228,15 @@ class Spec(_Section, kw_only=True):
     def generate_model(self) -> ModelSpec | None:
         return self.model if self.model.family == "t5" else self.generator
 
+    @property
+    def rank_limits(self) -> dict[str, int] | None:
+        """The rank model's table sizes and request limits, as ``stats()`` reports them (a
+        replay against a server folds a trace's ids into them); None: no rank model."""
+        m = self.model
+        return None if m.family != "hstu" else {
+            k: int(getattr(m, k)) for k in ("num_items", "num_actions", "max_history",
+                                            "max_candidates")}
+
 
 BUILTIN_SPECS = ("rank-small", "rank-ref", "gen-small", "gen-ref")
 

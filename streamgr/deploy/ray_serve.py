@@ -347,7 +347,7 @@ class RayEngine:
         return {"serves": [k for k, v in (("rank", self.serves_rank),
                                            ("generate", self.serves_generate)) if v],
                 "ray_app": self.app, "replicas": self._args[2], "router": self._args[3],
-                "updates": len(self.updates)}
+                "updates": len(self.updates), "limits": self.spec.rank_limits}
 
     def versions(self) -> dict:
         return {"updates": list(self.updates)}

@@ -19,6 +19,8 @@ def engine_stats(engine) -> dict[str, Any]:
     if isinstance(engine.runner, CachedRankRunner):
         out["cache"] = engine.runner.snapshot()
     out["serves"] = [k for k, r in (("rank", engine.runner), ("generate", engine.gen_runner)) if r]
+    if engine.runner is not None:
+        out["limits"] = engine.spec.rank_limits
     if engine.gen_runner is not None and engine.gen_runner.search.plans is not None:
         out["decode_plans"] = engine.gen_runner.search.plans.stats()
     if engine.runner is not None and engine.runner.plans is not None:

@@ -54,7 +54,8 @@ def add_trace_commands(sub, overrides_fn) -> None:
                    help="recompute, gpu-only and hierarchical on the same requests")
     r.add_argument("--limit", type=int, default=None, help="the first N requests")
     r.add_argument("--fold-ids", action="store_true",
-                   help="fold ids into the model's tables (a small model on a large log)")
+                   help="fold ids into the model's tables (a small model on a large log; against "
+                        "a server, the tables its stats report)")
     r.add_argument("--candidates", type=int, default=32,
                    help="candidates per request where the trace has none")
     r.add_argument("--token-file", default=None, help="with --server: file holding the token")
@@ -116,6 +117,10 @@ def _replay(args) -> int:
     if failed:
         print(f"streamgr: error: {failed} requests failed (see above and {args.out})",
               file=sys.stderr)
+        if args.server and not args.fold_ids and any(
+                "ID_OUT_OF_RANGE" in r.get("error_codes", {}) for r in runs):
+            print("streamgr: the trace's ids do not fit the served model's tables: pass "
+                  "--fold-ids to fold them in", file=sys.stderr)
         return 1
     return 0
 

@@ -216,22 +216,27 @@ def replay_trace(trace, out, spec=None, overrides=None, server: str | None = Non
     from ..config import load_spec
     from ..engine import Engine
     _check_load(batch, rate, concurrency, limit, candidates)
+    kind = read_header(trace).kind
     if server is not None:
         ignored = [f for f, on in (("--batch", batch), ("--compare-modes", compare_modes),
-                                   ("--fold-ids", fold_ids), ("--set", overrides)) if on]
-        if ignored:  # each needs the engine in this process
-            raise ReplayError(f"{', '.join(ignored)} cannot apply to a replay against a server "
-                              f"(--server {server}); replay with --spec instead")
+                                   ("--fold-ids", fold_ids and kind == "generate"),
+                                   ("--set", overrides)) if on]
+        if ignored:  # each needs the engine in this process (a generate trace's catalog too)
+            raise ReplayError(f"{', '.join(ignored)} cannot apply to a {kind} replay against a "
+                              f"server (--server {server}); replay with --spec instead")
     sp = load_spec(spec, overrides) if spec is not None else None
-    if read_header(trace).kind == "generate":
+    if kind == "generate":
         return _replay_generate(trace, out, sp, server, rate, concurrency, compare_modes, batch,
                                 limit, fold_ids, progress, token)
     if sp is not None and sp.model.family != "hstu":  # before a run of failed requests
         raise ReplayError(f"spec {sp.name} serves no rank model; the trace is rank")
-    m = sp.model if sp is not None else None
-    reqs, skipped = load_requests(trace, m and m.num_items, m and m.num_actions,
-                                  m and m.max_history, fold_ids,
-                                  min(candidates, m.max_candidates) if m else candidates, limit)
+    lim = sp.rank_limits if sp is not None else None
+    if server is not None and fold_ids:  # the folds need the served model's tables
+        lim = _server_limits(server, token)
+    reqs, skipped = load_requests(trace, lim and lim["num_items"], lim and lim["num_actions"],
+                                  lim and lim["max_history"], fold_ids,
+                                  min(candidates, lim["max_candidates"]) if lim else candidates,
+                                  limit)
     if not reqs:
         raise ReplayError(f"{trace}: no request to replay ({skipped} over the model's max history)")
     modes = MODES if compare_modes else ((sp.cache.mode,) if sp is not None else ("server",))
@@ -282,6 +287,24 @@ def replay_trace(trace, out, spec=None, overrides=None, server: str | None = Non
         lines += [run, *records, *errors]
     _write_results(out, lines)
     return runs
+
+
+def _server_limits(server: str, token: str | None) -> dict:
+    """The served rank model's limits from its ``stats()`` (``Spec.rank_limits``)."""
+    from ..client import AsyncClient
+
+    async def go():
+        async with AsyncClient(server, token=token) as c:
+            return await c.stats()
+    stats = asyncio.run(go())
+    lim = stats.get("limits")
+    if "rank" not in stats.get("serves", ["rank"]) or not isinstance(lim, dict) \
+            or not all(isinstance(lim.get(k), int) for k in ("num_items", "num_actions",
+                                                             "max_history", "max_candidates")):
+        raise ReplayError(f"the server at {server} reports no rank model's limits in its stats "
+                          f"(it serves no rank model, or predates them): --fold-ids needs them "
+                          f"to fold the trace's ids")
+    return lim
 
 
 def _run(go, out, lines: list[dict], mode: str, extra: dict, sink: dict):

@@ -60,14 +60,49 @@ def test_server_replay_shows_failures(tmp_path):
     errors = [json.loads(x) for x in out.read_text().splitlines() if '"error"' in x]
     assert len([e for e in errors if e["type"] == "error"]) == runs[0]["errors"]
     assert p.returncode == 1 and "requests failed" in p.stderr
+    assert "pass --fold-ids" in p.stderr  # the ids' failures name the option that folds them
 
 
-@pytest.mark.parametrize("option", [{"batch": 2}, {"compare_modes": True}, {"fold_ids": True},
+def test_server_replay_folds_ids_into_the_served_tables(tmp_path):
+    """``--fold-ids`` against a server folds a rank trace's ids into the tables the server's
+    stats report (``limits``): the trace whose ids fail above replays without an error."""
+    write_synth("small", tmp_path / "s.trace", users=3, seed=0)  # ids past 200 items
+    with ServerThread("uvloop") as srv:
+        limits = srv.engine.stats()["limits"]
+        runs = replay_trace(tmp_path / "s.trace", tmp_path / "s.jsonl", server=srv.addr,
+                            limit=30, concurrency=4, progress=False, fold_ids=True)
+    assert limits == srv.engine.spec.rank_limits and limits["num_items"] == 200
+    assert runs[0]["requests"] == 30 and runs[0]["errors"] == 0, runs[0]
+
+
+def test_server_replay_fold_ids_needs_the_servers_limits(tmp_path, monkeypatch):
+    """A server whose stats carry no rank limits: ``--fold-ids`` stops with an error naming
+    them, before any request (without the option the replay runs as it did)."""
+    from streamgr.config import Spec
+    monkeypatch.setattr(Spec, "rank_limits", property(lambda self: None))
+    write_synth("small", tmp_path / "s.trace", users=3, seed=0)
+    with ServerThread("asyncio") as srv:
+        with pytest.raises(ReplayError, match="reports no rank model's limits"):
+            replay_trace(tmp_path / "s.trace", tmp_path / "s.jsonl", server=srv.addr, limit=5,
+                         progress=False, fold_ids=True)
+        assert srv.counters().get("rank_requests", 0) == 0
+    assert not (tmp_path / "s.jsonl").exists()
+
+
+@pytest.mark.parametrize("option", [{"batch": 2}, {"compare_modes": True},
                                     {"overrides": {"cache.mode": "recompute"}}])
 def test_server_replay_refuses_engine_options(tiny_trace, tmp_path, option):
-    with pytest.raises(ReplayError, match="cannot apply to a replay against a server"):
+    with pytest.raises(ReplayError, match="cannot apply to a rank replay against a server"):
         replay_trace(tiny_trace, tmp_path / "x.jsonl", server="127.0.0.1:1", progress=False,
                      **option)
+
+
+def test_server_generate_replay_refuses_fold_ids(tmp_path):
+    """A generate trace's ids fold into the spec's catalog, which a server does not report."""
+    write_synth("gen", tmp_path / "g.trace", users=2, seed=4)
+    with pytest.raises(ReplayError, match="--fold-ids cannot apply to a generate replay"):
+        replay_trace(tmp_path / "g.trace", tmp_path / "x.jsonl", server="127.0.0.1:1",
+                     progress=False, fold_ids=True)
 
 
 @pytest.mark.parametrize("option,flag", [({"rate": 0.0}, "--rate"), ({"rate": -5.0}, "--rate"),

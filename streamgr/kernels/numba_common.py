@@ -193,3 +193,60 @@ else:
     @cuda.jit(device=True, **INLINE)
     def fence():
         _fence_acq_rel()
+
+
+# Thread block clusters (sm_90): STREAMGR_TOPK_CLUSTER=1 launches ``trie_topk_kept``'s blocks of a
+# request as one cluster, which meets at a cluster barrier instead of a fence and a vote (an
+# A/B setting, not yet run on the H200, session 49). Under the simulator the blocks run one
+# after another, x slowest: the barrier is the block's own, and a request's block of the
+# highest x runs after all of its others.
+CLUSTER = os.environ.get("STREAMGR_TOPK_CLUSTER", "0") == "1"
+CLUSTER_MAX = 8  # blocks: the portable cluster size
+
+if SIMULATED:
+    @cuda.jit(device=True)
+    def cluster_sync():
+        cuda.syncthreads()
+else:
+    @intrinsic
+    def _cluster_sync(typingctx):
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(ir.VoidType(), [])
+            builder.call(ir.InlineAsm(fnty, "barrier.cluster.arrive.release.aligned;\n\t"
+                                      "barrier.cluster.wait.acquire.aligned;", "~{memory}",
+                                      side_effect=True), [])
+            return context.get_dummy_value()
+        return types.void(), codegen
+
+    @cuda.jit(device=True, **INLINE)
+    def cluster_sync():
+        """Every thread of every block of the cluster: their writes before it (shared and
+        global) are visible to the cluster's reads after it."""
+        _cluster_sync()
+
+
+@functools.lru_cache(maxsize=1)
+def _grid_in_clusters() -> bool:
+    """Whether ``cuda.core``'s ``LaunchConfig.grid`` counts clusters where a cluster is given
+    (cuda-python issue 867 changed it from blocks): read from its own conversion."""
+    from cuda.core import LaunchConfig
+    from cuda.core import _launch_config as lc
+    native = lc._to_native_launch_config(LaunchConfig(grid=1, cluster=2, block=32))
+    return native.gridDimX == 2
+
+
+def launch_clustered(fn, grid: tuple, cluster: tuple, block: int, stream, smem: int, *args):
+    """``fn[grid, block, stream, smem](*args)`` with the blocks in clusters of ``cluster``
+    (``grid``: blocks, a multiple of it), through ``cuda.core`` as numba-cuda's own launch goes
+    (its kernel and argument packing: private API of numba-cuda 0.30)."""
+    from cuda.core import LaunchConfig, launch
+    from numba.cuda.cudadrv import driver
+    kern = fn.compile(tuple(fn.typeof_pyval(a) for a in args))
+    cs = driver._to_core_stream(stream)
+    kargs: list = []
+    retr: list = []
+    for t, v in zip(kern.argument_types, args):
+        kern._prepare_args(t, v, cs, retr, kargs)
+    g = tuple(n // c for n, c in zip(grid, cluster)) if _grid_in_clusters() else grid
+    launch(cs, LaunchConfig(grid=g, cluster=cluster, block=block, shmem_size=smem),
+           kern._codelibrary.get_cufunc().kernel, *kargs)

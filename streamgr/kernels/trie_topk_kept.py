@@ -29,7 +29,9 @@ request's bins and reading no trie (0.0318: the code loads and the second store 
 scoring blocks 2.5 us, and a bin near ``D`` held ~100 keys to rank one by one). Shared memory
 is dynamic (``SMEM``): the scoring's beams and histogram and the last block's ranking arrays
 alias (37 KB, where the two sets side by side would pass the 48 KB a launch takes without an
-opt-in).
+opt-in). ``STREAMGR_TOPK_CLUSTER=1`` (an A/B setting, not yet run on the H200) launches a
+request's blocks (at most 8) as one thread block cluster: they meet at the cluster's barrier
+instead of each fencing and voting, and the block of the highest x answers.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import os
 import torch
 from numba import cuda, float32, int32, int64, uint32
 
-from .numba_common import INLINE, fence, stamp
+from .numba_common import CLUSTER, CLUSTER_MAX, INLINE, cluster_sync, fence, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_beams import GB, GB1, best_bound, gbin, load_beams, pair_vals, slot_bin
 from .trie_topk_dev import (FULL, JIT_NT, NB, NT, NW, RED_N, SCAN_N, block_scan, hist_add, pick,
@@ -252,17 +254,25 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     put6(kept, r, seg, hist, c1, v1, ref, d, y0, y1, y2, y3, y4, y5)
     put6(kept, r, seg, hist, c2, v2, ref, d, z0, z1, z2, z3, z4, z5)
     put6(kept, r, seg, hist, c3, v3, ref, d, q0, q1, q2, q3, q4, q5)
-    fence()  # the block's keys, cum and bins before its vote (one fence by the
-    # voting thread after the barrier measured the same on the H200, session 48)
-    cuda.syncthreads()
-    stamp(4)
-    if tid == 0:
-        flag[0] = cuda.atomic.add(ws, (r, CNT), int64(1)) == cuda.gridDim.x - 1
-    cuda.syncthreads()
-    if not flag[0]:
-        stamp(15)
-        return
-    fence()
+    if CLUSTER:  # the request's blocks are one cluster: they meet at its barrier, and the
+        # block of the highest x answers (under the simulator it runs after the others)
+        cluster_sync()
+        stamp(4)
+        if blk != cuda.gridDim.x - 1:
+            stamp(15)
+            return
+    else:
+        fence()  # the block's keys, cum and bins before its vote (one fence by the voting
+        # thread after the barrier measured the same on the H200, session 48)
+        cuda.syncthreads()
+        stamp(4)
+        if tid == 0:
+            flag[0] = cuda.atomic.add(ws, (r, CNT), int64(1)) == cuda.gridDim.x - 1
+        cuda.syncthreads()
+        if not flag[0]:
+            stamp(15)
+            return
+        fence()
     d, need, nd = pick(ws[r, HG:], GB, k, scan, res, NT)  # D: the request's k-th best's bin
     d = int32(d)
     above = int32(k - need)  # keys past D
@@ -318,7 +328,8 @@ def plan(R: int, B: int, sms: int, upb: int) -> int | None:
     per = max(1, sms // max(R, 1))
     bpb = max(1, min(-(-B // per), (UPW * NW) // upb))
     g = -(-B // bpb)
-    return bpb if g <= GMAX and (SIMULATED or R * g <= sms) else None
+    gmax = CLUSTER_MAX if CLUSTER else GMAX  # STREAMGR_TOPK_CLUSTER: a request one cluster
+    return bpb if g <= gmax and (SIMULATED or R * g <= sms) else None
 
 
 def run(launch, R, N, k, KP, upb, F, FM, B, sc, nd, lp, trie, outs, dev, arr, bpb):
@@ -331,5 +342,6 @@ def run(launch, R, N, k, KP, upb, F, FM, B, sc, nd, lp, trie, outs, dev, arr, bp
     kept = torch.empty(R, N, dtype=torch.int64, device=dev)
     cum = torch.empty(R, g, GB, dtype=torch.int32, device=dev)
     buf = torch.empty(R, N, dtype=torch.int64, device=dev)
-    launch(kept_select, (g, R), NT, SMEM)(N, k, KP, upb, bpb, F, FM, B, sc, nd, *lp, *trie,
-                                          arr(ws), arr(kept), arr(cum), arr(buf), *outs)
+    launch(kept_select, (g, R), NT, SMEM, (g, 1, 1) if CLUSTER else None)(
+        N, k, KP, upb, bpb, F, FM, B, sc, nd, *lp, *trie, arr(ws), arr(kept), arr(cum), arr(buf),
+        *outs)

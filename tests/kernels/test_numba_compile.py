@@ -179,3 +179,36 @@ def test_cluster_probe_compiles(tmp_path):
     assert _ptxas_spills(ptx, tmp_path, 64) in (0, None)
     ptx, _ = cuda.compile_ptx(pc.last_block.py_func, (A(i32, 2), A(i64, 2), i64), cc=(9, 0))
     assert _ptxas_spills(ptx, tmp_path, 64) in (0, None)
+
+
+_KEPT_PTX = """
+from types import SimpleNamespace
+from numba import cuda, types
+import numba.cuda.dispatcher as dispatcher
+dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=(9, 0))
+from streamgr.kernels import trie_topk_kept as kept
+A = lambda dt, nd, lay="C": types.Array(dt, nd, lay)
+i64, f32, i32, i16 = types.int64, types.float32, types.int32, types.int16
+head = (i64, i64, i64, A(f32, 2), A(i64, 2))
+lp = (A(i16, 2, "A"), A(f32, 2), i64)
+trie = (A(i64, 1), A(i64, 1), i64)
+outs = (A(i64, 1), A(f32, 2), A(i64, 2), A(i64, 2), A(i64, 2))
+sig = (i64,) * 5 + head + lp + trie + (A(i64, 2), A(i64, 2), A(i32, 3), A(i64, 2)) + outs
+print(cuda.compile_ptx(kept.kept_select.py_func, sig, cc=(9, 0))[0])
+"""
+
+
+def test_kept_select_as_a_cluster_compiles(tmp_path):
+    """``STREAMGR_TOPK_CLUSTER=1`` (read at import: a process of its own): ``kept_select``
+    meets at the cluster barrier instead of a fence and a vote, and still compiles under the
+    64-register cap with at most the default build's spills."""
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "-c", _KEPT_PTX], capture_output=True, text=True,
+                       env=dict(os.environ, STREAMGR_TOPK_CLUSTER="1"), cwd=root, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    ptx = p.stdout
+    assert "barrier.cluster.arrive.release" in ptx and "membar.gl" not in ptx
+    spills = _ptxas_spills(ptx, tmp_path, 64)
+    assert spills is None or spills <= 16, spills

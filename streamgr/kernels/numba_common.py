@@ -197,9 +197,8 @@ else:
 
 # Thread block clusters (sm_90): STREAMGR_TOPK_CLUSTER=1 launches ``trie_topk_kept``'s blocks of a
 # request as one cluster, which meets at a cluster barrier instead of a fence and a vote (an
-# A/B setting, not yet run on the H200, session 49). Under the simulator the blocks run one
-# after another, x slowest: the barrier is the block's own, and a request's block of the
-# highest x runs after all of its others.
+# A/B setting, not yet run on the H200, session 49; ``trie_topk_split``). The simulator has
+# no clusters: there the barrier is the block's own and the launch runs in two halves.
 CLUSTER = os.environ.get("STREAMGR_TOPK_CLUSTER", "0") == "1"
 CLUSTER_MAX = 8  # blocks: the portable cluster size
 

@@ -31,7 +31,7 @@ is dynamic (``SMEM``): the scoring's beams and histogram and the last block's ra
 alias (37 KB, where the two sets side by side would pass the 48 KB a launch takes without an
 opt-in). ``STREAMGR_TOPK_CLUSTER=1`` (an A/B setting, not yet run on the H200) launches a
 request's blocks (at most 8) as one thread block cluster: they meet at the cluster's barrier
-instead of each fencing and voting, and the block of the highest x answers.
+instead of each fencing and voting, and each answers a share of the ranks (``trie_topk_split``).
 """
 
 from __future__ import annotations

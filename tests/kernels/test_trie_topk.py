@@ -210,10 +210,10 @@ ONE_RADIX = [(10, True, 7, (6, 9), 20)]
 ONE_BEAM = [(25, True, 1, (40, 60), 6)]
 QUAD_ANY_K = [(35, False, 12, (3, 3), 5, 2, 0.2, "quad"), (36, True, 9, (4, 6), 3, 2, 0.2, "quad")]
 # ... and trie_topk_kept with a request's blocks as one cluster (STREAMGR_TOPK_CLUSTER=1, an A/B
-# setting; in the merge cases' process): the cluster barrier instead of the fence and the vote,
-# the block of the highest x answering (the simulator runs it after the request's others): the
-# grid process's one-launch cases and 16 beams of one unit (68: four blocks a request).
-CLUSTERED = [c for c in GRID if c[0] in (65, 66, 67)] + [(68, False, 16, (130, 150), 24)]
+# setting; a process of its own), each block answering a share of the ranks (trie_topk_split;
+# the simulator runs the launch in two halves): the grid process's one-launch cases (67: every
+# score equal, one block owns every bin) and ten beams of one unit (68: three blocks a request).
+CLUSTERED = [c for c in GRID if c[0] in (65, 66, 67)] + [(68, False, 10, (130, 150), 24)]
 
 
 def simulate(script: str, cases=None, **env) -> list[str]:
@@ -226,11 +226,12 @@ def simulate(script: str, cases=None, **env) -> list[str]:
     (ONE_BLOCK + QUAD, {"STREAMGR_TOPK_OWN": "2"}),
     (GRID + OWN1 + ONE_RADIX + ONE_BEAM, {"STREAMGR_TOPK_OWN": "1", "STREAMGR_TOPK_QUAD": "0",
                                           "STREAMGR_TOPK_ROOT": "0", "SIM_COUNTED": "2,65"}),
-    (MERGE + QUAD_ANY_K + CLUSTERED, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_QUAD": "2",
-                                      "STREAMGR_TOPK_CLUSTER": "1", "SIM_COUNTED": "16,65"}),
+    (MERGE + QUAD_ANY_K, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_QUAD": "2",
+                          "SIM_COUNTED": "16"}),
+    (CLUSTERED, {"STREAMGR_TOPK_CLUSTER": "1", "SIM_COUNTED": "65"}),
     (UNSAMPLED, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_SAMPLE": "0",
                  "STREAMGR_TOPK_KEPT": "0"})],
-    ids=["one_block", "grid", "merge", "unsampled"])
+    ids=["one_block", "grid", "merge", "cluster", "unsampled"])
 @pytest.mark.slow
 def test_numba_kernels_under_the_simulator(cases, env):
     """The one-candidate-a-thread, four-a-thread, one-block, grid and merge kernels equal the

@@ -145,21 +145,30 @@ print(cuda.compile_ptx(k, (arr, arr), cc=(9, 0))[0])
 
 @pytest.mark.parametrize("setting,want,not_want", [(None, "membar.gl", "fence.acq_rel"),
                                                    ("acqrel", "fence.acq_rel.gpu", "membar.gl")])
-def test_grid_fence_setting(setting, want, not_want):
+def test_grid_fence_setting(setting, want, not_want, monkeypatch):
     """``numba_common.fence``, the grid kernels' last-block fences: ``cuda.threadfence()``'s
     ``membar.gl`` (fence.sc.gpu) by default, ``fence.acq_rel.gpu`` under
     ``STREAMGR_TOPK_FENCE=acqrel`` (read at import: a process of its own). Every grid kernel
     module fences through it, so the A/B setting reaches them all."""
     import sys
     from pathlib import Path
-    env = {k: v for k, v in os.environ.items() if k != "STREAMGR_TOPK_FENCE"}
-    if setting:
-        env["STREAMGR_TOPK_FENCE"] = setting
     root = Path(__file__).resolve().parents[2]
-    p = subprocess.run([sys.executable, "-c", _FENCE_PROBE], capture_output=True, text=True,
-                       env=env, cwd=root, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert want in p.stdout and not_want not in p.stdout
+    if setting is None and os.environ.get("STREAMGR_TOPK_FENCE") is None:  # this process's
+        import contextlib
+        import io
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(_FENCE_PROBE, {})
+        ptx = out.getvalue()
+    else:
+        env = {k: v for k, v in os.environ.items() if k != "STREAMGR_TOPK_FENCE"}
+        if setting:
+            env["STREAMGR_TOPK_FENCE"] = setting
+        p = subprocess.run([sys.executable, "-c", _FENCE_PROBE], capture_output=True,
+                           text=True, env=env, cwd=root, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        ptx = p.stdout
+    assert want in ptx and not_want not in ptx
     for f in (root / "streamgr" / "kernels").glob("trie_topk_*.py"):
         assert "cuda.threadfence()" not in f.read_text(), f.name
 

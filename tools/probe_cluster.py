@@ -34,7 +34,8 @@ from numba.cuda.extending import intrinsic
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from graph_timing import graph_ms  # noqa: E402
-from streamgr.kernels.numba_common import as_array, torch_stream  # noqa: E402
+from streamgr.kernels.numba_common import (as_array, cluster_sync,  # noqa: E402
+                                            launch_clustered, ptx_statement, torch_stream)
 
 NT = 1024
 GB = 4096  # bins, as trie_topk_beams.GB
@@ -50,30 +51,10 @@ def cluster_rank(typingctx):
     return types.uint32(), codegen
 
 
-@intrinsic
-def cluster_sync(typingctx):
-    """Every thread of every block of the cluster: the blocks' shared-memory writes before it
-    are visible to the cluster's loads after it (release/acquire)."""
-    def codegen(context, builder, sig, args):
-        fnty = ir.FunctionType(ir.VoidType(), [])
-        builder.call(ir.InlineAsm(fnty, "barrier.cluster.arrive.release.aligned;\n\t"
-                                  "barrier.cluster.wait.acquire.aligned;", "~{memory}",
-                                  side_effect=True), [])
-        return context.get_dummy_value()
-    return types.void(), codegen
-
-
-@intrinsic
-def cluster_sync_relaxed(typingctx):
-    """The cluster barrier without its release/acquire (its arrive compiles to no MEMBAR.GPU):
-    timed only, to price the ordering (three such barriers a selection are planned)."""
-    def codegen(context, builder, sig, args):
-        fnty = ir.FunctionType(ir.VoidType(), [])
-        builder.call(ir.InlineAsm(fnty, "barrier.cluster.arrive.relaxed.aligned;\n\t"
-                                  "barrier.cluster.wait.aligned;", "~{memory}",
-                                  side_effect=True), [])
-        return context.get_dummy_value()
-    return types.void(), codegen
+# the cluster barrier as the selection uses it (release/acquire), and without its ordering
+# (its arrive compiles to no MEMBAR.GPU): timed only, to price the ordering
+cluster_sync_relaxed = ptx_statement("barrier.cluster.arrive.relaxed.aligned;\n\t"
+                                     "barrier.cluster.wait.aligned;")
 
 
 @intrinsic
@@ -100,6 +81,18 @@ def fill(hist, seed):
         hist[i] = int32((seed * 7 + i * 3) & 15)
 
 
+@cuda.jit(device=True)
+def remote_sums(out, hist, blk, csize):
+    """Each of this block's bins summed over its cluster's blocks' histograms."""
+    t = cuda.threadIdx.x
+    for e in range(GB // NT):
+        g = t * (GB // NT) + e
+        s = int32(0)
+        for b in range(csize):
+            s += remote_i32(hist, g, uint32(b))
+        out[blk, g] = s
+
+
 @cuda.jit(**JIT)
 def clustered(out, ids, csize):
     hist = cuda.shared.array(GB, int32)
@@ -110,13 +103,7 @@ def clustered(out, ids, csize):
         ids[blk, 0] = rank
         ids[blk, 1] = cuda.gridDim.x
     cluster_sync()
-    t = cuda.threadIdx.x
-    for e in range(GB // NT):
-        g = t * (GB // NT) + e
-        s = int32(0)
-        for b in range(csize):
-            s += remote_i32(hist, g, uint32(b))
-        out[blk, g] = s
+    remote_sums(out, hist, blk, csize)
     cluster_sync()  # no block leaves while another may still read its shared memory
 
 
@@ -126,13 +113,7 @@ def clustered_relaxed(out, ids, csize):
     blk = cuda.blockIdx.x
     fill(hist, blk)
     cluster_sync_relaxed()
-    t = cuda.threadIdx.x
-    for e in range(GB // NT):
-        g = t * (GB // NT) + e
-        s = int32(0)
-        for b in range(csize):
-            s += remote_i32(hist, g, uint32(b))
-        out[blk, g] = s
+    remote_sums(out, hist, blk, csize)
     cluster_sync_relaxed()
 
 
@@ -175,21 +156,10 @@ def last_block(out, ws, csize):
         ws[r, 0] = 0
 
 
-def cluster_launch(fn, sig, args, blocks, csize, stream):
-    """Launch Numba's compiled ``fn`` (at ``sig``) with clusters of ``csize`` blocks through
-    cuda.core, as Numba's own launch does but for the cluster shape."""
-    from cuda.core import LaunchConfig, launch
-    kern = fn.overloads[sig]
-    kernelargs, retr = [], []
-    for t, v in zip(kern.argument_types, args):
-        kern._prepare_args(t, v, stream, retr, kernelargs)
-    cfn = kern._codelibrary.get_cufunc().kernel
-    # cuda.core 1.x counts clusters in ``grid`` where a cluster is given; 0.x counted blocks
-    import cuda.core as cc
-    major = int(cc.__version__.split(".")[0])
-    grid = blocks // csize if major >= 1 else blocks
-    launch(stream, LaunchConfig(grid=grid, cluster=csize, block=NT), cfn, *kernelargs)
-    return cfn
+def cluster_launch(fn, args, blocks, csize, stream):
+    """``fn`` on ``blocks`` blocks in clusters of ``csize``, as the selection launches
+    (``numba_common.launch_clustered``)."""
+    launch_clustered(fn, (blocks,), (csize,), NT, stream, 0, *args)
 
 
 def main() -> None:
@@ -209,7 +179,6 @@ def main() -> None:
         last_block[1, NT, stream](oa, wa, 1)
         torch.cuda.synchronize()
         sig = next(iter(clustered.overloads))
-        sig_r = next(iter(clustered_relaxed.overloads))
         try:
             from cuda.core import LaunchConfig
             cfn = clustered.overloads[sig]._codelibrary.get_cufunc().kernel
@@ -221,7 +190,7 @@ def main() -> None:
         out.zero_()
         ids.fill_(-1)
         try:
-            cluster_launch(clustered, sig, (oa, ia, csize), blocks, csize, stream)
+            cluster_launch(clustered, (oa, ia, csize), blocks, csize, stream)
             torch.cuda.synchronize()
         except Exception as err:  # this numba-cuda or cuda.core launches no clusters
             print(f"cluster {csize}: the cluster launch failed: {err!r}", flush=True)
@@ -234,10 +203,10 @@ def main() -> None:
         print(f"cluster {csize}: sums equal {torch.equal(out, want.to(torch.int32))}, ranks "
               f"{ranks_ok}, gridDim.x seen {int(ids[0, 1])}", flush=True)
         rows = [("clustered: DSMEM sums, 2 cluster barriers",
-                 lambda: cluster_launch(clustered, sig, (oa, ia, csize), blocks, csize,
+                 lambda: cluster_launch(clustered, (oa, ia, csize), blocks, csize,
                                         torch_stream(dev))),
                 ("clustered, the barriers relaxed (timing only)",
-                 lambda: cluster_launch(clustered_relaxed, sig_r, (oa, ia, csize), blocks,
+                 lambda: cluster_launch(clustered_relaxed, (oa, ia, csize), blocks,
                                         csize, torch_stream(dev))),
                 ("alone: own histogram only", lambda: alone[blocks, NT, torch_stream(dev)](
                     oa, ia, csize)),

@@ -176,19 +176,25 @@ else:
 # (session 49); the default keeps the SC fence and the kernels' SASS as they were.
 FENCE_ACQREL = not SIMULATED and os.environ.get("STREAMGR_TOPK_FENCE", "sc") == "acqrel"
 
+def ptx_statement(text: str):
+    """An intrinsic that emits the PTX ``text`` (no operands; a memory clobber, so nothing
+    moves across it)."""
+    @intrinsic
+    def emit(typingctx):
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(ir.VoidType(), [])
+            builder.call(ir.InlineAsm(fnty, text, "~{memory}", side_effect=True), [])
+            return context.get_dummy_value()
+        return types.void(), codegen
+    return emit
+
+
 if not FENCE_ACQREL:
     @cuda.jit(device=True, **INLINE)
     def fence():
         cuda.threadfence()
 else:
-    @intrinsic
-    def _fence_acq_rel(typingctx):
-        def codegen(context, builder, sig, args):
-            fnty = ir.FunctionType(ir.VoidType(), [])
-            builder.call(ir.InlineAsm(fnty, "fence.acq_rel.gpu;", "~{memory}",
-                                      side_effect=True), [])
-            return context.get_dummy_value()
-        return types.void(), codegen
+    _fence_acq_rel = ptx_statement("fence.acq_rel.gpu;")
 
     @cuda.jit(device=True, **INLINE)
     def fence():
@@ -207,15 +213,8 @@ if SIMULATED:
     def cluster_sync():
         cuda.syncthreads()
 else:
-    @intrinsic
-    def _cluster_sync(typingctx):
-        def codegen(context, builder, sig, args):
-            fnty = ir.FunctionType(ir.VoidType(), [])
-            builder.call(ir.InlineAsm(fnty, "barrier.cluster.arrive.release.aligned;\n\t"
-                                      "barrier.cluster.wait.acquire.aligned;", "~{memory}",
-                                      side_effect=True), [])
-            return context.get_dummy_value()
-        return types.void(), codegen
+    _cluster_sync = ptx_statement("barrier.cluster.arrive.release.aligned;\n\t"
+                                  "barrier.cluster.wait.acquire.aligned;")
 
     @cuda.jit(device=True, **INLINE)
     def cluster_sync():

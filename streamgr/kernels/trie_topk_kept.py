@@ -44,11 +44,10 @@ from numba import cuda, float32, int32, int64, uint32
 from .numba_common import CLUSTER, CLUSTER_MAX, INLINE, cluster_sync, fence, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_beams import GB, GB1, best_bound, gbin, load_beams, pair_vals, slot_bin
-from .trie_topk_dev import (FULL, JIT_NT, NB, NT, NW, RED_N, SCAN_N, block_scan, hist_add, pick,
-                            pick_scan)
+from .trie_topk_dev import JIT_NT, NB, NT, NW, RED_N, SCAN_N, hist_add, pick, pick_scan
 from .trie_topk_keys import MAXC, okey, put_abs
 from .trie_topk_rank import SRT_N, radix_rest, rank_answer
-from .trie_topk_split import phase, place, seg_of, split_answer
+from .trie_topk_split import phase, place, prefix2, seg_of, split_answer
 from .counters import zeroed
 from .kernel_cache import cached
 
@@ -157,20 +156,7 @@ def starts(cum, r, gb, d, pre, pa, scan):
     if tid < gb:
         n_all = cum[r, tid, d]
         n_a = cum[r, tid, d + 1] if d + 1 < GB else int32(0)
-    x = int32(0)
-    y = int32(0)
-    if SIMULATED:  # no shuffles there
-        x, _ = block_scan(n_all, scan, NT)
-        y, _ = block_scan(n_a, scan, NT)
-    elif tid < 32:
-        x = n_all
-        y = n_a
-        for o in (1, 2, 4, 8, 16):
-            xo = cuda.shfl_up_sync(FULL, x, o)
-            yo = cuda.shfl_up_sync(FULL, y, o)
-            if tid >= o:
-                x = int32(x + xo)
-                y = int32(y + yo)
+    x, y = prefix2(n_all, n_a, scan)
     if tid < gb:
         pre[tid] = int32(x - n_all)
         pa[tid] = int32(y - n_a)

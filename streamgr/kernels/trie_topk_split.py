@@ -44,6 +44,28 @@ else:
 
 
 @cuda.jit(device=True, **INLINE)
+def prefix2(x, y, scan):
+    """Inclusive prefix sums of two int32 over threads 0-31, as ``trie_topk_kept.starts`` and
+    ``range_starts`` take each block's counts (at most 32 blocks): on the GPU one warp's
+    shuffles (two block scans took four barriers), under the simulator block scans (no
+    shuffles there; every thread calls it)."""
+    tid = cuda.threadIdx.x
+    if SIMULATED:
+        x, _ = block_scan(x, scan, NT)
+        y, _ = block_scan(y, scan, NT)
+        return x, y
+    if tid >= 32:
+        return int32(0), int32(0)
+    for o in (1, 2, 4, 8, 16):
+        xo = cuda.shfl_up_sync(FULL, x, o)
+        yo = cuda.shfl_up_sync(FULL, y, o)
+        if tid >= o:
+            x = int32(x + xo)
+            y = int32(y + yo)
+    return x, y
+
+
+@cuda.jit(device=True, **INLINE)
 def seg_of(pre, gb, i):
     """The block whose keys hold the last block's key ``i``: the last of ``gb`` with
     ``pre <= i``."""
@@ -107,20 +129,7 @@ def range_starts(cum, r, G, d, gh, gl, own_d, pre, pa, base, lim, scan):
         n_a = int32((cum[r, tid, d + 1] if d + 1 < GB else int32(0)) - b) if own_d else n_all
         base[tid] = b
         cuda.atomic.add(lim, 2, b)
-    x = int32(0)
-    y = int32(0)
-    if SIMULATED:  # no shuffles there
-        x, _ = block_scan(n_all, scan, NT)
-        y, _ = block_scan(n_a, scan, NT)
-    elif tid < 32:
-        x = n_all
-        y = n_a
-        for o in (1, 2, 4, 8, 16):
-            xo = cuda.shfl_up_sync(FULL, x, o)
-            yo = cuda.shfl_up_sync(FULL, y, o)
-            if tid >= o:
-                x = int32(x + xo)
-                y = int32(y + yo)
+    x, y = prefix2(n_all, n_a, scan)
     if tid < G:
         pre[tid] = int32(x - n_all)
         pa[tid] = int32(y - n_a)

@@ -186,6 +186,9 @@ def test_cluster_probe_compiles(tmp_path):
     for op in ("%cluster_ctarank", "barrier.cluster.arrive.release", "mapa.u64"):
         assert op in ptx, op
     assert _ptxas_spills(ptx, tmp_path, 64) in (0, None)
+    ptx, _ = cuda.compile_ptx(pc.clustered_relaxed.py_func, sig, cc=(9, 0))
+    assert "barrier.cluster.arrive.relaxed" in ptx
+    assert _ptxas_spills(ptx, tmp_path, 64) in (0, None)
     ptx, _ = cuda.compile_ptx(pc.last_block.py_func, (A(i32, 2), A(i64, 2), i64), cc=(9, 0))
     assert _ptxas_spills(ptx, tmp_path, 64) in (0, None)
 

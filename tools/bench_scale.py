@@ -28,7 +28,8 @@ from streamgr import Engine  # noqa: E402
 from streamgr.api import RankRequest  # noqa: E402
 from streamgr.config import parse_set_pairs  # noqa: E402
 from streamgr.config import load_spec  # noqa: E402
-from streamgr.trace.run import drive, load_requests  # noqa: E402
+from streamgr.trace.requests import load_requests  # noqa: E402
+from streamgr.trace.run import drive  # noqa: E402
 from streamgr.trace.synth import write_synth  # noqa: E402
 
 

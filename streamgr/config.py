@@ -233,12 +233,11 @@ class Spec(_Section, kw_only=True):
         """The rank model's table sizes and request limits, as ``stats()`` reports them (a
         replay against a server folds a trace's ids into them); None: no rank model."""
         m = self.model
-        return None if m.family != "hstu" else {
-            k: int(getattr(m, k)) for k in ("num_items", "num_actions", "max_history",
-                                            "max_candidates")}
+        return None if m.family != "hstu" else {k: int(getattr(m, k)) for k in RANK_LIMITS}
 
 
 BUILTIN_SPECS = ("rank-small", "rank-ref", "gen-small", "gen-ref")
+RANK_LIMITS = ("num_items", "num_actions", "max_history", "max_candidates")  # Spec.rank_limits
 
 _PATH_RE = re.compile(r"`\$((?:\.[A-Za-z_][\w-]*|\[\d+\])*)`")
 

@@ -17,7 +17,7 @@ from numba import cuda, int32, int64
 
 from .decoder_attention import SIMULATED
 
-if not SIMULATED:  # inline PTX: the phase stamps, the acq_rel fence
+if not SIMULATED:  # inline PTX: the phase stamps, the acq_rel fence, the cluster barrier
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
@@ -175,6 +175,7 @@ else:
 # MEMBAR.ALL.GPU): STREAMGR_TOPK_FENCE=acqrel, an A/B setting not yet timed on the H200
 # (session 49); the default keeps the SC fence and the kernels' SASS as they were.
 FENCE_ACQREL = not SIMULATED and os.environ.get("STREAMGR_TOPK_FENCE", "sc") == "acqrel"
+
 
 def ptx_statement(text: str):
     """An intrinsic that emits the PTX ``text`` (no operands; a memory clobber, so nothing

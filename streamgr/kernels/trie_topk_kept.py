@@ -47,6 +47,7 @@ from .trie_topk_beams import GB, GB1, best_bound, gbin, load_beams, pair_vals, s
 from .trie_topk_dev import JIT_NT, NB, NT, NW, RED_N, SCAN_N, hist_add, pick, pick_scan
 from .trie_topk_keys import MAXC, okey, put_abs
 from .trie_topk_rank import SRT_N, radix_rest, rank_answer
+from . import trie_topk_split as split
 from .trie_topk_split import phase, place, prefix2, seg_of, split_answer
 from .counters import zeroed
 from .kernel_cache import cached
@@ -327,7 +328,6 @@ def run(launch, R, N, k, KP, upb, F, FM, B, sc, nd, lp, trie, outs, dev, arr, bp
     args = (N, k, KP, upb, bpb, F, FM, B, sc, nd, *lp, *trie, arr(ws), arr(kept), arr(cum),
             arr(buf), *outs)
     if CLUSTER and SIMULATED:  # no cluster barrier there: the scoring, then the answers
-        from . import trie_topk_split as split
         for ph in (1, 2):
             split.SIM_PHASE[0] = ph
             launch(kept_select, (g, R), NT, SMEM)(*args)

@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 
 from ..api import RankRequest
+from ..config import RANK_LIMITS
 from ..errors import StreamgrError
 from ..progress import Progress
 from .format import read_header
@@ -224,8 +225,7 @@ def _server_limits(server: str, token: str | None) -> dict:
     stats = asyncio.run(go())
     lim = stats.get("limits")
     if "rank" not in stats.get("serves", ["rank"]) or not isinstance(lim, dict) \
-            or not all(isinstance(lim.get(k), int) for k in ("num_items", "num_actions",
-                                                             "max_history", "max_candidates")):
+            or not all(isinstance(lim.get(k), int) for k in RANK_LIMITS):
         raise ReplayError(f"the server at {server} reports no rank model's limits in its stats "
                           f"(it serves no rank model, or predates them): --fold-ids needs them "
                           f"to fold the trace's ids")

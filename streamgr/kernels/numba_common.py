@@ -17,7 +17,7 @@ from numba import cuda, int32, int64
 
 from .decoder_attention import SIMULATED
 
-if not SIMULATED:  # inline PTX: the phase stamps, the acq_rel fence, the cluster barrier
+if not SIMULATED:  # inline PTX: the phase stamps
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
@@ -170,82 +170,9 @@ else:
 
 
 # The grid kernels' last-block fences (a block's writes before its vote; the last block's
-# reads after it). ``cuda.threadfence()`` is ``membar.gl``, PTX's ``fence.sc.gpu``: SASS
-# MEMBAR.SC.GPU. Publishing needs only release/acquire order, ``fence.acq_rel.gpu`` (SASS
-# MEMBAR.ALL.GPU): STREAMGR_TOPK_FENCE=acqrel, an A/B setting not yet timed on the H200
-# (session 49); the default keeps the SC fence and the kernels' SASS as they were.
-FENCE_ACQREL = not SIMULATED and os.environ.get("STREAMGR_TOPK_FENCE", "sc") == "acqrel"
-
-
-def ptx_statement(text: str):
-    """An intrinsic that emits the PTX ``text`` (no operands; a memory clobber, so nothing
-    moves across it)."""
-    @intrinsic
-    def emit(typingctx):
-        def codegen(context, builder, sig, args):
-            fnty = ir.FunctionType(ir.VoidType(), [])
-            builder.call(ir.InlineAsm(fnty, text, "~{memory}", side_effect=True), [])
-            return context.get_dummy_value()
-        return types.void(), codegen
-    return emit
-
-
-if not FENCE_ACQREL:
-    @cuda.jit(device=True, **INLINE)
-    def fence():
-        cuda.threadfence()
-else:
-    _fence_acq_rel = ptx_statement("fence.acq_rel.gpu;")
-
-    @cuda.jit(device=True, **INLINE)
-    def fence():
-        _fence_acq_rel()
-
-
-# Thread block clusters (sm_90): STREAMGR_TOPK_CLUSTER=1 launches ``trie_topk_kept``'s blocks of a
-# request as one cluster, which meets at a cluster barrier instead of a fence and a vote (an
-# A/B setting, not yet run on the H200, session 49; ``trie_topk_split``). The simulator has
-# no clusters: there the barrier is the block's own and the launch runs in two halves.
-CLUSTER = os.environ.get("STREAMGR_TOPK_CLUSTER", "0") == "1"
-CLUSTER_MAX = 8  # blocks: the portable cluster size
-
-if SIMULATED:
-    @cuda.jit(device=True)
-    def cluster_sync():
-        cuda.syncthreads()
-else:
-    _cluster_sync = ptx_statement("barrier.cluster.arrive.release.aligned;\n\t"
-                                  "barrier.cluster.wait.acquire.aligned;")
-
-    @cuda.jit(device=True, **INLINE)
-    def cluster_sync():
-        """Every thread of every block of the cluster: their writes before it (shared and
-        global) are visible to the cluster's reads after it."""
-        _cluster_sync()
-
-
-@functools.lru_cache(maxsize=1)
-def _grid_in_clusters() -> bool:
-    """Whether ``cuda.core``'s ``LaunchConfig.grid`` counts clusters where a cluster is given
-    (cuda-python issue 867 changed it from blocks): read from its own conversion."""
-    from cuda.core import LaunchConfig
-    from cuda.core import _launch_config as lc
-    native = lc._to_native_launch_config(LaunchConfig(grid=1, cluster=2, block=32))
-    return native.gridDimX == 2
-
-
-def launch_clustered(fn, grid: tuple, cluster: tuple, block: int, stream, smem: int, *args):
-    """``fn[grid, block, stream, smem](*args)`` with the blocks in clusters of ``cluster``
-    (``grid``: blocks, a multiple of it), through ``cuda.core`` as numba-cuda's own launch goes
-    (its kernel and argument packing: private API of numba-cuda 0.30)."""
-    from cuda.core import LaunchConfig, launch
-    from numba.cuda.cudadrv import driver
-    kern = fn.compile(tuple(fn.typeof_pyval(a) for a in args))
-    cs = driver._to_core_stream(stream)
-    kargs: list = []
-    retr: list = []
-    for t, v in zip(kern.argument_types, args):
-        kern._prepare_args(t, v, cs, retr, kargs)
-    g = tuple(n // c for n, c in zip(grid, cluster)) if _grid_in_clusters() else grid
-    launch(cs, LaunchConfig(grid=g, cluster=cluster, block=block, shmem_size=smem),
-           kern._codelibrary.get_cufunc().kernel, *kargs)
+# reads after it), in one place: ``cuda.threadfence()`` (``membar.gl``, SASS MEMBAR.SC.GPU).
+# ``fence.acq_rel.gpu`` (MEMBAR.ALL.GPU), all that publishing needs, timed the same on the H200
+# (step 2 at beams of 1,024 0.0254 ms either way, session 50), so it was dropped.
+@cuda.jit(device=True, **INLINE)
+def fence():
+    cuda.threadfence()

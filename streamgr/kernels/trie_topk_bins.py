@@ -311,7 +311,7 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
         total = k
     stamp(8, 1)
     if not rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, nodes,
-                       ptr, codes, cap, top, parent, child, code, 0):
+                       ptr, codes, cap, top, parent, child, code):
         for i in range(tid, k, NT):  # sorted where ties crowd a bin: answers from the keys
             put_abs(srt[i], i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap,
                     top, parent, child, code, int64(-1))
@@ -339,7 +339,7 @@ def run(launch, R, N, k, KP, F, FM, B, sc, nd, lp, trie, outs, dev, arr):
     in the L2 cache when ``bin_select`` reads it)."""
     upb = units_of(F, UNITS)
     sms = SMS_SIM if SIMULATED else sm_count(dev)
-    bpb = kept.plan(R, B, sms, upb, k)
+    bpb = kept.plan(R, B, sms, upb)
     if bpb is not None:  # one launch
         kept.run(launch, R, N, k, KP, upb, F, FM, B, sc, nd, lp, trie, outs, dev, arr, bpb)
         return

@@ -29,9 +29,10 @@ request's bins and reading no trie (0.0318: the code loads and the second store 
 scoring blocks 2.5 us, and a bin near ``D`` held ~100 keys to rank one by one). Shared memory
 is dynamic (``SMEM``): the scoring's beams and histogram and the last block's ranking arrays
 alias (37 KB, where the two sets side by side would pass the 48 KB a launch takes without an
-opt-in). ``STREAMGR_TOPK_CLUSTER=1`` (an A/B setting, not yet run on the H200) launches a
-request's blocks (at most 8) as one thread block cluster: they meet at the cluster's barrier
-instead of each fencing and voting, and each answers a share of the ranks (``trie_topk_split``).
+opt-in). Also tried and dropped (session 50, H200): a request's blocks as one thread block
+cluster meeting at the cluster barrier, each answering a share of the ranks: 0.0454 ms against
+0.0254 (clusters of 8 blocks of 1,024 threads took 37 us to exchange a histogram where the last
+block's pattern took 7.6, and each block's share of the answer still took 9.7 us).
 """
 
 from __future__ import annotations
@@ -41,14 +42,13 @@ import os
 import torch
 from numba import cuda, float32, int32, int64, uint32
 
-from .numba_common import CLUSTER, CLUSTER_MAX, INLINE, cluster_sync, fence, stamp
+from .numba_common import INLINE, fence, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_beams import GB, GB1, best_bound, gbin, load_beams, pair_vals, slot_bin
-from .trie_topk_dev import JIT_NT, NB, NT, NW, RED_N, SCAN_N, hist_add, pick, pick_scan
+from .trie_topk_dev import (FULL, JIT_NT, NB, NT, NW, RED_N, SCAN_N, block_scan, hist_add, pick,
+                            pick_scan)
 from .trie_topk_keys import MAXC, okey, put_abs
 from .trie_topk_rank import SRT_N, radix_rest, rank_answer
-from . import trie_topk_split as split
-from .trie_topk_split import phase, place, prefix2, seg_of, split_answer
 from .counters import zeroed
 from .kernel_cache import cached
 
@@ -138,7 +138,14 @@ def fetch(kept, r, ch, pre, pa, gb, i):
     segments in block order (``pre``: each block's first, ``pa``: keys past ``D`` before it,
     ``gb`` + 1 entries each): (key, its slot among those past ``D`` or -1, its slot among
     ``D``'s)."""
-    lo = seg_of(pre, gb, i)
+    lo = int32(0)
+    hi = int32(gb - 1)
+    while lo < hi:  # the block whose keys hold i: the last with pre <= i
+        mid = int32((lo + hi + 1) >> 1)
+        if pre[mid] <= i:
+            lo = mid
+        else:
+            hi = int32(mid - 1)
     j = int32(i - pre[lo])
     na = int32(pa[lo + 1] - pa[lo])  # the block's keys past D: its segment's first
     v = kept[r, int64(lo) * ch + j]
@@ -157,12 +164,37 @@ def starts(cum, r, gb, d, pre, pa, scan):
     if tid < gb:
         n_all = cum[r, tid, d]
         n_a = cum[r, tid, d + 1] if d + 1 < GB else int32(0)
-    x, y = prefix2(n_all, n_a, scan)
+    x = int32(0)
+    y = int32(0)
+    if SIMULATED:  # no shuffles there
+        x, _ = block_scan(n_all, scan, NT)
+        y, _ = block_scan(n_a, scan, NT)
+    elif tid < 32:
+        x = n_all
+        y = n_a
+        for o in (1, 2, 4, 8, 16):
+            xo = cuda.shfl_up_sync(FULL, x, o)
+            yo = cuda.shfl_up_sync(FULL, y, o)
+            if tid >= o:
+                x = int32(x + xo)
+                y = int32(y + yo)
     if tid < gb:
         pre[tid] = int32(x - n_all)
         pa[tid] = int32(y - n_a)
         if tid == gb - 1:
             pa[gb] = y
+
+
+@cuda.jit(device=True, **INLINE)
+def place(srt, buf, r, v, a, dn, above, small):
+    """A fetched key to its slot: past ``D`` at ``a``, in ``D`` after those (``small``) or in
+    ``buf``."""
+    if a >= 0:
+        srt[a] = v
+    elif small:
+        srt[above + dn] = v
+    else:
+        buf[r, dn] = v
 
 
 @cached
@@ -189,71 +221,51 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     cnt = cuda.shared.array(2, int32)
     pre = cuda.shared.array(GMAX1, int32)
     pa = cuda.shared.array(GMAX1, int32)
-    if not CLUSTER or phase() & 1:  # (the simulator's second launch answers only)
-        i = tid
-        while i <= GB:
-            hist[i] = 0
-            i = int32(i + NT)
-        if tid == 0:
-            res[0] = 0  # cursors' pick leaves it where the block holds fewer than k: keep
-            # them all
-        b0 = blk * bpb
-        nb = min(bpb, B - b0)
-        load_beams(r, b0, nb, B, scores, nodes, ptr, lse, sh, bs, bm, bl, bf, bc)
-        ref = best_bound(scores, lse, sh, r, B, red)  # its barriers publish the hist and beams
-        stamp(1)
-        nu = int32(nb * upb)
-        u = int32(tid >> 5)
-        if sh == 16:  # a constant at each call: the conversion folded, as in bin_hist
-            x0, x1, x2, x3, x4, x5, y0, y1, y2, y3, y4, y5, v0, c0, v1, c1 = pair_scores(
-                u, nu, upb, F, b0, r, B, logp, 16, codes, off, bs, bm, bl, bf, bc, hist, ref)
-            z0, z1, z2, z3, z4, z5, q0, q1, q2, q3, q4, q5, v2, c2, v3, c3 = pair_scores(
-                u + 2 * NW, nu, upb, F, b0, r, B, logp, 16, codes, off, bs, bm, bl, bf, bc, hist,
-                ref)
-        else:
-            x0, x1, x2, x3, x4, x5, y0, y1, y2, y3, y4, y5, v0, c0, v1, c1 = pair_scores(
-                u, nu, upb, F, b0, r, B, logp, 0, codes, off, bs, bm, bl, bf, bc, hist, ref)
-            z0, z1, z2, z3, z4, z5, q0, q1, q2, q3, q4, q5, v2, c2, v3, c3 = pair_scores(
-                u + 2 * NW, nu, upb, F, b0, r, B, logp, 0, codes, off, bs, bm, bl, bf, bc, hist,
-                ref)
-        cuda.syncthreads()
-        stamp(2)
-        d = cursors(hist, k, scan, res, cum, ws, r, blk)
-        stamp(3)
-        seg = int64(blk) * (bpb * F)  # the block's segment: its chunk's candidates' span
-        put6(kept, r, seg, hist, c0, v0, ref, d, x0, x1, x2, x3, x4, x5)
-        put6(kept, r, seg, hist, c1, v1, ref, d, y0, y1, y2, y3, y4, y5)
-        put6(kept, r, seg, hist, c2, v2, ref, d, z0, z1, z2, z3, z4, z5)
-        put6(kept, r, seg, hist, c3, v3, ref, d, q0, q1, q2, q3, q4, q5)
-    if CLUSTER:  # the request's blocks are one cluster: after its barrier each answers its
-        # share of the ranks (trie_topk_split); the last zeroes the counters after a second
-        if phase() == 3:
-            cluster_sync()
-        stamp(4)
-        if phase() & 2:
-            split_answer(k, KP, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws,
-                         kept, cum, buf, cap, top, parent, child, code, bpb * F, r, blk,
-                         cuda.gridDim.x, scan, res, red, cnt, pre, pa, dyn_l[0:SRT_N],
-                         dyn_l[SRT_N:2 * SRT_N], dyn_i[4 * SRT_N:4 * SRT_N + NB])
-        if phase() == 3:
-            cluster_sync()
-        if phase() & 2 and blk == cuda.gridDim.x - 1:
-            for i in range(tid, GB, NT):
-                ws[r, HG + i] = 0
+    i = tid
+    while i <= GB:
+        hist[i] = 0
+        i = int32(i + NT)
+    if tid == 0:
+        res[0] = 0  # cursors' pick leaves it where the block holds fewer than k: keep them all
+    b0 = blk * bpb
+    nb = min(bpb, B - b0)
+    load_beams(r, b0, nb, B, scores, nodes, ptr, lse, sh, bs, bm, bl, bf, bc)
+    ref = best_bound(scores, lse, sh, r, B, red)  # its barriers publish the hist and beams
+    stamp(1)
+    nu = int32(nb * upb)
+    u = int32(tid >> 5)
+    if sh == 16:  # a constant at each call: the conversion folded, as in bin_hist
+        x0, x1, x2, x3, x4, x5, y0, y1, y2, y3, y4, y5, v0, c0, v1, c1 = pair_scores(
+            u, nu, upb, F, b0, r, B, logp, 16, codes, off, bs, bm, bl, bf, bc, hist, ref)
+        z0, z1, z2, z3, z4, z5, q0, q1, q2, q3, q4, q5, v2, c2, v3, c3 = pair_scores(
+            u + 2 * NW, nu, upb, F, b0, r, B, logp, 16, codes, off, bs, bm, bl, bf, bc, hist,
+            ref)
+    else:
+        x0, x1, x2, x3, x4, x5, y0, y1, y2, y3, y4, y5, v0, c0, v1, c1 = pair_scores(
+            u, nu, upb, F, b0, r, B, logp, 0, codes, off, bs, bm, bl, bf, bc, hist, ref)
+        z0, z1, z2, z3, z4, z5, q0, q1, q2, q3, q4, q5, v2, c2, v3, c3 = pair_scores(
+            u + 2 * NW, nu, upb, F, b0, r, B, logp, 0, codes, off, bs, bm, bl, bf, bc, hist,
+            ref)
+    cuda.syncthreads()
+    stamp(2)
+    d = cursors(hist, k, scan, res, cum, ws, r, blk)
+    stamp(3)
+    seg = int64(blk) * (bpb * F)  # the block's segment: its chunk's candidates' span
+    put6(kept, r, seg, hist, c0, v0, ref, d, x0, x1, x2, x3, x4, x5)
+    put6(kept, r, seg, hist, c1, v1, ref, d, y0, y1, y2, y3, y4, y5)
+    put6(kept, r, seg, hist, c2, v2, ref, d, z0, z1, z2, z3, z4, z5)
+    put6(kept, r, seg, hist, c3, v3, ref, d, q0, q1, q2, q3, q4, q5)
+    fence()  # the block's keys, cum and bins before its vote (one fence by the
+    # voting thread after the barrier measured the same on the H200, session 48)
+    cuda.syncthreads()
+    stamp(4)
+    if tid == 0:
+        flag[0] = cuda.atomic.add(ws, (r, CNT), int64(1)) == cuda.gridDim.x - 1
+    cuda.syncthreads()
+    if not flag[0]:
         stamp(15)
         return
-    else:
-        fence()  # the block's keys, cum and bins before its vote (one fence by the voting
-        # thread after the barrier measured the same on the H200, session 48)
-        cuda.syncthreads()
-        stamp(4)
-        if tid == 0:
-            flag[0] = cuda.atomic.add(ws, (r, CNT), int64(1)) == cuda.gridDim.x - 1
-        cuda.syncthreads()
-        if not flag[0]:
-            stamp(15)
-            return
-        fence()
+    fence()
     d, need, nd = pick(ws[r, HG:], GB, k, scan, res, NT)  # D: the request's k-th best's bin
     d = int32(d)
     above = int32(k - need)  # keys past D
@@ -290,29 +302,26 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
         total = k
     stamp(8)
     if not rank_answer(srt, seg2, hist2, scan, res, red, total, k, KP, r, F, FM, scores, nodes,
-                       ptr, codes, cap, top, parent, child, code, 0):
+                       ptr, codes, cap, top, parent, child, code):
         for i in range(tid, k, NT):  # sorted where ties crowd a bin: answers from the keys
             put_abs(srt[i], i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap,
                     top, parent, child, code, int64(-1))
     stamp(15)
 
 
-def plan(R: int, B: int, sms: int, upb: int, k: int = 0) -> int | None:
+def plan(R: int, B: int, sms: int, upb: int) -> int | None:
     """Beams a block where ``kept_select`` serves R requests of B beams of ``upb`` beam units
     (0: none) on ``sms`` SMs, else None: at most ``UPW NW`` units a block, as many beams as
     leave one wave of blocks where the requests fill the GPU (``trie_topk_bins.chunk``'s
     rule; the simulator has no waves to keep to), at most ``GMAX`` blocks a request (one
     request's flat 2,097,152 takes 128: the two launches, which were faster there, session
-    48). A request as one cluster (``STREAMGR_TOPK_CLUSTER``): at most ``CLUSTER_MAX``
-    blocks, ``k`` at most a block's threads (a block's share of the answer and a bin below
-    ``k`` then fit its ``SRT_N``)."""
-    if not KEPT or not 0 < upb <= UPW * NW or (CLUSTER and k > NT):
+    48)."""
+    if not KEPT or not 0 < upb <= UPW * NW:
         return None
     per = max(1, sms // max(R, 1))
     bpb = max(1, min(-(-B // per), (UPW * NW) // upb))
     g = -(-B // bpb)
-    gmax = CLUSTER_MAX if CLUSTER else GMAX  # STREAMGR_TOPK_CLUSTER: a request one cluster
-    return bpb if g <= gmax and (SIMULATED or R * g <= sms) else None
+    return bpb if g <= GMAX and (SIMULATED or R * g <= sms) else None
 
 
 def run(launch, R, N, k, KP, upb, F, FM, B, sc, nd, lp, trie, outs, dev, arr, bpb):
@@ -325,12 +334,5 @@ def run(launch, R, N, k, KP, upb, F, FM, B, sc, nd, lp, trie, outs, dev, arr, bp
     kept = torch.empty(R, N, dtype=torch.int64, device=dev)
     cum = torch.empty(R, g, GB, dtype=torch.int32, device=dev)
     buf = torch.empty(R, N, dtype=torch.int64, device=dev)
-    args = (N, k, KP, upb, bpb, F, FM, B, sc, nd, *lp, *trie, arr(ws), arr(kept), arr(cum),
-            arr(buf), *outs)
-    if CLUSTER and SIMULATED:  # no cluster barrier there: the scoring, then the answers
-        for ph in (1, 2):
-            split.SIM_PHASE[0] = ph
-            launch(kept_select, (g, R), NT, SMEM)(*args)
-        split.SIM_PHASE[0] = 3
-        return
-    launch(kept_select, (g, R), NT, SMEM, (g, 1, 1) if CLUSTER else None)(*args)
+    launch(kept_select, (g, R), NT, SMEM)(N, k, KP, upb, bpb, F, FM, B, sc, nd, *lp, *trie,
+                                          arr(ws), arr(kept), arr(cum), arr(buf), *outs)

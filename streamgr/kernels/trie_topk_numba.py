@@ -24,7 +24,7 @@ import torch
 from . import trie_topk_bins as bins
 from . import trie_topk_merge as tm
 from .head_lse import LogProbs
-from .numba_common import as_array, launch_clustered, torch_stream
+from .numba_common import as_array, torch_stream
 from .trie_topk import SIMULATED
 from .trie_topk_dev import NT
 from .trie_topk_index import magic
@@ -40,7 +40,11 @@ def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
     dev = scores.device
     top = torch.empty(R, k, dtype=torch.float32, device=dev)
     parent, child, code = (torch.empty(R, k, dtype=torch.int64, device=dev) for _ in range(3))
-    launch = _launcher(0 if SIMULATED else torch_stream(dev))
+    if SIMULATED:
+        launch = lambda fn, g, t, smem=0: fn[g, t, 0, smem]  # noqa: E731
+    else:
+        stream = torch_stream(dev)
+        launch = lambda fn, g, t, smem=0: fn[g, t, stream, smem]  # noqa: E731
     a = as_array
     sc = scores.float().contiguous()
     if len(codes) == 0:  # no children anywhere: every candidate -inf; keep the loads in bounds
@@ -65,17 +69,6 @@ def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
     else:
         bins.run(launch, R, N, k, KP, F, magic(F), B, sa, nd, lp, trie, outs, dev, a)
     return top, parent, child, code
-
-
-def _launcher(stream):
-    """``launch(fn, grid, threads, smem=0, cluster=None)(*args)`` on ``stream``; with
-    ``cluster`` the blocks go in clusters of it (``numba_common.launch_clustered``; under the
-    simulator, which has no clusters, a plain launch)."""
-    def launch(fn, g, t, smem=0, cluster=None):
-        if cluster is None or SIMULATED:
-            return fn[g, t, stream, smem]
-        return lambda *args: launch_clustered(fn, g, cluster, t, stream, smem, *args)
-    return launch
 
 
 def _log_probs(logp, a, sc) -> tuple:

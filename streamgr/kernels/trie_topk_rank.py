@@ -103,7 +103,7 @@ def lin_bin(u, lo, hi):
 
 @cuda.jit(device=True, **INLINE)
 def rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, nodes, ptr,
-                codes, cap, top, parent, child, code, off):
+                codes, cap, top, parent, child, code):
     """Rank ``k`` of the ``total`` (``k`` to ``SRT_N``) distinct absolute keys in
     ``srt[:total]`` and answer them (``answer``; ``cap[r]`` the request's width). Each thread
     holds two; one histogram of their scores over ``NB`` linear bins between the list's least
@@ -113,8 +113,7 @@ def rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, 
     code were read a load level a phase along the ranking's barriers (``trie_topk_index``), so
     no answer waits on a load after it (on the H200 a decoding pass of three dependent loads
     after the ranking took 2.1 us, session 44); the block then writes the answers out
-    coalesced, at ranks from ``off`` (0 but where a cluster's blocks split the answer,
-    ``trie_topk_split``). Codes below 2**32 (as the scoring's indexing takes them).
+    coalesced. Codes below 2**32 (as the scoring's indexing takes them).
     Returns False, unanswered, only where a bin from the ``k``-th's up holds over ``SEG_MAX``
     keys (ties): ``srt[:k]`` is then sorted (``sort_pairs``; 43 us for 2,048 keys on the H200,
     session 44) for the caller to answer. Every thread calls it after ``srt`` is published."""
@@ -171,7 +170,7 @@ def rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, 
         for i in range(tid, k, NT):
             v = srt[i]
             a = srt[NT + i]
-            answer(v, i + off, r, div_f(key_c(v), FM), True, a >> 32, a & LOW32, w, top,
+            answer(v, i, r, div_f(key_c(v), FM), True, a >> 32, a & LOW32, w, top,
                    parent, child, code)
         return True
     P = sort_span(total, KP)

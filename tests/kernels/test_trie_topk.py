@@ -94,10 +94,6 @@ SIM = textwrap.dedent("""
         # one-block case with them marks itself "one")
         merge = len(more) == 2
         assert (tm.plan_for(B * F, R, k, None) is not None) == merge, (seed, B * F, k)
-        if seed == 68:  # the clustered case: the one launch, over blocks a request
-            from streamgr.kernels import trie_topk_bins as bn, trie_topk_kept as kp
-            bpb = kp.plan(R, B, bn.SMS_SIM, bn.units_of(F, True))
-            assert bpb is not None and -(-B // bpb) > 1, (bpb, B)
         cap = torch.tensor([k] + [max(1, k // 2)] * (R - 1))
         # bf16 logits read in place with each row's max and log-sum (the lazy head of
         # bf16 serving), on one case of each path (the simulator is slow)
@@ -209,12 +205,6 @@ ONE_RADIX = [(10, True, 7, (6, 9), 20)]
 # process).
 ONE_BEAM = [(25, True, 1, (40, 60), 6)]
 QUAD_ANY_K = [(35, False, 12, (3, 3), 5, 2, 0.2, "quad"), (36, True, 9, (4, 6), 3, 2, 0.2, "quad")]
-# ... and trie_topk_kept with a request's blocks as one cluster (STREAMGR_TOPK_CLUSTER=1, an A/B
-# setting; a process of its own), each block answering a share of the ranks (trie_topk_split;
-# the simulator runs the launch in two halves): every score equal (67: one block owns every bin,
-# D crowded) and ten beams of one unit with ties (68: three blocks a request, twice on one arena
-# of counters).
-CLUSTERED = [c for c in GRID if c[0] == 67] + [(68, True, 10, (130, 150), 24)]
 
 
 def simulate(script: str, cases=None, **env) -> list[str]:
@@ -229,17 +219,15 @@ def simulate(script: str, cases=None, **env) -> list[str]:
                                           "STREAMGR_TOPK_ROOT": "0", "SIM_COUNTED": "2,65"}),
     (MERGE + QUAD_ANY_K, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_QUAD": "2",
                           "SIM_COUNTED": "16"}),
-    (CLUSTERED, {"STREAMGR_TOPK_CLUSTER": "1", "SIM_COUNTED": "68"}),
     (UNSAMPLED, {"STREAMGR_TOPK_OWN": "2", "STREAMGR_TOPK_SAMPLE": "0",
                  "STREAMGR_TOPK_KEPT": "0"})],
-    ids=["one_block", "grid", "merge", "cluster", "unsampled"])
+    ids=["one_block", "grid", "merge", "unsampled"])
 @pytest.mark.slow
 def test_numba_kernels_under_the_simulator(cases, env):
     """The one-candidate-a-thread, four-a-thread, one-block, grid and merge kernels equal the
     reference on small shapes (a process each: the simulator is set at import), the one-block
     and merge kernels also without the sampled floor (``STREAMGR_TOPK_SAMPLE=0``), the two grid
-    launches' beam units where the one launch would serve (``STREAMGR_TOPK_KEPT=0``), the one
-    launch's blocks as a cluster (``STREAMGR_TOPK_CLUSTER=1``); two grid
+    launches' beam units where the one launch would serve (``STREAMGR_TOPK_KEPT=0``); two grid
     cases (the two launches, the one) and one merge case also twice on one arena of counters,
     left zero (``counted``)."""
     assert simulate(SIM, cases=cases, **env) == ["ok", str(len(cases))]

@@ -4,7 +4,7 @@ row first checked equal to the stable reference, bit for bit.
 
     python3 tools/ab_topk.py s2 s2r48 s3b                       # this tree alone
     python3 tools/ab_topk.py --tree head=/tmp/head s2 s2r48     # and another tree's streamgr
-    python3 tools/ab_topk.py --env regions0=STREAMGR_TOPK_REGIONS=0 s2
+    python3 tools/ab_topk.py --env kept0=STREAMGR_TOPK_KEPT=0 s2b s2r48
 
 Each variant runs in a process of its own (the kernels' settings are read at import), the
 variants alternating for ``--rounds`` rounds, so a machine's drift hits them alike; the table

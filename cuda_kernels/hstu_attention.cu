@@ -206,31 +206,7 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(HSTU_FWD_PARAMS, int max
     auto tile_step = [&](auto act, const __nv_bfloat16* Kt, const __nv_bfloat16* Vt, int kt) {
         constexpr int A = decltype(act)::value;
         float S[MT][SUB / 8][4];
-#pragma unroll
-        for (int m = 0; m < A; ++m)
-#pragma unroll
-            for (int n = 0; n < SUB / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) S[m][n][e] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            unsigned a[MT][4];
-#pragma unroll
-            for (int m = 0; m < A; ++m)
-                ldmatrix_x4(a[m], Qs + (wrow + m * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SP
-                                      + kk * 16 + (lane >> 4) * 8);
-#pragma unroll
-            for (int np = 0; np < SUB / 16; ++np) {
-                unsigned bb[4];
-                ldmatrix_x4(bb, Kt + (np * 16 + (lane & 7) + (lane >> 4) * 8) * SP + kk * 16
-                                    + ((lane >> 3) & 1) * 8);
-#pragma unroll
-                for (int m = 0; m < A; ++m) {
-                    mma_bf16(S[m][2 * np], a[m], bb[0], bb[1]);
-                    mma_bf16(S[m][2 * np + 1], a[m], bb[2], bb[3]);
-                }
-            }
-        }
+        qk_tile<A, MT, SUB, D, SP>(S, Qs, Kt, wrow, lane);
 
         const int kbase = kt * SUB;
         const bool need_mask = kbase + SUB > min_lim;
@@ -250,28 +226,7 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(HSTU_FWD_PARAMS, int max
                     S[m][n][e] = pv;
                 }
 
-#pragma unroll
-        for (int kc = 0; kc < SUB / 16; ++kc) {
-            unsigned pa[MT][4];
-#pragma unroll
-            for (int m = 0; m < A; ++m) {
-                pa[m][0] = pack_bf16(S[m][2 * kc][0], S[m][2 * kc][1]);
-                pa[m][1] = pack_bf16(S[m][2 * kc][2], S[m][2 * kc][3]);
-                pa[m][2] = pack_bf16(S[m][2 * kc + 1][0], S[m][2 * kc + 1][1]);
-                pa[m][3] = pack_bf16(S[m][2 * kc + 1][2], S[m][2 * kc + 1][3]);
-            }
-#pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-                unsigned vb[4];
-                ldmatrix_x4_trans(vb, Vt + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SP
-                                          + dp * 16 + (lane >> 4) * 8);
-#pragma unroll
-                for (int m = 0; m < A; ++m) {
-                    mma_bf16(acc[m][2 * dp], pa[m], vb[0], vb[1]);
-                    mma_bf16(acc[m][2 * dp + 1], pa[m], vb[2], vb[3]);
-                }
-            }
-        }
+        pv_tile<A, MT, SUB, D, SP>(acc, S, Vt, lane);
     };
 
     // The item's key tiles through the cp.async pipeline: `step` computes one tile, `fold`

@@ -119,31 +119,7 @@ __global__ void __launch_bounds__(128, 2) t5_attn_fwd(
 
     auto tile_step = [&](const __nv_bfloat16* Kt, const __nv_bfloat16* Vt, int kt) {
         float Sc[MT][BN / 8][4];
-#pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-            for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) Sc[m][n][e] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            unsigned a[MT][4];
-#pragma unroll
-            for (int m = 0; m < MT; ++m)
-                ldmatrix_x4(a[m], Qs + (wrow + m * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SP
-                                      + kk * 16 + (lane >> 4) * 8);
-#pragma unroll
-            for (int np = 0; np < BN / 16; ++np) {
-                unsigned bb[4];
-                ldmatrix_x4(bb, Kt + (np * 16 + (lane & 7) + (lane >> 4) * 8) * SP + kk * 16
-                                    + ((lane >> 3) & 1) * 8);
-#pragma unroll
-                for (int m = 0; m < MT; ++m) {
-                    mma_bf16(Sc[m][2 * np], a[m], bb[0], bb[1]);
-                    mma_bf16(Sc[m][2 * np + 1], a[m], bb[2], bb[3]);
-                }
-            }
-        }
+        qk_tile<MT, MT, BN, D, SP>(Sc, Qs, Kt, wrow, lane);
         // Bias, mask, online softmax (log2 domain) per row half hl (rows g and g + 8).
         // Score (li, j) needs tb[j - li + BM - 1]; for this thread j - li = B0 + 8 a + e with
         // a = n - 2 m - hl in [-(2 MT - 1), BN / 8 - 1] and e in {0, 1}: 2 (BN / 8 + 2 MT - 1)
@@ -197,28 +173,7 @@ __global__ void __launch_bounds__(128, 2) t5_attn_fwd(
                     acc[m][n][hl * 2 + 1] *= scale;
                 }
             }
-#pragma unroll
-        for (int kc = 0; kc < BN / 16; ++kc) {
-            unsigned pa[MT][4];
-#pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                pa[m][0] = pack_bf16(Sc[m][2 * kc][0], Sc[m][2 * kc][1]);
-                pa[m][1] = pack_bf16(Sc[m][2 * kc][2], Sc[m][2 * kc][3]);
-                pa[m][2] = pack_bf16(Sc[m][2 * kc + 1][0], Sc[m][2 * kc + 1][1]);
-                pa[m][3] = pack_bf16(Sc[m][2 * kc + 1][2], Sc[m][2 * kc + 1][3]);
-            }
-#pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-                unsigned vb[4];
-                ldmatrix_x4_trans(vb, Vt + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * SP
-                                          + dp * 16 + (lane >> 4) * 8);
-#pragma unroll
-                for (int m = 0; m < MT; ++m) {
-                    mma_bf16(acc[m][2 * dp], pa[m], vb[0], vb[1]);
-                    mma_bf16(acc[m][2 * dp + 1], pa[m], vb[2], vb[3]);
-                }
-            }
-        }
+        pv_tile<MT, MT, BN, D, SP>(acc, Sc, Vt, lane);
     };
 
     const int ntiles = SR / BN;

@@ -19,6 +19,8 @@ from ``-0.0``).
 
 from __future__ import annotations
 
+import os
+
 from numba import cuda, float32, int32, int64, uint32, uint64
 
 from .numba_common import INLINE
@@ -27,7 +29,10 @@ from .trie_topk_dev import BIG, FULL, NT, NW, hist_add, minmax
 from .trie_topk_index import NEG_INF, beam_at, bits32, ix, slot
 from .trie_topk_keys import KEY_NEG_INF, logp_of, okey, okey_float
 
-GBITS = 8 if SIMULATED else 12  # bins of bin_hist: 16 KiB of shared counters on the GPU
+# bins of bin_hist: 16 KiB of shared counters on the GPU. STREAMGR_TOPK_GBITS=10|11: fewer (A/B
+# runs: cheaper picks over them, more ties in the k-th's bin)
+GBITS = 8 if SIMULATED else int(os.environ.get("STREAMGR_TOPK_GBITS", "12"))
+assert SIMULATED or 10 <= GBITS <= 12, GBITS
 GB = 1 << GBITS
 GSHIFT = 32 - GBITS
 GB1 = GB + 1  # bin_hist's counters: GB, the spare one for beam units' slots past the fan-out

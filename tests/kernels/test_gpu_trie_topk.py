@@ -230,6 +230,8 @@ from streamgr.kernels import trie_topk_levels
 assert trie_topk_levels.LEVELS == (os.environ.get("STREAMGR_TOPK_LEVELS") == "1")
 from streamgr.kernels import trie_topk_bins
 assert trie_topk_bins.UNITS == (os.environ.get("STREAMGR_TOPK_UNITS") != "0")
+from streamgr.kernels import trie_topk_beams
+assert trie_topk_beams.GBITS == int(os.environ.get("STREAMGR_TOPK_GBITS", "12"))
 for R, B, fan, k, ties in {cases!r}:
     case = level(R, B, fan, V=max(fan, 64) * 2, seed=R + B + fan, ties=ties)
     k = min(k, B * case[-1])
@@ -255,7 +257,9 @@ AB_CASES = {("STREAMGR_TOPK_SAMPLE", "0"): STEP2 + ONE_CASES,
             ("STREAMGR_TOPK_QUAD", "2"): QUAD_CASES + ONE_CASES,
             ("STREAMGR_TOPK_ROOT", "0"): ROOT_CASES,
             ("STREAMGR_TOPK_LEVELS", "1"): STEP2 + ONE_CASES,
-            ("STREAMGR_TOPK_UNITS", "0"): GRID, ("STREAMGR_TOPK_KEPT", "0"): GRID}
+            ("STREAMGR_TOPK_UNITS", "0"): GRID, ("STREAMGR_TOPK_KEPT", "0"): GRID,
+            ("STREAMGR_TOPK_GBITS", "11"): GRID + KEPT_CASES,
+            ("STREAMGR_TOPK_GBITS", "10"): GRID + KEPT_CASES}
 
 
 def _ab_check(name: str, value: str, cases, timeout: float) -> None:
@@ -284,7 +288,8 @@ def test_kernels_under_their_ab_settings(name, value):
     five to eight blocks scored a load level at a time, ``trie_topk_levels``),
     ``STREAMGR_TOPK_UNITS=0`` (the grid's scoring in rounds of eight candidates a thread
     instead of beam units), ``STREAMGR_TOPK_KEPT=0`` (the two grid launches where the one
-    launch of ``trie_topk_kept`` serves)."""
+    launch of ``trie_topk_kept`` serves), ``STREAMGR_TOPK_GBITS=11`` and ``=10`` (the grid
+    launches' and the one launch's score bins halved and quartered: more ties in a bin)."""
     _ab_check(name, value, AB_CASES[name, value], 600)
 
 

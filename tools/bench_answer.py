@@ -5,10 +5,12 @@ by row (``BeamSearch.answer``, SIDs as lists) against the batch-wide ``answer_ba
 are equal, then prints the median time per batch (30 runs, garbage collection off).
 
     python tools/bench_answer.py
+    python tools/bench_answer.py --requests 48 --beams 1024 --top-k 256   # wide beams
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import sys
 import time
@@ -22,15 +24,20 @@ from streamgr.selection.vocabulary import SidTrie, random_catalog  # noqa: E402
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--beams", type=int, default=256, help="final beams a request")
+    ap.add_argument("--top-k", type=int, default=256, help="items a request")
+    args = ap.parse_args()
     trie = SidTrie(random_catalog(1_000_000, [8192] * 3, seed=1), [8192] * 3, 3)
     bs = BeamSearch.__new__(BeamSearch)
     bs.trie, bs.policy = trie, "all"
     rng = np.random.default_rng(0)
-    R, W = 16, 256
+    R, W = args.requests, args.beams
     leaves = rng.integers(0, len(trie.leaf_ptr) - 1, size=(R, W))
     scores = -np.sort(rng.random((R, W)).astype(np.float32), axis=1)
     codes = trie.leaf_sids[leaves]
-    ks = [256] * R
+    ks = [args.top_k] * R
     rows = lambda: [bs.answer(scores[i], leaves[i], codes[i], k) for i, k in enumerate(ks)]  # noqa: E731
     batch = lambda: bs.answer_batch(scores, leaves, codes, ks)  # noqa: E731
     read = lambda: [a[2].tolist() for a in batch()]  # noqa: E731

@@ -231,6 +231,12 @@ class BeamSearch:
         R, W = scores.shape
         if R == 0:
             return []
+        filtered = ((exclude and any(e is not None for e in exclude))
+                    or (max_per_prefix and any(max_per_prefix)))
+        if not filtered and max(top_ks) < W:  # every live beam gives an item at least, best
+            K = max(top_ks)  # first: the first K beams hold every row's answer (beams of 1,024
+            scores, nodes, codes = scores[:, :K], nodes[:, :K], codes[:, :K]  # for 256 items)
+            W = K
         live = np.isfinite(scores)  # sorted best first: -inf beams trail
         lo = self.trie.leaf_ptr[nodes]
         n = np.ones_like(lo) if self.policy == "first" else self.trie.leaf_ptr[nodes + 1] - lo
@@ -239,8 +245,7 @@ class BeamSearch:
         starts = np.cumsum(n) - n
         pos = lo.reshape(-1)[beam] + np.arange(len(beam)) - starts[beam]
         row = beam // W
-        if (exclude and any(e is not None for e in exclude)) or (max_per_prefix and
-                                                                 any(max_per_prefix)):
+        if filtered:
             ok = keep_mask(row, self.trie.leaf_items[pos], codes.reshape(R * W, -1)[beam, 0],
                            exclude or [None] * R, max_per_prefix or [0] * R)
             beam, pos, row = beam[ok], pos[ok], row[ok]

@@ -233,10 +233,10 @@ class BeamSearch:
             return []
         filtered = ((exclude and any(e is not None for e in exclude))
                     or (max_per_prefix and any(max_per_prefix)))
-        if not filtered and max(top_ks) < W:  # every live beam gives an item at least, best
-            K = max(top_ks)  # first: the first K beams hold every row's answer (beams of 1,024
-            scores, nodes, codes = scores[:, :K], nodes[:, :K], codes[:, :K]  # for 256 items)
-            W = K
+        if not filtered and max(top_ks) < W:  # a live beam (a leaf: SidTrie and trie_without
+            K = max(top_ks)  # keep no empty one) gives an item at least, best first: the first
+            scores, nodes, codes = scores[:, :K], nodes[:, :K], codes[:, :K]  # K beams hold
+            W = K  # every row's answer (beams of 1,024 for 256 items)
         live = np.isfinite(scores)  # sorted best first: -inf beams trail
         lo = self.trie.leaf_ptr[nodes]
         n = np.ones_like(lo) if self.policy == "first" else self.trie.leaf_ptr[nodes + 1] - lo

@@ -19,9 +19,8 @@ from ``-0.0``).
 
 from __future__ import annotations
 
-import os
-
-from numba import cuda, float32, int32, int64, uint32, uint64
+import numpy as np
+from numba import cuda, float32, int32, int64, types, uint32, uint64
 
 from .numba_common import INLINE
 from .trie_topk import SIMULATED
@@ -29,13 +28,44 @@ from .trie_topk_dev import BIG, FULL, NT, NW, hist_add, minmax
 from .trie_topk_index import NEG_INF, beam_at, bits32, ix, slot
 from .trie_topk_keys import KEY_NEG_INF, logp_of, okey, okey_float
 
-# bins of bin_hist: 16 KiB of shared counters on the GPU. STREAMGR_TOPK_GBITS=10|11: fewer (A/B
-# runs: cheaper picks over them, more ties in the k-th's bin)
-GBITS = 8 if SIMULATED else int(os.environ.get("STREAMGR_TOPK_GBITS", "12"))
-assert SIMULATED or 10 <= GBITS <= 12, GBITS
-GB = 1 << GBITS
-GSHIFT = 32 - GBITS
+# Score bins: the top bits of x - ref, by the logits' dtype (``gshift``): 12 (4,096 bins, 8 an
+# octave) for bf16, 11 for fp32. Fewer bins make every pick over them cheaper (each block's own
+# and the last one's) but crowd the k-th's bin: on the H200 (session 50) 11 bits took step 2 at
+# beams of 1,024 from 0.0256-0.0262 to 0.0234-0.0235 ms with fp32 logits, but bf16's few
+# distinct log-probabilities then crowded the k-th's bin into the radix fallback, 0.0275 ->
+# 0.0314. GB: the most bins (host buffers and shared arrays are sized for it).
+GBITS_BF16 = 8 if SIMULATED else 12
+GBITS_F32 = 7 if SIMULATED else 11
+GB = 1 << GBITS_BF16
 GB1 = GB + 1  # bin_hist's counters: GB, the spare one for beam units' slots past the fan-out
+
+
+def _gshift_of(is_bf16: bool) -> int:
+    return 32 - (GBITS_BF16 if is_bf16 else GBITS_F32)
+
+
+if SIMULATED:
+    def gshift(logp):
+        """The bins' shift for these log-probabilities' bits (int16: bf16 logits)."""
+        return _gshift_of(logp.dtype == np.int16)
+else:
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def gshift(typingctx, logp):
+        """The bins' shift for these log-probabilities' bits (int16: bf16 logits), a constant
+        of each compiled kernel (they are compiled per argument type), folded where used."""
+        val = _gshift_of(logp.dtype == types.int16)
+
+        def codegen(context, builder, sig, args):
+            return context.get_constant(types.int64, val)
+        return types.int64(logp), codegen
+
+
+@cuda.jit(device=True, **INLINE)
+def bins_of(gs):
+    """The bins at shift ``gs`` (the spare bin of beam units past them)."""
+    return int64(1) << (32 - gs)
 
 
 @cuda.jit(device=True, **INLINE)
@@ -226,52 +256,53 @@ def bound_of(scores, lse, sh, r, B, b):
 
 
 @cuda.jit(device=True, **INLINE)
-def gbin(x, ref):
-    """The bin of score ``x`` (higher bins hold higher scores)."""
-    return int32(okey(x - ref) >> GSHIFT)
+def gbin(x, ref, gs):
+    """The bin of score ``x`` (higher bins hold higher scores) at shift ``gs``."""
+    return int32(okey(x - ref) >> gs)
 
 
 @cuda.jit(device=True, **INLINE)
-def keep(keys, hist, r, i, end, x, ref):
+def keep(keys, hist, r, i, end, x, ref, gs):
     """Candidate i's okey into ``keys`` and its bin into the block's histogram (every lane).
     Past ``end`` the store goes to ``end - 1`` with its own key (``score8`` scored it there):
     no branch around the store."""
     kx = okey(x)
     keys[ix(r), ix(min(i, uint32(end - 1)))] = bits32(kx)
-    hist_add(hist, gbin(x, ref), i < end)
+    hist_add(hist, gbin(x, ref, gs), i < end)
 
 
 @cuda.jit(device=True, **INLINE)
-def keep6(keys, hist, r, c, v, ref, x0, x1, x2, x3, x4, x5):
+def keep6(keys, hist, r, c, v, ref, gs, x0, x1, x2, x3, x4, x5):
     """A unit's six slots (``unit_at``'s lane view: first candidate ``c``, ``v`` slots left)
     into ``keys`` and the histogram, as ``keep``'s."""
-    keep_slot(keys, hist, r, c, v, ref, x0, 0)
-    keep_slot(keys, hist, r, c, v, ref, x1, 1)
-    keep_slot(keys, hist, r, c, v, ref, x2, 2)
-    keep_slot(keys, hist, r, c, v, ref, x3, 3)
-    keep_slot(keys, hist, r, c, v, ref, x4, 4)
-    keep_slot(keys, hist, r, c, v, ref, x5, 5)
+    keep_slot(keys, hist, r, c, v, ref, gs, x0, 0)
+    keep_slot(keys, hist, r, c, v, ref, gs, x1, 1)
+    keep_slot(keys, hist, r, c, v, ref, gs, x2, 2)
+    keep_slot(keys, hist, r, c, v, ref, gs, x3, 3)
+    keep_slot(keys, hist, r, c, v, ref, gs, x4, 4)
+    keep_slot(keys, hist, r, c, v, ref, gs, x5, 5)
 
 
 @cuda.jit(device=True, **INLINE)
-def keep_slot(keys, hist, r, c, v, ref, x, i):
+def keep_slot(keys, hist, r, c, v, ref, gs, x, i):
     """Slot ``i`` of a unit as ``keep`` keeps a candidate; a slot past the fan-out (``32 i >=
-    v``) stores nothing and counts in the spare bin ``GB`` (an add with no branch around it)."""
+    v``) stores nothing and counts in the spare bin (an add with no branch around it)."""
     kx = bits32(okey(x))
     if int32(32 * i) < v:
         keys[ix(r), ix(c) + uint64(32 * i)] = kx
-    hist_add(hist, slot_bin(x, ref, v, i), True)
+    hist_add(hist, slot_bin(x, ref, v, i, gs), True)
 
 
 @cuda.jit(device=True, **INLINE)
-def slot_bin(x, ref, v, i):
+def slot_bin(x, ref, v, i, gs):
     """The histogram bin of a unit's slot ``i`` (score ``x``, ``v`` slots left): ``gbin``'s,
-    or the spare bin ``GB`` past the fan-out."""
-    return gbin(x, ref) if int32(32 * i) < v else int32(GB)
+    or the spare bin (``bins_of(gs)``) past the fan-out."""
+    return gbin(x, ref, gs) if int32(32 * i) < v else int32(bins_of(gs))
 
 
 @cuda.jit(device=True, **INLINE)
-def score_units(r, nb, upb, F, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc, keys, hist, ref):
+def score_units(r, nb, upb, F, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc, keys, hist, ref,
+                gs):
     """The block's beam units (``upb`` a beam, ``nb`` beams), two a warp at a time (twelve loads
     a level in flight a thread; four at a time measured slower on the H200, session 47), into
     ``keys`` and the histogram. ``sh`` is a constant at each call (``bin_hist`` calls it once
@@ -282,8 +313,8 @@ def score_units(r, nb, upb, F, b0, B, logp, sh, codes, off, bs, bm, bl, bf, bc, 
     while u < nu:
         x0, x1, x2, x3, x4, x5, y0, y1, y2, y3, y4, y5, v0, c0, v1, c1 = pair_vals(
             u, nu, upb, F, b0, r, B, logp, sh, codes, off, bs, bm, bl, bf, bc)
-        keep6(keys, hist, r, c0, v0, ref, x0, x1, x2, x3, x4, x5)
-        keep6(keys, hist, r, c1, v1, ref, y0, y1, y2, y3, y4, y5)
+        keep6(keys, hist, r, c0, v0, ref, gs, x0, x1, x2, x3, x4, x5)
+        keep6(keys, hist, r, c1, v1, ref, gs, y0, y1, y2, y3, y4, y5)
         u = int32(u + 2 * NW)
 
 

@@ -9,8 +9,9 @@ on a workspace of counters that their last blocks leave zero (``counters.zeroed`
    loads its beams into shared memory (``trie_topk_beams``: a candidate then loads its code and
    its log-probability, in beam units where the fan-out allows, else eight candidates a thread a
    round), writes each candidate's okey to an
-   [R, N] buffer and adds it to the bin of ``x - ref`` (``gbin``: the top ``GBITS`` of that
-   difference's order-preserving bits, so bins are finest near the request's best beam score
+   [R, N] buffer and adds it to the bin of ``x - ref`` (``gbin``: the top 12 bits of that
+   difference's order-preserving bits with bf16 logits, 11 with fp32, ``trie_topk_beams.gshift``;
+   so bins are finest near the request's best beam score
    ``ref``, where the ``k``-th best lies, and every score has one). No block waits for the
    others: no last block, no pick.
 2. ``bin_select``: every block picks the bin ``D`` holding the ``k``-th best from the request's
@@ -54,8 +55,8 @@ from .counters import zeroed
 from .kernel_cache import cached
 from .numba_common import INLINE, fence, stamp
 from .trie_topk import SIMULATED
-from .trie_topk_beams import (GB, GB1, GSHIFT, best_bound, gbin, keep, load_beams, score8,
-                              score_units, units_of)
+from .trie_topk_beams import (GB, GB1, best_bound, bins_of, gbin, gshift, keep, load_beams,
+                              score8, score_units, units_of)
 from .trie_topk_dev import FULL, JIT_NT, NB, NT, RED_N, SCAN_N, lane_mask_lt, pick
 from .trie_topk_index import div_f
 from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, ix, okey, okey_float, put_abs
@@ -92,8 +93,10 @@ def bin_hist(N, k, ch, upb, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, 
     bl = cuda.shared.array(NT, float32)
     bf = cuda.shared.array(NT, int32)
     bc = cuda.shared.array(NT, int32)
+    gs = gshift(logp)
+    gb = bins_of(gs)
     i = tid
-    while i <= GB:  # 32-bit loops (a range() sets up a 64-bit trip count: 100 instructions)
+    while i <= gb:  # 32-bit loops (a range() sets up a 64-bit trip count: 100 instructions)
         hist[i] = 0
         i = int32(i + NT)
     start = cuda.blockIdx.x * ch
@@ -109,30 +112,30 @@ def bin_hist(N, k, ch, upb, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, 
         # 0.0287 ms with sh a variable at step 2 at beams of 1,024 on the H200, session 47)
         if sh == 16:
             score_units(r, nb, upb, F, b0, B, logp, 16, codes, off, bs, bm, bl, bf, bc, keys,
-                        hist, ref)
+                        hist, ref, gs)
         else:
             score_units(r, nb, upb, F, b0, B, logp, 0, codes, off, bs, bm, bl, bf, bc, keys,
-                        hist, ref)
+                        hist, ref, gs)
     else:
         n_end = uint32(end)
         for base in range(start, end, 8 * NT):  # eight candidates' loads in flight a thread
             i0 = uint32(base + tid)  # 32-bit candidate indices (64-bit: 3 instructions more)
             x0, x1, x2, x3, x4, x5, x6, x7 = score8(r, i0, n_end, F, FM, b0, B, logp, sh,
                                                     codes, off, bs, bm, bl, bf, bc)
-            keep(keys, hist, r, i0, n_end, x0, ref)
-            keep(keys, hist, r, uint32(i0 + NT), n_end, x1, ref)
-            keep(keys, hist, r, uint32(i0 + 2 * NT), n_end, x2, ref)
-            keep(keys, hist, r, uint32(i0 + 3 * NT), n_end, x3, ref)
-            keep(keys, hist, r, uint32(i0 + 4 * NT), n_end, x4, ref)
-            keep(keys, hist, r, uint32(i0 + 5 * NT), n_end, x5, ref)
-            keep(keys, hist, r, uint32(i0 + 6 * NT), n_end, x6, ref)
-            keep(keys, hist, r, uint32(i0 + 7 * NT), n_end, x7, ref)
+            keep(keys, hist, r, i0, n_end, x0, ref, gs)
+            keep(keys, hist, r, uint32(i0 + NT), n_end, x1, ref, gs)
+            keep(keys, hist, r, uint32(i0 + 2 * NT), n_end, x2, ref, gs)
+            keep(keys, hist, r, uint32(i0 + 3 * NT), n_end, x3, ref, gs)
+            keep(keys, hist, r, uint32(i0 + 4 * NT), n_end, x4, ref, gs)
+            keep(keys, hist, r, uint32(i0 + 5 * NT), n_end, x5, ref, gs)
+            keep(keys, hist, r, uint32(i0 + 6 * NT), n_end, x6, ref, gs)
+            keep(keys, hist, r, uint32(i0 + 7 * NT), n_end, x7, ref, gs)
     cuda.syncthreads()
     stamp(2)
     # every non-empty bin (adding only those from the block's own k-th up, exact too, measured
     # no faster on the H200, session 27)
     i = tid
-    while i < GB:
+    while i < gb:
         if hist[i]:
             cuda.atomic.add(ws, (r, HG + i), int64(hist[i]))
         i = int32(i + NT)
@@ -140,8 +143,8 @@ def bin_hist(N, k, ch, upb, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, 
 
 
 @cuda.jit(device=True, **INLINE)
-def okey_from(g, ref):
-    """The least okey whose score's bin (``gbin``) is ``g`` or above (``OKEY_TOP`` for none),
+def okey_from(g, ref, gs):
+    """The least okey whose score's bin (``gbin`` at shift ``gs``) is ``g`` or above (``OKEY_TOP`` for none),
     over the okeys of real scores, ``-inf`` to ``+inf``, where ``gbin`` of the score is
     monotone. On the GPU one warp calls it: a round over the 32 okeys around the answer's
     estimate, else rounds whose lanes test 32 points spread over the range left (seven for
@@ -151,23 +154,23 @@ def okey_from(g, ref):
     if SIMULATED:
         while lo < hi:
             mid = (lo + hi) >> 1
-            if gbin(okey_float(mid), ref) >= g:
+            if gbin(okey_float(mid), ref, gs) >= g:
                 hi = mid
             else:
                 lo = mid + 1
         return lo
     lane = cuda.threadIdx.x & 31
-    if g < GB:  # first the 32 okeys around ref + the least difference of bin g: the answer
+    if g < bins_of(gs):  # first the 32 okeys around ref + the least difference of bin g: the answer
         # is the least x with x - ref at or past that difference, within an ulp of their sum
         # (a round where the search takes seven); past the window, the search
-        u = okey(ref + okey_float(int64(g) << GSHIFT))
+        u = okey(ref + okey_float(int64(g) << gs))
         p = min(max(u + (lane - 16), KEY_NEG_INF), OKEY_TOP - 1)
-        m = cuda.ballot_sync(FULL, gbin(okey_float(p), ref) >= g)
+        m = cuda.ballot_sync(FULL, gbin(okey_float(p), ref, gs) >= g)
         if m != 0 and (m & 1) == 0:
             return cuda.shfl_sync(FULL, p, cuda.ffs(m) - 1)
     while lo < hi:  # warp-uniform: every lane holds the same lo, hi
         p = lo + (((hi - lo) * lane) >> 5)  # p of lane 0 is lo; every p below hi
-        m = cuda.ballot_sync(FULL, gbin(okey_float(p), ref) >= g)  # monotone in the lane
+        m = cuda.ballot_sync(FULL, gbin(okey_float(p), ref, gs) >= g)  # monotone in the lane
         q = cuda.shfl_sync(FULL, p, max(cuda.ffs(m) - 2, 0))  # the last point below it
         if m == 0:
             lo = cuda.shfl_sync(FULL, p, 31) + 1
@@ -180,20 +183,20 @@ def okey_from(g, ref):
 
 
 @cuda.jit(device=True, **INLINE)
-def bounds(ws, r, k, scan, res, bnd):
+def bounds(ws, r, k, scan, res, bnd, gs):
     """(the okey from which a key's bin reaches D, the okey from which it passes D or, where
     D is wanted whole, reaches it; how many of D's keys are wanted): ``pick`` over the
     request's histogram where bin_hist left it in ``ws`` (read in place: 4 bins a thread, the
     one thread where the ``k``-th falls reading its own again from its L1 cache), then a search
     a warp, the two at once (``bnd``: 2 shared int64). Every thread calls it."""
     ref = okey_float(ws[r, REF])
-    d, need, n = pick(ws[r, HG:], GB, k, scan, res, NT)
+    d, need, n = pick(ws[r, HG:], bins_of(gs), k, scan, res, NT)
     if SIMULATED:  # a block of one warp there
         if cuda.threadIdx.x == 0:
-            bnd[0] = okey_from(d, ref)
-            bnd[1] = okey_from(d + (0 if need == n else 1), ref)
+            bnd[0] = okey_from(d, ref, gs)
+            bnd[1] = okey_from(d + (0 if need == n else 1), ref, gs)
     elif cuda.threadIdx.x < 64:
-        t = okey_from(d + (1 if cuda.threadIdx.x >= 32 and need != n else 0), ref)
+        t = okey_from(d + (1 if cuda.threadIdx.x >= 32 and need != n else 0), ref, gs)
         if (cuda.threadIdx.x & 31) == 0:
             bnd[cuda.threadIdx.x >> 5] = t
     cuda.syncthreads()
@@ -253,7 +256,8 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     stamp(14, 1)
     # (loading the first two rounds' keys before the pick, which does not need them, measured
     # slower on the H200: the pick's loads queued behind them, 1.96 -> 3.15 us; session 47)
-    t_d, t_s, need = bounds(ws, r, k, scan, res, bnd)
+    gs = gshift(logp)
+    t_d, t_s, need = bounds(ws, r, k, scan, res, bnd, gs)
     stamp(5, 1)
     start = cuda.blockIdx.x * ch
     end = min(N, start + ch)
@@ -295,7 +299,7 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     if tid == 0:
         ws[r, CNT] = 0
         ws[r, REF] = 0
-    for i in range(tid, GB, NT):
+    for i in range(tid, bins_of(gs), NT):
         ws[r, HG + i] = 0
     n_sure = cnt[0]
     n_buf = cnt[1]

@@ -44,7 +44,8 @@ from numba import cuda, float32, int32, int64, uint32
 
 from .numba_common import INLINE, fence, stamp
 from .trie_topk import SIMULATED
-from .trie_topk_beams import GB, GB1, best_bound, gbin, load_beams, pair_vals, slot_bin
+from .trie_topk_beams import (GB, GB1, best_bound, bins_of, gbin, gshift, load_beams, pair_vals,
+                              slot_bin)
 from .trie_topk_dev import (FULL, JIT_NT, NB, NT, NW, RED_N, SCAN_N, block_scan, hist_add, pick,
                             pick_scan)
 from .trie_topk_keys import MAXC, okey, put_abs
@@ -67,39 +68,41 @@ SMEM = max(BEAMS_B + 4 * GB1, 16 * SRT_N + 4 * NB)
 
 
 @cuda.jit(device=True, **INLINE)
-def pair_scores(u, nu, upb, F, b0, r, B, logp, sh, codes, off, bs, bm, bl, bf, bc, hist, ref):
+def pair_scores(u, nu, upb, F, b0, r, B, logp, sh, codes, off, bs, bm, bl, bf, bc, hist, ref,
+                gs):
     """Units ``u`` and ``u + NW`` scored (``pair_vals``, as ``score_units`` scores them) and
     counted in ``hist``, their scores kept in registers rather than stored."""
     x0, x1, x2, x3, x4, x5, y0, y1, y2, y3, y4, y5, v0, c0, v1, c1 = pair_vals(
         u, nu, upb, F, b0, r, B, logp, sh, codes, off, bs, bm, bl, bf, bc)
-    bins6(hist, v0, ref, x0, x1, x2, x3, x4, x5)
-    bins6(hist, v1, ref, y0, y1, y2, y3, y4, y5)
+    bins6(hist, v0, ref, gs, x0, x1, x2, x3, x4, x5)
+    bins6(hist, v1, ref, gs, y0, y1, y2, y3, y4, y5)
     return x0, x1, x2, x3, x4, x5, y0, y1, y2, y3, y4, y5, v0, c0, v1, c1
 
 
 @cuda.jit(device=True, **INLINE)
-def bins6(hist, v, ref, x0, x1, x2, x3, x4, x5):
+def bins6(hist, v, ref, gs, x0, x1, x2, x3, x4, x5):
     """A unit's six slots into the histogram (slots past the fan-out into the spare bin)."""
-    hist_add(hist, slot_bin(x0, ref, v, 0), True)
-    hist_add(hist, slot_bin(x1, ref, v, 1), True)
-    hist_add(hist, slot_bin(x2, ref, v, 2), True)
-    hist_add(hist, slot_bin(x3, ref, v, 3), True)
-    hist_add(hist, slot_bin(x4, ref, v, 4), True)
-    hist_add(hist, slot_bin(x5, ref, v, 5), True)
+    hist_add(hist, slot_bin(x0, ref, v, 0, gs), True)
+    hist_add(hist, slot_bin(x1, ref, v, 1, gs), True)
+    hist_add(hist, slot_bin(x2, ref, v, 2, gs), True)
+    hist_add(hist, slot_bin(x3, ref, v, 3, gs), True)
+    hist_add(hist, slot_bin(x4, ref, v, 4, gs), True)
+    hist_add(hist, slot_bin(x5, ref, v, 5, gs), True)
 
 
 @cuda.jit(device=True, **INLINE)
-def cursors(hist, k, scan, res, cum, ws, r, blk):
+def cursors(hist, k, scan, res, cum, ws, r, blk, gs):
     """The bin ``d`` of the block's ``k``-th best (0 where it holds fewer: every key kept), as
     ``pick`` finds it (``pick_scan``); then for each bin ``g`` from ``d`` up: ``hist[g]``
     becomes the keys in bins above it (the bin's first slot in the block's segment, keys
     ordered by bin, best first), ``cum[r, blk, g]`` the keys in it and above, and its count
-    goes to the request's histogram. Threads own ``GB // NT`` bins each, the highest first
+    goes to the request's histogram (``bins_of(gs)`` bins). Threads own ``bins // NT`` each, the highest first
     (their counts read again from shared memory: no local array). ``res[0]`` is 0 on entry.
     Every thread calls it; it ends synchronized."""
-    ex, hi = pick_scan(hist, GB, k, scan, res, NT)
+    nbins = bins_of(gs)
+    ex, hi = pick_scan(hist, nbins, k, scan, res, NT)
     d = res[0]
-    for e in range(GB // NT):
+    for e in range(nbins // NT):
         g = hi - e
         h = hist[g]
         if g >= d:
@@ -113,23 +116,23 @@ def cursors(hist, k, scan, res, cum, ws, r, blk):
 
 
 @cuda.jit(device=True, **INLINE)
-def put1(kept, r, seg, hist, c, v, ref, d, x, i):
+def put1(kept, r, seg, hist, c, v, ref, gs, d, x, i):
     """Slot ``i``'s absolute key (``okey << 31 | MAXC - c``) into its bin's next slot of the
     block's segment (``kept[r, seg:]``) where it is a candidate's in bin ``d`` or above."""
-    g = gbin(x, ref)
+    g = gbin(x, ref, gs)
     if int32(32 * i) < v and g >= d:
         kept[r, seg + cuda.atomic.add(hist, g, 1)] = ((okey(x) << 31)
                                                       | (MAXC - int64(uint32(c + uint32(32 * i)))))
 
 
 @cuda.jit(device=True, **INLINE)
-def put6(kept, r, seg, hist, c, v, ref, d, x0, x1, x2, x3, x4, x5):
-    put1(kept, r, seg, hist, c, v, ref, d, x0, 0)
-    put1(kept, r, seg, hist, c, v, ref, d, x1, 1)
-    put1(kept, r, seg, hist, c, v, ref, d, x2, 2)
-    put1(kept, r, seg, hist, c, v, ref, d, x3, 3)
-    put1(kept, r, seg, hist, c, v, ref, d, x4, 4)
-    put1(kept, r, seg, hist, c, v, ref, d, x5, 5)
+def put6(kept, r, seg, hist, c, v, ref, gs, d, x0, x1, x2, x3, x4, x5):
+    put1(kept, r, seg, hist, c, v, ref, gs, d, x0, 0)
+    put1(kept, r, seg, hist, c, v, ref, gs, d, x1, 1)
+    put1(kept, r, seg, hist, c, v, ref, gs, d, x2, 2)
+    put1(kept, r, seg, hist, c, v, ref, gs, d, x3, 3)
+    put1(kept, r, seg, hist, c, v, ref, gs, d, x4, 4)
+    put1(kept, r, seg, hist, c, v, ref, gs, d, x5, 5)
 
 
 @cuda.jit(device=True, **INLINE)
@@ -153,7 +156,7 @@ def fetch(kept, r, ch, pre, pa, gb, i):
 
 
 @cuda.jit(device=True, **INLINE)
-def starts(cum, r, gb, d, pre, pa, scan):
+def starts(cum, r, gb, d, pre, pa, scan, nbins):
     """Each of the request's ``gb`` (at most 32) blocks' first slot, in block order, of the
     keys from ``D`` (``d``) up into ``pre``, and of those past ``D`` into ``pa`` (``gb`` + 1
     entries, their total last), from the blocks' ``cum``: on the GPU by one warp's shuffles
@@ -163,7 +166,7 @@ def starts(cum, r, gb, d, pre, pa, scan):
     n_a = int32(0)
     if tid < gb:
         n_all = cum[r, tid, d]
-        n_a = cum[r, tid, d + 1] if d + 1 < GB else int32(0)
+        n_a = cum[r, tid, d + 1] if d + 1 < nbins else int32(0)
     x = int32(0)
     y = int32(0)
     if SIMULATED:  # no shuffles there
@@ -221,8 +224,10 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     cnt = cuda.shared.array(2, int32)
     pre = cuda.shared.array(GMAX1, int32)
     pa = cuda.shared.array(GMAX1, int32)
+    gs = gshift(logp)  # the bins' shift (their count): a constant of the compiled kernel
+    nbins = bins_of(gs)
     i = tid
-    while i <= GB:
+    while i <= nbins:
         hist[i] = 0
         i = int32(i + NT)
     if tid == 0:
@@ -236,25 +241,27 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     u = int32(tid >> 5)
     if sh == 16:  # a constant at each call: the conversion folded, as in bin_hist
         x0, x1, x2, x3, x4, x5, y0, y1, y2, y3, y4, y5, v0, c0, v1, c1 = pair_scores(
-            u, nu, upb, F, b0, r, B, logp, 16, codes, off, bs, bm, bl, bf, bc, hist, ref)
+            u, nu, upb, F, b0, r, B, logp, 16, codes, off, bs, bm, bl, bf, bc, hist, ref,
+            gs)
         z0, z1, z2, z3, z4, z5, q0, q1, q2, q3, q4, q5, v2, c2, v3, c3 = pair_scores(
             u + 2 * NW, nu, upb, F, b0, r, B, logp, 16, codes, off, bs, bm, bl, bf, bc, hist,
-            ref)
+            ref, gs)
     else:
         x0, x1, x2, x3, x4, x5, y0, y1, y2, y3, y4, y5, v0, c0, v1, c1 = pair_scores(
-            u, nu, upb, F, b0, r, B, logp, 0, codes, off, bs, bm, bl, bf, bc, hist, ref)
+            u, nu, upb, F, b0, r, B, logp, 0, codes, off, bs, bm, bl, bf, bc, hist, ref,
+            gs)
         z0, z1, z2, z3, z4, z5, q0, q1, q2, q3, q4, q5, v2, c2, v3, c3 = pair_scores(
             u + 2 * NW, nu, upb, F, b0, r, B, logp, 0, codes, off, bs, bm, bl, bf, bc, hist,
-            ref)
+            ref, gs)
     cuda.syncthreads()
     stamp(2)
-    d = cursors(hist, k, scan, res, cum, ws, r, blk)
+    d = cursors(hist, k, scan, res, cum, ws, r, blk, gs)
     stamp(3)
     seg = int64(blk) * (bpb * F)  # the block's segment: its chunk's candidates' span
-    put6(kept, r, seg, hist, c0, v0, ref, d, x0, x1, x2, x3, x4, x5)
-    put6(kept, r, seg, hist, c1, v1, ref, d, y0, y1, y2, y3, y4, y5)
-    put6(kept, r, seg, hist, c2, v2, ref, d, z0, z1, z2, z3, z4, z5)
-    put6(kept, r, seg, hist, c3, v3, ref, d, q0, q1, q2, q3, q4, q5)
+    put6(kept, r, seg, hist, c0, v0, ref, gs, d, x0, x1, x2, x3, x4, x5)
+    put6(kept, r, seg, hist, c1, v1, ref, gs, d, y0, y1, y2, y3, y4, y5)
+    put6(kept, r, seg, hist, c2, v2, ref, gs, d, z0, z1, z2, z3, z4, z5)
+    put6(kept, r, seg, hist, c3, v3, ref, gs, d, q0, q1, q2, q3, q4, q5)
     fence()  # the block's keys, cum and bins before its vote (one fence by the
     # voting thread after the barrier measured the same on the H200, session 48)
     cuda.syncthreads()
@@ -266,7 +273,7 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
         stamp(15)
         return
     fence()
-    d, need, nd = pick(ws[r, HG:], GB, k, scan, res, NT)  # D: the request's k-th best's bin
+    d, need, nd = pick(ws[r, HG:], nbins, k, scan, res, NT)  # D: the request's k-th best's bin
     d = int32(d)
     above = int32(k - need)  # keys past D
     total = int32(above + nd)
@@ -274,10 +281,10 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     if tid == 0:  # left zero for the next launch (every block read them before it voted)
         ws[r, CNT] = 0
         cnt[0] = above  # radix_rest's appends (where D is crowded)
-    for i in range(tid, GB, NT):
+    for i in range(tid, nbins, NT):
         ws[r, HG + i] = 0
     gb = cuda.gridDim.x
-    starts(cum, r, gb, d, pre, pa, scan)
+    starts(cum, r, gb, d, pre, pa, scan, nbins)
     srt = dyn_l[0:SRT_N]  # the scoring's arrays are dead: the ranking's alias them
     seg2 = dyn_l[SRT_N:2 * SRT_N]
     hist2 = dyn_i[4 * SRT_N:4 * SRT_N + NB]

@@ -230,8 +230,6 @@ from streamgr.kernels import trie_topk_levels
 assert trie_topk_levels.LEVELS == (os.environ.get("STREAMGR_TOPK_LEVELS") == "1")
 from streamgr.kernels import trie_topk_bins
 assert trie_topk_bins.UNITS == (os.environ.get("STREAMGR_TOPK_UNITS") != "0")
-from streamgr.kernels import trie_topk_beams
-assert trie_topk_beams.GBITS == int(os.environ.get("STREAMGR_TOPK_GBITS", "12"))
 for R, B, fan, k, ties in {cases!r}:
     case = level(R, B, fan, V=max(fan, 64) * 2, seed=R + B + fan, ties=ties)
     k = min(k, B * case[-1])
@@ -257,9 +255,7 @@ AB_CASES = {("STREAMGR_TOPK_SAMPLE", "0"): STEP2 + ONE_CASES,
             ("STREAMGR_TOPK_QUAD", "2"): QUAD_CASES + ONE_CASES,
             ("STREAMGR_TOPK_ROOT", "0"): ROOT_CASES,
             ("STREAMGR_TOPK_LEVELS", "1"): STEP2 + ONE_CASES,
-            ("STREAMGR_TOPK_UNITS", "0"): GRID, ("STREAMGR_TOPK_KEPT", "0"): GRID,
-            ("STREAMGR_TOPK_GBITS", "11"): GRID + KEPT_CASES,
-            ("STREAMGR_TOPK_GBITS", "10"): GRID + KEPT_CASES}
+            ("STREAMGR_TOPK_UNITS", "0"): GRID, ("STREAMGR_TOPK_KEPT", "0"): GRID}
 
 
 def _ab_check(name: str, value: str, cases, timeout: float) -> None:
@@ -288,8 +284,7 @@ def test_kernels_under_their_ab_settings(name, value):
     five to eight blocks scored a load level at a time, ``trie_topk_levels``),
     ``STREAMGR_TOPK_UNITS=0`` (the grid's scoring in rounds of eight candidates a thread
     instead of beam units), ``STREAMGR_TOPK_KEPT=0`` (the two grid launches where the one
-    launch of ``trie_topk_kept`` serves), ``STREAMGR_TOPK_GBITS=11`` and ``=10`` (the grid
-    launches' and the one launch's score bins halved and quartered: more ties in a bin)."""
+    launch of ``trie_topk_kept`` serves)."""
     _ab_check(name, value, AB_CASES[name, value], 600)
 
 
@@ -355,26 +350,29 @@ def _okey(x):
     return np.where(b >> 31 == 1, ~b, b | np.uint32(0x80000000)).astype(np.uint32)
 
 
-def test_okey_from_equals_a_bisection():
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16_bins", "fp32_bins"])
+def test_okey_from_equals_a_bisection(bf16):
     """``trie_topk_bins.okey_from`` (a warp's 32-point search for the least okey whose bin
     reaches ``g``) equals a host bisection over the same monotone ``gbin``, for bins across
     the range (the lowest, the -inf keys' and past the highest) and references of both
-    signs."""
+    signs, at the bins' shift of either logits dtype."""
     from numba import cuda, float32 as nf32, int64 as ni64
-    from streamgr.kernels import trie_topk_bins as bn
+    from streamgr.kernels import trie_topk_beams as tb, trie_topk_bins as bn
     from streamgr.kernels.numba_common import as_array, torch_stream
+    shift = tb._gshift_of(bf16)
+    nbins = 1 << (32 - shift)
 
     @cuda.jit
     def kern(gs, refs, out):
         i = cuda.blockIdx.x
-        t = bn.okey_from(ni64(gs[i]), nf32(refs[i]))
+        t = bn.okey_from(ni64(gs[i]), nf32(refs[i]), ni64(shift))
         if cuda.threadIdx.x == 0:
             out[i] = t
 
     def gbin(u, ref):  # the host's bn.gbin(okey_float(u), ref)
         b = np.uint32(u)
         bits = (b ^ np.uint32(0x80000000)) if b >> 31 else ~b
-        return int(_okey(bits.view(np.float32) - np.float32(ref)) >> np.uint32(bn.GSHIFT))
+        return int(_okey(bits.view(np.float32) - np.float32(ref)) >> np.uint32(shift))
 
     def bisect(g, ref):
         lo, hi = int(bn.KEY_NEG_INF), int(bn.OKEY_TOP)
@@ -384,8 +382,8 @@ def test_okey_from_equals_a_bisection():
         return lo
 
     cases = [(g, ref) for ref in (0.0, 3.25, -7.5, 1e-30) for g in
-             (0, 1, gbin(int(bn.KEY_NEG_INF), ref), 1000, 2047, 2048, 2049, 3000, bn.GB - 1,
-              bn.GB)]
+             (0, 1, gbin(int(bn.KEY_NEG_INF), ref), 1000, 1023, 1024, 1025, 2047, 2048, 2049,
+              3000, nbins - 1, nbins)]
     gs = torch.tensor([c[0] for c in cases], dtype=torch.int64, device=DEV)
     refs = torch.tensor([c[1] for c in cases], dtype=torch.float32, device=DEV)
     out = torch.zeros(len(cases), dtype=torch.int64, device=DEV)

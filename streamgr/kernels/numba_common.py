@@ -17,11 +17,6 @@ from numba import cuda, int32, int64
 
 from .decoder_attention import SIMULATED
 
-if not SIMULATED:  # inline PTX: the phase stamps
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
 # Device functions are inlined by LLVM (``forceinline``: NVVM's alwaysinline), not in Numba's IR
 # (``inline="always"``, what ``inline=True`` means): the IR inliner deep-copies a callee's IR at
 # every call site, and merge_select took 105 s to compile that way against 13 s this way (CPU,
@@ -136,6 +131,10 @@ if STAMP == 0:
         second launch of a pair (its own rows, from ``STAMP_SECOND``). Here nothing."""
         return
 else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
     def _reader(reg):
         @intrinsic
         def read(typingctx):
@@ -167,12 +166,3 @@ else:
                 _store(at - (14 - 12 * (slot - 14)) * 8, _clock())
             else:
                 _store(at, _clock())
-
-
-# The grid kernels' last-block fences (a block's writes before its vote; the last block's
-# reads after it), in one place: ``cuda.threadfence()`` (``membar.gl``, SASS MEMBAR.SC.GPU).
-# ``fence.acq_rel.gpu`` (MEMBAR.ALL.GPU), all that publishing needs, timed the same on the H200
-# (step 2 at beams of 1,024 0.0254 ms either way, session 50), so it was dropped.
-@cuda.jit(device=True, **INLINE)
-def fence():
-    cuda.threadfence()

@@ -53,7 +53,7 @@ from numba import cuda, float32, int32, int64, uint32
 from . import trie_topk_kept as kept
 from .counters import zeroed
 from .kernel_cache import cached
-from .numba_common import INLINE, fence, stamp
+from .numba_common import INLINE, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_beams import (GB, GB1, best_bound, bins_of, gbin, gshift, keep, load_beams,
                               score8, score_units, units_of)
@@ -94,9 +94,9 @@ def bin_hist(N, k, ch, upb, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, 
     bf = cuda.shared.array(NT, int32)
     bc = cuda.shared.array(NT, int32)
     gs = gshift(logp)
-    gb = bins_of(gs)
+    nbins = bins_of(gs)
     i = tid
-    while i <= gb:  # 32-bit loops (a range() sets up a 64-bit trip count: 100 instructions)
+    while i <= nbins:  # 32-bit loops (a range() sets up a 64-bit trip count: 100 instructions)
         hist[i] = 0
         i = int32(i + NT)
     start = cuda.blockIdx.x * ch
@@ -135,7 +135,7 @@ def bin_hist(N, k, ch, upb, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, 
     # every non-empty bin (adding only those from the block's own k-th up, exact too, measured
     # no faster on the H200, session 27)
     i = tid
-    while i < gb:
+    while i < nbins:
         if hist[i]:
             cuda.atomic.add(ws, (r, HG + i), int64(hist[i]))
         i = int32(i + NT)
@@ -144,11 +144,11 @@ def bin_hist(N, k, ch, upb, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, 
 
 @cuda.jit(device=True, **INLINE)
 def okey_from(g, ref, gs):
-    """The least okey whose score's bin (``gbin`` at shift ``gs``) is ``g`` or above (``OKEY_TOP`` for none),
-    over the okeys of real scores, ``-inf`` to ``+inf``, where ``gbin`` of the score is
-    monotone. On the GPU one warp calls it: a round over the 32 okeys around the answer's
-    estimate, else rounds whose lanes test 32 points spread over the range left (seven for
-    2**32 okeys); the simulator bisects, every thread alike."""
+    """The least okey whose score's bin (``gbin`` at shift ``gs``) is ``g`` or above
+    (``OKEY_TOP`` for none), over the okeys of real scores, ``-inf`` to ``+inf``, where ``gbin``
+    of the score is monotone. On the GPU one warp calls it: a round over the 32 okeys around the
+    answer's estimate, else rounds whose lanes test 32 points spread over the range left (seven
+    for 2**32 okeys); the simulator bisects, every thread alike."""
     lo = KEY_NEG_INF
     hi = OKEY_TOP  # the answer is in [lo, hi]; hi itself is never tested
     if SIMULATED:
@@ -160,9 +160,9 @@ def okey_from(g, ref, gs):
                 lo = mid + 1
         return lo
     lane = cuda.threadIdx.x & 31
-    if g < bins_of(gs):  # first the 32 okeys around ref + the least difference of bin g: the answer
-        # is the least x with x - ref at or past that difference, within an ulp of their sum
-        # (a round where the search takes seven); past the window, the search
+    if g < bins_of(gs):  # first the 32 okeys around ref + the least difference of bin g: the
+        # answer is the least x with x - ref at or past that difference, within an ulp of their
+        # sum (a round where the search takes seven); past the window, the search
         u = okey(ref + okey_float(int64(g) << gs))
         p = min(max(u + (lane - 16), KEY_NEG_INF), OKEY_TOP - 1)
         m = cuda.ballot_sync(FULL, gbin(okey_float(p), ref, gs) >= g)
@@ -282,7 +282,7 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
         _route(sure, buf, ws, r, k6, uint32(i0 + 6 * NT), n_end, t_d, t_s)
         _route(sure, buf, ws, r, k7, uint32(i0 + 7 * NT), n_end, t_d, t_s)
     stamp(7, 1)
-    fence()  # the block's appends before its election
+    cuda.threadfence()  # the block's appends before its election
     cuda.syncthreads()
     if tid == 0:  # the election's atomic returns the lists' final counts (every other block's
         # appends came before its own election)
@@ -294,7 +294,7 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     if not flag[0]:
         stamp(15, 1)
         return
-    fence()
+    cuda.threadfence()
     # left zero for the next launch (counters.zeroed): every block read them before it voted
     if tid == 0:
         ws[r, CNT] = 0

@@ -32,7 +32,9 @@ alias (37 KB, where the two sets side by side would pass the 48 KB a launch take
 opt-in). Also tried and dropped (session 50, H200): a request's blocks as one thread block
 cluster meeting at the cluster barrier, each answering a share of the ranks: 0.0454 ms against
 0.0254 (clusters of 8 blocks of 1,024 threads took 37 us to exchange a histogram where the last
-block's pattern took 7.6, and each block's share of the answer still took 9.7 us).
+block's pattern took 7.6, and each block's share of the answer still took 9.7 us); and the
+fences as ``fence.acq_rel.gpu`` (all that publishing needs), which timed the same as
+``cuda.threadfence()``'s SC fence (0.0254 ms).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import os
 import torch
 from numba import cuda, float32, int32, int64, uint32
 
-from .numba_common import INLINE, fence, stamp
+from .numba_common import INLINE, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_beams import (GB, GB1, best_bound, bins_of, gbin, gshift, load_beams, pair_vals,
                               slot_bin)
@@ -96,9 +98,9 @@ def cursors(hist, k, scan, res, cum, ws, r, blk, gs):
     ``pick`` finds it (``pick_scan``); then for each bin ``g`` from ``d`` up: ``hist[g]``
     becomes the keys in bins above it (the bin's first slot in the block's segment, keys
     ordered by bin, best first), ``cum[r, blk, g]`` the keys in it and above, and its count
-    goes to the request's histogram (``bins_of(gs)`` bins). Threads own ``bins // NT`` each, the highest first
-    (their counts read again from shared memory: no local array). ``res[0]`` is 0 on entry.
-    Every thread calls it; it ends synchronized."""
+    goes to the request's histogram (``bins_of(gs)`` bins). Threads own ``bins // NT`` each,
+    the highest first (their counts read again from shared memory: no local array). ``res[0]``
+    is 0 on entry. Every thread calls it; it ends synchronized."""
     nbins = bins_of(gs)
     ex, hi = pick_scan(hist, nbins, k, scan, res, NT)
     d = res[0]
@@ -262,7 +264,7 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     put6(kept, r, seg, hist, c1, v1, ref, gs, d, y0, y1, y2, y3, y4, y5)
     put6(kept, r, seg, hist, c2, v2, ref, gs, d, z0, z1, z2, z3, z4, z5)
     put6(kept, r, seg, hist, c3, v3, ref, gs, d, q0, q1, q2, q3, q4, q5)
-    fence()  # the block's keys, cum and bins before its vote (one fence by the
+    cuda.threadfence()  # the block's keys, cum and bins before its vote (one fence by the
     # voting thread after the barrier measured the same on the H200, session 48)
     cuda.syncthreads()
     stamp(4)
@@ -272,7 +274,7 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     if not flag[0]:
         stamp(15)
         return
-    fence()
+    cuda.threadfence()
     d, need, nd = pick(ws[r, HG:], nbins, k, scan, res, NT)  # D: the request's k-th best's bin
     d = int32(d)
     above = int32(k - need)  # keys past D

@@ -41,7 +41,7 @@ from numba import cuda, int32, int64
 
 from .counters import zeroed
 from .kernel_cache import cached
-from .numba_common import INLINE, STAMP, fence, stamp
+from .numba_common import INLINE, STAMP, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_bins import SMS_SIM, sm_count
 from .trie_topk_dev import (BIG, DIG, I32MAX, JIT_NT, NB, NT, RED_N, SCAN_N, append, bit_length,
@@ -100,7 +100,7 @@ def last_listed(ws, r, listed, flag, cnt, res):
     (high bits) and its one (low bits) to ``ws[r, DONE]``, so the last block need not read
     the count in a second round trip. ``res[3]`` is left ``I32MAX`` (published) for the last
     block's ``best_okey`` (``select_held``)."""
-    fence()
+    cuda.threadfence()
     cuda.syncthreads()
     if cuda.threadIdx.x == 0:
         old = cuda.atomic.add(ws, (r, DONE), (listed << LISTED) + 1)
@@ -218,7 +218,7 @@ def merge_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, code
         stamp(15)
         return
     stamp(4)
-    fence()
+    cuda.threadfence()
     if tid == 0:
         ctr[0] = 0  # published by select_held's (or minmax's) barriers
         # every block of the request has added to both: zero for the next launch (counters)

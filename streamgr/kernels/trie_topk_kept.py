@@ -277,6 +277,7 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     cuda.threadfence()
     d, need, nd = pick(ws[r, HG:], nbins, k, scan, res, NT)  # D: the request's k-th best's bin
     d = int32(d)
+    stamp(5)
     above = int32(k - need)  # keys past D
     total = int32(above + nd)
     small = total <= SRT_N
@@ -291,7 +292,7 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     seg2 = dyn_l[SRT_N:2 * SRT_N]
     hist2 = dyn_i[4 * SRT_N:4 * SRT_N + NB]
     cuda.syncthreads()
-    stamp(5)
+    stamp(6)
     ch = bpb * F
     if small:  # two keys a thread at most: both loads issued before either is placed
         w0, a0, n0 = fetch(kept, r, ch, pre, pa, gb, min(tid, total - 1))
@@ -311,7 +312,7 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
         total = k
     stamp(8)
     if not rank_answer(srt, seg2, hist2, scan, res, red, total, k, KP, r, F, FM, scores, nodes,
-                       ptr, codes, cap, top, parent, child, code):
+                       ptr, codes, cap, top, parent, child, code, 0):
         for i in range(tid, k, NT):  # sorted where ties crowd a bin: answers from the keys
             put_abs(srt[i], i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap,
                     top, parent, child, code, int64(-1))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from numba import cuda, float32, int32, int64, uint32
 
-from .numba_common import INLINE
+from .numba_common import INLINE, stamp
 from .trie_topk_index import beam_node, div_f, ix, node_span, slot, span_of
 from .trie_topk_keys import LOW32, answer, key_c, okey_float
 from .trie_topk_bitonic import sort_desc, sort_span
@@ -103,7 +103,7 @@ def lin_bin(u, lo, hi):
 
 @cuda.jit(device=True, **INLINE)
 def rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, nodes, ptr,
-                codes, cap, top, parent, child, code):
+                codes, cap, top, parent, child, code, second):
     """Rank ``k`` of the ``total`` (``k`` to ``SRT_N``) distinct absolute keys in
     ``srt[:total]`` and answer them (``answer``; ``cap[r]`` the request's width). Each thread
     holds two; one histogram of their scores over ``NB`` linear bins between the list's least
@@ -116,7 +116,9 @@ def rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, 
     coalesced. Codes below 2**32 (as the scoring's indexing takes them).
     Returns False, unanswered, only where a bin from the ``k``-th's up holds over ``SEG_MAX``
     keys (ties): ``srt[:k]`` is then sorted (``sort_pairs``; 43 us for 2,048 keys on the H200,
-    session 44) for the caller to answer. Every thread calls it after ``srt`` is published."""
+    session 44) for the caller to answer. Every thread calls it after ``srt`` is published.
+    ``second``: 1 where the caller is a pair's second launch (its phase stamps' rows, slots
+    9-12)."""
     tid = cuda.threadIdx.x
     has0 = tid < total
     has1 = tid + NT < total
@@ -131,6 +133,7 @@ def rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, 
     hist[tid] = 0  # NB == NT: a bin a thread
     lo, hi = minmax(min(u0 if has0 else BIG, u1 if has1 else BIG),
                     max(u0 if has0 else int64(-1), u1 if has1 else int64(-1)), red)
+    stamp(9, second)
     e0, g0 = node_span(s0, n0, ptr)  # level 2 (level 1 used after minmax's barriers)
     e1, g1 = node_span(s1, n1, ptr)
     b0 = lin_bin(u0, lo, hi) if has0 else int32(0)
@@ -139,6 +142,7 @@ def rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, 
     hist_add(hist, b1, has1)
     cuda.syncthreads()
     d, _, _, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
+    stamp(10, second)
     if big == 0:
         f0, m0 = span_of(s0, e0, g0)  # level 2 used after pick's barriers
         f1, m1 = span_of(s1, e1, g1)
@@ -155,6 +159,7 @@ def rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, 
         if in1:
             seg[cuda.atomic.add(hist, b1, 1)] = v1
         cuda.syncthreads()
+        stamp(11, second)
         r0 = bin_rank(seg, v0, b0, hist, NB) if in0 else k
         r1 = bin_rank(seg, v1, b1, hist, NB) if in1 else k
         # staged by rank (srt's keys were read at the start): the answers' stores then
@@ -166,7 +171,8 @@ def rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, 
             srt[r1] = v1
             srt[NT + r1] = (int64(h1) << 32) | (d1 & LOW32 if real1 else int64(0))
         cuda.syncthreads()
-        w = cap[r]
+        stamp(12, second)
+        w = cap[r]  # (loaded at the start instead: 0.0004 ms slower, session 51)
         for i in range(tid, k, NT):
             v = srt[i]
             a = srt[NT + i]

@@ -180,14 +180,7 @@ __global__ void __launch_bounds__(128, 2) hstu_attn_fwd(HSTU_FWD_PARAMS, int max
     };
 
     float acc[MT][D / 8][4];
-    auto zero_acc = [&]() {  // each chunk's partial starts from zero
-#pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.0f;
-    };
+    auto zero_acc = [&]() { zero_tiles<MT>(acc); };  // each chunk's partial starts from zero
     zero_acc();
 
     float* w = ws + ((long long)item_slot[item] * H + h) * QR * D;

@@ -22,6 +22,17 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], 
 }
 
 
+// The first A of MT m-tiles of an accumulator fragment array (N n-tiles of four) set to zero.
+template <int A, int MT, int N>
+__device__ __forceinline__ void zero_tiles(float (&x)[MT][N][4]) {
+#pragma unroll
+    for (int m = 0; m < A; ++m)
+#pragma unroll
+        for (int n = 0; n < N; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) x[m][n][e] = 0.0f;
+}
+
 // S = Q K^T for one key tile, the first step of both mma.sync attention kernels: the warp's
 // first A of its MT 16-row m-tiles of Q (rows wrow + 16 m of Qs) against the tile's NK keys
 // (rows of Kt), over D dims; Qs and Kt rows are SP bf16 apart (padded: ldmatrix rows in
@@ -29,12 +40,7 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], 
 template <int A, int MT, int NK, int D, int SP>
 __device__ __forceinline__ void qk_tile(float (&S)[MT][NK / 8][4], const __nv_bfloat16* Qs,
                                         const __nv_bfloat16* Kt, int wrow, int lane) {
-#pragma unroll
-    for (int m = 0; m < A; ++m)
-#pragma unroll
-        for (int n = 0; n < NK / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) S[m][n][e] = 0.0f;
+    zero_tiles<A>(S);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         unsigned a[MT][4];

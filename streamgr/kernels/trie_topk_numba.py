@@ -40,11 +40,8 @@ def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
     dev = scores.device
     top = torch.empty(R, k, dtype=torch.float32, device=dev)
     parent, child, code = (torch.empty(R, k, dtype=torch.int64, device=dev) for _ in range(3))
-    if SIMULATED:
-        launch = lambda fn, g, t, smem=0: fn[g, t, 0, smem]  # noqa: E731
-    else:
-        stream = torch_stream(dev)
-        launch = lambda fn, g, t, smem=0: fn[g, t, stream, smem]  # noqa: E731
+    stream = 0 if SIMULATED else torch_stream(dev)
+    launch = lambda fn, g, t, smem=0: fn[g, t, stream, smem]  # noqa: E731
     a = as_array
     sc = scores.float().contiguous()
     if len(codes) == 0:  # no children anywhere: every candidate -inf; keep the loads in bounds

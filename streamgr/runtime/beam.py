@@ -233,10 +233,12 @@ class BeamSearch:
             return []
         filtered = ((exclude and any(e is not None for e in exclude))
                     or (max_per_prefix and any(max_per_prefix)))
-        if not filtered and max(top_ks) < W:  # a live beam (a leaf: SidTrie and trie_without
-            K = max(top_ks)  # keep no empty one) gives an item at least, best first: the first
-            scores, nodes, codes = scores[:, :K], nodes[:, :K], codes[:, :K]  # K beams hold
-            W = K  # every row's answer (beams of 1,024 for 256 items)
+        # Unfiltered, the first max(top_k) beams hold every row's answer: beams are sorted
+        # best first and a live beam is a leaf with an item at least (SidTrie and trie_without
+        # keep no empty leaf), so beams of 1,024 for 256 items read 256.
+        if not filtered and max(top_ks) < W:
+            W = max(top_ks)
+            scores, nodes, codes = scores[:, :W], nodes[:, :W], codes[:, :W]
         live = np.isfinite(scores)  # sorted best first: -inf beams trail
         lo = self.trie.leaf_ptr[nodes]
         n = np.ones_like(lo) if self.policy == "first" else self.trie.leaf_ptr[nodes + 1] - lo

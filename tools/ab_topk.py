@@ -29,7 +29,7 @@ SHAPES = {"s1": (16, 1, 8192, 256), "s1b": (16, 1, 8192, 1024), "s1r48": (48, 1,
           "s2sr48": (48, 256, 177, 256), "s2r40": (40, 256, 177, 256), "s2r24": (24, 256, 177, 256),
           "s3": (16, 256, 3, 256), "s3b": (16, 1024, 3, 1024),
           "flat": (1, 256, 8192, 256), "flatk": (1, 256, 8192, 1024),
-          "s2b": (16, 1024, 177, 1024)}
+          "s2b": (16, 1024, 177, 1024), "s2sb": (16, 1024, 177, 1024)}
 
 
 def child(names: list[str]) -> None:
@@ -49,6 +49,8 @@ def child(names: list[str]) -> None:
     for name in names:
         R, B, F, k = SHAPES[name]
         case = list(level(R, B, F, seed=R + B + F + k))
+        if os.environ.get("AB_CODES"):  # the trie's codes in another dtype (int32, int16)
+            case[4] = case[4].to(getattr(torch, os.environ["AB_CODES"]))
         if "s2s" in name:
             case[0] = case[0].sort(dim=1, descending=True).values
         out[name] = against_topk(case, k, torch.full((R,), k, device=DEV))

@@ -29,7 +29,7 @@ HBM = 4.8e12
 def level(R, B, F, seed=0):
     g = torch.Generator(device=DEV).manual_seed(seed)
     ptr = torch.arange(0, (B + 1) * F, F, device=DEV)  # node b has F children
-    codes = torch.arange(F, device=DEV).repeat(B)
+    codes = torch.arange(F, device=DEV, dtype=torch.int32).repeat(B)  # as SidTrie.tables'
     nodes = torch.arange(B, device=DEV).repeat(R, 1)
     scores = torch.randn(R, B, device=DEV, generator=g)
     logp = torch.randn(R * B, F + 3, device=DEV, generator=g)

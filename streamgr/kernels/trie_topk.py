@@ -75,8 +75,8 @@ def trie_topk_reference(scores: torch.Tensor, nodes: torch.Tensor, logp: torch.T
     slot = torch.arange(F, device=scores.device)
     real = slot[None, :] < count[:, None]
     child = torch.where(real, lo[:, None] + slot[None, :], 0)
-    code = torch.where(real, codes[child.clamp(max=max(len(codes) - 1, 0))], 0) if len(codes) \
-        else torch.zeros_like(child)
+    code = torch.where(real, codes[child.clamp(max=max(len(codes) - 1, 0))].long(), 0) \
+        if len(codes) else torch.zeros_like(child)
     cand = scores.view(-1, 1).float() + gather_log_probs(logp, off + code)
     cand = cand.masked_fill(~real, NEG_INF).view(R, B * F)
     if stable:

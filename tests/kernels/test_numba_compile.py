@@ -96,7 +96,7 @@ def test_selection_kernels_fit_a_block_of_1024(name, tmp_path):
     i16 = types.int16
     head = (i64, i64, i64, A(f32, 2), A(i64, 2))  # F, magic, B, scores, nodes
     lp = (A(i16, 2, "A"), A(f32, 2), i64)  # unaligned logits: the most registers
-    trie = (A(i64, 1), A(i64, 1), i64)
+    trie = (A(i64, 1), A(types.int32, 1), i64)  # int32 codes, as ``SidTrie.tables``'
     outs = (A(i64, 1), A(f32, 2), A(i64, 2), A(i64, 2), A(i64, 2))
     fn, sig = {
         "own_select": (own.own_select, (i64, i64, i64) + head + lp + trie + outs),

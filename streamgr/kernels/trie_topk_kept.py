@@ -38,6 +38,14 @@ fences as ``fence.acq_rel.gpu`` (all that publishing needs), which timed the sam
 the scoring blocks' ~12.3 (the fence and its barrier ~0.5); a unit's six shared atomics issued
 before its six stores made step 2 at beams of 1,024 slower (0.0246-0.0248 ms against
 0.0232-0.0234), as did loading the blocks' counts with the request's histogram (0.0243-0.0245).
+Session 52 (H200, each against the tree without it, 0.0228-0.0236 in the same runs): each block
+keeping from the bin of the ``k``-th best of the request's counts as its histogram atomics returned
+them (0.0240-0.0244: the blocks add at once, so the first to add still keeps ~``k``, and it sets
+the pace), or after waiting (bounded) for its request's blocks to have added (0.0238-0.0239: it
+then keeps ~``k / G``, but its puts still took 2.5-2.8 us against ~4, and the wait 1.8 us more);
+the second pair of units' codes loaded before the first pair's adds (0.0238-0.0243, the scoring 4.7
+-> 5.3 us); the kept keys staged in shared memory and written out coalesced (0.0236-0.0239, the
+puts 4.7 us).
 """
 
 from __future__ import annotations

@@ -93,6 +93,17 @@ def pair_scores(u, nu, upb, F, b0, r, B, logp, sh, codes, off, bs, bm, bl, bf, b
 
 
 @cuda.jit(device=True, **INLINE)
+def quad_scores(u, nu, upb, F, b0, r, B, logp, sh, codes, off, bs, bm, bl, bf, bc, hist, ref,
+                gs):
+    """The thread's four units (``u``, ``u + NW``, then ``u + 2 NW``, ``u + 3 NW``) by
+    ``pair_scores``: each pair's twelve scores, slots left and first candidates."""
+    return (pair_scores(u, nu, upb, F, b0, r, B, logp, sh, codes, off, bs, bm, bl, bf, bc,
+                        hist, ref, gs),
+            pair_scores(u + 2 * NW, nu, upb, F, b0, r, B, logp, sh, codes, off, bs, bm, bl, bf,
+                        bc, hist, ref, gs))
+
+
+@cuda.jit(device=True, **INLINE)
 def bins6(hist, v, ref, gs, x0, x1, x2, x3, x4, x5):
     """A unit's six slots into the histogram (slots past the fan-out into the spare bin)."""
     hist_add(hist, slot_bin(x0, ref, v, 0, gs), True)
@@ -253,19 +264,13 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     nu = int32(nb * upb)
     u = int32(tid >> 5)
     if sh == 16:  # a constant at each call: the conversion folded, as in bin_hist
-        x0, x1, x2, x3, x4, x5, y0, y1, y2, y3, y4, y5, v0, c0, v1, c1 = pair_scores(
-            u, nu, upb, F, b0, r, B, logp, 16, codes, off, bs, bm, bl, bf, bc, hist, ref,
-            gs)
-        z0, z1, z2, z3, z4, z5, q0, q1, q2, q3, q4, q5, v2, c2, v3, c3 = pair_scores(
-            u + 2 * NW, nu, upb, F, b0, r, B, logp, 16, codes, off, bs, bm, bl, bf, bc, hist,
-            ref, gs)
+        P, Q = quad_scores(u, nu, upb, F, b0, r, B, logp, 16, codes, off, bs, bm, bl, bf, bc,
+                           hist, ref, gs)
     else:
-        x0, x1, x2, x3, x4, x5, y0, y1, y2, y3, y4, y5, v0, c0, v1, c1 = pair_scores(
-            u, nu, upb, F, b0, r, B, logp, 0, codes, off, bs, bm, bl, bf, bc, hist, ref,
-            gs)
-        z0, z1, z2, z3, z4, z5, q0, q1, q2, q3, q4, q5, v2, c2, v3, c3 = pair_scores(
-            u + 2 * NW, nu, upb, F, b0, r, B, logp, 0, codes, off, bs, bm, bl, bf, bc, hist,
-            ref, gs)
+        P, Q = quad_scores(u, nu, upb, F, b0, r, B, logp, 0, codes, off, bs, bm, bl, bf, bc,
+                           hist, ref, gs)
+    x0, x1, x2, x3, x4, x5, y0, y1, y2, y3, y4, y5, v0, c0, v1, c1 = P
+    z0, z1, z2, z3, z4, z5, q0, q1, q2, q3, q4, q5, v2, c2, v3, c3 = Q
     cuda.syncthreads()
     stamp(2)
     d = cursors(hist, k, scan, res, cum, ws, r, blk, gs)

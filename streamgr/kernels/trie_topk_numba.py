@@ -45,7 +45,7 @@ def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
     a = as_array
     sc = scores.float().contiguous()
     if len(codes) == 0:  # no children anywhere: every candidate -inf; keep the loads in bounds
-        codes = torch.zeros(1, dtype=torch.int64, device=dev)
+        codes = torch.zeros(1, dtype=codes.dtype, device=dev)  # the same kernels as the trie's
     lp = _log_probs(logp, a, sc)
     trie = (a(ptr), a(codes), off)
     outs = (a(cap.contiguous()), a(top), a(parent), a(child), a(code))

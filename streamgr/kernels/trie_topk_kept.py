@@ -45,7 +45,13 @@ the pace), or after waiting (bounded) for its request's blocks to have added (0.
 then keeps ~``k / G``, but its puts still took 2.5-2.8 us against ~4, and the wait 1.8 us more);
 the second pair of units' codes loaded before the first pair's adds (0.0238-0.0243, the scoring 4.7
 -> 5.3 us); the kept keys staged in shared memory and written out coalesced (0.0236-0.0239, the
-puts 4.7 us).
+puts 4.7 us). Session 53 (H200, against 0.0229-0.0230): the request's blocks meeting at two
+global barriers (fine bins, each block's place in them reserved by its histogram atomics, every
+block answering a share of the ranks; aborting to a slow path where blocks do not share a
+wave): 0.0260-0.0277 (each barrier 2.2-2.8 us, the share 4.7); this kernel on those fine bins
+(64 an octave): 0.0261-0.0263 (the scoring, near issue-bound at ~32 SASS instructions a slot,
+4.2 -> 6.5 us); the last block ranking each key by the keys above it in its scoring bin
+instead of ``rank_answer``'s linear bins: 0.0291-0.0297 (~125 keys a bin near ``D``).
 """
 
 from __future__ import annotations

@@ -67,6 +67,7 @@ from .trie_topk_beams import (GB, GB1, best_bound, bins_of, gbin, gshift, load_b
                               slot_bin)
 from .trie_topk_dev import (FULL, JIT_NT, NB, NT, NW, RED_N, SCAN_N, block_scan, hist_add, pick,
                             pick_scan)
+from .trie_topk_index import ix
 from .trie_topk_keys import MAXC, okey, put_abs
 from .trie_topk_rank import SRT_N, radix_rest, rank_answer
 from .counters import zeroed
@@ -151,8 +152,8 @@ def put1(kept, r, seg, hist, c, v, ref, gs, d, x, i):
     block's segment (``kept[r, seg:]``) where it is a candidate's in bin ``d`` or above."""
     g = gbin(x, ref, gs)
     if int32(32 * i) < v and g >= d:
-        kept[r, seg + cuda.atomic.add(hist, g, 1)] = ((okey(x) << 31)
-                                                      | (MAXC - int64(uint32(c + uint32(32 * i)))))
+        p = uint32(seg) + uint32(cuda.atomic.add(hist, g, 1))  # unsigned: no wraparound code
+        kept[ix(r), ix(p)] = (okey(x) << 31) | (MAXC - int64(uint32(c + uint32(32 * i))))
 
 
 @cuda.jit(device=True, **INLINE)

@@ -138,9 +138,9 @@ def cursors(hist, k, scan, res, cum, ws, r, blk, gs):
         h = hist[g]
         if g >= d:
             hist[g] = ex
-            cum[r, blk, g] = int32(ex + h)
+            cum[ix(r), ix(blk), ix(g)] = int32(ex + h)
             if h != 0:
-                cuda.atomic.add(ws, (r, HG + g), int64(h))
+                cuda.atomic.add(ws, (ix(r), ix(HG + g)), int64(h))
         ex = int32(ex + h)
     cuda.syncthreads()
     return d
@@ -176,14 +176,16 @@ def fetch(kept, r, ch, pre, pa, gb, i):
     hi = int32(gb - 1)
     while lo < hi:  # the block whose keys hold i: the last with pre <= i
         mid = int32((lo + hi + 1) >> 1)
-        if pre[mid] <= i:
+        if pre[ix(mid)] <= i:
             lo = mid
         else:
             hi = int32(mid - 1)
-    j = int32(i - pre[lo])
-    na = int32(pa[lo + 1] - pa[lo])  # the block's keys past D: its segment's first
-    v = kept[r, int64(lo) * ch + j]
-    return v, int32(pa[lo] + j) if j < na else int32(-1), int32(pre[lo] - pa[lo] + j - na)
+    p0 = pre[ix(lo)]
+    a0 = pa[ix(lo)]
+    j = int32(i - p0)
+    na = int32(pa[ix(lo + 1)] - a0)  # the block's keys past D: its segment's first
+    v = kept[ix(r), ix(uint32(lo) * uint32(ch) + uint32(j))]  # unsigned: no wraparound code
+    return v, int32(a0 + j) if j < na else int32(-1), int32(p0 - a0 + j - na)
 
 
 @cuda.jit(device=True, **INLINE)
@@ -196,8 +198,8 @@ def starts(cum, r, gb, d, pre, pa, scan, nbins):
     n_all = int32(0)
     n_a = int32(0)
     if tid < gb:
-        n_all = cum[r, tid, d]
-        n_a = cum[r, tid, d + 1] if d + 1 < nbins else int32(0)
+        n_all = cum[ix(r), ix(tid), ix(d)]
+        n_a = cum[ix(r), ix(tid), ix(d + 1)] if d + 1 < nbins else int32(0)
     x = int32(0)
     y = int32(0)
     if SIMULATED:  # no shuffles there
@@ -224,11 +226,11 @@ def place(srt, buf, r, v, a, dn, above, small):
     """A fetched key to its slot: past ``D`` at ``a``, in ``D`` after those (``small``) or in
     ``buf``."""
     if a >= 0:
-        srt[a] = v
+        srt[ix(a)] = v
     elif small:
-        srt[above + dn] = v
+        srt[ix(above + dn)] = v
     else:
-        buf[r, dn] = v
+        buf[ix(r), ix(dn)] = v
 
 
 @cached

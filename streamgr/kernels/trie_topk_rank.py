@@ -155,9 +155,9 @@ def rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, 
         in0 = has0 and b0 >= d
         in1 = has1 and b1 >= d
         if in0:
-            seg[cuda.atomic.add(hist, b0, 1)] = v0
+            seg[ix(cuda.atomic.add(hist, b0, 1))] = v0
         if in1:
-            seg[cuda.atomic.add(hist, b1, 1)] = v1
+            seg[ix(cuda.atomic.add(hist, b1, 1))] = v1
         cuda.syncthreads()
         stamp(11, second)
         r0 = bin_rank(seg, v0, b0, hist, NB) if in0 else k
@@ -165,17 +165,17 @@ def rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, 
         # staged by rank (srt's keys were read at the start): the answers' stores then
         # coalesce (scattered, they took 2 us more on the H200, session 45)
         if r0 < k:
-            srt[r0] = v0
-            srt[NT + r0] = (int64(h0) << 32) | (d0 & LOW32 if real0 else int64(0))
+            srt[ix(r0)] = v0
+            srt[ix(NT + r0)] = (int64(h0) << 32) | (d0 & LOW32 if real0 else int64(0))
         if r1 < k:
-            srt[r1] = v1
-            srt[NT + r1] = (int64(h1) << 32) | (d1 & LOW32 if real1 else int64(0))
+            srt[ix(r1)] = v1
+            srt[ix(NT + r1)] = (int64(h1) << 32) | (d1 & LOW32 if real1 else int64(0))
         cuda.syncthreads()
         stamp(12, second)
         w = cap[r]  # (loaded at the start instead: 0.0004 ms slower, session 51)
         for i in range(tid, k, NT):
-            v = srt[i]
-            a = srt[NT + i]
+            v = srt[ix(i)]
+            a = srt[ix(NT + i)]
             answer(v, i, r, div_f(key_c(v), FM), True, a >> 32, a & LOW32, w, top,
                    parent, child, code)
         return True

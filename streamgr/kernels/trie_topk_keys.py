@@ -347,7 +347,7 @@ def answer(v, i, r, b, real, ch, cd, w, top, parent, child, code):
     """Rank i's answer from its absolute key ``v``: the score its okey (``-inf`` at or past the
     request's width ``w``), parent beam ``b``, child node ``ch`` and code ``cd`` (0 where the
     candidate is no child)."""
-    top[r, i] = okey_float(v >> 31) if i < w else NEG_INF
-    parent[r, i] = b
-    child[r, i] = ch
-    code[r, i] = cd if real else int64(0)
+    top[ix(r), ix(i)] = okey_float(v >> 31) if i < w else NEG_INF  # unsigned indices: no
+    parent[ix(r), ix(i)] = b  # wraparound code
+    child[ix(r), ix(i)] = ch
+    code[ix(r), ix(i)] = cd if real else int64(0)

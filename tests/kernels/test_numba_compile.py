@@ -121,6 +121,6 @@ def test_selection_kernels_fit_a_block_of_1024(name, tmp_path):
     # kept_select up to four, one of them a word its scoring holds (a store and a load a
     # thread), the others in the same radix fallback, session 48)
     # bin_select 20 since session 53's unsigned answer stores (12 before; flat at k 256 timed the
-    # same, 0.0224-0.0227 ms against 0.0225-0.0227 on the H200)
+    # same, 0.0225-0.0227 ms against 0.0224-0.0227 on the H200)
     cap = {"bin_select": 20, "kept_select": 16}.get(name, 8)
     assert spills is None or spills <= cap, (name, spills)

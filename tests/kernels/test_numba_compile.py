@@ -86,7 +86,7 @@ def test_selection_kernels_fit_a_block_of_1024(name, tmp_path):
     """The select kernels launch 1,024 threads (the sort kernel 256), so 64 registers a thread at
     most (Numba sets no launch bounds: on the H200 an unaligned logits view's indexing took 68
     and the launch failed). They carry that cap (``JIT_NT``) and compile under it spilling at
-    most a word (``bin_select`` five: where it breaks ties and around its ranking's barriers).
+    most a word (``bin_select`` five, each stored and loaded once a thread in its last block).
     (One case a kernel: xdist spreads the compiles over CI's workers.)"""
     from streamgr.kernels import trie_topk_bins as bn, trie_topk_dev as dev
     from streamgr.kernels import trie_topk_merge as merge, trie_topk_one as one
@@ -120,8 +120,8 @@ def test_selection_kernels_fit_a_block_of_1024(name, tmp_path):
     # in its radix fallback's loops (nvdisasm, session 45): the ties' path, not the ranking's;
     # kept_select up to four, one of them a word its scoring holds (a store and a load a
     # thread), the others in the same radix fallback, session 48)
-    # bin_select 20 since session 53's unsigned answer stores (12 before: the added words around
-    # rank_answer's barriers, stored and loaded once a thread, nvdisasm; flat at k 256 timed the
-    # same, 0.0225-0.0227 ms against 0.0224-0.0227 on the H200)
+    # bin_select 20 since session 53's unsigned answer stores (12 before; now all five words are
+    # stored after the last block's pick and loaded once a thread, nvdisasm; flat at k 256 timed
+    # the same, 0.0225-0.0227 ms against 0.0224-0.0227 on the H200)
     cap = {"bin_select": 20, "kept_select": 16}.get(name, 8)
     assert spills is None or spills <= cap, (name, spills)

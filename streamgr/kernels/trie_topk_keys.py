@@ -312,10 +312,8 @@ def put(v, i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap, t
     """Rank i's answer from its key ``v`` (``decode``'s, for one key)."""
     c = key_c(v)
     val, ch, cd = cand(r, c, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off)
-    top[r, i] = val if i < cap[r] else NEG_INF
-    parent[r, i] = div_f(c, FM)
-    child[r, i] = ch
-    code[r, i] = cd
+    store(r, i, val if i < cap[r] else NEG_INF, div_f(c, FM), ch, cd, top, parent, child,
+          code)
 
 
 @cuda.jit(device=True, **INLINE)
@@ -347,7 +345,16 @@ def answer(v, i, r, b, real, ch, cd, w, top, parent, child, code):
     """Rank i's answer from its absolute key ``v``: the score its okey (``-inf`` at or past the
     request's width ``w``), parent beam ``b``, child node ``ch`` and code ``cd`` (0 where the
     candidate is no child)."""
-    top[ix(r), ix(i)] = okey_float(v >> 31) if i < w else NEG_INF  # unsigned indices: no
-    parent[ix(r), ix(i)] = b  # wraparound code
+    store(r, i, okey_float(v >> 31) if i < w else NEG_INF, b, ch, cd if real else int64(0), top,
+          parent, child, code)
+
+
+@cuda.jit(device=True, **INLINE)
+def store(r, i, val, b, ch, cd, top, parent, child, code):
+    """Rank i's answer written: score, parent beam, child node and code. Unsigned indices: no
+    negative-index wraparound code (on the H200 step 2 at beams of 1,024 0.0213 -> 0.0210 ms,
+    session 53)."""
+    top[ix(r), ix(i)] = val
+    parent[ix(r), ix(i)] = b
     child[ix(r), ix(i)] = ch
-    code[ix(r), ix(i)] = cd if real else int64(0)
+    code[ix(r), ix(i)] = cd

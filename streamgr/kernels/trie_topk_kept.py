@@ -22,38 +22,26 @@ Against the two launches this drops the second launch, the okey buffer's writes 
 the last block's reads of two global lists; the last block reads ~1,100 keys. On the H200
 (session 48, graph-replayed) step 2 at beams of 1,024 took 0.0249 ms against 0.0282-0.0283
 for the two launches, step 2 at 48 requests 0.0201 against 0.0250; the flat 2,097,152 took
-0.0243 against 0.0228 at 128 blocks, so it keeps the two launches. Tried and dropped: the kept
-keys unordered (one list a request, the last block routing all ~8,300 by bin: 0.0310 ms), and
-each key's answer (child, code) written beside it with the last block ranking in the
-request's bins and reading no trie (0.0318: the code loads and the second store cost the
-scoring blocks 2.5 us, and a bin near ``D`` held ~100 keys to rank one by one). Shared memory
-is dynamic (``SMEM``): the scoring's beams and histogram and the last block's ranking arrays
-alias (37 KB, where the two sets side by side would pass the 48 KB a launch takes without an
-opt-in). Also tried and dropped (session 50, H200): a request's blocks as one thread block
-cluster meeting at the cluster barrier, each answering a share of the ranks: 0.0454 ms against
-0.0254 (clusters of 8 blocks of 1,024 threads took 37 us to exchange a histogram where the last
-block's pattern took 7.6, and each block's share of the answer still took 9.7 us); and the
-fences as ``fence.acq_rel.gpu`` (all that publishing needs), which timed the same as
-``cuda.threadfence()``'s SC fence (0.0254 ms). Session 51 (H200): the keys' puts take ~3 us of
-the scoring blocks' ~12.3 (the fence and its barrier ~0.5); a unit's six shared atomics issued
-before its six stores made step 2 at beams of 1,024 slower (0.0246-0.0248 ms against
-0.0232-0.0234), as did loading the blocks' counts with the request's histogram (0.0243-0.0245).
-Session 52 (H200, each against the tree without it, 0.0228-0.0236 in the same runs): each block
-keeping from the bin of the ``k``-th best of the request's counts as its histogram atomics returned
-them (0.0240-0.0244: the blocks add at once, so the first to add still keeps ~``k``, and it sets
-the pace), or after waiting (bounded) for its request's blocks to have added (0.0238-0.0239: it
-then keeps ~``k / G``, but its puts still took 2.5-2.8 us against ~4, and the wait 1.8 us more);
-the second pair of units' codes loaded before the first pair's adds (0.0238-0.0243, the scoring 4.7
--> 5.3 us); the kept keys staged in shared memory and written out coalesced (0.0236-0.0239, the
-puts 4.7 us). Session 53 (H200, against 0.0229-0.0230): the request's blocks meeting at two
-global barriers (fine bins, each block's place in them reserved by its histogram atomics, every
-block answering a share of the ranks; aborting to a slow path where blocks do not share a
-wave): 0.0260-0.0277 (each barrier 2.2-2.8 us, the share 4.7); this kernel on those fine bins
-(64 an octave): 0.0261-0.0263 (the scoring, near issue-bound at ~32 SASS instructions a slot,
-4.2 -> 6.5 us); the last block ranking each key by the keys above it in its scoring bin
-instead of ``rank_answer``'s linear bins: 0.0291-0.0297 (~125 keys a bin near ``D``). What
-paid: the puts, the last block's lists and the answers indexed unsigned (``ix``: Numba's
-negative-index wraparound code was ~7 SASS instructions an index), 0.0229 -> 0.0210.
+0.0243 against 0.0228 at 128 blocks, so it keeps the two launches. Shared memory is dynamic
+(``SMEM``): the scoring's beams and histogram and the last block's ranking arrays alias (37 KB,
+where the two sets side by side would pass the 48 KB a launch takes without an opt-in).
+
+What paid since (H200, step 2 at beams of 1,024): the puts, the last block's lists and the
+answers indexed unsigned (``ix``: Numba's negative-index wraparound code was ~7 SASS
+instructions an index), 0.0229 -> 0.0210 ms (session 53); the kept keys' least and best okeys
+found along their placing (``lohi``), so that ``rank_answer`` skips ``minmax`` and its two
+barriers, 0.0210-0.0214 -> 0.0208-0.0209 (session 54). Tried and dropped, each slower
+(docs/benchmarks.md, sessions 48-54): the kept keys unordered, or written with their answers;
+a request's blocks as a thread block cluster, or meeting at global barriers with each block
+answering a share of the ranks (each barrier 2.2-2.8 us); lighter fences (the same); a unit's
+atomics before its stores; the blocks' counts loaded with the request's histogram; each block
+keeping from the request's counts as they came in, or after waiting for them; codes loaded a
+pair ahead; the kept keys staged and written coalesced; fine bins (the scoring is near
+issue-bound, ~32 SASS instructions a slot); ranking in the scoring's bins (~125 keys a bin near
+``D``); ``D`` summed from the blocks' counts in windows of bins (where the scores cross ``ref``
+the bins of tiny magnitudes, ~1,000, lie between a block's estimate and ``D``); the request's
+histogram read while the vote is out; a compare against bin ``d``'s least score before a put
+computes its bin (the same time).
 """
 
 from __future__ import annotations
@@ -67,9 +55,9 @@ from .numba_common import INLINE, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_beams import (GB, GB1, best_bound, bins_of, gbin, gshift, load_beams, pair_vals,
                               slot_bin)
-from .trie_topk_dev import (FULL, JIT_NT, NB, NT, NW, RED_N, SCAN_N, block_scan, hist_add, pick,
-                            pick_scan)
-from .trie_topk_index import ix
+from .trie_topk_dev import (FULL, I32MAX, JIT_NT, NB, NT, NW, RED_N, SCAN_N, block_scan,
+                            hist_add, pick, pick_scan)
+from .trie_topk_index import bits32, ix
 from .trie_topk_keys import MAXC, okey, put_abs
 from .trie_topk_rank import SRT_N, radix_rest, rank_answer
 from .counters import zeroed
@@ -82,6 +70,7 @@ W_LEN = HG + GB
 UPW = 4  # units a warp holds: 24 scores a thread in registers
 GMAX = 32  # blocks a request: one warp sums their counts (``starts``)
 GMAX1 = GMAX + 1
+I32MIN = int32(-0x80000000)
 KEPT = os.environ.get("STREAMGR_TOPK_KEPT", "1") == "1"  # 0: the two launches (A/B)
 # dynamic shared memory (bytes): the scoring's five beam arrays then its histogram (GB1 int32),
 # or the last block's srt and seg (SRT_N int64 each) then its ranking bins (NB int32)
@@ -224,6 +213,27 @@ def starts(cum, r, gb, d, pre, pa, scan, nbins):
 
 
 @cuda.jit(device=True, **INLINE)
+def lohi(v0, v1, has0, has1, mm):
+    """The block's least and best okeys (``v >> 31`` of its keys ``v0``, ``v1`` where it has
+    them) into ``mm`` (shared int32, ``I32MAX`` and ``I32MIN`` on entry) in the signed order
+    (the top bit flipped: one 32-bit shuffle a step, ``best_bound``'s), by each warp's shuffles
+    and one shared atomic each a warp, along the placement's barrier (``minmax`` after it took
+    two more: on the H200 the ranking's first phase 1.45 -> 0.58 us, the placing 1.19 -> 1.53,
+    session 54). Every thread calls it."""
+    a0 = int32(bits32(v0 >> 31) ^ I32MIN)
+    a1 = int32(bits32(v1 >> 31) ^ I32MIN)
+    lo = min(a0 if has0 else I32MAX, a1 if has1 else I32MAX)
+    hi = max(a0 if has0 else I32MIN, a1 if has1 else I32MIN)
+    if not SIMULATED:
+        for o in (16, 8, 4, 2, 1):
+            lo = min(lo, cuda.shfl_xor_sync(FULL, lo, o))
+            hi = max(hi, cuda.shfl_xor_sync(FULL, hi, o))
+    if SIMULATED or (cuda.threadIdx.x & 31) == 0:
+        cuda.atomic.min(mm, 0, lo)
+        cuda.atomic.max(mm, 1, hi)
+
+
+@cuda.jit(device=True, **INLINE)
 def place(srt, buf, r, v, a, dn, above, small):
     """A fetched key to its slot: past ``D`` at ``a``, in ``D`` after those (``small``) or in
     ``buf``."""
@@ -259,6 +269,7 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     cnt = cuda.shared.array(2, int32)
     pre = cuda.shared.array(GMAX1, int32)
     pa = cuda.shared.array(GMAX1, int32)
+    mm = cuda.shared.array(2, int32)
     gs = gshift(logp)  # the bins' shift (their count): a constant of the compiled kernel
     nbins = bins_of(gs)
     i = tid
@@ -308,38 +319,48 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     above = int32(k - need)  # keys past D
     total = int32(above + nd)
     small = total <= SRT_N
-    if tid == 0:  # left zero for the next launch (every block read them before it voted)
+    srt = dyn_l[0:SRT_N]  # the scoring's arrays are dead: the ranking's alias them
+    seg2 = dyn_l[SRT_N:2 * SRT_N]
+    hist2 = dyn_i[4 * SRT_N:4 * SRT_N + NB]
+    if tid == 0:  # left zero for the next launch (every block read it before it voted)
         ws[r, CNT] = 0
         cnt[0] = above  # radix_rest's appends (where D is crowded)
+        mm[0] = I32MAX  # the kept keys' least and best okeys, in the signed order (``lohi``)
+        mm[1] = I32MIN
+    if small:
+        hist2[tid] = 0  # (radix_rest's otherwise: rank_answer zeroes it after) NB == NT
     for i in range(tid, nbins, NT):
         ws[r, HG + i] = 0
     gb = cuda.gridDim.x
     starts(cum, r, gb, d, pre, pa, scan, nbins)
-    srt = dyn_l[0:SRT_N]  # the scoring's arrays are dead: the ranking's alias them
-    seg2 = dyn_l[SRT_N:2 * SRT_N]
-    hist2 = dyn_i[4 * SRT_N:4 * SRT_N + NB]
     cuda.syncthreads()
     stamp(6)
     ch = bpb * F
+    lo = int64(-1)  # rank_answer's minmax (where ties crowd D: the keys come from buf)
+    hi = int64(-1)
     if small:  # two keys a thread at most: both loads issued before either is placed
-        w0, a0, n0 = fetch(kept, r, ch, pre, pa, gb, min(tid, total - 1))
-        w1, a1, n1 = fetch(kept, r, ch, pre, pa, gb, min(tid + NT, total - 1))
+        key0, a0, n0 = fetch(kept, r, ch, pre, pa, gb, min(tid, total - 1))
+        key1, a1, n1 = fetch(kept, r, ch, pre, pa, gb, min(tid + NT, total - 1))
         if tid < total:
-            place(srt, buf, r, w0, a0, n0, above, True)
+            place(srt, buf, r, key0, a0, n0, above, True)
         if tid + NT < total:
-            place(srt, buf, r, w1, a1, n1, above, True)
+            place(srt, buf, r, key1, a1, n1, above, True)
+        lohi(key0, key1, tid < total, tid + NT < total, mm)
     else:
         for i in range(tid, total, NT):
-            w0, a0, n0 = fetch(kept, r, ch, pre, pa, gb, i)
-            place(srt, buf, r, w0, a0, n0, above, False)
+            key0, a0, n0 = fetch(kept, r, ch, pre, pa, gb, i)
+            place(srt, buf, r, key0, a0, n0, above, False)
     cuda.syncthreads()
+    if small:  # published by the barrier: rank_answer skips its minmax (two barriers)
+        lo = int64(uint32(mm[0] ^ I32MIN))
+        hi = int64(uint32(mm[1] ^ I32MIN))
     stamp(7)
     if not small:  # ties crowd D: the rest of the k from buf (appended at cnt[0] = above)
         radix_rest(buf, r, nd, need, hist2, scan, res, red, srt, cnt)
         total = k
     stamp(8)
     if not rank_answer(srt, seg2, hist2, scan, res, red, total, k, KP, r, F, FM, scores, nodes,
-                       ptr, codes, cap, top, parent, child, code, 0):
+                       ptr, codes, cap, top, parent, child, code, 0, lo, hi):
         for i in range(tid, k, NT):  # sorted where ties crowd a bin: answers from the keys
             put_abs(srt[i], i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap,
                     top, parent, child, code, int64(-1))

@@ -103,11 +103,13 @@ def lin_bin(u, lo, hi):
 
 @cuda.jit(device=True, **INLINE)
 def rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, nodes, ptr,
-                codes, cap, top, parent, child, code, second):
+                codes, cap, top, parent, child, code, second, lo, hi):
     """Rank ``k`` of the ``total`` (``k`` to ``SRT_N``) distinct absolute keys in
     ``srt[:total]`` and answer them (``answer``; ``cap[r]`` the request's width). Each thread
     holds two; one histogram of their scores over ``NB`` linear bins between the list's least
-    and best (``pick_segments``), the keys of the bins from the ``k``-th's up placed by bin in
+    and best okeys (``lo``, ``hi``: where ``lo`` < 0 found here by ``minmax``, which also
+    publishes ``hist`` zeroed; else the caller's, ``hist`` zeroed and published by it), the keys
+    of the bins from the ``k``-th's up placed by bin (``pick_segments``) in
     ``seg`` and each ranked within its bin (``bin_rank``) by the thread that holds it, which
     stages its answer by rank in ``srt`` (key, then child and code): its beam, child range and
     code were read a load level a phase along the ranking's barriers (``trie_topk_index``), so
@@ -130,17 +132,23 @@ def rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, 
     s1, n1 = beam_node(r, p1, scores, nodes)
     u0 = v0 >> 31
     u1 = v1 >> 31
-    hist[tid] = 0  # NB == NT: a bin a thread
-    lo, hi = minmax(min(u0 if has0 else BIG, u1 if has1 else BIG),
-                    max(u0 if has0 else int64(-1), u1 if has1 else int64(-1)), red)
+    early = lo < 0  # (a constant where the caller passes one: the other path folded away)
+    e0 = g0 = e1 = g1 = int64(0)
+    if early:
+        hist[tid] = 0  # NB == NT: a bin a thread
+        lo, hi = minmax(min(u0 if has0 else BIG, u1 if has1 else BIG),
+                        max(u0 if has0 else int64(-1), u1 if has1 else int64(-1)), red)
+        e0, g0 = node_span(s0, n0, ptr)  # level 2 (level 1 used after minmax's barriers)
+        e1, g1 = node_span(s1, n1, ptr)
     stamp(9, second)
-    e0, g0 = node_span(s0, n0, ptr)  # level 2 (level 1 used after minmax's barriers)
-    e1, g1 = node_span(s1, n1, ptr)
     b0 = lin_bin(u0, lo, hi) if has0 else int32(0)
     b1 = lin_bin(u1, lo, hi) if has1 else int32(0)
     hist_add(hist, b0, has0)
     hist_add(hist, b1, has1)
     cuda.syncthreads()
+    if not early:
+        e0, g0 = node_span(s0, n0, ptr)  # level 2 after the histogram's barrier
+        e1, g1 = node_span(s1, n1, ptr)
     d, _, _, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
     stamp(10, second)
     if big == 0:

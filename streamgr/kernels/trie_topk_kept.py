@@ -41,7 +41,8 @@ issue-bound, ~32 SASS instructions a slot); ranking in the scoring's bins (~125 
 ``D``); ``D`` summed from the blocks' counts in windows of bins (where the scores cross ``ref``
 the bins of tiny magnitudes, ~1,000, lie between a block's estimate and ``D``); the request's
 histogram read while the vote is out; a compare against bin ``d``'s least score before a put
-computes its bin (the same time).
+computes its bin, and ``lohi``'s warps kept in shared words and reduced after the barrier
+instead of its atomics (both the same time).
 """
 
 from __future__ import annotations

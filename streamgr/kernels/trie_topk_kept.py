@@ -42,7 +42,8 @@ issue-bound, ~32 SASS instructions a slot); ranking in the scoring's bins (~125 
 the bins of tiny magnitudes, ~1,000, lie between a block's estimate and ``D``); the request's
 histogram read while the vote is out; a compare against bin ``d``'s least score before a put
 computes its bin, and ``lohi``'s warps kept in shared words and reduced after the barrier
-instead of its atomics (both the same time).
+instead of its atomics (both the same time); every block's counts at the pick's bins loaded
+with the request's histogram, so that none waits for ``D`` (16 more loads a thread: +2.4 us).
 """
 
 from __future__ import annotations

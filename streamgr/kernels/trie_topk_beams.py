@@ -25,7 +25,8 @@ from numba import cuda, float32, int32, int64, types, uint32, uint64
 from .numba_common import INLINE
 from .trie_topk import SIMULATED
 from .trie_topk_dev import BIG, FULL, NT, NW, hist_add, minmax
-from .trie_topk_index import NEG_INF, beam_at, bits32, ix, slot
+from .trie_topk_index import (I32MIN, NEG_INF, beam_at, bits32, ix, okey_of, signed_order,
+                              slot)
 from .trie_topk_keys import KEY_NEG_INF, logp_of, okey, okey_float
 
 # Score bins: the top bits of x - ref, by the logits' dtype (``gshift``): 12 (4,096 bins, 8 an
@@ -224,11 +225,10 @@ def best_bound(scores, lse, sh, r, B, red):
             top = max(top, okey(bound_of(scores, lse, sh, r, B, b)))
         _, top = minmax(BIG, top, red)
     else:
-        hi = int32(-0x80000000)  # okey 0 (below every real score's) in the signed order
+        hi = I32MIN  # okey 0 (below every real score's) in the signed order
         b = tid
         while b < B:
-            hi = max(hi, int32(bits32(okey(bound_of(scores, lse, sh, r, B, b)))
-                               ^ int32(-0x80000000)))
+            hi = max(hi, signed_order(okey(bound_of(scores, lse, sh, r, B, b))))
             b = int32(b + NT)
         for o in (16, 8, 4, 2, 1):
             hi = max(hi, cuda.shfl_xor_sync(FULL, hi, o))
@@ -236,13 +236,13 @@ def best_bound(scores, lse, sh, r, B, red):
             red[tid >> 5] = hi
         cuda.syncthreads()
         if tid < 32:
-            hi = int32(red[tid]) if tid < NW else int32(-0x80000000)
+            hi = int32(red[tid]) if tid < NW else I32MIN
             for o in (16, 8, 4, 2, 1):
                 hi = max(hi, cuda.shfl_xor_sync(FULL, hi, o))
             if tid == 0:
                 red[NW] = hi
         cuda.syncthreads()
-        top = int64(uint32(int32(red[NW]) ^ int32(-0x80000000)))
+        top = okey_of(int32(red[NW]))
     return okey_float(top) if top > KEY_NEG_INF else float32(0.0)
 
 

@@ -20,6 +20,7 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 from .numba_common import INLINE
 
 LOW32 = int64(0xFFFFFFFF)
+I32MIN = int32(-0x80000000)
 NEG_INF = float32(-np.inf)
 
 
@@ -35,6 +36,19 @@ def bits32(u):
     """The int32 whose bits are ``u``'s (``0 <= u < 2**32``, as an okey): how a key's 32 bits
     are stored in an int32 array."""
     return int32(u - (int64(1) << 32) if u >= (int64(1) << 31) else u)
+
+
+@cuda.jit(device=True, **INLINE)
+def signed_order(u):
+    """Okey ``u`` (``0 <= u < 2**32``) as the int32 whose signed order is the okeys' (the top
+    bit flipped): a block's min or max of okeys then takes one 32-bit shuffle a step."""
+    return int32(bits32(u) ^ I32MIN)
+
+
+@cuda.jit(device=True, **INLINE)
+def okey_of(s):
+    """``signed_order``'s inverse: the okey, as an int64."""
+    return int64(uint32(s ^ I32MIN))
 
 
 @cuda.jit(device=True, **INLINE)

@@ -59,7 +59,7 @@ from .trie_topk_beams import (GB, GB1, best_bound, bins_of, gbin, gshift, load_b
                               slot_bin)
 from .trie_topk_dev import (FULL, I32MAX, JIT_NT, NB, NT, NW, RED_N, SCAN_N, block_scan,
                             hist_add, pick, pick_scan)
-from .trie_topk_index import bits32, ix
+from .trie_topk_index import I32MIN, ix, okey_of, signed_order
 from .trie_topk_keys import MAXC, okey, put_abs
 from .trie_topk_rank import SRT_N, radix_rest, rank_answer
 from .counters import zeroed
@@ -72,7 +72,6 @@ W_LEN = HG + GB
 UPW = 4  # units a warp holds: 24 scores a thread in registers
 GMAX = 32  # blocks a request: one warp sums their counts (``starts``)
 GMAX1 = GMAX + 1
-I32MIN = int32(-0x80000000)
 KEPT = os.environ.get("STREAMGR_TOPK_KEPT", "1") == "1"  # 0: the two launches (A/B)
 # dynamic shared memory (bytes): the scoring's five beam arrays then its histogram (GB1 int32),
 # or the last block's srt and seg (SRT_N int64 each) then its ranking bins (NB int32)
@@ -218,12 +217,12 @@ def starts(cum, r, gb, d, pre, pa, scan, nbins):
 def lohi(v0, v1, has0, has1, mm):
     """The block's least and best okeys (``v >> 31`` of its keys ``v0``, ``v1`` where it has
     them) into ``mm`` (shared int32, ``I32MAX`` and ``I32MIN`` on entry) in the signed order
-    (the top bit flipped: one 32-bit shuffle a step, ``best_bound``'s), by each warp's shuffles
+    (``signed_order``: one 32-bit shuffle a step, as ``best_bound``'s), by each warp's shuffles
     and one shared atomic each a warp, along the placement's barrier (``minmax`` after it took
     two more: on the H200 the ranking's first phase 1.45 -> 0.58 us, the placing 1.19 -> 1.53,
     session 54). Every thread calls it."""
-    a0 = int32(bits32(v0 >> 31) ^ I32MIN)
-    a1 = int32(bits32(v1 >> 31) ^ I32MIN)
+    a0 = signed_order(v0 >> 31)
+    a1 = signed_order(v1 >> 31)
     lo = min(a0 if has0 else I32MAX, a1 if has1 else I32MAX)
     hi = max(a0 if has0 else I32MIN, a1 if has1 else I32MIN)
     if not SIMULATED:
@@ -354,8 +353,8 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
             place(srt, buf, r, key0, a0, n0, above, False)
     cuda.syncthreads()
     if small:  # published by the barrier: rank_answer skips its minmax (two barriers)
-        lo = int64(uint32(mm[0] ^ I32MIN))
-        hi = int64(uint32(mm[1] ^ I32MIN))
+        lo = okey_of(mm[0])
+        hi = okey_of(mm[1])
     stamp(7)
     if not small:  # ties crowd D: the rest of the k from buf (appended at cnt[0] = above)
         radix_rest(buf, r, nd, need, hist2, scan, res, red, srt, cnt)

@@ -169,10 +169,12 @@ def reserve_slots(c, ctr):
 
 
 @cuda.jit(device=True, **INLINE)
-def block_scan(x, scan, nt):
+def block_scan(x, scan, nt, tail=True):
     """(inclusive prefix sum of ``x`` over threads ``0 .. nt-1``, their total), the total to
     every thread (``nt`` a multiple of 32 on the GPU; the others pass the barriers only).
-    ``scan``: SCAN_N shared int32. Every thread calls it; it ends synchronized."""
+    ``scan``: SCAN_N shared int32. Every thread calls it; it ends synchronized, or with
+    ``tail`` False (a constant) unsynchronized: the caller then passes a barrier before
+    ``scan`` is written again."""
     tid = cuda.threadIdx.x
     work = tid < nt
     if SIMULATED:  # one thread sums in order (each simulated barrier costs milliseconds)
@@ -209,7 +211,8 @@ def block_scan(x, scan, nt):
     cuda.syncthreads()
     out = int32(x + (scan[w - 1] if w > 0 and work else int32(0)))
     total = scan[(nt >> 5) - 1]
-    cuda.syncthreads()
+    if tail:
+        cuda.syncthreads()
     return out, total
 
 
@@ -223,9 +226,10 @@ def pick(hist, nbins, want, scan, res, nt):
 
 
 @cuda.jit(device=True, **INLINE)
-def pick_scan(hist, nbins, want, scan, res, nt):
+def pick_scan(hist, nbins, want, scan, res, nt, sync=True):
     """``pick``'s answer into ``res[:3]`` (untouched where the bins hold fewer than ``want``);
-    returns this thread's (keys in the bins above its own, its highest bin)."""
+    returns this thread's (keys in the bins above its own, its highest bin). ``sync`` (a
+    constant): end with the barrier that publishes ``res`` (else the caller's next one)."""
     tid = cuda.threadIdx.x
     per = nbins // nt
     hi = nbins - 1 - tid * per
@@ -233,7 +237,7 @@ def pick_scan(hist, nbins, want, scan, res, nt):
     if tid < nt:
         for e in range(per):
             own = int32(own + hist[hi - e])
-    incl, _ = block_scan(own, scan, nt)
+    incl, _ = block_scan(own, scan, nt, False)  # a barrier ends this (``sync``, or the caller's)
     first = int32(incl - own)
     above = first
     w = int32(want)  # below 2**31 (a request's candidates): 32-bit sums, as block_scan's
@@ -246,7 +250,8 @@ def pick_scan(hist, nbins, want, scan, res, nt):
                 res[2] = h
                 break
             above = int32(above + h)
-    cuda.syncthreads()
+    if sync:
+        cuda.syncthreads()
     return first, hi
 
 
@@ -266,7 +271,7 @@ def pick_segments(cnt, nbins, want, seg_max, scan, res):
     own = int32(0)
     for e in range(per):
         own = int32(own + cnt[hi - e])
-    incl, _ = block_scan(own, scan, NT)
+    incl, _ = block_scan(own, scan, NT, False)  # the barrier at the end publishes it all
     above = int32(incl - own)
     w = int32(want)  # at most a block's keys: 32-bit sums throughout (as block_scan's)
     for e in range(per):

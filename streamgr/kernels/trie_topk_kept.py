@@ -14,8 +14,9 @@ adds its bins from ``d`` up to the request's histogram and votes. The request's 
 picks the bin ``D`` of the ``k``-th best of the kept keys (they hold every key of the answer,
 and ``D`` is at or above every block's ``d``), takes each block's keys from ``D`` up, those
 past ``D`` first, by its counts (``starts``: one warp's scan), places them (``fetch``,
-``place``), ranks and answers them (``rank_answer``), or where ties crowd ``D`` radix-selects
-the rest from ``buf`` (``radix_rest``), and leaves the counters zero (``counters.zeroed``).
+``place``: these three in ``trie_topk_last``), ranks and answers them (``rank_answer``), or
+where ties crowd ``D`` radix-selects the rest from ``buf`` (``radix_rest``), and leaves the
+counters zero (``counters.zeroed``).
 
 Against the two launches this drops the second launch, the okey buffer's writes and reads
 (11.6 MB each at gen-ref's step 2 at beams of 1,024), every block's pick and bound search and
@@ -30,7 +31,9 @@ What paid since (H200, step 2 at beams of 1,024): the puts, the last block's lis
 answers indexed unsigned (``ix``: Numba's negative-index wraparound code was ~7 SASS
 instructions an index), 0.0229 -> 0.0210 ms (session 53); the kept keys' least and best okeys
 found along their placing (``lohi``), so that ``rank_answer`` skips ``minmax`` and its two
-barriers, 0.0210-0.0214 -> 0.0208-0.0209 (session 54). Tried and dropped, each slower
+barriers, 0.0210-0.0214 -> 0.0208-0.0209 (session 54); each block's slots and counts set
+along its own pick (``cursors``: one barrier fewer) and the picks' scans ending on their
+callers' barriers, 0.0208-0.0212 -> 0.0204-0.0208 (session 55). Tried and dropped, each slower
 (docs/benchmarks.md, sessions 48-54): the kept keys unordered, or written with their answers;
 a request's blocks as a thread block cluster, or meeting at global barriers with each block
 answering a share of the ranks (each barrier 2.2-2.8 us); lighter fences (the same); a unit's
@@ -43,7 +46,13 @@ the bins of tiny magnitudes, ~1,000, lie between a block's estimate and ``D``); 
 histogram read while the vote is out; a compare against bin ``d``'s least score before a put
 computes its bin, and ``lohi``'s warps kept in shared words and reduced after the barrier
 instead of its atomics (both the same time); every block's counts at the pick's bins loaded
-with the request's histogram, so that none waits for ``D`` (16 more loads a thread: +2.4 us).
+with the request's histogram, so that none waits for ``D`` (16 more loads a thread: +2.4 us);
+each warp loading its units' beams from global memory (no ``load_beams`` barrier before the
+codes' loads: 0.0213-0.0214 against 0.0205-0.0206 ms), the first pair's code loads issued
+between ``best_bound``'s two reductions (+0.2 us), the last block reading the first
+``SRT_N // G`` slots of every block's segment before ``D`` is known, keeping those in bins from
+``D`` up (0.0219-0.0225 against 0.0205-0.0208), and the pick over the request's histogram with
+its counts held in registers (the same time; bf16's ptxas spills 8 -> 28 bytes), session 55.
 """
 
 from __future__ import annotations
@@ -57,11 +66,11 @@ from .numba_common import INLINE, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_beams import (GB, GB1, best_bound, bins_of, gbin, gshift, load_beams, pair_vals,
                               slot_bin)
-from .trie_topk_dev import (FULL, I32MAX, JIT_NT, NB, NT, NW, RED_N, SCAN_N, block_scan,
-                            hist_add, pick, pick_scan)
-from .trie_topk_index import I32MIN, ix, okey_of, signed_order
+from .trie_topk_dev import I32MAX, JIT_NT, NB, NT, NW, RED_N, SCAN_N, hist_add, pick, pick_scan
+from .trie_topk_index import I32MIN, ix, okey_of
 from .trie_topk_keys import MAXC, okey, put_abs
 from .trie_topk_rank import SRT_N, radix_rest, rank_answer
+from .trie_topk_last import GMAX1, fetch, lohi, place, starts
 from .counters import zeroed
 from .kernel_cache import cached
 
@@ -70,8 +79,7 @@ CNT = 0
 HG = 8
 W_LEN = HG + GB
 UPW = 4  # units a warp holds: 24 scores a thread in registers
-GMAX = 32  # blocks a request: one warp sums their counts (``starts``)
-GMAX1 = GMAX + 1
+GMAX = GMAX1 - 1  # blocks a request: one warp sums their counts (``starts``)
 KEPT = os.environ.get("STREAMGR_TOPK_KEPT", "1") == "1"  # 0: the two launches (A/B)
 PER_MAX = GB // NT  # bins a thread owns in ``cursors`` at most
 # dynamic shared memory (bytes): the scoring's five beam arrays then its histogram (GB1 int32),
@@ -163,94 +171,6 @@ def put6(kept, r, seg, hist, c, v, ref, gs, d, x0, x1, x2, x3, x4, x5):
     put1(kept, r, seg, hist, c, v, ref, gs, d, x3, 3)
     put1(kept, r, seg, hist, c, v, ref, gs, d, x4, 4)
     put1(kept, r, seg, hist, c, v, ref, gs, d, x5, 5)
-
-
-@cuda.jit(device=True, **INLINE)
-def fetch(kept, r, ch, pre, pa, gb, i):
-    """The last block's key ``i`` of the keys in ``D`` and above, taken from the blocks'
-    segments in block order (``pre``: each block's first, ``pa``: keys past ``D`` before it,
-    ``gb`` + 1 entries each): (key, its slot among those past ``D`` or -1, its slot among
-    ``D``'s)."""
-    lo = int32(0)
-    hi = int32(gb - 1)
-    while lo < hi:  # the block whose keys hold i: the last with pre <= i
-        mid = int32((lo + hi + 1) >> 1)
-        if pre[ix(mid)] <= i:
-            lo = mid
-        else:
-            hi = int32(mid - 1)
-    p0 = pre[ix(lo)]
-    a0 = pa[ix(lo)]
-    j = int32(i - p0)
-    na = int32(pa[ix(lo + 1)] - a0)  # the block's keys past D: its segment's first
-    v = kept[ix(r), ix(uint32(lo) * uint32(ch) + uint32(j))]  # unsigned: no wraparound code
-    return v, int32(a0 + j) if j < na else int32(-1), int32(p0 - a0 + j - na)
-
-
-@cuda.jit(device=True, **INLINE)
-def starts(cum, r, gb, d, pre, pa, scan, nbins):
-    """Each of the request's ``gb`` (at most 32) blocks' first slot, in block order, of the
-    keys from ``D`` (``d``) up into ``pre``, and of those past ``D`` into ``pa`` (``gb`` + 1
-    entries, their total last), from the blocks' ``cum``: on the GPU by one warp's shuffles
-    (two block scans took four barriers). The caller's next barrier publishes them."""
-    tid = cuda.threadIdx.x
-    n_all = int32(0)
-    n_a = int32(0)
-    if tid < gb:
-        n_all = cum[ix(r), ix(tid), ix(d)]
-        n_a = cum[ix(r), ix(tid), ix(d + 1)] if d + 1 < nbins else int32(0)
-    x = int32(0)
-    y = int32(0)
-    if SIMULATED:  # no shuffles there
-        x, _ = block_scan(n_all, scan, NT)
-        y, _ = block_scan(n_a, scan, NT)
-    elif tid < 32:
-        x = n_all
-        y = n_a
-        for o in (1, 2, 4, 8, 16):
-            xo = cuda.shfl_up_sync(FULL, x, o)
-            yo = cuda.shfl_up_sync(FULL, y, o)
-            if tid >= o:
-                x = int32(x + xo)
-                y = int32(y + yo)
-    if tid < gb:
-        pre[tid] = int32(x - n_all)
-        pa[tid] = int32(y - n_a)
-        if tid == gb - 1:
-            pa[gb] = y
-
-
-@cuda.jit(device=True, **INLINE)
-def lohi(v0, v1, has0, has1, mm):
-    """The block's least and best okeys (``v >> 31`` of its keys ``v0``, ``v1`` where it has
-    them) into ``mm`` (shared int32, ``I32MAX`` and ``I32MIN`` on entry) in the signed order
-    (``signed_order``: one 32-bit shuffle a step, as ``best_bound``'s), by each warp's shuffles
-    and one shared atomic each a warp, along the placement's barrier (``minmax`` after it took
-    two more: on the H200 the ranking's first phase 1.45 -> 0.58 us, the placing 1.19 -> 1.53,
-    session 54). Every thread calls it."""
-    a0 = signed_order(v0 >> 31)
-    a1 = signed_order(v1 >> 31)
-    lo = min(a0 if has0 else I32MAX, a1 if has1 else I32MAX)
-    hi = max(a0 if has0 else I32MIN, a1 if has1 else I32MIN)
-    if not SIMULATED:
-        for o in (16, 8, 4, 2, 1):
-            lo = min(lo, cuda.shfl_xor_sync(FULL, lo, o))
-            hi = max(hi, cuda.shfl_xor_sync(FULL, hi, o))
-    if SIMULATED or (cuda.threadIdx.x & 31) == 0:
-        cuda.atomic.min(mm, 0, lo)
-        cuda.atomic.max(mm, 1, hi)
-
-
-@cuda.jit(device=True, **INLINE)
-def place(srt, buf, r, v, a, dn, above, small):
-    """A fetched key to its slot: past ``D`` at ``a``, in ``D`` after those (``small``) or in
-    ``buf``."""
-    if a >= 0:
-        srt[ix(a)] = v
-    elif small:
-        srt[ix(above + dn)] = v
-    else:
-        buf[ix(r), ix(dn)] = v
 
 
 @cached

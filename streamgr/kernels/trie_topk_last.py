@@ -1,0 +1,109 @@
+"""The request's last block of ``trie_topk_kept.kept_select``: where its keys come from and
+how they are placed for ``trie_topk_rank.rank_answer``.
+
+Each of the request's blocks wrote its kept keys to its own segment of ``kept`` in bin order,
+best first, and its counts from each bin up to ``cum``. Once the last block knows ``D``, the
+bin of the request's ``k``-th best, one warp sums the blocks' counts at ``D`` and ``D + 1``
+(``starts``), each thread takes its keys by those sums (``fetch``) and places them (``place``),
+finding the keys' least and best okeys along the way (``lohi``), so the ranking needs no
+reduction of its own.
+"""
+
+from __future__ import annotations
+
+from numba import cuda, int32, uint32
+
+from .numba_common import INLINE
+from .trie_topk import SIMULATED
+from .trie_topk_dev import FULL, I32MAX, NT, block_scan
+from .trie_topk_index import I32MIN, ix, signed_order
+
+GMAX1 = 33  # blocks a request at most (one warp's scan in ``starts``), plus one
+
+
+@cuda.jit(device=True, **INLINE)
+def fetch(kept, r, ch, pre, pa, gb, i):
+    """The last block's key ``i`` of the keys in ``D`` and above, taken from the blocks'
+    segments in block order (``pre``: each block's first, ``pa``: keys past ``D`` before it,
+    ``gb`` + 1 entries each): (key, its slot among those past ``D`` or -1, its slot among
+    ``D``'s)."""
+    lo = int32(0)
+    hi = int32(gb - 1)
+    while lo < hi:  # the block whose keys hold i: the last with pre <= i
+        mid = int32((lo + hi + 1) >> 1)
+        if pre[ix(mid)] <= i:
+            lo = mid
+        else:
+            hi = int32(mid - 1)
+    p0 = pre[ix(lo)]
+    a0 = pa[ix(lo)]
+    j = int32(i - p0)
+    na = int32(pa[ix(lo + 1)] - a0)  # the block's keys past D: its segment's first
+    v = kept[ix(r), ix(uint32(lo) * uint32(ch) + uint32(j))]  # unsigned: no wraparound code
+    return v, int32(a0 + j) if j < na else int32(-1), int32(p0 - a0 + j - na)
+
+
+@cuda.jit(device=True, **INLINE)
+def starts(cum, r, gb, d, pre, pa, scan, nbins):
+    """Each of the request's ``gb`` (at most 32) blocks' first slot, in block order, of the
+    keys from ``D`` (``d``) up into ``pre``, and of those past ``D`` into ``pa`` (``gb`` + 1
+    entries, their total last), from the blocks' ``cum``: on the GPU by one warp's shuffles
+    (two block scans took four barriers). The caller's next barrier publishes them."""
+    tid = cuda.threadIdx.x
+    n_all = int32(0)
+    n_a = int32(0)
+    if tid < gb:
+        n_all = cum[ix(r), ix(tid), ix(d)]
+        n_a = cum[ix(r), ix(tid), ix(d + 1)] if d + 1 < nbins else int32(0)
+    x = int32(0)
+    y = int32(0)
+    if SIMULATED:  # no shuffles there
+        x, _ = block_scan(n_all, scan, NT)
+        y, _ = block_scan(n_a, scan, NT)
+    elif tid < 32:
+        x = n_all
+        y = n_a
+        for o in (1, 2, 4, 8, 16):
+            xo = cuda.shfl_up_sync(FULL, x, o)
+            yo = cuda.shfl_up_sync(FULL, y, o)
+            if tid >= o:
+                x = int32(x + xo)
+                y = int32(y + yo)
+    if tid < gb:
+        pre[tid] = int32(x - n_all)
+        pa[tid] = int32(y - n_a)
+        if tid == gb - 1:
+            pa[gb] = y
+
+
+@cuda.jit(device=True, **INLINE)
+def lohi(v0, v1, has0, has1, mm):
+    """The block's least and best okeys (``v >> 31`` of its keys ``v0``, ``v1`` where it has
+    them) into ``mm`` (shared int32, ``I32MAX`` and ``I32MIN`` on entry) in the signed order
+    (``signed_order``: one 32-bit shuffle a step, as ``best_bound``'s), by each warp's shuffles
+    and one shared atomic each a warp, along the placement's barrier (``minmax`` after it took
+    two more: on the H200 the ranking's first phase 1.45 -> 0.58 us, the placing 1.19 -> 1.53,
+    session 54). Every thread calls it."""
+    a0 = signed_order(v0 >> 31)
+    a1 = signed_order(v1 >> 31)
+    lo = min(a0 if has0 else I32MAX, a1 if has1 else I32MAX)
+    hi = max(a0 if has0 else I32MIN, a1 if has1 else I32MIN)
+    if not SIMULATED:
+        for o in (16, 8, 4, 2, 1):
+            lo = min(lo, cuda.shfl_xor_sync(FULL, lo, o))
+            hi = max(hi, cuda.shfl_xor_sync(FULL, hi, o))
+    if SIMULATED or (cuda.threadIdx.x & 31) == 0:
+        cuda.atomic.min(mm, 0, lo)
+        cuda.atomic.max(mm, 1, hi)
+
+
+@cuda.jit(device=True, **INLINE)
+def place(srt, buf, r, v, a, dn, above, small):
+    """A fetched key to its slot: past ``D`` at ``a``, in ``D`` after those (``small``) or in
+    ``buf``."""
+    if a >= 0:
+        srt[ix(a)] = v
+    elif small:
+        srt[ix(above + dn)] = v
+    else:
+        buf[ix(r), ix(dn)] = v

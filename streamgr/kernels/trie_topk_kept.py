@@ -34,7 +34,7 @@ found along their placing (``lohi``), so that ``rank_answer`` skips ``minmax`` a
 barriers, 0.0210-0.0214 -> 0.0208-0.0209 (session 54); each block's slots and counts set
 along its own pick (``cursors``: one barrier fewer) and the picks' scans ending on their
 callers' barriers, 0.0208-0.0212 -> 0.0204-0.0208 (session 55). Tried and dropped, each slower
-(docs/benchmarks.md, sessions 48-54): the kept keys unordered, or written with their answers;
+(docs/benchmarks.md, sessions 48-55): the kept keys unordered, or written with their answers;
 a request's blocks as a thread block cluster, or meeting at global barriers with each block
 answering a share of the ranks (each barrier 2.2-2.8 us); lighter fences (the same); a unit's
 atomics before its stores; the blocks' counts loaded with the request's histogram; each block
@@ -70,7 +70,7 @@ from .trie_topk_dev import I32MAX, JIT_NT, NB, NT, NW, RED_N, SCAN_N, hist_add, 
 from .trie_topk_index import I32MIN, ix, okey_of
 from .trie_topk_keys import MAXC, okey, put_abs
 from .trie_topk_rank import SRT_N, radix_rest, rank_answer
-from .trie_topk_last import GMAX1, fetch, lohi, place, starts
+from .trie_topk_last import GMAX, GMAX1, fetch, lohi, place, starts
 from .counters import zeroed
 from .kernel_cache import cached
 
@@ -79,7 +79,6 @@ CNT = 0
 HG = 8
 W_LEN = HG + GB
 UPW = 4  # units a warp holds: 24 scores a thread in registers
-GMAX = GMAX1 - 1  # blocks a request: one warp sums their counts (``starts``)
 KEPT = os.environ.get("STREAMGR_TOPK_KEPT", "1") == "1"  # 0: the two launches (A/B)
 PER_MAX = GB // NT  # bins a thread owns in ``cursors`` at most
 # dynamic shared memory (bytes): the scoring's five beam arrays then its histogram (GB1 int32),

@@ -18,7 +18,8 @@ from .trie_topk import SIMULATED
 from .trie_topk_dev import FULL, I32MAX, NT, block_scan
 from .trie_topk_index import I32MIN, ix, signed_order
 
-GMAX1 = 33  # blocks a request at most (one warp's scan in ``starts``), plus one
+GMAX = 32  # blocks a request at most: one warp sums their counts (``starts``)
+GMAX1 = GMAX + 1
 
 
 @cuda.jit(device=True, **INLINE)

@@ -60,7 +60,7 @@ from .trie_topk_beams import (GB, GB1, best_bound, bins_of, gbin, gshift, keep, 
 from .trie_topk_dev import FULL, JIT_NT, NB, NT, RED_N, SCAN_N, lane_mask_lt, pick
 from .trie_topk_index import div_f
 from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, ix, okey, okey_float, put_abs
-from .trie_topk_rank import SRT_N, radix_rest, rank_answer
+from .trie_topk_rank import SRT_N, first_level, held, radix_rest, rank_answer
 
 # ws columns: the packed counts, the request's reference okey, then its histogram from HG.
 # CNT packs buf's count (bits 0-31: at most N < 2**31), sure's (32-43: at most k <= 1,024) and
@@ -314,8 +314,11 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
         radix_rest(buf, r, n_buf, need, hist, scan, res, red, srt, cnt)
         total = k
     stamp(8, 1)
+    v0, v1, has0, has1 = held(srt, total)
+    j0, j1, s0, n0, s1, n1 = first_level(v0, v1, has0, has1, r, F, FM, scores, nodes)
     if not rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, nodes,
-                       ptr, codes, cap, top, parent, child, code, 1, int64(-1), int64(-1)):
+                       ptr, codes, cap, top, parent, child, code, 1, int64(-1), int64(-1), v0, v1,
+                       has0, has1, j0, j1, s0, n0, s1, n1):
         for i in range(tid, k, NT):  # sorted where ties crowd a bin: answers from the keys
             put_abs(srt[i], i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap,
                     top, parent, child, code, int64(-1))

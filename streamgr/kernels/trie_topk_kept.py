@@ -33,8 +33,11 @@ instructions an index), 0.0229 -> 0.0210 ms (session 53); the kept keys' least a
 found along their placing (``lohi``), so that ``rank_answer`` skips ``minmax`` and its two
 barriers, 0.0210-0.0214 -> 0.0208-0.0209 (session 54); each block's slots and counts set
 along its own pick (``cursors``: one barrier fewer) and the picks' scans ending on their
-callers' barriers, 0.0208-0.0212 -> 0.0204-0.0208 (session 55). Tried and dropped, each slower
-(docs/benchmarks.md, sessions 48-55): the kept keys unordered, or written with their answers;
+callers' barriers, 0.0208-0.0212 -> 0.0204-0.0208 (session 55); each warp its own ``starts``
+(``wstarts``, ``wfetch``: no barrier before the keys' loads), the answers' first load level
+issued by the thread that fetched the keys (``first_level``) and the second at the ranking's
+start, 0.0204-0.0206 -> 0.0201-0.0202 (session 56). Tried and dropped, each slower
+(docs/benchmarks.md, sessions 48-56): the kept keys unordered, or written with their answers;
 a request's blocks as a thread block cluster, or meeting at global barriers with each block
 answering a share of the ranks (each barrier 2.2-2.8 us); lighter fences (the same); a unit's
 atomics before its stores; the blocks' counts loaded with the request's histogram; each block
@@ -52,7 +55,14 @@ codes' loads: 0.0213-0.0214 against 0.0205-0.0206 ms), the first pair's code loa
 between ``best_bound``'s two reductions (+0.2 us), the last block reading the first
 ``SRT_N // G`` slots of every block's segment before ``D`` is known, keeping those in bins from
 ``D`` up (0.0219-0.0225 against 0.0205-0.0208), and the pick over the request's histogram with
-its counts held in registers (the same time; bf16's ptxas spills 8 -> 28 bytes), session 55.
+its counts held in registers (the same time; bf16's ptxas spills 8 -> 28 bytes), session 55;
+a unit's atomics before its stores again (the puts 2.35 -> 3.21 us: they are bound by the
+atomics on the few bins near ``d``, not by each put's wait on its own), the scoring's
+histogram in two copies by lane parity, the ranking over 2,048 linear bins, its in-bin loop
+two keys a step, the codes' loads of the answers before the ranking's pick, the block scans
+with one barrier (every warp scanning the warps' totals), the request's width loaded beside
+the vote (each the same or 0.1-1 us slower), and 12 score bits with fp32 (0.0228-0.0229 ms against 0.0201)
+or 10 (random beams the same, sorted 0.0211-0.0212 against 0.0208-0.0210), session 56.
 """
 
 from __future__ import annotations
@@ -69,8 +79,8 @@ from .trie_topk_beams import (GB, GB1, best_bound, bins_of, gbin, gshift, load_b
 from .trie_topk_dev import I32MAX, JIT_NT, NB, NT, NW, RED_N, SCAN_N, hist_add, pick, pick_scan
 from .trie_topk_index import I32MIN, ix, okey_of
 from .trie_topk_keys import MAXC, okey, put_abs
-from .trie_topk_rank import SRT_N, radix_rest, rank_answer
-from .trie_topk_last import GMAX, GMAX1, fetch, lohi, place, starts
+from .trie_topk_rank import SRT_N, first_level, held, radix_rest, rank_answer
+from .trie_topk_last import GMAX, GMAX1, fetch, lohi, place, starts, wfetch, wstarts
 from .counters import zeroed
 from .kernel_cache import cached
 
@@ -235,6 +245,8 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     stamp(4)
     if tid == 0:
         flag[0] = cuda.atomic.add(ws, (r, CNT), int64(1)) == cuda.gridDim.x - 1
+        mm[0] = I32MAX  # the kept keys' least and best okeys, in the signed order (``lohi``),
+        mm[1] = I32MIN  # set before the barrier the last block's lohi follows
     cuda.syncthreads()
     if not flag[0]:
         stamp(15)
@@ -252,31 +264,41 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     if tid == 0:  # left zero for the next launch (every block read it before it voted)
         ws[r, CNT] = 0
         cnt[0] = above  # radix_rest's appends (where D is crowded)
-        mm[0] = I32MAX  # the kept keys' least and best okeys, in the signed order (``lohi``)
-        mm[1] = I32MIN
     if small:
         hist2[tid] = 0  # (radix_rest's otherwise: rank_answer zeroes it after) NB == NT
     for i in range(tid, nbins, NT):
         ws[r, HG + i] = 0
     gb = cuda.gridDim.x
-    starts(cum, r, gb, d, pre, pa, scan, nbins)
-    cuda.syncthreads()
+    wpre = wpa = wna = int32(0)
+    if small and not SIMULATED:  # every warp its own starts, in its lanes: no barrier
+        wpre, wpa, wna = wstarts(cum, r, gb, d, nbins)
+    else:
+        starts(cum, r, gb, d, pre, pa, scan, nbins)
+        cuda.syncthreads()
     stamp(6)
     ch = bpb * F
     lo = int64(-1)  # rank_answer's minmax (where ties crowd D: the keys come from buf)
     hi = int64(-1)
     if small:  # two keys a thread at most: both loads issued before either is placed
-        key0, a0, n0 = fetch(kept, r, ch, pre, pa, gb, min(tid, total - 1))
-        key1, a1, n1 = fetch(kept, r, ch, pre, pa, gb, min(tid + NT, total - 1))
-        if tid < total:
-            place(srt, buf, r, key0, a0, n0, above, True)
-        if tid + NT < total:
-            place(srt, buf, r, key1, a1, n1, above, True)
-        lohi(key0, key1, tid < total, tid + NT < total, mm)
+        if SIMULATED:
+            key0, a0, dn0 = fetch(kept, r, ch, pre, pa, gb, min(tid, total - 1))
+            key1, a1, dn1 = fetch(kept, r, ch, pre, pa, gb, min(tid + NT, total - 1))
+        else:
+            key0, a0, dn0 = wfetch(kept, r, ch, wpre, wpa, wna, min(tid, total - 1))
+            key1, a1, dn1 = wfetch(kept, r, ch, wpre, wpa, wna, min(tid + NT, total - 1))
+        has0 = tid < total
+        has1 = tid + NT < total
+        # the thread ranks the keys it fetched: their answers' first load level goes out now
+        j0, j1, s0, n0, s1, n1 = first_level(key0, key1, has0, has1, r, F, FM, scores, nodes)
+        if has0:  # (srt holds them too, for the sort where ties crowd a ranking bin)
+            place(srt, buf, r, key0, a0, dn0, above, True)
+        if has1:
+            place(srt, buf, r, key1, a1, dn1, above, True)
+        lohi(key0, key1, has0, has1, mm)
     else:
         for i in range(tid, total, NT):
-            key0, a0, n0 = fetch(kept, r, ch, pre, pa, gb, i)
-            place(srt, buf, r, key0, a0, n0, above, False)
+            key0, a0, dn0 = fetch(kept, r, ch, pre, pa, gb, i)
+            place(srt, buf, r, key0, a0, dn0, above, False)
     cuda.syncthreads()
     if small:  # published by the barrier: rank_answer skips its minmax (two barriers)
         lo = okey_of(mm[0])
@@ -285,9 +307,12 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     if not small:  # ties crowd D: the rest of the k from buf (appended at cnt[0] = above)
         radix_rest(buf, r, nd, need, hist2, scan, res, red, srt, cnt)
         total = k
+        key0, key1, has0, has1 = held(srt, total)
+        j0, j1, s0, n0, s1, n1 = first_level(key0, key1, has0, has1, r, F, FM, scores, nodes)
     stamp(8)
     if not rank_answer(srt, seg2, hist2, scan, res, red, total, k, KP, r, F, FM, scores, nodes,
-                       ptr, codes, cap, top, parent, child, code, 0, lo, hi):
+                       ptr, codes, cap, top, parent, child, code, 0, lo, hi, key0, key1, has0,
+                       has1, j0, j1, s0, n0, s1, n1):
         for i in range(tid, k, NT):  # sorted where ties crowd a bin: answers from the keys
             put_abs(srt[i], i, r, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, cap,
                     top, parent, child, code, int64(-1))

@@ -3,10 +3,15 @@ how they are placed for ``trie_topk_rank.rank_answer``.
 
 Each of the request's blocks wrote its kept keys to its own segment of ``kept`` in bin order,
 best first, and its counts from each bin up to ``cum``. Once the last block knows ``D``, the
-bin of the request's ``k``-th best, one warp sums the blocks' counts at ``D`` and ``D + 1``
-(``starts``), each thread takes its keys by those sums (``fetch``) and places them (``place``),
-finding the keys' least and best okeys along the way (``lohi``), so the ranking needs no
-reduction of its own.
+bin of the request's ``k``-th best, every warp sums the blocks' counts at ``D`` and ``D + 1``
+for itself, in its lanes (``wstarts``: no barrier before any key is loaded), each thread takes
+its keys by those sums (``wfetch``, by shuffles) and places them (``place``), finding the keys'
+least and best okeys along the way (``lohi``), so the ranking needs no reduction of its own.
+Where ties crowd ``D`` (the keys past ``SRT_N``) and under the simulator (no shuffles), one
+warp sums them into shared memory for all (``starts``, ``fetch``). On the H200 step 2 at beams
+of 1,024 the per-warp sums took 0.0201-0.0202 ms against one warp's 0.0204-0.0205 (session 56,
+call 1), 0.0201-0.0204 against 0.0203-0.0205 (call 2), with the answers' early loads of
+``trie_topk_rank.first_level`` in both.
 """
 
 from __future__ import annotations
@@ -108,3 +113,45 @@ def place(srt, buf, r, v, a, dn, above, small):
         srt[ix(above + dn)] = v
     else:
         buf[ix(r), ix(dn)] = v
+
+
+@cuda.jit(device=True, **INLINE)
+def wstarts(cum, r, gb, d, nbins):
+    """``starts`` by every warp for itself: lane ``l`` < ``gb`` gets block ``l``'s first slot
+    of the keys from ``D`` up and of those past ``D``, and its keys past ``D`` (lanes from
+    ``gb`` on: the totals, and 0), for ``wfetch``'s shuffles. No barrier: each warp loads the
+    ``2 gb`` counts itself (GPU only: shuffles)."""
+    lane = cuda.threadIdx.x & 31
+    n_all = int32(0)
+    n_a = int32(0)
+    if lane < gb:
+        n_all = cum[ix(r), ix(lane), ix(d)]
+        n_a = cum[ix(r), ix(lane), ix(d + 1)] if d + 1 < nbins else int32(0)
+    x = n_all
+    y = n_a
+    for o in (1, 2, 4, 8, 16):
+        xo = cuda.shfl_up_sync(FULL, x, o)
+        yo = cuda.shfl_up_sync(FULL, y, o)
+        if lane >= o:
+            x = int32(x + xo)
+            y = int32(y + yo)
+    return int32(x - n_all), int32(y - n_a), n_a
+
+
+@cuda.jit(device=True, **INLINE)
+def wfetch(kept, r, ch, wpre, wpa, wna, i):
+    """``fetch`` from ``wstarts``' lanes: the block of key ``i`` (the last lane whose first
+    slot is at most ``i``; the lanes past the blocks hold the total, above every ``i``) by
+    five shuffles. Every lane of the warp calls it."""
+    lo = int32(0)
+    for o in (16, 8, 4, 2, 1):
+        c = int32(lo + o)
+        p = cuda.shfl_sync(FULL, wpre, c)
+        if p <= i:
+            lo = c
+    p0 = cuda.shfl_sync(FULL, wpre, lo)
+    a0 = cuda.shfl_sync(FULL, wpa, lo)
+    na = cuda.shfl_sync(FULL, wna, lo)
+    j = int32(i - p0)
+    v = kept[ix(r), ix(uint32(lo) * uint32(ch) + uint32(j))]
+    return v, int32(a0 + j) if j < na else int32(-1), int32(p0 - a0 + j - na)

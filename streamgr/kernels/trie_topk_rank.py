@@ -102,11 +102,36 @@ def lin_bin(u, lo, hi):
 
 
 @cuda.jit(device=True, **INLINE)
+def held(srt, total):
+    """The thread's two of the keys ``srt[:total]`` (``tid``'s and ``tid + NT``'s, 0 past
+    ``total``) and whether it holds each."""
+    tid = cuda.threadIdx.x
+    has0 = tid < total
+    has1 = tid + NT < total
+    v0 = srt[tid] if has0 else int64(0)
+    v1 = srt[min(tid + NT, SRT_N - 1)] if has1 else int64(0)
+    return v0, v1, has0, has1
+
+
+@cuda.jit(device=True, **INLINE)
+def first_level(v0, v1, has0, has1, r, F, FM, scores, nodes):
+    """The answers' first load level for keys ``v0``, ``v1`` (where held), issued: each key's
+    child slot, and its beam's score and node (``beam_node``)."""
+    p0, j0 = slot_of(v0, has0, F, FM)
+    p1, j1 = slot_of(v1, has1, F, FM)
+    s0, n0 = beam_node(r, p0, scores, nodes)
+    s1, n1 = beam_node(r, p1, scores, nodes)
+    return j0, j1, s0, n0, s1, n1
+
+
+@cuda.jit(device=True, **INLINE)
 def rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, nodes, ptr,
-                codes, cap, top, parent, child, code, second, lo, hi):
+                codes, cap, top, parent, child, code, second, lo, hi, v0, v1, has0, has1, j0,
+                j1, s0, n0, s1, n1):
     """Rank ``k`` of the ``total`` (``k`` to ``SRT_N``) distinct absolute keys in
     ``srt[:total]`` and answer them (``answer``; ``cap[r]`` the request's width). Each thread
-    holds two; one histogram of their scores over ``NB`` linear bins between the list's least
+    holds two (``v0``, ``v1`` where ``has0``, ``has1``: ``held``'s, or any split of the keys
+    two a thread), their first load level issued by the caller (``first_level``); one histogram of their scores over ``NB`` linear bins between the list's least
     and best okeys (``lo``, ``hi``: where ``lo`` < 0 found here by ``minmax``, which also
     publishes ``hist`` zeroed; else the caller's, ``hist`` zeroed and published by it), the keys
     of the bins from the ``k``-th's up placed by bin (``pick_segments``) in
@@ -114,41 +139,34 @@ def rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, 
     stages its answer by rank in ``srt`` (key, then child and code): its beam, child range and
     code were read a load level a phase along the ranking's barriers (``trie_topk_index``), so
     no answer waits on a load after it (on the H200 a decoding pass of three dependent loads
-    after the ranking took 2.1 us, session 44); the block then writes the answers out
-    coalesced. Codes below 2**32 (as the scoring's indexing takes them).
+    after the ranking took 2.1 us, session 44); where the caller passes ``lo``, ``hi``, the
+    second level is issued first thing (the first was issued along the caller's placing); the
+    block then writes the answers out coalesced. Codes below 2**32 (as the scoring's indexing takes them).
     Returns False, unanswered, only where a bin from the ``k``-th's up holds over ``SEG_MAX``
     keys (ties): ``srt[:k]`` is then sorted (``sort_pairs``; 43 us for 2,048 keys on the H200,
     session 44) for the caller to answer. Every thread calls it after ``srt`` is published.
     ``second``: 1 where the caller is a pair's second launch (its phase stamps' rows, slots
     9-12)."""
     tid = cuda.threadIdx.x
-    has0 = tid < total
-    has1 = tid + NT < total
-    v0 = srt[tid] if has0 else int64(0)
-    v1 = srt[min(tid + NT, SRT_N - 1)] if has1 else int64(0)
-    p0, j0 = slot_of(v0, has0, F, FM)
-    p1, j1 = slot_of(v1, has1, F, FM)
-    s0, n0 = beam_node(r, p0, scores, nodes)  # load level 1 of the answers
-    s1, n1 = beam_node(r, p1, scores, nodes)
     u0 = v0 >> 31
     u1 = v1 >> 31
     early = lo < 0  # (a constant where the caller passes one: the other path folded away)
-    e0 = g0 = e1 = g1 = int64(0)
     if early:
         hist[tid] = 0  # NB == NT: a bin a thread
         lo, hi = minmax(min(u0 if has0 else BIG, u1 if has1 else BIG),
                         max(u0 if has0 else int64(-1), u1 if has1 else int64(-1)), red)
-        e0, g0 = node_span(s0, n0, ptr)  # level 2 (level 1 used after minmax's barriers)
-        e1, g1 = node_span(s1, n1, ptr)
+    # level 2, after minmax's barriers, or first thing where the caller found lo and hi
+    # (issued after the histogram's barrier instead, on the H200 step 2 at beams of 1,024 took
+    # 0.0201-0.0202 ms against 0.0200-0.0201, sorted beams 0.0210-0.0213 against
+    # 0.0208-0.0209, session 56)
+    e0, g0 = node_span(s0, n0, ptr)
+    e1, g1 = node_span(s1, n1, ptr)
     stamp(9, second)
     b0 = lin_bin(u0, lo, hi) if has0 else int32(0)
     b1 = lin_bin(u1, lo, hi) if has1 else int32(0)
     hist_add(hist, b0, has0)
     hist_add(hist, b1, has1)
     cuda.syncthreads()
-    if not early:
-        e0, g0 = node_span(s0, n0, ptr)  # level 2 after the histogram's barrier
-        e1, g1 = node_span(s1, n1, ptr)
     d, _, _, big = pick_segments(hist, NB, k, SEG_MAX, scan, res)
     stamp(10, second)
     if big == 0:

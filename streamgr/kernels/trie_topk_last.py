@@ -56,25 +56,14 @@ def starts(cum, r, gb, d, pre, pa, scan, nbins):
     entries, their total last), from the blocks' ``cum``: on the GPU by one warp's shuffles
     (two block scans took four barriers). The caller's next barrier publishes them."""
     tid = cuda.threadIdx.x
-    n_all = int32(0)
-    n_a = int32(0)
-    if tid < gb:
-        n_all = cum[ix(r), ix(tid), ix(d)]
-        n_a = cum[ix(r), ix(tid), ix(d + 1)] if d + 1 < nbins else int32(0)
+    n_all, n_a = counts_at(cum, r, tid, gb, d, nbins)
     x = int32(0)
     y = int32(0)
     if SIMULATED:  # no shuffles there
         x, _ = block_scan(n_all, scan, NT)
         y, _ = block_scan(n_a, scan, NT)
     elif tid < 32:
-        x = n_all
-        y = n_a
-        for o in (1, 2, 4, 8, 16):
-            xo = cuda.shfl_up_sync(FULL, x, o)
-            yo = cuda.shfl_up_sync(FULL, y, o)
-            if tid >= o:
-                x = int32(x + xo)
-                y = int32(y + yo)
+        x, y = scan2(n_all, n_a, tid)
     if tid < gb:
         pre[tid] = int32(x - n_all)
         pa[tid] = int32(y - n_a)
@@ -122,20 +111,34 @@ def wstarts(cum, r, gb, d, nbins):
     ``gb`` on: the totals, and 0), for ``wfetch``'s shuffles. No barrier: each warp loads the
     ``2 gb`` counts itself (GPU only: shuffles)."""
     lane = cuda.threadIdx.x & 31
+    n_all, n_a = counts_at(cum, r, lane, gb, d, nbins)
+    x, y = scan2(n_all, n_a, lane)
+    return int32(x - n_all), int32(y - n_a), n_a
+
+
+@cuda.jit(device=True, **INLINE)
+def counts_at(cum, r, b, gb, d, nbins):
+    """Block ``b``'s kept keys in bins from ``d`` up and past ``d`` (0, 0 for ``b`` >=
+    ``gb``)."""
     n_all = int32(0)
     n_a = int32(0)
-    if lane < gb:
-        n_all = cum[ix(r), ix(lane), ix(d)]
-        n_a = cum[ix(r), ix(lane), ix(d + 1)] if d + 1 < nbins else int32(0)
-    x = n_all
-    y = n_a
+    if b < gb:
+        n_all = cum[ix(r), ix(b), ix(d)]
+        n_a = cum[ix(r), ix(b), ix(d + 1)] if d + 1 < nbins else int32(0)
+    return n_all, n_a
+
+
+@cuda.jit(device=True, **INLINE)
+def scan2(x, y, lane):
+    """Inclusive sums of ``x`` and ``y`` over the warp's lanes, by shuffles (every lane of
+    the warp calls it)."""
     for o in (1, 2, 4, 8, 16):
         xo = cuda.shfl_up_sync(FULL, x, o)
         yo = cuda.shfl_up_sync(FULL, y, o)
         if lane >= o:
             x = int32(x + xo)
             y = int32(y + yo)
-    return int32(x - n_all), int32(y - n_a), n_a
+    return x, y
 
 
 @cuda.jit(device=True, **INLINE)

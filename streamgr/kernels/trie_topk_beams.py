@@ -214,8 +214,9 @@ def best_bound(scores, lse, sh, r, B, red):
     (0 where every beam is dead): the bins' reference, where they are finest. (With bf16
     logits the best beam score sat ~5.7 above every candidate, where a bin spans 0.5: on the
     H200 bf16 flat at k 1,024 went 0.0325 -> 0.0270 ms and step 2 at 48 requests 0.0340 ->
-    0.0296 with this reference, session 48.) In 32 bits on the GPU (the okeys' order as signed ints: one shuffle a
-    step, where ``minmax``'s int64 min and max took four), two barriers. (A one-barrier
+    0.0296 with this reference, session 48.) In 32 bits on the GPU (the okeys' order as
+    signed ints, ``signed_order``: one shuffle a step, where ``minmax``'s int64 min and max
+    took four), two barriers. (A one-barrier
     version, each thread reading the warps' 32 maxima, measured 0.9 us slower than three at
     step 2 at beams of 1,024 on the H200, session 44.)"""
     tid = cuda.threadIdx.x

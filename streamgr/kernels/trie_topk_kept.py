@@ -61,8 +61,9 @@ atomics on the few bins near ``d``, not by each put's wait on its own), the scor
 histogram in two copies by lane parity, the ranking over 2,048 linear bins, its in-bin loop
 two keys a step, the codes' loads of the answers before the ranking's pick, the block scans
 with one barrier (every warp scanning the warps' totals), the request's width loaded beside
-the vote (each the same or 0.1-1 us slower), and 12 score bits with fp32 (0.0228-0.0229 ms against 0.0201)
-or 10 (random beams the same, sorted 0.0211-0.0212 against 0.0208-0.0210), session 56.
+the vote (each the same or 0.1-1 us slower), and 12 score bits with fp32 (0.0228-0.0229 ms
+against 0.0201) or 10 (random beams the same, sorted 0.0211-0.0212 against 0.0208-0.0210),
+session 56.
 """
 
 from __future__ import annotations

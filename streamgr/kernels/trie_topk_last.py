@@ -41,11 +41,17 @@ def fetch(kept, r, ch, pre, pa, gb, i):
             lo = mid
         else:
             hi = int32(mid - 1)
-    p0 = pre[ix(lo)]
     a0 = pa[ix(lo)]
+    return take(kept, r, ch, lo, pre[ix(lo)], a0, int32(pa[ix(lo + 1)] - a0), i)
+
+
+@cuda.jit(device=True, **INLINE)
+def take(kept, r, ch, b, p0, a0, na, i):
+    """Key ``i`` from block ``b``'s segment, whose keys from ``D`` up start at ``p0`` of the
+    last block's, those past ``D`` (its segment's first ``na``) at ``a0``: (key, its slot among
+    those past ``D`` or -1, its slot among ``D``'s)."""
     j = int32(i - p0)
-    na = int32(pa[ix(lo + 1)] - a0)  # the block's keys past D: its segment's first
-    v = kept[ix(r), ix(uint32(lo) * uint32(ch) + uint32(j))]  # unsigned: no wraparound code
+    v = kept[ix(r), ix(uint32(b) * uint32(ch) + uint32(j))]  # unsigned: no wraparound code
     return v, int32(a0 + j) if j < na else int32(-1), int32(p0 - a0 + j - na)
 
 
@@ -152,9 +158,5 @@ def wfetch(kept, r, ch, wpre, wpa, wna, i):
         p = cuda.shfl_sync(FULL, wpre, c)
         if p <= i:
             lo = c
-    p0 = cuda.shfl_sync(FULL, wpre, lo)
-    a0 = cuda.shfl_sync(FULL, wpa, lo)
-    na = cuda.shfl_sync(FULL, wna, lo)
-    j = int32(i - p0)
-    v = kept[ix(r), ix(uint32(lo) * uint32(ch) + uint32(j))]
-    return v, int32(a0 + j) if j < na else int32(-1), int32(p0 - a0 + j - na)
+    return take(kept, r, ch, lo, cuda.shfl_sync(FULL, wpre, lo), cuda.shfl_sync(FULL, wpa, lo),
+                cuda.shfl_sync(FULL, wna, lo), i)

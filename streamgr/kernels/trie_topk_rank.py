@@ -131,17 +131,18 @@ def rank_answer(srt, seg, hist, scan, res, red, total, k, KP, r, F, FM, scores, 
     """Rank ``k`` of the ``total`` (``k`` to ``SRT_N``) distinct absolute keys in
     ``srt[:total]`` and answer them (``answer``; ``cap[r]`` the request's width). Each thread
     holds two (``v0``, ``v1`` where ``has0``, ``has1``: ``held``'s, or any split of the keys
-    two a thread), their first load level issued by the caller (``first_level``); one histogram of their scores over ``NB`` linear bins between the list's least
-    and best okeys (``lo``, ``hi``: where ``lo`` < 0 found here by ``minmax``, which also
-    publishes ``hist`` zeroed; else the caller's, ``hist`` zeroed and published by it), the keys
-    of the bins from the ``k``-th's up placed by bin (``pick_segments``) in
-    ``seg`` and each ranked within its bin (``bin_rank``) by the thread that holds it, which
-    stages its answer by rank in ``srt`` (key, then child and code): its beam, child range and
-    code were read a load level a phase along the ranking's barriers (``trie_topk_index``), so
-    no answer waits on a load after it (on the H200 a decoding pass of three dependent loads
-    after the ranking took 2.1 us, session 44); where the caller passes ``lo``, ``hi``, the
-    second level is issued first thing (the first was issued along the caller's placing); the
-    block then writes the answers out coalesced. Codes below 2**32 (as the scoring's indexing takes them).
+    two a thread), their first load level issued by the caller (``first_level``). One
+    histogram of their scores over ``NB`` linear bins between the list's least and best okeys
+    (``lo``, ``hi``: where ``lo`` < 0 found here by ``minmax``, which also publishes ``hist``
+    zeroed; else the caller's, ``hist`` zeroed and published by it); the keys of the bins from
+    the ``k``-th's up placed by bin (``pick_segments``) in ``seg`` and each ranked within its
+    bin (``bin_rank``) by the thread that holds it, which stages its answer by rank in ``srt``
+    (key, then child and code): its beam, child range and code were read a load level a phase
+    along the ranking's barriers (``trie_topk_index``; the second level right after
+    ``minmax``, or first thing where the caller passes ``lo``, ``hi``), so no answer waits on a
+    load after it (on the H200 a decoding pass of three dependent loads after the ranking took
+    2.1 us, session 44); the block then writes the answers out coalesced. Codes below 2**32 (as
+    the scoring's indexing takes them).
     Returns False, unanswered, only where a bin from the ``k``-th's up holds over ``SEG_MAX``
     keys (ties): ``srt[:k]`` is then sorted (``sort_pairs``; 43 us for 2,048 keys on the H200,
     session 44) for the caller to answer. Every thread calls it after ``srt`` is published.

@@ -7,16 +7,19 @@ Each block scores its beams' units as ``bin_hist`` does (``trie_topk_beams``), b
 scores in registers (24 a thread) instead of writing every candidate's okey to an [R, N] buffer
 for a second launch to read back. Its own histogram then gives the bin ``d`` of its own
 ``k``-th best (``cursors``): a candidate below ``d`` trails ``k`` of the block's own, so it is
-not among the request's ``k`` best. The block writes the rest (``k`` and the ties of ``d``:
-about ``k`` a block) to its own segment of ``kept`` in bin order, best first (each bin's
-first slot from the scan, then a shared atomic a key), its counts from each bin up to ``cum``,
-adds its bins from ``d`` up to the request's histogram and votes. The request's last block
-picks the bin ``D`` of the ``k``-th best of the kept keys (they hold every key of the answer,
-and ``D`` is at or above every block's ``d``), takes each block's keys from ``D`` up, those
-past ``D`` first, by its counts (``starts``: one warp's scan), places them (``fetch``,
-``place``: these three in ``trie_topk_last``), ranks and answers them (``rank_answer``), or
-where ties crowd ``D`` radix-selects the rest from ``buf`` (``radix_rest``), and leaves the
-counters zero (``counters.zeroed``).
+not among the request's ``k`` best. The block writes its counts from each bin up to ``cum``,
+adds its bins from ``d`` up to the request's histogram and votes (one release atomic,
+``add_release``); then it writes the rest (``k`` and the ties of ``d``: about ``k`` a block)
+to its own segment of ``kept`` in bin order, best first (each bin's first slot from the scan,
+then a shared atomic a key), and counts itself out (``PUT``, released). The request's last
+block to vote picks the bin ``D`` of the ``k``-th best of the kept keys (they hold every key of
+the answer, and ``D`` is at or above every block's ``d``) while the others write theirs, puts
+only its own keys from ``D`` up while its loads of the blocks' counts are out, waits for the
+others' ``PUT``, takes each block's keys from ``D`` up, those past ``D`` first, by its counts
+(``counts_at``, ``wscan``), places them (``wfetch``, ``place``: these in ``trie_topk_last``),
+ranks and answers them (``rank_answer``), or where ties crowd ``D`` radix-selects the rest
+from ``buf`` (``radix_rest``), and leaves the counters zero (``counters.zeroed``). The wait is
+safe: the blocks it waits for voted before it, so they run.
 
 Against the two launches this drops the second launch, the okey buffer's writes and reads
 (11.6 MB each at gen-ref's step 2 at beams of 1,024), every block's pick and bound search and
@@ -36,10 +39,14 @@ along its own pick (``cursors``: one barrier fewer) and the picks' scans ending 
 callers' barriers, 0.0208-0.0212 -> 0.0204-0.0208 (session 55); each warp its own ``starts``
 (``wstarts``, ``wfetch``: no barrier before the keys' loads), the answers' first load level
 issued by the thread that fetched the keys (``first_level``) and the second at the ranking's
-start, 0.0204-0.0206 -> 0.0201-0.0202 (session 56). Tried and dropped, each slower
-(docs/benchmarks.md, sessions 48-56): the kept keys unordered, or written with their answers;
-a request's blocks as a thread block cluster, or meeting at global barriers with each block
-answering a share of the ranks (each barrier 2.2-2.8 us); lighter fences (the same); a unit's
+start, 0.0204-0.0206 -> 0.0201-0.0202 (session 56); the vote before the puts, the last block
+picking ``D`` while the others put, 0.0196-0.0198 -> 0.0194-0.0196 and with sorted beams
+0.0205-0.0206 -> 0.0196-0.0198 (step 2 at 48 requests, two blocks a request, 0.0167-0.0170 ->
+0.0173-0.0178: its one other block's puts start a vote later), session 57. Tried and
+dropped, each slower (docs/benchmarks.md, sessions 48-57): the kept keys unordered, or
+written with their answers; a request's blocks as a thread block cluster, or meeting at
+global barriers with each block answering a share of the ranks (each barrier 2.2-2.8 us);
+lighter fences (the same); a unit's
 atomics before its stores; the blocks' counts loaded with the request's histogram; each block
 keeping from the request's counts as they came in, or after waiting for them; codes loaded a
 pair ahead; the kept keys staged and written coalesced; fine bins (the scoring is near
@@ -63,7 +70,11 @@ two keys a step, the codes' loads of the answers before the ranking's pick, the 
 with one barrier (every warp scanning the warps' totals), the request's width loaded beside
 the vote (each the same or 0.1-1 us slower), and 12 score bits with fp32 (0.0228-0.0229 ms
 against 0.0201) or 10 (random beams the same, sorted 0.0211-0.0212 against 0.0208-0.0210),
-session 56.
+session 56; the puts as a loop over each thread's kept slots (0.0240-0.0245 ms against
+0.0199-0.0200, with ``match_any`` per bin 0.0231-0.0232), the vote and ``PUT`` behind
+``threadfence`` (its ``CCTL.IVALL`` sends the spilled scores' reloads to L2: 0.0200-0.0203),
+and each unit's best bin kept beside its slots so the puts skip units wholly below ``d``
+(0.0209-0.0210 against 0.0197-0.0198: the scoring's extra work), session 57.
 """
 
 from __future__ import annotations
@@ -73,7 +84,7 @@ import os
 import torch
 from numba import cuda, float32, int32, int64, uint32
 
-from .numba_common import INLINE, stamp
+from .numba_common import INLINE, add_release, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_beams import (GB, GB1, best_bound, bins_of, gbin, gshift, load_beams, pair_vals,
                               slot_bin)
@@ -81,12 +92,13 @@ from .trie_topk_dev import I32MAX, JIT_NT, NB, NT, NW, RED_N, SCAN_N, hist_add, 
 from .trie_topk_index import I32MIN, ix, okey_of
 from .trie_topk_keys import MAXC, okey, put_abs
 from .trie_topk_rank import SRT_N, first_level, held, radix_rest, rank_answer
-from .trie_topk_last import GMAX, GMAX1, fetch, lohi, place, starts, wfetch, wstarts
+from .trie_topk_last import GMAX, GMAX1, counts_at, fetch, lohi, place, starts, wfetch, wscan
 from .counters import zeroed
 from .kernel_cache import cached
 
 # ws: the blocks done, then the request's histogram from HG (trie_topk_bins' layout)
 CNT = 0
+PUT = 1  # the request's other blocks whose keys are out
 HG = 8
 W_LEN = HG + GB
 UPW = 4  # units a warp holds: 24 scores a thread in registers
@@ -236,24 +248,29 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     d = cursors(hist, k, scan, res, cum, ws, r, blk, gs)
     stamp(3)
     seg = int64(blk) * (bpb * F)  # the block's segment: its chunk's candidates' span
-    put6(kept, r, seg, hist, c0, v0, ref, gs, d, x0, x1, x2, x3, x4, x5)
-    put6(kept, r, seg, hist, c1, v1, ref, gs, d, y0, y1, y2, y3, y4, y5)
-    put6(kept, r, seg, hist, c2, v2, ref, gs, d, z0, z1, z2, z3, z4, z5)
-    put6(kept, r, seg, hist, c3, v3, ref, gs, d, q0, q1, q2, q3, q4, q5)
-    cuda.threadfence()  # the block's keys, cum and bins before its vote (one fence by the
-    # voting thread after the barrier measured the same on the H200, session 48)
-    cuda.syncthreads()
-    stamp(4)
+    cuda.syncthreads()  # every thread's cum and bins before the vote's release
     if tid == 0:
-        flag[0] = cuda.atomic.add(ws, (r, CNT), int64(1)) == cuda.gridDim.x - 1
+        flag[0] = add_release(ws, r, CNT, int64(1)) == cuda.gridDim.x - 1
         mm[0] = I32MAX  # the kept keys' least and best okeys, in the signed order (``lohi``),
         mm[1] = I32MIN  # set before the barrier the last block's lohi follows
     cuda.syncthreads()
-    if not flag[0]:
+    stamp(4)
+    if not flag[0]:  # its keys from its own d up, then counted out (PUT) for the last block
+        put6(kept, r, seg, hist, c0, v0, ref, gs, d, x0, x1, x2, x3, x4, x5)
+        put6(kept, r, seg, hist, c1, v1, ref, gs, d, y0, y1, y2, y3, y4, y5)
+        put6(kept, r, seg, hist, c2, v2, ref, gs, d, z0, z1, z2, z3, z4, z5)
+        put6(kept, r, seg, hist, c3, v3, ref, gs, d, q0, q1, q2, q3, q4, q5)
+        cuda.syncthreads()
+        if tid == 0:
+            add_release(ws, r, PUT, int64(1))
         stamp(15)
         return
-    cuda.threadfence()
-    d, need, nd = pick(ws[r, HG:], nbins, k, scan, res, NT)  # D: the request's k-th best's bin
+    # no acquire fence: the vote saw every other block's release, and this SM holds no line of
+    # ws or of their cum rows (it only added to ws and wrote its own row; L1 starts a launch
+    # empty), so the loads below read them from L2. (With ``threadfence`` for the releases, a
+    # fence here timed 0.0200-0.0203 ms against 0.0198-0.0203 without; the released atomics
+    # then 0.0195-0.0196: H200, step 2 at beams of 1,024, session 57 calls 6 and 7)
+    d, need, nd = pick(ws[r, HG:], nbins, k, scan, res, NT)  # D: the request's k-th's bin
     d = int32(d)
     stamp(5)
     above = int32(k - need)  # keys past D
@@ -270,12 +287,27 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     for i in range(tid, nbins, NT):
         ws[r, HG + i] = 0
     gb = cuda.gridDim.x
-    wpre = wpa = wna = int32(0)
+    wpre = wpa = wna = n_all = n_a = int32(0)
     if small and not SIMULATED:  # every warp its own starts, in its lanes: no barrier
-        wpre, wpa, wna = wstarts(cum, r, gb, d, nbins)
+        n_all, n_a = counts_at(cum, r, tid & 31, gb, d, nbins)
     else:
         starts(cum, r, gb, d, pre, pa, scan, nbins)
         cuda.syncthreads()
+    seen = int64(0)  # its own keys from D up while the counts and the others' PUT are out
+    if tid == 0:
+        seen = cuda.atomic.add(ws, (r, PUT), int64(0))
+    put6(kept, r, seg, hist, c0, v0, ref, gs, d, x0, x1, x2, x3, x4, x5)
+    put6(kept, r, seg, hist, c1, v1, ref, gs, d, y0, y1, y2, y3, y4, y5)
+    put6(kept, r, seg, hist, c2, v2, ref, gs, d, z0, z1, z2, z3, z4, z5)
+    put6(kept, r, seg, hist, c3, v3, ref, gs, d, q0, q1, q2, q3, q4, q5)
+    if small and not SIMULATED:
+        wpre, wpa, wna = wscan(n_all, n_a, tid & 31)
+    if tid == 0:  # the other blocks' keys are out once each has added itself to PUT (they
+        while seen < gb - 1:  # voted before this block: they run, none waits on it)
+            seen = cuda.atomic.add(ws, (r, PUT), int64(0))
+        ws[r, PUT] = 0  # left zero for the next launch
+        cuda.threadfence()  # acquire: their keys, read below
+    cuda.syncthreads()
     stamp(6)
     ch = bpb * F
     lo = int64(-1)  # rank_answer's minmax (where ties crowd D: the keys come from buf)

@@ -3,14 +3,15 @@ how they are placed for ``trie_topk_rank.rank_answer``.
 
 Each of the request's blocks wrote its kept keys to its own segment of ``kept`` in bin order,
 best first, and its counts from each bin up to ``cum``. Once the last block knows ``D``, the
-bin of the request's ``k``-th best, every warp sums the blocks' counts at ``D`` and ``D + 1``
-for itself, in its lanes (``wstarts``: no barrier before any key is loaded), each thread takes
-its keys by those sums (``wfetch``, by shuffles) and places them (``place``), finding the keys'
-least and best okeys along the way (``lohi``), so the ranking needs no reduction of its own.
-Where ties crowd ``D`` (the keys past ``SRT_N``) and under the simulator (no shuffles), one
-warp sums them into shared memory for all (``starts``, ``fetch``). On the H200 step 2 at beams
-of 1,024 the per-warp sums took 0.0201-0.0202 ms against one warp's 0.0204-0.0205 (session 56,
-call 1), 0.0201-0.0204 against 0.0203-0.0205 (call 2), with the answers' early loads of
+bin of the request's ``k``-th best, every warp loads the blocks' counts at ``D`` and ``D + 1``
+into its lanes (``counts_at``) and sums them there (``wscan``: no barrier before any key is
+loaded; ``kept_select`` puts its own keys while the counts come), each thread takes its keys
+by those sums (``wfetch``, by shuffles) and places them (``place``), finding the keys' least
+and best okeys along the way (``lohi``), so the ranking needs no reduction of its own. Where
+ties crowd ``D`` (the keys past ``SRT_N``) and under the simulator (no shuffles), one warp sums
+them into shared memory for all (``starts``, ``fetch``). On the H200 step 2 at beams of 1,024
+the per-warp sums took 0.0201-0.0202 ms against one warp's 0.0204-0.0205 (session 56, call 1),
+0.0201-0.0204 against 0.0203-0.0205 (call 2), with the answers' early loads of
 ``trie_topk_rank.first_level`` in both.
 """
 
@@ -111,13 +112,12 @@ def place(srt, buf, r, v, a, dn, above, small):
 
 
 @cuda.jit(device=True, **INLINE)
-def wstarts(cum, r, gb, d, nbins):
-    """``starts`` by every warp for itself: lane ``l`` < ``gb`` gets block ``l``'s first slot
-    of the keys from ``D`` up and of those past ``D``, and its keys past ``D`` (lanes from
-    ``gb`` on: the totals, and 0), for ``wfetch``'s shuffles. No barrier: each warp loads the
-    ``2 gb`` counts itself (GPU only: shuffles)."""
-    lane = cuda.threadIdx.x & 31
-    n_all, n_a = counts_at(cum, r, lane, gb, d, nbins)
+def wscan(n_all, n_a, lane):
+    """``starts`` by every warp for itself, from lane ``lane``'s counts (``counts_at(cum, r,
+    lane, ...)``, loaded by the caller, which may work while they come): lane ``l`` < ``gb``
+    gets block ``l``'s first slot of the keys from ``D`` up and of those past ``D``, and its
+    keys past ``D`` (lanes from ``gb`` on: the totals, and 0), for ``wfetch``'s shuffles. No
+    barrier: each warp loads the ``2 gb`` counts itself (GPU only: shuffles)."""
     x, y = scan2(n_all, n_a, lane)
     return int32(x - n_all), int32(y - n_a), n_a
 
@@ -149,7 +149,7 @@ def scan2(x, y, lane):
 
 @cuda.jit(device=True, **INLINE)
 def wfetch(kept, r, ch, wpre, wpa, wna, i):
-    """``fetch`` from ``wstarts``' lanes: the block of key ``i`` (the last lane whose first
+    """``fetch`` from ``wscan``'s lanes: the block of key ``i`` (the last lane whose first
     slot is at most ``i``; the lanes past the blocks hold the total, above every ``i``) by
     five shuffles. Every lane of the warp calls it."""
     lo = int32(0)

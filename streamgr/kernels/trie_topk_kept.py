@@ -34,22 +34,21 @@ What paid since (H200, step 2 at beams of 1,024): the puts, the last block's lis
 answers indexed unsigned (``ix``: Numba's negative-index wraparound code was ~7 SASS
 instructions an index), 0.0229 -> 0.0210 ms (session 53); the kept keys' least and best okeys
 found along their placing (``lohi``), so that ``rank_answer`` skips ``minmax`` and its two
-barriers, 0.0210-0.0214 -> 0.0208-0.0209 (session 54); each block's slots and counts set
-along its own pick (``cursors``: one barrier fewer) and the picks' scans ending on their
-callers' barriers, 0.0208-0.0212 -> 0.0204-0.0208 (session 55); each warp its own ``starts``
+barriers, 0.0210-0.0214 -> 0.0208-0.0209 (session 54); each block's slots and counts set along
+its own pick (``cursors``: one barrier fewer) and the picks' scans ending on their callers'
+barriers, 0.0208-0.0212 -> 0.0204-0.0208 (session 55); each warp its own ``starts``
 (``wstarts``, ``wfetch``: no barrier before the keys' loads), the answers' first load level
 issued by the thread that fetched the keys (``first_level``) and the second at the ranking's
 start, 0.0204-0.0206 -> 0.0201-0.0202 (session 56); the vote before the puts, the last block
 picking ``D`` while the others put, 0.0196-0.0198 -> 0.0194-0.0196 and with sorted beams
 0.0205-0.0206 -> 0.0196-0.0198 (step 2 at 48 requests, two blocks a request, 0.0167-0.0170 ->
-0.0173-0.0178: its one other block's puts start a vote later), session 57. Tried and
-dropped, each slower (docs/benchmarks.md, sessions 48-57): the kept keys unordered, or
-written with their answers; a request's blocks as a thread block cluster, or meeting at
-global barriers with each block answering a share of the ranks (each barrier 2.2-2.8 us);
-lighter fences (the same); a unit's
-atomics before its stores; the blocks' counts loaded with the request's histogram; each block
-keeping from the request's counts as they came in, or after waiting for them; codes loaded a
-pair ahead; the kept keys staged and written coalesced; fine bins (the scoring is near
+0.0173-0.0178: its one other block's puts start a vote later), session 57. Tried and dropped,
+each slower (docs/benchmarks.md, sessions 48-57): the kept keys unordered, or written with
+their answers; a request's blocks as a thread block cluster, or meeting at global barriers with
+each block answering a share of the ranks (each barrier 2.2-2.8 us); lighter fences (the same);
+a unit's atomics before its stores; the blocks' counts loaded with the request's histogram;
+each block keeping from the request's counts as they came in, or after waiting for them; codes
+loaded a pair ahead; the kept keys staged and written coalesced; fine bins (the scoring is near
 issue-bound, ~32 SASS instructions a slot); ranking in the scoring's bins (~125 keys a bin near
 ``D``); ``D`` summed from the blocks' counts in windows of bins (where the scores cross ``ref``
 the bins of tiny magnitudes, ~1,000, lie between a block's estimate and ``D``); the request's
@@ -59,22 +58,22 @@ instead of its atomics (both the same time); every block's counts at the pick's 
 with the request's histogram, so that none waits for ``D`` (16 more loads a thread: +2.4 us);
 each warp loading its units' beams from global memory (no ``load_beams`` barrier before the
 codes' loads: 0.0213-0.0214 against 0.0205-0.0206 ms), the first pair's code loads issued
-between ``best_bound``'s two reductions (+0.2 us), the last block reading the first
-``SRT_N // G`` slots of every block's segment before ``D`` is known, keeping those in bins from
-``D`` up (0.0219-0.0225 against 0.0205-0.0208), and the pick over the request's histogram with
-its counts held in registers (the same time; bf16's ptxas spills 8 -> 28 bytes), session 55;
-a unit's atomics before its stores again (the puts 2.35 -> 3.21 us: they are bound by the
-atomics on the few bins near ``d``, not by each put's wait on its own), the scoring's
-histogram in two copies by lane parity, the ranking over 2,048 linear bins, its in-bin loop
-two keys a step, the codes' loads of the answers before the ranking's pick, the block scans
-with one barrier (every warp scanning the warps' totals), the request's width loaded beside
-the vote (each the same or 0.1-1 us slower), and 12 score bits with fp32 (0.0228-0.0229 ms
-against 0.0201) or 10 (random beams the same, sorted 0.0211-0.0212 against 0.0208-0.0210),
-session 56; the puts as a loop over each thread's kept slots (0.0240-0.0245 ms against
-0.0199-0.0200, with ``match_any`` per bin 0.0231-0.0232), the vote and ``PUT`` behind
-``threadfence`` (its ``CCTL.IVALL`` sends the spilled scores' reloads to L2: 0.0200-0.0203),
-and each unit's best bin kept beside its slots so the puts skip units wholly below ``d``
-(0.0209-0.0210 against 0.0197-0.0198: the scoring's extra work), session 57.
+between ``best_bound``'s two reductions (+0.2 us), the last block reading the first ``SRT_N //
+G`` slots of every block's segment before ``D`` is known, keeping those in bins from ``D`` up
+(0.0219-0.0225 against 0.0205-0.0208), and the pick over the request's histogram with its
+counts held in registers (the same time; bf16's ptxas spills 8 -> 28 bytes), session 55; a
+unit's atomics before its stores again (the puts 2.35 -> 3.21 us: they are bound by the atomics
+on the few bins near ``d``, not by each put's wait on its own), the scoring's histogram in two
+copies by lane parity, the ranking over 2,048 linear bins, its in-bin loop two keys a step, the
+codes' loads of the answers before the ranking's pick, the block scans with one barrier (every
+warp scanning the warps' totals), the request's width loaded beside the vote (each the same or
+0.1-1 us slower), and 12 score bits with fp32 (0.0228-0.0229 ms against 0.0201) or 10 (random
+beams the same, sorted 0.0211-0.0212 against 0.0208-0.0210), session 56; the puts as a loop
+over each thread's kept slots (0.0240-0.0245 ms against 0.0199-0.0200, with ``match_any`` per
+bin 0.0231-0.0232), the vote and ``PUT`` behind ``threadfence`` (its ``CCTL.IVALL`` sends the
+spilled scores' reloads to L2: 0.0200-0.0203), and each unit's best bin kept beside its slots
+so the puts skip units wholly below ``d`` (0.0209-0.0210 against 0.0197-0.0198: the scoring's
+extra work), session 57.
 """
 
 from __future__ import annotations
@@ -195,6 +194,17 @@ def put6(kept, r, seg, hist, c, v, ref, gs, d, x0, x1, x2, x3, x4, x5):
     put1(kept, r, seg, hist, c, v, ref, gs, d, x5, 5)
 
 
+@cuda.jit(device=True, **INLINE)
+def put_units(kept, r, seg, hist, ref, gs, d, P, Q):
+    """The thread's four units' keys from bin ``d`` up (``put6``; ``quad_scores``' P and Q)."""
+    x0, x1, x2, x3, x4, x5, y0, y1, y2, y3, y4, y5, v0, c0, v1, c1 = P
+    z0, z1, z2, z3, z4, z5, q0, q1, q2, q3, q4, q5, v2, c2, v3, c3 = Q
+    put6(kept, r, seg, hist, c0, v0, ref, gs, d, x0, x1, x2, x3, x4, x5)
+    put6(kept, r, seg, hist, c1, v1, ref, gs, d, y0, y1, y2, y3, y4, y5)
+    put6(kept, r, seg, hist, c2, v2, ref, gs, d, z0, z1, z2, z3, z4, z5)
+    put6(kept, r, seg, hist, c3, v3, ref, gs, d, q0, q1, q2, q3, q4, q5)
+
+
 @cached
 @cuda.jit(**JIT_NT)
 def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws,
@@ -241,8 +251,6 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     else:
         P, Q = quad_scores(u, nu, upb, F, b0, r, B, logp, 0, codes, off, bs, bm, bl, bf, bc,
                            hist, ref, gs)
-    x0, x1, x2, x3, x4, x5, y0, y1, y2, y3, y4, y5, v0, c0, v1, c1 = P
-    z0, z1, z2, z3, z4, z5, q0, q1, q2, q3, q4, q5, v2, c2, v3, c3 = Q
     cuda.syncthreads()
     stamp(2)
     d = cursors(hist, k, scan, res, cum, ws, r, blk, gs)
@@ -256,10 +264,7 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     cuda.syncthreads()
     stamp(4)
     if not flag[0]:  # its keys from its own d up, then counted out (PUT) for the last block
-        put6(kept, r, seg, hist, c0, v0, ref, gs, d, x0, x1, x2, x3, x4, x5)
-        put6(kept, r, seg, hist, c1, v1, ref, gs, d, y0, y1, y2, y3, y4, y5)
-        put6(kept, r, seg, hist, c2, v2, ref, gs, d, z0, z1, z2, z3, z4, z5)
-        put6(kept, r, seg, hist, c3, v3, ref, gs, d, q0, q1, q2, q3, q4, q5)
+        put_units(kept, r, seg, hist, ref, gs, d, P, Q)
         cuda.syncthreads()
         if tid == 0:
             add_release(ws, r, PUT, int64(1))
@@ -296,10 +301,7 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     seen = int64(0)  # its own keys from D up while the counts and the others' PUT are out
     if tid == 0:
         seen = cuda.atomic.add(ws, (r, PUT), int64(0))
-    put6(kept, r, seg, hist, c0, v0, ref, gs, d, x0, x1, x2, x3, x4, x5)
-    put6(kept, r, seg, hist, c1, v1, ref, gs, d, y0, y1, y2, y3, y4, y5)
-    put6(kept, r, seg, hist, c2, v2, ref, gs, d, z0, z1, z2, z3, z4, z5)
-    put6(kept, r, seg, hist, c3, v3, ref, gs, d, q0, q1, q2, q3, q4, q5)
+    put_units(kept, r, seg, hist, ref, gs, d, P, Q)
     if small and not SIMULATED:
         wpre, wpa, wna = wscan(n_all, n_a, tid & 31)
     if tid == 0:  # the other blocks' keys are out once each has added itself to PUT (they

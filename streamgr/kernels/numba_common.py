@@ -128,30 +128,49 @@ if SIMULATED:
         """``ary[i, j] += val`` (int64), released: its old value."""
         cuda.threadfence()
         return cuda.atomic.add(ary, (i, j), val)
+
+    @cuda.jit(device=True, **INLINE)
+    def add_acquire(ary, i, j, val):
+        """``ary[i, j] += val`` (int64), acquired: its old value."""
+        old = cuda.atomic.add(ary, (i, j), val)
+        cuda.threadfence()
+        return old
 else:
     from llvmlite import ir as _ir
     from numba import types as _types
     from numba.core import cgutils as _cgutils
     from numba.cuda.extending import intrinsic as _intrinsic
 
-    @_intrinsic
-    def add_release(typingctx, ary, i, j, val):
-        """``ary[i, j] += val`` (int64) as one release atomic at GPU scope: the thread's (and,
-        after a barrier, its block's) writes before it are visible to whoever sees the add.
-        It compiles to ``MEMBAR.ALL.GPU`` and the atomic, where ``threadfence`` (``fence.sc``)
-        adds ``CCTL.IVALL``, dropping the SM's L1 (spilled registers included). Returns the
-        old value."""
-        def codegen(context, builder, sig, args):
-            aryty = sig.args[0]
-            a = context.make_array(aryty)(context, builder, value=args[0])
-            at = [context.cast(builder, args[n], sig.args[n], _types.intp) for n in (1, 2)]
-            ptr = _cgutils.get_item_pointer(context, builder, aryty, a, at, wraparound=False)
-            fnty = _ir.FunctionType(_ir.IntType(64), [_ir.IntType(64), _ir.IntType(64)])
-            asm = _ir.InlineAsm(fnty, "atom.release.gpu.global.add.u64 $0, [$1], $2;",
-                                "=l,l,l", side_effect=True)
-            return builder.call(asm, [builder.ptrtoint(ptr, _ir.IntType(64)),
-                                      context.cast(builder, args[3], sig.args[3], _types.int64)])
-        return _types.int64(ary, i, j, val), codegen
+    def _add_ordered(order, doc):
+        """An intrinsic ``ary[i, j] += val`` (int64) as one ``atom.{order}.gpu`` (returns the
+        old value)."""
+        @_intrinsic
+        def add(typingctx, ary, i, j, val):
+            def codegen(context, builder, sig, args):
+                aryty = sig.args[0]
+                a = context.make_array(aryty)(context, builder, value=args[0])
+                at = [context.cast(builder, args[n], sig.args[n], _types.intp) for n in (1, 2)]
+                ptr = _cgutils.get_item_pointer(context, builder, aryty, a, at, wraparound=False)
+                fnty = _ir.FunctionType(_ir.IntType(64), [_ir.IntType(64), _ir.IntType(64)])
+                asm = _ir.InlineAsm(fnty, f"atom.{order}.gpu.global.add.u64 $0, [$1], $2;",
+                                    "=l,l,l", side_effect=True)
+                return builder.call(asm, [builder.ptrtoint(ptr, _ir.IntType(64)),
+                                          context.cast(builder, args[3], sig.args[3],
+                                                       _types.int64)])
+            return _types.int64(ary, i, j, val), codegen
+        add.__doc__ = doc
+        return add
+
+    add_release = _add_ordered("release", """``ary[i, j] += val`` (int64) as one release atomic
+        at GPU scope: the thread's (and, after a barrier, its block's) writes before it are
+        visible to whoever sees the add. It compiles to ``MEMBAR.ALL.GPU`` and the atomic, where
+        ``threadfence`` (``fence.sc``) adds ``CCTL.IVALL``, dropping the SM's L1 (spilled
+        registers included). Returns the old value.""")
+    add_acquire = _add_ordered("acquire", """``ary[i, j] += val`` (int64) as one acquire atomic
+        at GPU scope: what was released before the value it reads is visible to the thread's
+        (and, after a barrier, its block's) loads after it. It compiles to the atomic and
+        ``CCTL.IVALL``, where ``threadfence`` adds ``MEMBAR.SC.GPU`` (which waits for the
+        thread's own stores). Returns the old value.""")
 
 
 if STAMP == 0:

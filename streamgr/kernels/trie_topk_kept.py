@@ -83,7 +83,7 @@ import os
 import torch
 from numba import cuda, float32, int32, int64, uint32
 
-from .numba_common import INLINE, add_release, stamp
+from .numba_common import INLINE, add_acquire, add_release, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_beams import (GB, GB1, best_bound, bins_of, gbin, gshift, load_beams, pair_vals,
                               slot_bin)
@@ -289,8 +289,8 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
         cnt[0] = above  # radix_rest's appends (where D is crowded)
     if small:
         hist2[tid] = 0  # (radix_rest's otherwise: rank_answer zeroes it after) NB == NT
-    for i in range(tid, nbins, NT):
-        ws[r, HG + i] = 0
+    for e in range(nbins // NT):  # a constant count (unrolled): range(tid, nbins, NT)'s
+        ws[ix(r), ix(HG + tid + e * NT)] = 0  # trip-count code took 0.5 us of the block's issue
     gb = cuda.gridDim.x
     wpre = wpa = wna = n_all = n_a = int32(0)
     if small and not SIMULATED:  # every warp its own starts, in its lanes: no barrier
@@ -298,17 +298,16 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
     else:
         starts(cum, r, gb, d, pre, pa, scan, nbins)
         cuda.syncthreads()
-    seen = int64(0)  # its own keys from D up while the counts and the others' PUT are out
-    if tid == 0:
-        seen = cuda.atomic.add(ws, (r, PUT), int64(0))
-    put_units(kept, r, seg, hist, ref, gs, d, P, Q)
+    put_units(kept, r, seg, hist, ref, gs, d, P, Q)  # its own keys while the counts come
     if small and not SIMULATED:
         wpre, wpa, wna = wscan(n_all, n_a, tid & 31)
     if tid == 0:  # the other blocks' keys are out once each has added itself to PUT (they
-        while seen < gb - 1:  # voted before this block: they run, none waits on it)
-            seen = cuda.atomic.add(ws, (r, PUT), int64(0))
+        # voted before this block: they run, none waits on it). The polls acquire (their keys,
+        # read below): no threadfence, whose MEMBAR.SC waited for this block's own stores
+        seen = add_acquire(ws, r, PUT, int64(0))
+        while seen < gb - 1:
+            seen = add_acquire(ws, r, PUT, int64(0))
         ws[r, PUT] = 0  # left zero for the next launch
-        cuda.threadfence()  # acquire: their keys, read below
     cuda.syncthreads()
     stamp(6)
     ch = bpb * F

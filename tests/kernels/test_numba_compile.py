@@ -125,6 +125,9 @@ def test_selection_kernels_fit_a_block_of_1024(name, tmp_path):
     # the same, 0.0225-0.0227 ms against 0.0224-0.0227 on the H200)
     # kept_select 36 since session 57 (16 before): its last block holds the scores over its
     # pick, so four of them are stored in the scoring and loaded once a thread in the puts
-    # (nvdisasm); timed so on the H200, step 2 at beams of 1,024 0.0194-0.0196 ms
-    cap = {"bin_select": 20, "kept_select": 36}.get(name, 8)
+    # (nvdisasm); timed so on the H200, step 2 at beams of 1,024 0.0194-0.0196 ms. 44 since
+    # session 58 with bf16 logits (fp32's stays 36): a fifth such word, stored in the scoring
+    # and loaded once a thread in the puts (nvdisasm), after the last block's polls of PUT
+    # became acquires
+    cap = {"bin_select": 20, "kept_select": 44}.get(name, 8)
     assert spills is None or spills <= cap, (name, spills)

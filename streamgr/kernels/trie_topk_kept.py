@@ -15,11 +15,11 @@ then a shared atomic a key), and counts itself out (``PUT``, released). The requ
 block to vote picks the bin ``D`` of the ``k``-th best of the kept keys (they hold every key of
 the answer, and ``D`` is at or above every block's ``d``) while the others write theirs, puts
 only its own keys from ``D`` up while its loads of the blocks' counts are out, waits for the
-others' ``PUT``, takes each block's keys from ``D`` up, those past ``D`` first, by its counts
-(``counts_at``, ``wscan``), places them (``wfetch``, ``place``: these in ``trie_topk_last``),
-ranks and answers them (``rank_answer``), or where ties crowd ``D`` radix-selects the rest
-from ``buf`` (``radix_rest``), and leaves the counters zero (``counters.zeroed``). The wait is
-safe: the blocks it waits for voted before it, so they run.
+others' ``PUT`` (acquiring it), takes each block's keys from ``D`` up, those past ``D``
+first, by its counts (``counts_at``, ``wscan``), places them (``wfetch``, ``place``: these
+in ``trie_topk_last``), ranks and answers them (``rank_answer``), or where ties crowd ``D``
+radix-selects the rest from ``buf`` (``radix_rest``), and leaves the counters zero
+(``counters.zeroed``). The wait is safe: the blocks it waits for voted before it, so they run.
 
 Against the two launches this drops the second launch, the okey buffer's writes and reads
 (11.6 MB each at gen-ref's step 2 at beams of 1,024), every block's pick and bound search and
@@ -42,7 +42,11 @@ issued by the thread that fetched the keys (``first_level``) and the second at t
 start, 0.0204-0.0206 -> 0.0201-0.0202 (session 56); the vote before the puts, the last block
 picking ``D`` while the others put, 0.0196-0.0198 -> 0.0194-0.0196 and with sorted beams
 0.0205-0.0206 -> 0.0196-0.0198 (step 2 at 48 requests, two blocks a request, 0.0167-0.0170 ->
-0.0173-0.0178: its one other block's puts start a vote later), session 57. Tried and dropped,
+0.0173-0.0178: its one other block's puts start a vote later), session 57; the last block's
+polls of ``PUT`` acquiring (``add_acquire``) instead of a ``threadfence`` after them, its
+zeroing of the request's histogram and ``rank_answer``'s answers without ``range`` loops
+(their 64-bit trip-count code: each instruction all of a block's threads run costs ~8 cycles
+of the SM's issue), 0.0197-0.0201 -> 0.0187-0.0189 ms, session 58. Tried and dropped,
 each slower (docs/benchmarks.md, sessions 48-57): the kept keys unordered, or written with
 their answers; a request's blocks as a thread block cluster, or meeting at global barriers with
 each block answering a share of the ranks (each barrier 2.2-2.8 us); lighter fences (the same);
@@ -73,7 +77,9 @@ over each thread's kept slots (0.0240-0.0245 ms against 0.0199-0.0200, with ``ma
 bin 0.0231-0.0232), the vote and ``PUT`` behind ``threadfence`` (its ``CCTL.IVALL`` sends the
 spilled scores' reloads to L2: 0.0200-0.0203), and each unit's best bin kept beside its slots
 so the puts skip units wholly below ``d`` (0.0209-0.0210 against 0.0197-0.0198: the scoring's
-extra work), session 57.
+extra work), session 57; a compare against bin ``D``'s least score before each of the last
+block's (or every block's) puts, the first poll of ``PUT`` issued later, and ``cap[r]`` loaded
+before ``bin_rank`` (each within the noise), session 58.
 """
 
 from __future__ import annotations

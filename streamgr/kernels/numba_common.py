@@ -2,9 +2,12 @@
 (``__cuda_array_interface__``, no stream sync, so a CUDA graph captures the launch) and torch's
 current stream as a Numba stream. On the device, for kernels that read bf16 tensors as 32- or
 64-bit words (torch's bf16 has no Numba type): bf16 <-> fp32 by bits (a 16-bit shift one way,
-round to nearest even the other, as torch does) and sums across a row's lanes. Under the
-simulator (``NUMBA_ENABLE_CUDASIM=1``) kernels run as Python: arrays are numpy's, bit casts go
-through numpy, and the sums through shared memory (it has no warp shuffles)."""
+round to nearest even the other, as torch does) and sums across a row's lanes; for kernels
+whose blocks hand work to one another, int64 atomics released or acquired at GPU scope
+(``add_release``, ``add_acquire``: one ordered atomic each, lighter than a ``threadfence``
+beside a relaxed one). Under the simulator (``NUMBA_ENABLE_CUDASIM=1``) kernels run as Python:
+arrays are numpy's, bit casts go through numpy, and the sums through shared memory (it has no
+warp shuffles)."""
 
 from __future__ import annotations
 

@@ -114,6 +114,11 @@ def test_selection_kernels_fit_a_block_of_1024(name, tmp_path):
     ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
     if name == "root_select":
         assert ".local" not in ptx  # its eight candidates a thread are registers
+    if name == "kept_select":  # the handoff between a request's blocks is ordered (a relaxed
+        # atomic there would pass every test and still let the last block read stale keys):
+        # each block's vote and PUT release (two sites), the last block's polls acquire
+        assert ptx.count("atom.release.gpu.global.add.u64") == 2
+        assert ptx.count("atom.acquire.gpu.global.add.u64") >= 1
     spills = _ptxas_spills(ptx, tmp_path, 64)
     # (one_select spilled 12 bytes in session 32, in its radix fallback's set-up; none since
     # its candidates' index arithmetic went 32-bit, session 33. bin_select spills three words,

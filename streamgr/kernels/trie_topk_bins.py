@@ -56,7 +56,7 @@ from .kernel_cache import cached
 from .numba_common import INLINE, stamp
 from .trie_topk import SIMULATED
 from .trie_topk_beams import (GB, GB1, best_bound, bins_of, gbin, gshift, keep, load_beams,
-                              score8, score_units, units_of)
+                              score8, score_units, units_of, zero_bins)
 from .trie_topk_dev import FULL, JIT_NT, NB, NT, RED_N, SCAN_N, lane_mask_lt, pick
 from .trie_topk_index import div_f
 from .trie_topk_keys import KEY_NEG_INF, LOW32, MAXC, ix, okey, okey_float, put_abs
@@ -299,8 +299,7 @@ def bin_select(N, k, KP, ch, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes,
     if tid == 0:
         ws[r, CNT] = 0
         ws[r, REF] = 0
-    for i in range(tid, bins_of(gs), NT):
-        ws[r, HG + i] = 0
+    zero_bins(ws, r, HG, gs)
     n_sure = cnt[0]
     n_buf = cnt[1]
     total = n_sure + n_buf

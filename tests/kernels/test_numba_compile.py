@@ -134,5 +134,7 @@ def test_selection_kernels_fit_a_block_of_1024(name, tmp_path):
     # session 58 with bf16 logits (fp32's stays 36): a fifth such word, stored in the scoring
     # and loaded once a thread in the puts (nvdisasm), after the last block's polls of PUT
     # became acquires
-    cap = {"bin_select": 20, "kept_select": 44}.get(name, 8)
+    # bin_select spills none since session 58, its last block's zeroing of the request's
+    # histogram a loop of constant count (``zero_bins``; nvdisasm: 144 SASS instructions fewer)
+    cap = {"kept_select": 44}.get(name, 8)
     assert spills is None or spills <= cap, (name, spills)

@@ -176,6 +176,60 @@ else:
         thread's own stores). Returns the old value.""")
 
 
+if SIMULATED:
+    def row_at(ary, i, j):
+        """``ary[i, j:]``'s start, for ``load_at`` (here a numpy view)."""
+        return ary[i, j:]
+
+    def base_at(ary):
+        """``ary``'s start, for ``load_at`` (here the array)."""
+        return ary
+
+    def load_at(ary, at, n):
+        """The element ``n`` past ``row_at``'s ``at`` (``ary`` gives the type)."""
+        return at[n]
+else:
+    @_intrinsic
+    def row_at(typingctx, ary, i, j):
+        """``ary[i, j]``'s address (int64), through an empty ``mov`` LLVM cannot see into: left
+        to LLVM, ``ary[i, j + n]`` for several ``n`` re-forms ``(i * cols + j + n) * size +
+        base`` at each, four SASS instructions an element against ``load_at``'s one."""
+        def codegen(context, builder, sig, args):
+            aryty = sig.args[0]
+            a = context.make_array(aryty)(context, builder, value=args[0])
+            at = [context.cast(builder, args[n], sig.args[n], _types.intp) for n in (1, 2)]
+            ptr = _cgutils.get_item_pointer(context, builder, aryty, a, at, wraparound=False)
+            fnty = _ir.FunctionType(_ir.IntType(64), [_ir.IntType(64)])
+            asm = _ir.InlineAsm(fnty, "mov.b64 $0, $1;", "=l,l")
+            return builder.call(asm, [builder.ptrtoint(ptr, _ir.IntType(64))])
+        return _types.int64(ary, i, j), codegen
+
+    @_intrinsic
+    def base_at(typingctx, ary):
+        """``ary``'s first element's address (int64), for ``load_at``."""
+        def codegen(context, builder, sig, args):
+            a = context.make_array(sig.args[0])(context, builder, value=args[0])
+            return builder.ptrtoint(a.data, _ir.IntType(64))
+        return _types.int64(ary), codegen
+
+    @_intrinsic
+    def load_at(typingctx, ary, at, n):
+        """The element ``n`` (unsigned 32-bit: zero-extended) past ``row_at``'s address
+        ``at``, read as ``ary``'s dtype from global memory (``ld.global``)."""
+        def codegen(context, builder, sig, args):
+            elt = context.get_value_type(sig.args[0].dtype)
+            size = context.get_abi_sizeof(elt)
+            n32 = context.cast(builder, args[2], sig.args[2], _types.uint32)
+            asm = _ir.InlineAsm(_ir.FunctionType(_ir.IntType(32), [_ir.IntType(32)]),
+                                "mov.b32 $0, $1;", "=r,r")
+            off = builder.mul(builder.zext(builder.call(asm, [n32]), _ir.IntType(64)),
+                              _ir.Constant(_ir.IntType(64), size))
+            addr = builder.add(args[1], off)
+            ptr = builder.inttoptr(addr, _ir.PointerType(elt, addrspace=1))
+            return builder.load(ptr)
+        return ary.dtype(ary, at, n), codegen
+
+
 if STAMP == 0:
     @cuda.jit(device=True, **INLINE)
     def stamp(slot, second=0):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, int32, int64, types, uint32, uint64
 
-from .numba_common import INLINE
+from .numba_common import INLINE, base_at, load_at, row_at
 from .trie_topk import SIMULATED
 from .trie_topk_dev import BIG, FULL, NT, NW, hist_add, minmax
 from .trie_topk_index import (I32MIN, NEG_INF, beam_at, bits32, ix, okey_of, signed_order,
@@ -183,7 +183,7 @@ def unit_at(u, nu, upb, F, b0, r, B, bs, bm, bl, bf, bc):
 def code_at(codes, f, n, i):
     """Slot ``i``'s code (child ``f + 32 i`` where ``32 i < n``, else child 0's: in bounds)."""
     m = uint32(0) - uint32(int32(32 * i) < n)
-    return codes[ix((f + uint32(32 * i)) & m)]
+    return load_at(codes, base_at(codes), (f + uint32(32 * i)) & m)
 
 
 @cuda.jit(device=True, **INLINE)
@@ -195,20 +195,22 @@ def codes6(codes, f, n):
 
 
 @cuda.jit(device=True, **INLINE)
-def unit_val(logp, row, cd, off, sh, s, m, ls, n, i):
-    """Slot ``i``'s score, as ``pval``'s (-inf past the beam's children: an add)."""
-    x = logp_of(logp[row, ix(uint32(off) + uint32(cd))], sh, m, ls)
+def unit_val(logp, at, cd, sh, s, m, ls, n, i):
+    """Slot ``i``'s score, as ``pval``'s (-inf past the beam's children: an add), its
+    log-probability ``cd`` past ``at`` (``row_at``: the row and ``off`` taken once a unit)."""
+    x = logp_of(load_at(logp, at, uint32(cd)), sh, m, ls)
     return s + x + (float32(0.0) if int32(32 * i) < n else NEG_INF)
 
 
 @cuda.jit(device=True, **INLINE)
 def vals6(logp, row, off, sh, s, m, ls, n, d0, d1, d2, d3, d4, d5):
-    return (unit_val(logp, row, d0, off, sh, s, m, ls, n, 0),
-            unit_val(logp, row, d1, off, sh, s, m, ls, n, 1),
-            unit_val(logp, row, d2, off, sh, s, m, ls, n, 2),
-            unit_val(logp, row, d3, off, sh, s, m, ls, n, 3),
-            unit_val(logp, row, d4, off, sh, s, m, ls, n, 4),
-            unit_val(logp, row, d5, off, sh, s, m, ls, n, 5))
+    at = row_at(logp, row, ix(off))
+    return (unit_val(logp, at, d0, sh, s, m, ls, n, 0),
+            unit_val(logp, at, d1, sh, s, m, ls, n, 1),
+            unit_val(logp, at, d2, sh, s, m, ls, n, 2),
+            unit_val(logp, at, d3, sh, s, m, ls, n, 3),
+            unit_val(logp, at, d4, sh, s, m, ls, n, 4),
+            unit_val(logp, at, d5, sh, s, m, ls, n, 5))
 
 
 def units_of(F: int, enabled: bool) -> int:

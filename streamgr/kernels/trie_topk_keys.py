@@ -56,7 +56,7 @@ def okey(val):
     """The fp32 score's order-preserving 32 bits as an int64 (-0.0 as +0.0: they tie), computed
     in 32 bits."""
     b = int32(_bits(val + float32(0.0)))
-    return int64(uint32(b ^ int32(-1)) if b < 0 else uint32(uint32(b) | uint32(0x80000000)))
+    return int64(uint32(b ^ ((b >> 31) | int32(-0x80000000))))  # ~b below 0, else b | top bit
 
 
 @cuda.jit(device=True, **INLINE)

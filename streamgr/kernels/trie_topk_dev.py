@@ -18,7 +18,7 @@ from numba import cuda, int32, int64, uint32
 
 from .numba_common import INLINE
 from .trie_topk import SIMULATED
-from .trie_topk_keys import LOW32, tkey
+from .trie_topk_keys import LOW32, ix, tkey
 
 NT, DIG = (32, 5) if SIMULATED else (1024, 10)  # threads of a select block; digit bits
 NB = 1 << DIG  # bins; NT threads a block (a bin each in the grid passes)
@@ -236,14 +236,14 @@ def pick_scan(hist, nbins, want, scan, res, nt, sync=True):
     own = int32(0)
     if tid < nt:
         for e in range(per):
-            own = int32(own + hist[hi - e])
+            own = int32(own + hist[ix(hi - e)])  # unsigned: no wraparound code
     incl, _ = block_scan(own, scan, nt, False)  # a barrier ends this (``sync``, or the caller's)
     first = int32(incl - own)
     above = first
     w = int32(want)  # below 2**31 (a request's candidates): 32-bit sums, as block_scan's
     if tid < nt and above < w and w <= incl:
         for e in range(per):
-            h = hist[hi - e]
+            h = hist[ix(hi - e)]
             if int32(above + h) >= w:
                 res[0] = hi - e
                 res[1] = int32(w - above)

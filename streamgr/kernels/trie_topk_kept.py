@@ -101,11 +101,12 @@ from .trie_topk_last import GMAX, GMAX1, counts_at, fetch, lohi, place, starts, 
 from .counters import zeroed
 from .kernel_cache import cached
 
-# ws: the blocks done, then the request's histogram from HG (trie_topk_bins' layout)
+# ws: the blocks done, and those whose keys are out; hg: the request's histogram, a buffer of its
+# own (its row a plain view for the last block's pick: a slice ``ws[r, HG:]`` of one buffer
+# took ~40 SASS instructions of 64-bit slice arithmetic a thread)
 CNT = 0
 PUT = 1  # the request's other blocks whose keys are out
-HG = 8
-W_LEN = HG + GB
+W_LEN = 2
 UPW = 4  # units a warp holds: 24 scores a thread in registers
 KEPT = os.environ.get("STREAMGR_TOPK_KEPT", "1") == "1"  # 0: the two launches (A/B)
 PER_MAX = GB // NT  # bins a thread owns in ``cursors`` at most
@@ -150,7 +151,7 @@ def bins6(hist, v, ref, gs, x0, x1, x2, x3, x4, x5):
 
 
 @cuda.jit(device=True, **INLINE)
-def cursors(hist, k, scan, res, cum, ws, r, blk, gs):
+def cursors(hist, k, scan, res, cum, hg, r, blk, gs):
     """The bin ``d`` of the block's ``k``-th best (0 where it holds fewer: every key kept), as
     ``pick`` finds it (``pick_scan``), and along that search, for every bin ``g``: ``hist[g]``
     becomes the keys in bins above it (the bin's first slot in the block's segment, keys
@@ -176,7 +177,7 @@ def cursors(hist, k, scan, res, cum, ws, r, blk, gs):
     for e in range(nbins // NT):
         g = hi - e
         if g >= d and hs[e] != 0:
-            cuda.atomic.add(ws, (ix(r), ix(HG + g)), int64(hs[e]))
+            cuda.atomic.add(hg, (ix(r), ix(g)), int64(hs[e]))
     return d
 
 
@@ -214,7 +215,7 @@ def put_units(kept, r, seg, hist, ref, gs, d, P, Q):
 @cached
 @cuda.jit(**JIT_NT)
 def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off, ws,
-                kept, cum, buf, cap, top, parent, child, code):
+                hg, kept, cum, buf, cap, top, parent, child, code):
     r = cuda.blockIdx.y
     blk = cuda.blockIdx.x
     tid = cuda.threadIdx.x
@@ -259,7 +260,7 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
                            hist, ref, gs)
     cuda.syncthreads()
     stamp(2)
-    d = cursors(hist, k, scan, res, cum, ws, r, blk, gs)
+    d = cursors(hist, k, scan, res, cum, hg, r, blk, gs)
     stamp(3)
     seg = int64(blk) * (bpb * F)  # the block's segment: its chunk's candidates' span
     cuda.syncthreads()  # every thread's cum and bins before the vote's release
@@ -277,11 +278,11 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
         stamp(15)
         return
     # no acquire fence: the vote saw every other block's release, and this SM holds no line of
-    # ws or of their cum rows (it only added to ws and wrote its own row; L1 starts a launch
+    # hg or of their cum rows (it only added to hg and wrote its own row; L1 starts a launch
     # empty), so the loads below read them from L2. (With ``threadfence`` for the releases, a
     # fence here timed 0.0200-0.0203 ms against 0.0198-0.0203 without; the released atomics
     # then 0.0195-0.0196: H200, step 2 at beams of 1,024, session 57 calls 6 and 7)
-    d, need, nd = pick(ws[r, HG:], nbins, k, scan, res, NT)  # D: the request's k-th's bin
+    d, need, nd = pick(hg[ix(r)], nbins, k, scan, res, NT)  # D: the request's k-th's bin
     d = int32(d)
     stamp(5)
     above = int32(k - need)  # keys past D
@@ -295,7 +296,7 @@ def kept_select(N, k, KP, upb, bpb, F, FM, B, scores, nodes, logp, lse, sh, ptr,
         cnt[0] = above  # radix_rest's appends (where D is crowded)
     if small:
         hist2[tid] = 0  # (radix_rest's otherwise: rank_answer zeroes it after) NB == NT
-    zero_bins(ws, r, HG, gs)
+    zero_bins(hg, r, 0, gs)
     gb = cuda.gridDim.x
     wpre = wpa = wna = n_all = n_a = int32(0)
     if small and not SIMULATED:  # every warp its own starts, in its lanes: no barrier
@@ -380,8 +381,9 @@ def run(launch, R, N, k, KP, upb, F, FM, B, sc, nd, lp, trie, outs, dev, arr, bp
     g = -(-B // bpb)
     assert g <= GMAX, (g, GMAX)
     ws = zeroed((R, W_LEN), dev)
+    hg = zeroed((R, GB), dev)
     kept = torch.empty(R, N, dtype=torch.int64, device=dev)
     cum = torch.empty(R, g, GB, dtype=torch.int32, device=dev)
     buf = torch.empty(R, N, dtype=torch.int64, device=dev)
     launch(kept_select, (g, R), NT, SMEM)(N, k, KP, upb, bpb, F, FM, B, sc, nd, *lp, *trie,
-                                          arr(ws), arr(kept), arr(cum), arr(buf), *outs)
+                                          arr(ws), arr(hg), arr(kept), arr(cum), arr(buf), *outs)

@@ -29,7 +29,7 @@ import os
 from numba import cuda, float32, int32, int64, uint32
 
 from .kernel_cache import cached
-from .numba_common import INLINE, STAMP, stamp
+from .numba_common import INLINE, STAMP, base_at, load_at, row_at, stamp
 from .trie_topk_dev import (DIG, DM, I32MAX, JIT_NT, NB, NT, SCAN_N, SEG_MAX, append, bin_rank,
                             hist_add, pick, pick_segments)
 from .trie_topk_index import beam_node, node_span, span_of
@@ -80,15 +80,15 @@ def score(r, c, N, F, FM, B, scores, nodes, logp, lse, sh, ptr, codes, off):
 
 
 @cuda.jit(device=True, **INLINE)
-def child_key(i, ok, base, N, s, first, cnt, row, logp, sh, m, ls, codes, off):
+def child_key(i, ok, base, N, s, first, cnt, at, logp, sh, m, ls, codes):
     """``score``'s (okey, held pair) and candidate index (``N`` where slot ``i`` is none) of
-    child slot ``i`` of a beam scored ``s`` (``first``, ``cnt``: its child range; ``row`` its
-    log-probabilities' row, ``m``, ``ls`` their max and log-sum), whose candidates start at
-    ``base``; ``ok``: the slot is a candidate."""
+    child slot ``i`` of a beam scored ``s`` (``first``, ``cnt``: its child range; ``at`` its
+    log-probabilities' row from ``off``, ``row_at``'s; ``m``, ``ls`` their max and log-sum),
+    whose candidates start at ``base``; ``ok``: the slot is a candidate."""
     real = uint32(i) < cnt
     ch = first + uint32(i) if real else uint32(0)
-    cd = codes[ix(ch)]
-    x = logp_of(logp[row, ix(uint32(off) + uint32(cd))], sh, m, ls)
+    cd = load_at(codes, base_at(codes), ch)
+    x = logp_of(load_at(logp, at, uint32(cd)), sh, m, ls)
     val = s + x if real else NEG_INF
     pk = ((int64(ch) + 1) << 32) | (cd & LOW32) if real else int64(0)
     return (okey(val) if ok else int64(-1)), pk, (int64(base + uint32(i)) if ok else N)
@@ -104,17 +104,16 @@ def score_beam(r, t, N, F, B, scores, nodes, logp, lse, sh, ptr, codes, off):
     s, n = beam_node(r, b, scores, nodes)
     row = ix(uint32(r) * uint32(B) + b)
     m, ls = lse[0, row], lse[ix(sh >> 4), row]
+    at = row_at(logp, row, ix(off))
     lo, hi = node_span(s, n, ptr)
     first, cnt = span_of(s, lo, hi)
     base = uint32(t) * uint32(F)
-    u0, p0, c0 = child_key(0, has, base, N, s, first, cnt, row, logp, sh, m, ls, codes, off)
-    u1, p1, c1 = child_key(1, has and F > 1, base, N, s, first, cnt, row, logp, sh, m, ls, codes,
-                           off)
-    u2, p2, c2 = child_key(2, has and F > 2, base, N, s, first, cnt, row, logp, sh, m, ls, codes,
-                           off)
+    u0, p0, c0 = child_key(0, has, base, N, s, first, cnt, at, logp, sh, m, ls, codes)
+    u1, p1, c1 = child_key(1, has and F > 1, base, N, s, first, cnt, at, logp, sh, m, ls, codes)
+    u2, p2, c2 = child_key(2, has and F > 2, base, N, s, first, cnt, at, logp, sh, m, ls, codes)
     u3, p3, c3 = int64(-1), int64(0), N
     if F > 3:  # block-uniform: step 3's fan-out of 3 issues no fourth child's loads
-        u3, p3, c3 = child_key(3, has, base, N, s, first, cnt, row, logp, sh, m, ls, codes, off)
+        u3, p3, c3 = child_key(3, has, base, N, s, first, cnt, at, logp, sh, m, ls, codes)
     return u0, u1, u2, u3, p0, p1, p2, p3, c0, c1, c2, c3
 
 

@@ -110,7 +110,7 @@ def test_selection_kernels_fit_a_block_of_1024(name, tmp_path):
         "bin_select": (bn.bin_select, (i64, i64, i64, i64) + head + lp + trie
                        + (A(i64, 2), A(i32, 2), A(i64, 2), A(i64, 2)) + outs),
         "kept_select": (kept.kept_select, (i64,) * 5 + head + lp + trie
-                        + (A(i64, 2), A(i64, 2), A(i32, 3), A(i64, 2)) + outs)}[name]
+                        + (A(i64, 2), A(i64, 2), A(i64, 2), A(i32, 3), A(i64, 2)) + outs)}[name]
     ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
     if name == "root_select":
         assert ".local" not in ptx  # its eight candidates a thread are registers
@@ -136,5 +136,7 @@ def test_selection_kernels_fit_a_block_of_1024(name, tmp_path):
     # became acquires
     # bin_select spills none since session 58, its last block's zeroing of the request's
     # histogram a loop of constant count (``zero_bins``; nvdisasm: 144 SASS instructions fewer)
-    cap = {"kept_select": 44}.get(name, 8)
+    # kept_select 8 bytes (fp32 and bf16) since session 59: the scoring's loads address their
+    # rows once (``row_at``, ``load_at``), which freed the registers the held scores had spilled
+    cap = 8
     assert spills is None or spills <= cap, (name, spills)

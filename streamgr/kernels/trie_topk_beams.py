@@ -13,7 +13,9 @@ no candidate divides its index or reads its beam (bin_hist executed 8.72 -> 5.75
 instructions at step 2 at beams of 1,024 on the H200, session 47). Else ``score8`` scores
 eight consecutive candidates a thread a round with no branch, so that the round's loads issue
 together (session 44: 13.4 us with selects, which LLVM turned into branches around each load,
--> 9.7 us). Scores equal ``cand``'s bit for bit (a ``+0.0`` aside, which the keys cannot tell
+-> 9.7 us). A unit's logits row is addressed once (``row_at``) and each slot's code and
+log-probability at one multiply-add (``load_at``; session 59: LLVM had re-formed the 64-bit row
+index at every slot, five SASS instructions an address). Scores equal ``cand``'s bit for bit (a ``+0.0`` aside, which the keys cannot tell
 from ``-0.0``).
 """
 

@@ -46,7 +46,10 @@ picking ``D`` while the others put, 0.0196-0.0198 -> 0.0194-0.0196 and with sort
 polls of ``PUT`` acquiring (``add_acquire``) instead of a ``threadfence`` after them, its
 zeroing of the request's histogram and ``rank_answer``'s answers without ``range`` loops
 (their 64-bit trip-count code: each instruction all of a block's threads run costs ~8 cycles
-of the SM's issue), 0.0197-0.0201 -> 0.0187-0.0189 ms, session 58. Tried and dropped,
+of the SM's issue), 0.0197-0.0201 -> 0.0187-0.0189 ms, session 58; the scoring's logits and
+codes loaded at addresses taken once a unit (``row_at``, ``load_at``: one ``IMAD.WIDE`` an
+address where LLVM re-formed the 64-bit row index at each slot; the scoring 1,875 -> 1,502 SASS
+instructions) and ``okey`` branchless, 0.0186 -> 0.0179 ms, session 59. Tried and dropped,
 each slower (docs/benchmarks.md, sessions 48-57): the kept keys unordered, or written with
 their answers; a request's blocks as a thread block cluster, or meeting at global barriers with
 each block answering a share of the ranks (each barrier 2.2-2.8 us); lighter fences (the same);

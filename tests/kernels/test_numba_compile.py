@@ -140,3 +140,23 @@ def test_selection_kernels_fit_a_block_of_1024(name, tmp_path):
     # rows once (``row_at``, ``load_at``), which freed the registers the held scores had spilled
     cap = 8
     assert spills is None or spills <= cap, (name, spills)
+
+
+def test_load_at_is_one_multiply_add_from_a_global_row():
+    """``numba_common.load_at`` reads global memory (``ld.global``, not a generic load, which
+    its inttoptr would give without the address space) at ``row_at``'s address plus its index
+    zero-extended from 32 bits (``mul.wide.u32``), and ``row_at``'s address stays opaque to
+    LLVM (the empty ``mov``), so no slot re-forms the row's 64-bit index (``mul.lo.s64``)."""
+    from numba import uint32
+    from streamgr.kernels.numba_common import load_at, row_at
+
+    def k(a, out, i, j, n0, n1):
+        at = row_at(a, i, j)
+        out[0] = load_at(a, at, uint32(n0)) + load_at(a, at, uint32(n1))
+
+    ptx, _ = cuda.compile_ptx(k, (A(i32, 2), A(i32, 1), i64, i64, i64, i64), cc=(9, 0))
+    body = ptx[ptx.index("{"):]
+    assert body.count("ld.global.u32") == 2, body
+    assert body.count("mul.wide.u32") == 2, body  # one an element
+    assert body.count("mov.b64") == 1, body
+    assert body.count("mul.lo.s64") == 1, body  # the row's offset, once

@@ -217,7 +217,9 @@ else:
     @_intrinsic
     def load_at(typingctx, ary, at, n):
         """The element ``n`` (unsigned 32-bit: zero-extended) past ``row_at``'s address
-        ``at``, read as ``ary``'s dtype from global memory (``ld.global``)."""
+        ``at``, read as ``ary``'s dtype from global memory (``ld.global``). ``n`` passes an
+        empty ``mov`` too: LLVM otherwise widens a 32-bit ``f + i`` to a 64-bit add and mask,
+        and the address takes two ``LEA``s where ``mul.wide.u32`` takes one ``IMAD.WIDE``."""
         def codegen(context, builder, sig, args):
             elt = context.get_value_type(sig.args[0].dtype)
             size = context.get_abi_sizeof(elt)

@@ -15,8 +15,8 @@ eight consecutive candidates a thread a round with no branch, so that the round'
 together (session 44: 13.4 us with selects, which LLVM turned into branches around each load,
 -> 9.7 us). A unit's logits row is addressed once (``row_at``) and each slot's code and
 log-probability at one multiply-add (``load_at``; session 59: LLVM had re-formed the 64-bit row
-index at every slot, five SASS instructions an address). Scores equal ``cand``'s bit for bit (a ``+0.0`` aside, which the keys cannot tell
-from ``-0.0``).
+index at every slot, five SASS instructions an address). Scores equal ``cand``'s bit for bit
+(a ``+0.0`` aside, which the keys cannot tell from ``-0.0``).
 """
 
 from __future__ import annotations

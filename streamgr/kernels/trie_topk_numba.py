@@ -47,7 +47,7 @@ def run(scores, nodes, logp, ptr, codes, off: int, F: int, k: int, cap):
     if len(codes) == 0:  # no children anywhere: every candidate -inf; keep the loads in bounds
         codes = torch.zeros(1, dtype=codes.dtype, device=dev)  # the same kernels as the trie's
     lp = _log_probs(logp, a, sc)
-    trie = (a(ptr), a(codes), off)
+    trie = (a(ptr), a(unit_stride(codes)), off)
     outs = (a(cap.contiguous()), a(top), a(parent), a(child), a(code))
     KP = 1 << max(0, (k - 1).bit_length())
     sa, nd = a(sc), a(nodes.contiguous())
@@ -75,10 +75,14 @@ def _log_probs(logp, a, sc) -> tuple:
     ``sc`` viewed as [1, rows] stands in for it (read, unused: a [2, rows] zeros tensor would
     be a memset in every graph)."""
     if isinstance(logp, LogProbs) and logp.logits.dtype == torch.bfloat16:
-        return a(logp.logits.view(torch.int16)), a(logp.stats), 16
+        return a(unit_stride(logp.logits).view(torch.int16)), a(logp.stats), 16
     if isinstance(logp, LogProbs):
         logp = logp.dense()
-    logp = logp.float()
-    if logp.stride(-1) != 1:
-        logp = logp.contiguous()
-    return a(logp.view(torch.int32)), a(sc.view(1, -1)), 0
+    return a(unit_stride(logp.float()).view(torch.int32)), a(sc.view(1, -1)), 0
+
+
+def unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its last dimension's elements adjacent (a copy only where they are not): the
+    kernels read logits rows and codes through ``numba_common.load_at``, element ``n`` at
+    ``n`` times the item size past the row's start."""
+    return t if t.stride(-1) == 1 else t.contiguous()

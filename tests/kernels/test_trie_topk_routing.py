@@ -98,3 +98,26 @@ def test_merge_and_quad_routing_on_the_h200():
                        timeout=120, cwd=root)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.split() == ["ok"]
+
+
+def test_logits_and_codes_reach_the_kernels_with_adjacent_elements():
+    """The kernels read a logits row and the codes through ``numba_common.load_at`` (element
+    ``n`` at ``n`` item sizes past the start), so the host side hands them over with unit
+    stride in their last dimension: strided views are copied, contiguous ones passed as they
+    are (no copy node in a captured plan)."""
+    from streamgr.kernels.head_lse import LogProbs, row_lse_reference
+    from streamgr.kernels.trie_topk_numba import _log_probs, unit_stride
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(6, 40, generator=g).to(torch.bfloat16)
+    lg = wide[:, ::2]  # inner stride 2
+    sc = torch.randn(6)
+    bits, stats, sh = _log_probs(LogProbs(lg, 20, row_lse_reference(lg, 20)), lambda t: t, sc)
+    assert sh == 16 and bits.stride(-1) == 1
+    assert torch.equal(bits, lg.contiguous().view(torch.int16))
+    f32 = torch.randn(40, 6, generator=g).t()  # inner stride 6
+    bits, _, sh = _log_probs(f32, lambda t: t, sc)
+    assert sh == 0 and bits.stride(-1) == 1 and torch.equal(bits.view(torch.float32), f32)
+    codes = torch.arange(30, dtype=torch.int32)
+    assert unit_stride(codes) is codes  # contiguous: passed as it is
+    every3 = unit_stride(codes[::3])
+    assert torch.equal(every3, codes[::3]) and every3.stride(0) == 1

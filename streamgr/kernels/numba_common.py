@@ -146,20 +146,24 @@ else:
     from numba.core import cgutils as _cgutils
     from numba.cuda.extending import intrinsic as _intrinsic
 
+    def _item_address(context, builder, sig, args):
+        """An intrinsic's ``args[0][args[1], args[2]]`` address as an int64 (no wraparound)."""
+        aryty = sig.args[0]
+        a = context.make_array(aryty)(context, builder, value=args[0])
+        at = [context.cast(builder, args[n], sig.args[n], _types.intp) for n in (1, 2)]
+        ptr = _cgutils.get_item_pointer(context, builder, aryty, a, at, wraparound=False)
+        return builder.ptrtoint(ptr, _ir.IntType(64))
+
     def _add_ordered(order, doc):
         """An intrinsic ``ary[i, j] += val`` (int64) as one ``atom.{order}.gpu`` (returns the
         old value)."""
         @_intrinsic
         def add(typingctx, ary, i, j, val):
             def codegen(context, builder, sig, args):
-                aryty = sig.args[0]
-                a = context.make_array(aryty)(context, builder, value=args[0])
-                at = [context.cast(builder, args[n], sig.args[n], _types.intp) for n in (1, 2)]
-                ptr = _cgutils.get_item_pointer(context, builder, aryty, a, at, wraparound=False)
                 fnty = _ir.FunctionType(_ir.IntType(64), [_ir.IntType(64), _ir.IntType(64)])
                 asm = _ir.InlineAsm(fnty, f"atom.{order}.gpu.global.add.u64 $0, [$1], $2;",
                                     "=l,l,l", side_effect=True)
-                return builder.call(asm, [builder.ptrtoint(ptr, _ir.IntType(64)),
+                return builder.call(asm, [_item_address(context, builder, sig, args),
                                           context.cast(builder, args[3], sig.args[3],
                                                        _types.int64)])
             return _types.int64(ary, i, j, val), codegen
@@ -197,13 +201,9 @@ else:
         to LLVM, ``ary[i, j + n]`` for several ``n`` re-forms ``(i * cols + j + n) * size +
         base`` at each, four SASS instructions an element against ``load_at``'s one."""
         def codegen(context, builder, sig, args):
-            aryty = sig.args[0]
-            a = context.make_array(aryty)(context, builder, value=args[0])
-            at = [context.cast(builder, args[n], sig.args[n], _types.intp) for n in (1, 2)]
-            ptr = _cgutils.get_item_pointer(context, builder, aryty, a, at, wraparound=False)
             fnty = _ir.FunctionType(_ir.IntType(64), [_ir.IntType(64)])
             asm = _ir.InlineAsm(fnty, "mov.b64 $0, $1;", "=l,l")
-            return builder.call(asm, [builder.ptrtoint(ptr, _ir.IntType(64))])
+            return builder.call(asm, [_item_address(context, builder, sig, args)])
         return _types.int64(ary, i, j), codegen
 
     @_intrinsic

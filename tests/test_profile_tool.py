@@ -66,6 +66,24 @@ def test_probe_hosthit_kernel_table_sums_device_events_inside_each_range():
     assert rows[-1] == ("total (3 kinds)", 52.0, 2.0)
 
 
+def test_profile_rank_host_times_host_hit_batches_on_the_cpu():
+    """tools/profile_rank_host.py stubs the forward out and times the host work of host-hit
+    batches (its stub once fell behind ``_forward_eager``'s signature and the tool died)."""
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "profile_rank_host.py"), "--mode",
+                        "hierarchical", "--users", "20", "--requests", "60", "--set",
+                        "cache.device_pages=256", "--set", "cache.host_chunks=64", "--set",
+                        "cache.onload_split=0.5", "--top", "3"],
+                       capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert re.search(r"^hierarchical, batch 8: \d+ batches, [\d.]+ ms per batch", p.stdout,
+                     re.M), p.stdout
+    assert "'onload_submit': " in p.stdout and "function calls" in p.stdout
+    m = re.search(r"^history tokens: from gpu [\d,]+, from host ([\d,]+), host recomputed "
+                  r"([\d,]+)", p.stdout, re.M)
+    assert m and int(m.group(1).replace(",", "")) > 0, p.stdout  # host hits onloaded
+    assert int(m.group(2).replace(",", "")) > 0, p.stdout  # and recomputed by the split
+
+
 def test_probe_recompute_runs_on_the_cpu():
     """tools/probe_recompute.py's three probes, in turn on one engine, print what they
     measured."""

@@ -57,7 +57,7 @@ def main() -> int:
         replay_batches(eng, tl.prefill(s0, order, max(args.batch, 8)), measure=[], progress=False)
         drain_background(eng)
     # The model is not what is timed here: a stand-in returns zero scores at once.
-    CachedRankRunner._forward_eager = lambda self, up, desc, handles, stages: torch.zeros(
+    CachedRankRunner._forward_eager = lambda self, up, *_args, **_kw: torch.zeros(
         int(sum(up[0].num_candidates)))
     warm = min(20, len(batches) // 4)
     replay_batches(eng, batches[:warm], measure=[], progress=False)
@@ -73,6 +73,9 @@ def main() -> int:
     print(f"{args.mode}, batch {args.batch}: {n} batches, "
           f"{(time.perf_counter() - t) / n * 1e3:.3f} ms per batch (run_batch + background)")
     print("stages (ms per batch):", stages)
+    print("history tokens: " + ", ".join(  # what the timed batches' users had cached where
+        f"{k.replace('_', ' ')} {sum(getattr(r, k) for r in res.records):,}"
+        for k in ("from_gpu", "from_host", "host_recomputed", "recomputed")))
     if prof:
         pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
     eng.close_offline()

@@ -59,6 +59,11 @@ BAD = [
     (E.InvalidRequest, dict(user_id="u" * 1025)),  # past MAX_USER_ID (1,024 is served below)
     (E.InvalidRequest, dict(user_id=2**64)),
     (E.InvalidRequest, dict(user_id=-2**63 - 1)),
+    (E.InvalidRequest, dict(base_len=-1)),
+    (E.InvalidRequest, dict(base_len=True)),
+    (E.InvalidRequest, dict(base_len=2.0)),
+    (E.HistoryTooLong, dict(base_len=63)),  # 63 events sent before + these 2: past 64
+    (E.HistoryTooLong, dict(base_len=2**64)),  # a count, only far too large
 ]
 
 

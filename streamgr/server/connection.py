@@ -59,6 +59,7 @@ class Connection(asyncio.Protocol):
         self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
         self.tasks: set[asyncio.Future] = set()  # requests in flight (engine futures / tasks)
+        self.ids: set[int] = set()  # their request ids (a second request may not reuse one)
         self.expired: set[asyncio.Future] = set()  # answered DEADLINE_EXCEEDED already
         self.greeted = False
         self.admin = False  # greeted with the admin token (server/admin.py)

@@ -179,6 +179,11 @@ class Server:
 
     def _dispatch(self, conn: Connection, msg) -> None:
         conn.last = t0 = time.monotonic()
+        if msg.id in conn.ids:  # its reply could not be told from the first one's
+            conn.send(m.Error(msg.id, "INVALID_REQUEST", f"request id {msg.id} is already in "
+                                                         "flight on this connection"))
+            self.metrics.counters["duplicate_ids"] += 1
+            return
         if isinstance(msg, m.HealthRequest):
             ready, status = self.readiness()
             conn.send(m.HealthReply(msg.id, True, ready, status))
@@ -222,6 +227,7 @@ class Server:
         self.inflight += 1
         self._idle.clear()
         conn.tasks.add(fut)
+        conn.ids.add(msg.id)
         timer = None
         if msg.deadline_ms is not None:
             timer = loop.call_later(msg.deadline_ms / 1e3, self._expire, conn, msg, fut)
@@ -230,12 +236,15 @@ class Server:
     def _expire(self, conn: Connection, msg, fut: asyncio.Future) -> None:
         if not fut.done():
             conn.expired.add(fut)
+            conn.ids.discard(msg.id)  # answered: the client may use the id again
             conn.send(m.Error(msg.id, "DEADLINE_EXCEEDED", f"no reply within {msg.deadline_ms} ms"))
             fut.cancel()  # withdrawn from the engine if it has not run yet
 
     def _done(self, conn: Connection, msg, kind: str, fut: asyncio.Future, t0: float,
               timer) -> None:
         conn.tasks.discard(fut)
+        if fut not in conn.expired:  # (an expired one's id may be in use again already)
+            conn.ids.discard(msg.id)
         if timer is not None:
             timer.cancel()
         self.inflight -= 1

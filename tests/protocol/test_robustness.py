@@ -164,3 +164,30 @@ def test_closing_the_client_cancels_its_requests_in_the_engine(loop):
         time.sleep(0.5)  # past the batch window: nothing of them may run
         c = srv.counters()
     assert c.get("rank_cancelled", 0) == 5 and c.get("rank_requests", 0) == 0, c
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_an_id_in_flight_is_not_taken_twice_on_a_connection(loop):
+    """Replies come in completion order and carry only the id: a second request under an id
+    still in flight is refused (the first is answered as usual); once answered, even by a
+    DEADLINE_EXCEEDED, the id may be used again. Other connections have ids of their own."""
+    with ServerThread(loop, overrides={"engine.max_wait_ms": 200.0}) as srv:
+        with connect(srv) as sock, connect(srv) as other:
+            sock.sendall(frame(rank_msg(5, user=1)) + frame(rank_msg(5, user=2))
+                         + frame(m.StatsRequest(5)))
+            other.sendall(frame(rank_msg(5, user=3)))
+            first, second, third = recv_msg(sock), recv_msg(sock), recv_msg(sock)
+            for refused in (first, second):
+                assert isinstance(refused, m.Error) and refused.id == 5, refused
+                assert refused.code == "INVALID_REQUEST" and "already in flight" in refused.message
+            assert isinstance(third, m.RankReply) and third.id == 5 and len(third.scores) == 3
+            assert isinstance(recv_msg(other), m.RankReply)
+            sock.sendall(frame(rank_msg(5, user=1)))  # answered: free again
+            assert isinstance(recv_msg(sock), m.RankReply)
+            sock.sendall(frame(rank_msg(6, user=1, deadline_ms=1.0)))
+            expired = recv_msg(sock)
+            assert isinstance(expired, m.Error) and expired.code == "DEADLINE_EXCEEDED"
+            sock.sendall(frame(rank_msg(6, user=1)))  # its first request may still be queued
+            again = recv_msg(sock)
+            assert isinstance(again, m.RankReply) and again.id == 6
+        assert srv.server.metrics.counters["duplicate_ids"] == 2  # (the server's, not the engine's)

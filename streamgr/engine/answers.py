@@ -11,6 +11,7 @@ from .metrics import EngineMetrics
 def answer_rank(metrics: EngineMetrics, batch: list[Pending], outcome, t_start: float,
                 t_done: float) -> None:
     compute_ms = (t_done - t_start) * 1e3
+    metrics.count("rank_batches")
     for p, res in zip(batch, outcome.results):
         if p.future.done():
             continue
@@ -31,6 +32,7 @@ def answer_generate(metrics: EngineMetrics, batch: list[Pending], outcome, t_sta
     # The device's busy time (CUDA: each batch's span on its stream), summed over batches:
     # against wall time it says whether the GPU or the host bounds a run.
     metrics.count("generate_gpu_us", int(outcome.stages.get("gpu", 0.0) * 1e3))
+    metrics.count("generate_batches")
     for p, res in zip(batch, outcome.results):
         if p.future.done():
             continue

@@ -54,6 +54,32 @@ class ServerMetrics:
         for kind in ("rank", "generate"):  # live updates (engine/updates.py)
             for what in ("updates", "rollbacks"):
                 out.append(f"streamgr_{kind}_{what}_total {counters.get(f'{kind}_{what}', 0)}")
+        # Saturation: requests waiting for a batch, batches run and the requests they answered
+        # (the two counters' rates give the mean batch size of any window); only for an engine
+        # in this process (a Ray ingress's replicas keep their own counters).
+        serves = engine_stats.get("serves", []) if "counters" in engine_stats else []
+        if "queued" in engine_stats:
+            out += ["# TYPE streamgr_engine_queued gauge",
+                    f"streamgr_engine_queued {engine_stats['queued']}"]
+        for name, what in (("batches", "batches"), ("batched_requests", "requests")):
+            out += [f"# TYPE streamgr_{name}_total counter"] if serves else []
+            for kind in serves:
+                out.append(f'streamgr_{name}_total{{kind="{kind}"}} '
+                           f'{counters.get(f"{kind}_{what}", 0)}')
+        if "rank" in serves:
+            # Where rank history tokens came from, as counters: their rates give the hit ratio
+            # of a window (the *_ratio gauges above are since the start). Disjoint, summing to
+            # the history tokens; "recomputed" includes what the host held and onload_split
+            # chose to recompute (streamgr_cache_host_tokens_recomputed).
+            out.append("# TYPE streamgr_rank_history_tokens_total counter")
+            for source, key in (("gpu", "tokens_from_gpu"), ("host", "tokens_from_host"),
+                                ("recomputed", "tokens_recomputed")):
+                out.append(f'streamgr_rank_history_tokens_total{{source="{source}"}} '
+                           f"{counters.get(key, 0)}")
+        if "generate" in serves:
+            out += ["# TYPE streamgr_generate_gpu_seconds_total counter",
+                    f"streamgr_generate_gpu_seconds_total "
+                    f"{counters.get('generate_gpu_us', 0) / 1e6:.6f}"]
         out.append("# TYPE streamgr_version_info gauge")
         for kind, key in (("rank", "weights_version"), ("generate", "generate_version")):
             if kind in engine_stats.get("serves", []) and key in engine_stats:

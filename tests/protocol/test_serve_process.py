@@ -88,6 +88,16 @@ def test_prometheus_endpoint():
         assert 'streamgr_requests_total{kind="rank",outcome="ok"} 3' in text
         assert 'streamgr_request_latency_seconds_count{kind="rank"} 3' in text
         assert "streamgr_total_hit_ratio" in text and "streamgr_cache_evictions" in text
+        # one request at a time: three batches of one; the history tokens by source sum to
+        # the three requests' (5 events, 10 tokens each)
+        assert 'streamgr_batches_total{kind="rank"} 3' in text
+        assert 'streamgr_batched_requests_total{kind="rank"} 3' in text
+        assert "streamgr_engine_queued 0" in text
+        tokens = re.findall(r'^streamgr_rank_history_tokens_total\{source="(\w+)"\} (\d+)$',
+                            text, re.M)
+        assert [s for s, _ in tokens] == ["gpu", "host", "recomputed"]
+        assert sum(int(n) for _, n in tokens) == 30, tokens
+        assert "streamgr_generate_gpu_seconds_total" not in text  # a rank-only spec
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0

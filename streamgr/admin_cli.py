@@ -1,6 +1,7 @@
-"""``streamgr update | rollback | versions --server ADDR``: live updates of a running server.
+"""``streamgr update | rollback | versions --server ADDR``: live updates of a running server;
+``streamgr status --server ADDR``: its health and a summary of its stats.
 
-They open an admin connection (the server's ``--admin-token-file`` token, distinct from the
+The admin commands open an admin connection (the server's ``--admin-token-file`` token, distinct from the
 client token) and print the server's versions after the change as JSON. Paths given to
 ``update`` (a checkpoint directory, a catalog file) are read by the server, on its host;
 ``--catalog-add`` (a CSV ``item_id,s1,s2,...``) and ``--policy`` (JSON or TOML with fields of
@@ -79,7 +80,72 @@ def cmd_admin(args) -> int:
     return 0
 
 
+def _pct(x) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def status_lines(addr: str, health, stats: dict) -> list[str]:
+    """``streamgr status``'s summary of a server's HealthReply and StatsReply."""
+    srv = stats.get("server", {})
+    conns = srv.get("connections", 0)  # (this command's own among them)
+    out = [f"{addr}: {health.status} (serves {', '.join(stats.get('serves', [])) or 'nothing'}"
+           f" on {stats.get('device', '?')}, {conns} connection{'' if conns == 1 else 's'})"]
+    versions = [f"{k} {stats[v]}" for k, v in (("rank", "weights_version"),
+                                                ("generate", "generate_version")) if v in stats]
+    if versions:
+        out.append("versions: " + ", ".join(versions))
+    by: dict[str, list[str]] = {}
+    for key, n in sorted(srv.get("requests", {}).items()):  # "kind:outcome"
+        kind, outcome = key.split(":", 1)
+        by.setdefault(kind, []).append(f"{outcome} {n:,}")
+    if by:
+        out.append("requests: " + "; ".join(f"{k} {', '.join(v)}" for k, v in by.items()))
+    for kind, key in (("rank", "latency_ms"), ("generate", "generate_latency_ms")):
+        lat = stats.get(key) or {}
+        if lat:
+            out.append(f"{kind} latency ms (last {lat['window']:,}): mean {lat['mean']:.2f}, "
+                       f"p50 {lat['p50']:.2f}, p99 {lat['p99']:.2f}")
+    if "queued" in stats:
+        out.append(f"engine: {stats['queued']} queued, {stats.get('inflight', 0)} in flight")
+    cache = stats.get("cache")
+    if cache:
+        out.append(f"cache ({stats.get('cache_mode', '?')}): hits GPU "
+                   f"{_pct(stats.get('gpu_hit_ratio', 0))}, total "
+                   f"{_pct(stats.get('total_hit_ratio', 0))}, held {_pct(stats.get('held_ratio', 0))}; "
+                   f"{cache.get('resident_users', 0):,} users resident, "
+                   f"{cache.get('free_pages', 0):,} free pages, "
+                   f"{cache.get('free_chunks', 0):,} free host chunks")
+    return out
+
+
+def cmd_status(args) -> int:
+    """Exit 0 when the server is ready, 1 when it answers but is not (draining, its engine
+    dead, full); an unreachable server is an error (2), as for every command."""
+    from .client import Client
+    from .errors import Overloaded
+    try:
+        with Client(args.server, read_token(args.token_file), timeout=args.timeout) as c:
+            health, stats = c.health(), c.stats()
+    except Overloaded as err:  # it answered, refusing the connection (draining, or full)
+        print(f"{args.server}: not ready: {err}")
+        return 1
+    if args.json:
+        print(json.dumps({"health": {"live": health.live, "ready": health.ready,
+                                     "status": health.status}, "stats": stats}, indent=1,
+                         default=str))
+    else:
+        print("\n".join(status_lines(args.server, health, stats)))
+    return 0 if health.ready else 1
+
+
 def add_admin_commands(sub) -> None:
+    p = sub.add_parser("status", help="a running server's health and stats (exit 1: not ready)")
+    p.add_argument("--server", required=True, help="HOST:PORT or unix:PATH")
+    p.add_argument("--token-file", default=None, help="file holding the server's client token")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server")
+    p.add_argument("--json", action="store_true", help="health and the whole stats as JSON")
+    p.set_defaults(func=cmd_status)
+
     for name, text in (("update", "a live update of a running server's weights, catalog, "
                                   "policy"),
                        ("rollback", "a running server back to its previous version"),

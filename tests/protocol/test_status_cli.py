@@ -1,0 +1,51 @@
+"""``streamgr status --server ADDR``: a served engine's health and stats summary, exit 0 when
+ready, 1 when it answers but is not ready, 2 when nothing answers (a real server on loopback)."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+
+from streamgr import RankRequest
+from streamgr.cli import main
+from streamgr.client import Client
+from tests.protocol.helpers import ServerThread
+
+
+def test_status_summarizes_a_served_engine_and_exits_by_readiness(capsys):
+    with ServerThread("uvloop") as srv:
+        with Client(srv.addr) as c:
+            for u in range(6):
+                c.rank(RankRequest(user_id=u % 3, items=[1, 2, 3], actions=[0, 1, 2],
+                                   candidates=[4, 5]))
+        assert main(["status", "--server", srv.addr]) == 0
+        text = capsys.readouterr().out
+        assert text.startswith(f"{srv.addr}: ready (serves rank on cpu, 1 connection)"), text
+        assert "requests: rank ok 6" in text and "versions: rank 1:seed:0" in text
+        assert re.search(r"^rank latency ms \(last 6\): mean [\d.]+, p50", text, re.M), text
+        assert "engine: 0 queued, 0 in flight" in text
+        assert re.search(r"^cache \(\w+\): hits GPU [\d.]+%, total", text, re.M), text
+
+        assert main(["status", "--server", srv.addr, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["health"] == {"live": True, "ready": True, "status": "ready"}
+        assert out["stats"]["counters"]["rank_requests"] == 6
+
+        srv.engine._dead = RuntimeError("a CUDA fault")  # live, answering, not ready
+        try:
+            assert main(["status", "--server", srv.addr]) == 1
+            assert capsys.readouterr().out.startswith(f"{srv.addr}: engine dead")
+        finally:
+            srv.engine._dead = None
+        srv.server.closing = True  # draining: new connections are refused with OVERLOADED
+        try:
+            assert main(["status", "--server", srv.addr]) == 1
+            assert capsys.readouterr().out == f"{srv.addr}: not ready: server is shutting down\n"
+        finally:
+            srv.server.closing = False
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    assert main(["status", "--server", f"127.0.0.1:{free}", "--timeout", "2"]) == 2
+    assert "no streamgr server answers" in capsys.readouterr().err

@@ -1,11 +1,11 @@
 """``streamgr update | rollback | versions --server ADDR``: live updates of a running server;
 ``streamgr status --server ADDR``: its health and a summary of its stats.
 
-The admin commands open an admin connection (the server's ``--admin-token-file`` token, distinct from the
-client token) and print the server's versions after the change as JSON. Paths given to
-``update`` (a checkpoint directory, a catalog file) are read by the server, on its host;
-``--catalog-add`` (a CSV ``item_id,s1,s2,...``) and ``--policy`` (JSON or TOML with fields of
-``[policy]``) are read here and sent.
+The admin commands open an admin connection (the server's ``--admin-token-file`` token,
+distinct from the client token) and print the server's versions after the change as JSON.
+Paths given to ``update`` (a checkpoint directory, a catalog file) are read by the server, on
+its host; ``--catalog-add`` (a CSV ``item_id,s1,s2,...``) and ``--policy`` (JSON or TOML with
+fields of ``[policy]``) are read here and sent. ``status`` needs only the client token.
 """
 
 from __future__ import annotations
@@ -109,9 +109,10 @@ def status_lines(addr: str, health, stats: dict) -> list[str]:
         out.append(f"engine: {stats['queued']} queued, {stats.get('inflight', 0)} in flight")
     cache = stats.get("cache")
     if cache:
-        out.append(f"cache ({stats.get('cache_mode', '?')}): hits GPU "
-                   f"{_pct(stats.get('gpu_hit_ratio', 0))}, total "
-                   f"{_pct(stats.get('total_hit_ratio', 0))}, held {_pct(stats.get('held_ratio', 0))}; "
+        gpu, total, held = (_pct(stats.get(f"{k}_ratio", 0)) for k in ("gpu_hit", "total_hit",
+                                                                         "held"))
+        out.append(f"cache ({stats.get('cache_mode', '?')}): hits GPU {gpu}, total {total}, "
+                   f"held {held}; "
                    f"{cache.get('resident_users', 0):,} users resident, "
                    f"{cache.get('free_pages', 0):,} free pages, "
                    f"{cache.get('free_chunks', 0):,} free host chunks")

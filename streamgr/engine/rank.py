@@ -55,8 +55,9 @@ def prepare_rank(req: RankRequest, cfg: HSTUConfig) -> PreparedRank:
         raise TooManyCandidates(f"{len(candidates)} candidates, the model takes at most "
                                 f"{cfg.max_candidates}")
     base = req.base_len
-    # (an int past int64 is a count of events sent before, only far too many: say that)
-    if base is not None and not int_in(base, 0, 2**63 - 1) and not int_in(base, 0, base):
+    # any int >= 0: one past int64 is a count of events sent before, only far too many (the
+    # history check below names it)
+    if base is not None and not int_in(base, 0, base):
         raise InvalidRequest(f"`base_len` must be a non-negative int, got {base!r:.40}")
     base = None if base is None else int(base)
     total = len(items) + (base or 0)

@@ -86,12 +86,13 @@ def _pct(x) -> str:
 
 def status_lines(addr: str, health, stats: dict) -> list[str]:
     """``streamgr status``'s summary of a server's HealthReply and StatsReply."""
-    srv = stats.get("server", {})
+    srv, serves = stats.get("server", {}), stats.get("serves", [])
     conns = srv.get("connections", 0)  # (this command's own among them)
-    out = [f"{addr}: {health.status} (serves {', '.join(stats.get('serves', [])) or 'nothing'}"
+    out = [f"{addr}: {health.status} (serves {', '.join(serves) or 'nothing'}"
            f" on {stats.get('device', '?')}, {conns} connection{'' if conns == 1 else 's'})"]
     versions = [f"{k} {stats[v]}" for k, v in (("rank", "weights_version"),
-                                                ("generate", "generate_version")) if v in stats]
+                                                ("generate", "generate_version"))
+                if k in serves and v in stats]
     if versions:
         out.append("versions: " + ", ".join(versions))
     by: dict[str, list[str]] = {}

@@ -49,3 +49,19 @@ def test_status_summarizes_a_served_engine_and_exits_by_readiness(capsys):
         free = s.getsockname()[1]
     assert main(["status", "--server", f"127.0.0.1:{free}", "--timeout", "2"]) == 2
     assert "no streamgr server answers" in capsys.readouterr().err
+
+
+def test_status_lines_name_only_the_versions_served():
+    """A generate engine reports a ``weights_version`` too; only what it serves is named."""
+    from streamgr.admin_cli import status_lines
+    from streamgr.protocol import messages as m
+    stats = {"serves": ["generate"], "device": "cpu", "weights_version": "g1",
+             "generate_version": "g1", "server": {"connections": 2,
+                                                  "requests": {"generate:ok": 5}},
+             "generate_latency_ms": {"mean": 1.0, "p50": 1.0, "p99": 2.0, "window": 5},
+             "queued": 0, "inflight": 1}
+    lines = status_lines("h:1", m.HealthReply(1, True, True, "ready"), stats)
+    assert lines == ["h:1: ready (serves generate on cpu, 2 connections)",
+                     "versions: generate g1", "requests: generate ok 5",
+                     "generate latency ms (last 5): mean 1.00, p50 1.00, p99 2.00",
+                     "engine: 0 queued, 1 in flight"]

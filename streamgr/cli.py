@@ -140,6 +140,8 @@ def _common() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--log-level", choices=LOG_LEVELS, default=None, type=str.upper,
                    help="log verbosity on stderr (default: INFO for serve, WARNING otherwise)")
+    p.add_argument("--log-format", choices=["text", "json"], default="text",
+                   help="log lines as text, or one JSON object a line (fields as keys)")
     return p
 
 
@@ -237,11 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import logging
+    from .logs import configure
     args = build_parser().parse_args(argv)
     level = args.log_level or ("INFO" if args.command == "serve" else "WARNING")
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure(level, args.log_format)
     try:
         return args.func(args)
     except (StreamgrError, ValueError, OSError) as err:

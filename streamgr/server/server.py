@@ -275,8 +275,11 @@ class Server:
         dt = time.monotonic() - t0
         self.metrics.observe(kind, outcome, dt)
         if self.access_log:
-            access.info("%s %s id=%d user=%r %s %.2f ms", conn.peer(), kind, msg.id,
-                        msg.user_id, outcome, dt * 1e3)
+            peer = conn.peer()  # (the fields again as extras: --log-format json keys)
+            access.info("%s %s id=%d user=%r %s %.2f ms", peer, kind, msg.id, msg.user_id,
+                        outcome, dt * 1e3, extra={"peer": peer, "kind": kind, "id": msg.id,
+                                                  "user": msg.user_id, "outcome": outcome,
+                                                  "ms": round(dt * 1e3, 3)})
 
     async def _generate(self, msg):
         gen = getattr(self.engine, "generate", None)

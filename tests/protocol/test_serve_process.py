@@ -131,3 +131,26 @@ def test_logs_startup_access_and_auth_failures_and_health(tmp_path):
     assert "auth failure from" in err and "wrong token" in err
     assert re.search(r"starting the engine .*\n(.*\n)*.*engine started in [\d.]+ s", err), err
     assert re.search(r"streamgr.access: .* rank id=5 user=77 ok [\d.]+ ms", err), err
+
+
+def test_json_logs_carry_the_access_fields_as_keys():
+    """``--log-format json``: every stderr line one JSON object; the access line's fields are
+    keys (no parsing of the message), the startup lines keep their message."""
+    import json
+    proc, port, _ = start_server("asyncio", "--access-log", "--log-format", "json")
+    try:
+        with hello(port) as sock:
+            sock.sendall(frame(rank_msg(9, user=55)))
+            assert isinstance(recv_msg(sock), m.RankReply)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    lines = [json.loads(line) for line in proc.stderr.read().splitlines() if line.strip()]
+    assert all({"ts", "level", "logger", "message"} <= set(r) for r in lines), lines
+    assert any(r["logger"] == "streamgr.server" and "engine started in" in r["message"]
+               for r in lines), lines
+    access = [r for r in lines if r["logger"] == "streamgr.access"]
+    assert len(access) == 1, lines
+    a = access[0]
+    assert (a["kind"], a["id"], a["user"], a["outcome"]) == ("rank", 9, 55, "ok"), a
+    assert a["ms"] >= 0 and a["level"] == "INFO" and a["ts"].endswith("Z")

@@ -5,11 +5,11 @@ current stream as a Numba stream. On the device, for kernels that read bf16 tens
 round to nearest even the other, as torch does) and sums across a row's lanes; for kernels
 whose blocks hand work to one another, int64 atomics released or acquired at GPU scope
 (``add_release``, ``add_acquire``: one ordered atomic each, lighter than a ``threadfence``
-beside a relaxed one); loads from an address taken once (``row_at``, ``base_at``, ``load_at``: one
-multiply-add an element where LLVM re-forms a 2-D index's 64-bit arithmetic at each). Under the
-simulator (``NUMBA_ENABLE_CUDASIM=1``) kernels run as Python:
-arrays are numpy's, bit casts go through numpy, and the sums through shared memory (it has no
-warp shuffles)."""
+beside a relaxed one); loads from an address taken once (``row_at``, ``base_at``,
+``load_at``: one multiply-add an element where LLVM re-forms a 2-D index's 64-bit arithmetic at
+each). Under the simulator (``NUMBA_ENABLE_CUDASIM=1``) kernels run as Python: arrays are
+numpy's, bit casts go through numpy, and the sums through shared memory (it has no warp
+shuffles)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ CACHED = {**BASE, "cache.mode": "hierarchical", "cache.device_pages": 48,
           "cache.onload_split": 0.5, "engine.rank_in_flight": 2}
 
 
-class Client:
+class Visitor:
     """One user's side: its history, what it last sent, a rewrite now and then."""
 
     def __init__(self, user: int, rng: random.Random) -> None:
@@ -57,13 +57,13 @@ class Client:
 @pytest.mark.slow
 async def test_rank_storm_every_answer_equals_recompute_on_its_version():
     rng = random.Random(7)
-    clients = [Client(u, rng) for u in range(24)]
-    locks = [asyncio.Lock() for _ in clients]  # one request of a user at a time: its bookkeeping
+    visitors = [Visitor(u, rng) for u in range(24)]
+    locks = [asyncio.Lock() for _ in visitors]  # one request of a user at a time: its bookkeeping
     answered: list = []  # (full request, scores, version, tier)
     cancelled = 0
 
     async with Engine.from_spec("rank-small", CACHED) as eng:
-        async def visit(c: Client) -> None:
+        async def visit(c: Visitor) -> None:
             nonlocal cancelled
             sent, full = c.next_request()
             try:
@@ -86,9 +86,9 @@ async def test_rank_storm_every_answer_equals_recompute_on_its_version():
 
         async def traffic() -> None:
             for _ in range(100):
-                u = rng.randrange(len(clients))
+                u = rng.randrange(len(visitors))
                 async with locks[u]:
-                    await visit(clients[u])
+                    await visit(visitors[u])
 
         async def updates() -> None:
             for step in range(5):

@@ -94,6 +94,14 @@ class EngineClosed(StreamgrError):
     code = "ENGINE_CLOSED"
 
 
+class WrongEventLoop(StreamgrError, RuntimeError):
+    """The engine was called from an event loop (or thread) other than the one it was started
+    on. Its queues and futures belong to that loop: call it there (``BlockingEngine`` or
+    ``asyncio.run_coroutine_threadsafe`` from other threads)."""
+
+    code = "WRONG_EVENT_LOOP"
+
+
 class ConnectionLost(StreamgrError):
     """The client's connection to the server broke with the request unanswered (retry is safe
     for rank, which has no side effects beyond the cache)."""

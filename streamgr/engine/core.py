@@ -16,14 +16,13 @@ from typing import Any, Mapping
 
 from ..api import GenerateRequest, GenerateResult, RankRequest, RankResult
 from ..config import Spec, load_spec
-from ..errors import (EngineClosed, EngineDead, Overloaded, StreamgrError,
-                      UnsupportedRequest)
+from ..errors import EngineClosed, EngineDead, Overloaded, StreamgrError, UnsupportedRequest
 from .batcher import Pending
 from .factory import Builder, resolve_device, resolve_dtype
 from .generate import GenerateRunner
 from .metrics import EngineMetrics
 from .rank import BatchOutcome, RankRunner, prepare_rank
-from .resources import EngineResources, restore_gc, serving_gc
+from .resources import EngineResources, check_loop, restore_gc, serving_gc
 from .status import engine_stats, fail_batch
 from .updates import Updates
 
@@ -76,7 +75,8 @@ class Engine(Updates):
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> "Engine":
-        if self._res is not None:
+        if self._res is not None:  # started already: on this loop, else WrongEventLoop
+            check_loop(self._res)
             return self
         self._closing = False
         res = EngineResources(self)
@@ -92,14 +92,11 @@ class Engine(Updates):
         res = self._res
         if res is None:
             return
+        check_loop(res)
         self._closing = True
         await res.aclose(lambda: self._inflight, drain_timeout)
         restore_gc(self._gc)
         self._res = None
-
-    @property
-    def _executor(self):  # the executor thread while started (live updates run there)
-        return self._res.executor if self._res is not None else None
 
     async def __aenter__(self) -> "Engine":
         return await self.start()
@@ -110,6 +107,7 @@ class Engine(Updates):
     # -- requests ----------------------------------------------------------------------------
 
     def _admit(self) -> None:
+        check_loop(self._res)
         if self._dead is not None:
             raise EngineDead(f"engine is dead: {self._dead!r}")
         if self._res is None or self._closing:

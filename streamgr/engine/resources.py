@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from ..errors import EngineClosed
+from ..errors import EngineClosed, WrongEventLoop
 from .answers import answer_generate, answer_rank
 from .batcher import Batcher
 from .loop import BatchLoop
@@ -63,6 +63,22 @@ def restore_gc(took_part: bool) -> None:
             sys.setswitchinterval(_GC_STATE["switch"])
 
 
+def check_loop(res: "EngineResources | None") -> None:
+    """Raise ``WrongEventLoop`` unless called on the loop the engine was started on: from
+    another loop (or thread) a request would sit in queues that loop never wakes for, and its
+    future could not be settled (the caller would wait for ever)."""
+    if res is None:
+        return
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    if here is not res.loop:
+        raise WrongEventLoop("the engine was started on another event loop; call it from that "
+                             "loop (from another thread: BlockingEngine, or "
+                             "asyncio.run_coroutine_threadsafe onto the engine's loop)")
+
+
 class EngineResources:
     def __init__(self, engine) -> None:
         e = engine.spec.engine
@@ -79,6 +95,7 @@ class EngineResources:
         self.tasks: list[asyncio.Task] = []
         self.loops: list[BatchLoop] = []
         self._closed = False
+        self.loop = asyncio.get_running_loop()  # the one loop the engine serves on
 
     def start_loops(self, engine) -> None:
         """One BatchLoop per runner. Rank batches in flight: the cache manager leases each

@@ -43,6 +43,7 @@ from ..selection.vocabulary import Catalog, CatalogDelta, apply_delta, load_cata
 from ..runtime.deployment import build_generator
 from ..streams import off_stream
 from .generate import CatalogRefit, catalog_views, views_after_removal
+from .resources import check_loop
 
 Target = Literal["auto", "rank", "generate"]
 
@@ -122,9 +123,9 @@ class Updates:
 
     async def _on_executor(self, fn, *args):
         """Run ``fn`` where batches run (between two of them), or here if not started."""
-        if self._executor is None:
+        if self._res is None:
             return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._res.executor, fn, *args)
 
     async def _off_executor(self, fn, *args, res=None):
         """``fn`` on the build thread (``res``'s, else the started engine's; a worker thread
@@ -170,6 +171,7 @@ class Updates:
         a ``PolicySpec`` or a dict of the fields to change. Returns ``versions()``."""
         if weights is None and catalog is None and policy is None:
             raise StreamgrError("update: give weights, catalog or policy")
+        check_loop(self._res)
         which = self._target(target, weights is None)
         async with self._updating:
             if which == "rank":
@@ -315,6 +317,7 @@ class Updates:
 
     async def rollback(self, target: Target = "auto") -> dict[str, Any]:
         """Back to the previous version (kept since the last update), by the same cutover."""
+        check_loop(self._res)
         which = self._target(target, True)
         async with self._updating:
             if which == "generate":

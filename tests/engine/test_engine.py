@@ -330,3 +330,34 @@ def test_id_check_in_one_pass_still_names_negative_and_large_ids(dtype):
             _ids("items", np.array([5, -1], dtype=dt), 0, 1000)
     with pytest.raises(IdOutOfRange, match=r"holds id 100,"):
         _ids("items", np.array([5, 100], dtype=dt), 0, 100)
+
+
+def test_a_call_from_another_event_loop_is_refused_not_left_waiting():
+    """An engine started on one loop, called from another (or from no loop): before, the
+    request went into queues its loop never woke for and the caller waited for ever; now
+    each entry point raises WrongEventLoop and the engine serves on on its own loop."""
+    eng = Engine.from_spec("rank-small", small_overrides())
+    home = asyncio.new_event_loop()
+    thread = threading.Thread(target=home.run_forever, daemon=True)
+    thread.start()
+    on_home = lambda coro: asyncio.run_coroutine_threadsafe(coro, home).result(30)  # noqa: E731
+    good = RankRequest(user_id=1, items=[4, 5], actions=[0, 1], candidates=[3, 7])
+    try:
+        on_home(eng.start())
+
+        async def elsewhere(call):
+            return await asyncio.wait_for(call(), 5)
+
+        for call in (lambda: eng.rank(good), lambda: eng.update(weights=3),
+                     lambda: eng.rollback(), eng.start, eng.close):
+            with pytest.raises(E.WrongEventLoop, match="another event loop"):
+                asyncio.run(elsewhere(call))
+        with pytest.raises(E.WrongEventLoop):
+            eng.submit_rank(good)  # no running loop at all
+        assert len(on_home(eng.rank(good)).scores) == 2
+        assert on_home(eng.update(weights=3))["rank"]["previous"] is not None
+        assert eng.stats()["counters"]["rank_requests"] == 1
+    finally:
+        on_home(eng.close())
+        home.call_soon_threadsafe(home.stop)
+        thread.join(10)

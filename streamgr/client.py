@@ -3,7 +3,8 @@
 Both are made from an address (``"127.0.0.1:7700"``, ``"[::1]:7700"`` or ``"unix:/path"``) and
 take the same request types as the embedded engine. Error replies raise the typed exception of
 their code (``streamgr.errors``); a broken connection fails the calls in flight with
-``ConnectionLost`` and the next call reconnects.
+``ConnectionLost`` and the next call reconnects. An ``AsyncClient``'s connection belongs to the
+event loop that made it (see ``AsyncClient._on_this_loop``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import msgspec
 
 from . import api
 from .errors import (ConnectionLost, ProtocolError, ServerUnavailable, StreamgrError,
-                     error_for_code)
+                     WrongEventLoop, error_for_code)
 from .protocol import framing, messages as m
 
 
@@ -128,6 +129,35 @@ class AsyncClient:
         self._codec = framing.Codec()
         self._proto: _ClientProtocol | None = None
         self._connect_lock: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the connection's loop
+
+    def _on_this_loop(self) -> None:
+        """A connection belongs to the loop that made it. Called from another loop: if that
+        one no longer runs (a script's earlier ``asyncio.run``), the connection died with it and
+        is dropped, so the call connects again here; if it runs (another thread), a reply would
+        be read on that thread and never wake this loop: ``WrongEventLoop``."""
+        owner = self._loop
+        if owner is None or owner is asyncio.get_running_loop():
+            return
+        if owner.is_running():
+            raise WrongEventLoop("this AsyncClient is connected on an event loop running in "
+                                 "another thread: call it there, or make a client per loop "
+                                 "(the blocking Client serves any thread)")
+        self._drop()
+
+    def _drop(self) -> None:
+        """Forget the connection, closing it from the thread of its loop if that one runs."""
+        proto, owner = self._proto, self._loop
+        self._proto, self._loop, self._connect_lock = None, None, None
+        if proto is None:
+            return
+        try:
+            if owner is not None and owner.is_running():
+                owner.call_soon_threadsafe(proto.transport.abort)
+            else:
+                proto.transport.abort()
+        except RuntimeError:  # its loop is closed: the socket closes when collected
+            pass
 
     @property
     def connected(self) -> bool:
@@ -135,6 +165,7 @@ class AsyncClient:
         return p is not None and p.lost is None and not p.transport.is_closing()
 
     async def connect(self) -> "AsyncClient":
+        self._on_this_loop()
         if self._connect_lock is None:
             self._connect_lock = asyncio.Lock()
         async with self._connect_lock:
@@ -166,10 +197,11 @@ class AsyncClient:
                 proto.transport.close()
                 raise ProtocolError(f"expected HelloAck, got {type(reply).__name__}")
             self.server_info = reply
-            self._proto = proto
+            self._proto, self._loop = proto, loop
         return self
 
     async def _call(self, make, timeout: float | None):
+        self._on_this_loop()
         if not self.connected:
             await self.connect()
         proto = self._proto
@@ -261,9 +293,11 @@ class AsyncClient:
         return (await self._call(lambda rid: m.VersionsRequest(rid), timeout)).versions
 
     async def close(self) -> None:
-        if self._proto is not None:
+        if self._proto is not None and self._loop is asyncio.get_running_loop():
             self._proto.transport.close()
             self._proto = None
+        else:  # a connection of another loop (or none)
+            self._drop()
 
     async def __aenter__(self) -> "AsyncClient":
         return await self.connect()

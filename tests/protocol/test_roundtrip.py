@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,8 +15,8 @@ from streamgr import Engine, RankRequest, errors as E
 from streamgr.client import AsyncClient, Client, parse_address
 from streamgr.protocol import messages as m
 from tests.conftest import small_overrides
-from tests.protocol.helpers import (LOOPS, ServerThread, connect, frame, rank_msg, recv_msg,
-                                    run)
+from tests.protocol.helpers import (LOOPS, ServerThread, connect, frame, new_loop, rank_msg,
+                                    recv_msg, run)
 
 
 def test_every_message_roundtrips_through_the_codec():
@@ -116,6 +118,41 @@ def test_client_reconnects_after_connection_loss(loop):
             await c.close()
             return r
         assert len(run(loop, go).scores) == 1
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_an_async_client_follows_its_caller_across_event_loops(loop):
+    """One AsyncClient used by two ``asyncio.run`` calls in turn: before, the second call wrote
+    on the first loop's dead connection and waited out the whole timeout; now it connects
+    again. From a loop running in another thread it raises WrongEventLoop (a reply would be
+    read on that thread and never wake the caller), and close from there closes it."""
+    req = RankRequest(user_id=1, items=[4, 5], actions=[0, 1], candidates=[3, 7])
+    with ServerThread(loop) as srv:
+        c = AsyncClient(srv.addr, timeout=20)
+        first = run(loop, lambda: c.rank(req)).scores
+        t0 = time.perf_counter()
+        assert run(loop, lambda: c.rank(req)).scores == pytest.approx(first, abs=1e-5)
+        assert time.perf_counter() - t0 < 5
+        home = new_loop(loop)
+        thread = threading.Thread(target=home.run_forever, daemon=True)
+        thread.start()
+        try:
+            on_home = lambda coro: asyncio.run_coroutine_threadsafe(coro, home).result(20)  # noqa: E731
+            assert on_home(c.rank(req)).scores == pytest.approx(first, abs=1e-5)
+            with pytest.raises(E.WrongEventLoop, match="another thread"):
+                run(loop, lambda: c.rank(req))
+            assert on_home(c.health()).ready
+            proto = c._proto
+            run(loop, c.close)  # from the other loop: closed on its own loop's thread
+            deadline = time.monotonic() + 5
+            while proto.lost is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert proto.lost is not None and not c.connected
+            assert run(loop, lambda: c.rank(req)).scores == pytest.approx(first, abs=1e-5)
+            run(loop, c.close)
+        finally:
+            home.call_soon_threadsafe(home.stop)
+            thread.join(10)
 
 
 @pytest.mark.parametrize("loop", LOOPS)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 from typing import Any
 
@@ -307,55 +308,73 @@ class AsyncClient:
 
 
 class Client:
-    """Blocking client: ``with Client("127.0.0.1:7700") as c: c.rank(RankRequest(...))``."""
+    """Blocking client: ``with Client("127.0.0.1:7700") as c: c.rank(RankRequest(...))``. Its
+    loop runs on a thread of its own, so any thread may call it; a forked child gets a loop
+    thread and a connection of its own at its first call (the parent's thread does not survive
+    the fork, and a socket must not be shared)."""
 
     def __init__(self, address: str, token: str | None = None, timeout: float | None = 60.0) -> None:
+        self._args = (address, token, timeout)
+        self._closed, self._orphans = False, []
+        self._start()
+
+    def _start(self) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="streamgr-client")
         self._thread.start()
-        self._client = AsyncClient(address, token, timeout)
+        self._client = AsyncClient(*self._args)
         try:
-            self._call(self._client.connect())
+            self._run(self._client.connect())
         except BaseException:
             self._stop()
             raise
+        self._pid = os.getpid()  # (a child whose connect failed starts again at its next call)
 
-    def _call(self, coro):
+    def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _call(self, call):
+        """``call(async_client)`` run on the client's loop (started again in a forked child)."""
+        if self._closed:
+            raise ConnectionLost("client closed (Client.close)")
+        if self._pid != os.getpid():  # a forked child (the parent's kept: collected, they
+            self._orphans.append((self._loop, self._thread, self._client))  # close its loop)
+            self._start()
+        return self._run(call(self._client))
 
     def rank(self, request: api.RankRequest, deadline_ms: float | None = None,
              timeout: float | None = None) -> api.RankResult:
-        return self._call(self._client.rank(request, deadline_ms, timeout))
+        return self._call(lambda c: c.rank(request, deadline_ms, timeout))
 
     def generate(self, request, deadline_ms: float | None = None, timeout: float | None = None):
-        return self._call(self._client.generate(request, deadline_ms, timeout))
+        return self._call(lambda c: c.generate(request, deadline_ms, timeout))
 
     def rank_many(self, requests, deadline_ms: float | None = None, timeout: float | None = None,
                   return_exceptions: bool = False):
-        return self._call(self._client.rank_many(requests, deadline_ms, timeout,
-                                                 return_exceptions))
+        return self._call(lambda c: c.rank_many(requests, deadline_ms, timeout,
+                                                return_exceptions))
 
     def generate_many(self, requests, deadline_ms: float | None = None,
                       timeout: float | None = None, return_exceptions: bool = False):
-        return self._call(self._client.generate_many(requests, deadline_ms, timeout,
-                                                     return_exceptions))
+        return self._call(lambda c: c.generate_many(requests, deadline_ms, timeout,
+                                                    return_exceptions))
 
     def health(self) -> m.HealthReply:
-        return self._call(self._client.health())
+        return self._call(lambda c: c.health())
 
     def update(self, **kw) -> dict[str, Any]:
         """``AsyncClient.update`` (admin token required)."""
-        return self._call(self._client.update(**kw))
+        return self._call(lambda c: c.update(**kw))
 
     def rollback(self, target: str = "auto") -> dict[str, Any]:
-        return self._call(self._client.rollback(target))
+        return self._call(lambda c: c.rollback(target))
 
     def versions(self) -> dict[str, Any]:
-        return self._call(self._client.versions())
+        return self._call(lambda c: c.versions())
 
     def stats(self) -> dict[str, Any]:
-        return self._call(self._client.stats())
+        return self._call(lambda c: c.stats())
 
     def _stop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -363,8 +382,11 @@ class Client:
         self._loop.close()
 
     def close(self) -> None:
-        if not self._loop.is_closed():
-            self._call(self._client.close())
+        if self._closed:
+            return
+        self._closed = True
+        if self._pid == os.getpid():  # a forked child that never called has nothing to close
+            self._run(self._client.close())
             self._stop()
 
     def __enter__(self) -> "Client":

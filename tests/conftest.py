@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import warnings
 
 import pytest
 import torch
@@ -42,3 +44,25 @@ def small_overrides(**extra):
             "model.max_candidates": 16, "model.num_items": 200, "engine.max_wait_ms": 1.0}
     base.update(extra)
     return base
+
+
+def in_a_fork(child) -> tuple[int, str]:
+    """``child()`` in a forked process (a pre-forking server's worker); its exit status and the
+    text it returned. An alarm ends a child that hangs, as the old clients did."""
+    r, w = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12: fork of a threaded process
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        os.close(r)
+        signal.alarm(20)
+        try:
+            out = str(child())
+        except BaseException as err:  # noqa: BLE001: reported to the parent
+            out = f"{type(err).__name__}: {err}"
+        os.write(w, out.encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        text = f.read().decode()
+    return os.waitpid(pid, 0)[1], text

@@ -6,6 +6,7 @@ served rather than refused with ``Overloaded``."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from pathlib import Path
 from typing import Any, Mapping
@@ -14,6 +15,7 @@ from ..api import GenerateRequest, GenerateResult, RankRequest, RankResult
 from ..config import Spec
 from ..errors import EngineClosed
 from .core import Engine
+from .resources import forked
 
 
 class BlockingEngine:
@@ -28,13 +30,16 @@ class BlockingEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, name="streamgr-loop",
                                         daemon=True)
         self._thread.start()
+        self._pid = os.getpid()
         self._call(self.engine.start())
 
     def _call(self, coro, timeout: float | None = None):
-        """``coro`` run on the engine's loop; once closed, dropped unstarted (no warning)."""
-        if self._loop.is_closed():
+        """``coro`` run on the engine's loop; once closed, or in a forked child (where the
+        loop's thread did not come along: the call would wait for ever), dropped unstarted."""
+        if self._loop.is_closed() or self._pid != os.getpid():
             coro.close()
-            raise EngineClosed("engine closed (BlockingEngine.close)")
+            raise EngineClosed("engine closed (BlockingEngine.close)" if self._loop.is_closed()
+                               else forked(self._pid))
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _many(self, fn, requests: list, return_exceptions: bool) -> list:
@@ -69,7 +74,7 @@ class BlockingEngine:
         return self.engine.stats()
 
     def close(self) -> None:
-        if self._loop.is_closed():
+        if self._loop.is_closed() or self._pid != os.getpid():
             return
         self._call(self.engine.close())
         self._loop.call_soon_threadsafe(self._loop.stop)

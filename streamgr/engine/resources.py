@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import sys
 import threading
 import time
@@ -63,12 +64,20 @@ def restore_gc(took_part: bool) -> None:
             sys.setswitchinterval(_GC_STATE["switch"])
 
 
+def forked(pid: int) -> str:
+    return (f"the engine was started in process {pid}; this process was forked from it and "
+            "cannot use it (its threads and device state stay in that process): start an "
+            "engine in each process")
+
+
 def check_loop(res: "EngineResources | None") -> None:
     """Raise ``WrongEventLoop`` unless called on the loop the engine was started on: from
     another loop (or thread) a request would sit in queues that loop never wakes for, and its
     future could not be settled (the caller would wait for ever)."""
     if res is None:
         return
+    if res.pid != os.getpid():
+        raise EngineClosed(forked(res.pid))
     try:
         here = asyncio.get_running_loop()
     except RuntimeError:
@@ -96,6 +105,7 @@ class EngineResources:
         self.loops: list[BatchLoop] = []
         self._closed = False
         self.loop = asyncio.get_running_loop()  # the one loop the engine serves on
+        self.pid = os.getpid()  # and the one process
 
     def start_loops(self, engine) -> None:
         """One BatchLoop per runner. Rank batches in flight: the cache manager leases each

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -11,7 +12,7 @@ import pytest
 
 from streamgr import BlockingEngine, Engine, RankRequest
 from streamgr import errors as E
-from tests.conftest import small_overrides
+from tests.conftest import in_a_fork, small_overrides
 
 
 def req(rng, user, n_hist, n_cand=5, num_items=200):
@@ -361,3 +362,35 @@ def test_a_call_from_another_event_loop_is_refused_not_left_waiting():
         on_home(eng.close())
         home.call_soon_threadsafe(home.stop)
         thread.join(10)
+
+
+def test_a_forked_child_is_told_the_engine_stays_with_its_parent():
+    """A BlockingEngine (and its Engine) used in a forked child: before, the call waited for
+    ever on the parent's loop thread, which does not survive a fork; now EngineClosed says
+    why, close is a no-op there, and the parent serves on."""
+    good = RankRequest(user_id=1, items=[4, 5], actions=[0, 1], candidates=[3, 7])
+    with BlockingEngine("rank-small", small_overrides()) as eng:
+        first = eng.rank(good).scores
+
+        def child():
+            try:
+                eng.rank(good)
+            except E.EngineClosed as err:
+                eng.close()
+                return f"refused: {err}"
+            return "served"
+
+        def child_async():
+            async def go():
+                await eng.engine.rank(good)
+            try:
+                asyncio.run(go())
+            except E.EngineClosed as err:
+                return f"refused: {err}"
+            return "served"
+
+        for fn in (child, child_async):
+            status, text = in_a_fork(fn)
+            assert status == 0 and text.startswith("refused: the engine was started in "
+                                                   f"process {os.getpid()}"), (status, text)
+        assert eng.rank(good).scores == pytest.approx(first, abs=1e-5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import tempfile
 import threading
@@ -14,7 +15,7 @@ import pytest
 from streamgr import Engine, RankRequest, errors as E
 from streamgr.client import AsyncClient, Client, parse_address
 from streamgr.protocol import messages as m
-from tests.conftest import small_overrides
+from tests.conftest import in_a_fork, small_overrides
 from tests.protocol.helpers import (LOOPS, ServerThread, connect, frame, new_loop, rank_msg,
                                     recv_msg, run)
 
@@ -229,3 +230,25 @@ def test_bench_protocol_ids_costs_run():
     sizes = {(n, f): b for n, f, _, _, b in rows}
     grown = sizes[200, "packed"] - sizes[16, "packed"]  # 2 x 184 more ids (bin headers grow)
     assert 2 * 184 * 8 <= grown <= 2 * 184 * 8 + 4
+
+
+def test_a_blocking_client_works_in_a_forked_child():
+    """Before, a forked child's first call waited for ever on the parent's loop thread, which
+    does not survive a fork. Now the child starts a loop and a connection of its own; the
+    parent's connection serves on."""
+    req = RankRequest(user_id=1, items=[4, 5], actions=[0, 1], candidates=[3, 7])
+    with ServerThread() as srv:
+        with Client(srv.addr, timeout=20) as c:
+            first = c.rank(req).scores
+
+            def child():
+                scores = c.rank(req).scores
+                c.close()
+                return scores
+            status, text = in_a_fork(child)
+            assert status == 0 and text.startswith("["), (status, text)
+            assert json.loads(text) == pytest.approx(first, abs=1e-5)
+            assert c.rank(req).scores == pytest.approx(first, abs=1e-5)
+            assert c.health().ready
+        with pytest.raises(E.ConnectionLost, match="client closed"):
+            c.rank(req)

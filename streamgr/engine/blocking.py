@@ -40,7 +40,12 @@ class BlockingEngine:
             coro.close()
             raise EngineClosed("engine closed (BlockingEngine.close)" if self._loop.is_closed()
                                else forked(self._pid))
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except BaseException:  # a timeout or Ctrl-C withdraws what is still queued
+            fut.cancel()
+            raise
 
     async def _many(self, fn, requests: list, return_exceptions: bool) -> list:
         # at most max_queue of this list in flight (they still batch together), so a list

@@ -394,3 +394,20 @@ def test_a_forked_child_is_told_the_engine_stays_with_its_parent():
             assert status == 0 and text.startswith("refused: the engine was started in "
                                                    f"process {os.getpid()}"), (status, text)
         assert eng.rank(good).scores == pytest.approx(first, abs=1e-5)
+
+
+def test_a_blocking_call_that_times_out_withdraws_its_request():
+    """Before, ``rank(timeout=...)`` raised TimeoutError and the request ran anyway; now the
+    request is withdrawn while queued and never reaches the model."""
+    good = RankRequest(user_id=1, items=[4, 5], actions=[0, 1], candidates=[3, 7])
+    with BlockingEngine("rank-small", small_overrides(**{"engine.max_wait_ms": 300.0,
+                                                         "engine.max_batch": 64})) as eng:
+        with pytest.raises(TimeoutError):
+            eng.rank(good, timeout=0.02)
+        deadline = time.monotonic() + 5
+        while "rank_cancelled" not in eng.stats()["counters"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.4)  # past the batch window: a request left queued would have run
+        counters = eng.stats()["counters"]
+        assert counters.get("rank_cancelled") == 1 and "rank_requests" not in counters, counters
+        assert len(eng.rank(good).scores) == 2

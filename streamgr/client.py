@@ -21,6 +21,7 @@ from . import api
 from .errors import (ConnectionLost, ProtocolError, ServerUnavailable, StreamgrError,
                      WrongEventLoop, error_for_code)
 from .protocol import framing, messages as m
+from .protocol.ids import as_list, wire_ids
 
 
 def parse_address(address: str) -> tuple[str, str | int | None]:
@@ -32,23 +33,6 @@ def parse_address(address: str) -> tuple[str, str | int | None]:
         raise ValueError(f"address {address!r}: expected HOST:PORT (a port in 0..65535) or "
                          f"unix:PATH")
     return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def _ints(x) -> list[int]:
-    """A list of Python ints from a list or a numpy array (msgspec encodes no numpy scalars)."""
-    return x.tolist() if hasattr(x, "tolist") else list(x)
-
-
-def _ids(x, packed: bool):
-    """Request ids for the wire: a numpy integer array as packed ids (little-endian
-    int64 bytes, where the server takes them: ``messages.CAP_PACKED_IDS``), anything else as a
-    list. Without importing numpy (a client-only install has none): the array's own methods.
-    Values an int64 cannot hold go as a list, so the server names them as they were sent."""
-    kind = getattr(getattr(x, "dtype", None), "kind", "")
-    if packed and kind in "iu" and kind and getattr(x, "ndim", 0) == 1 and (
-            kind == "i" or x.size == 0 or int(x.max()) < 1 << 63):
-        return x.astype("<i8", copy=False).tobytes()
-    return _ints(x)
 
 
 def _expire(fut: asyncio.Future, timeout: float) -> None:
@@ -217,6 +201,12 @@ class AsyncClient:
             proto.transport.write(self._codec.frame(make(rid)))
             await proto.writable()
             reply = await fut
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            # Given up on (its timeout, or the caller's task cancelled): withdrawn on the
+            # server too, so that queued work nobody waits for does not run.
+            if proto.lost is None and not proto.transport.is_closing() and self._cancels:
+                proto.transport.write(self._codec.frame(m.Cancel(rid)))
+            raise
         finally:
             if timer is not None:
                 timer.cancel()
@@ -226,6 +216,11 @@ class AsyncClient:
         return reply
 
     @property
+    def _cancels(self) -> bool:
+        info = self.server_info
+        return info is not None and m.CAP_CANCEL in info.capabilities
+
+    @property
     def _packs_ids(self) -> bool:
         """The server takes packed ids (``messages.CAP_PACKED_IDS``)."""
         info = self.server_info
@@ -233,10 +228,10 @@ class AsyncClient:
 
     async def rank(self, request: api.RankRequest, deadline_ms: float | None = None,
                    timeout: float | None = None) -> api.RankResult:
-        packed = self._packs_ids
+        ids = lambda x, packed=self._packs_ids: wire_ids(x, packed)  # noqa: E731
         reply = await self._call(lambda rid: m.RankRequest(
-            rid, request.user_id, _ids(request.items, packed), _ids(request.actions, packed),
-            _ids(request.candidates, packed), request.base_len, deadline_ms), timeout)
+            rid, request.user_id, ids(request.items), ids(request.actions),
+            ids(request.candidates), request.base_len, deadline_ms), timeout)
         return api.RankResult(scores=reply.scores, stats=msgspec.convert(reply.stats, api.RankStats))
 
     async def rank_many(self, requests: list[api.RankRequest], deadline_ms: float | None = None,
@@ -256,10 +251,11 @@ class AsyncClient:
 
     async def generate(self, request, deadline_ms: float | None = None,
                        timeout: float | None = None):
-        opt = lambda x: None if x is None else _ints(x)  # noqa: E731
+        opt = lambda x: None if x is None else as_list(x)  # noqa: E731
         packed = self._packs_ids
         reply = await self._call(lambda rid: m.GenerateRequest(
-            rid, request.user_id, _ids(request.history, packed), request.top_k, request.beam_width,
+            rid, request.user_id, wire_ids(request.history, packed), request.top_k,
+            request.beam_width,
             deadline_ms, opt(getattr(request, "beam_widths", None)),
             opt(getattr(request, "exclude_items", None)),
             getattr(request, "max_per_prefix", None)), timeout)
@@ -281,9 +277,9 @@ class AsyncClient:
                      timeout: float | None = 600.0) -> dict[str, Any]:
         """A live update on the server (``Engine.update``); the versions after it. Paths are
         on the server's host."""
-        add = {int(k): _ints(v) for k, v in (catalog_add or {}).items()}
+        add = {int(k): as_list(v) for k, v in (catalog_add or {}).items()}
         reply = await self._call(lambda rid: m.UpdateRequest(
-            rid, target, weights, seed, catalog, add, _ints(catalog_remove or []),
+            rid, target, weights, seed, catalog, add, as_list(catalog_remove or []),
             dict(policy or {}), keep_previous), timeout)
         return reply.versions
 

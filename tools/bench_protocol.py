@@ -132,7 +132,7 @@ def ids_costs(lengths=(16, 512, 3500), reps: int = 300) -> list[tuple]:
     ``list`` or ``packed``: the server's part is what its loop does before the batcher (frame
     decode, ``server.unpacked``, ``engine.rank.prepare_rank``)."""
     from streamgr import api
-    from streamgr.client import _ids
+    from streamgr.protocol.ids import wire_ids as _ids
     from streamgr.engine.rank import prepare_rank
     from streamgr.models.hstu import HSTUConfig
     from streamgr.protocol import Codec

@@ -143,11 +143,23 @@ class VersionsReply(_Msg, tag=15):
     versions: dict[str, Any]
 
 
+# A server that lists this capability takes Cancel.
+CAP_CANCEL = "cancel"
+
+
+class Cancel(_Msg, tag=16):
+    """Withdraw this connection's rank or generate request ``id`` (its caller gave up: a
+    timeout, a cancelled task): if still queued it never runs. Neither the Cancel nor the
+    request is answered; an id not in flight (answered already, unknown) is ignored."""
+
+    id: RequestId
+
+
 Message = Union[Hello, HelloAck, RankRequest, RankReply, GenerateRequest, GenerateReply,
                 StatsRequest, StatsReply, Error, HealthRequest, HealthReply, UpdateRequest,
-                RollbackRequest, VersionsRequest, VersionsReply]
+                RollbackRequest, VersionsRequest, VersionsReply, Cancel]
 ADMIN = (UpdateRequest, RollbackRequest, VersionsRequest)
-REQUESTS = (RankRequest, GenerateRequest, StatsRequest, HealthRequest) + ADMIN
+REQUESTS = (RankRequest, GenerateRequest, StatsRequest, HealthRequest, Cancel) + ADMIN
 
 # Codes that only the protocol layer produces (the engine's live in streamgr.errors).
 BAD_FRAME = "BAD_FRAME"  # not MessagePack, or not a message at all: the connection closes

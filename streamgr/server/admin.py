@@ -52,11 +52,11 @@ def handle(server, conn, msg) -> None:
     t0 = loop.time()
     task = loop.create_task(_run(server.engine, msg))
     server.admin_tasks.add(task)
-    conn.ids.add(msg.id)  # in flight on this connection, as a rank request's id is
+    conn.ids[msg.id] = None  # in flight on this connection, as a rank request's id is
 
     def done(t: asyncio.Task) -> None:
         server.admin_tasks.discard(t)
-        conn.ids.discard(msg.id)
+        conn.ids.pop(msg.id, None)
         if t.cancelled():
             return
         err = t.exception()

@@ -59,7 +59,9 @@ class Connection(asyncio.Protocol):
         self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
         self.tasks: set[asyncio.Future] = set()  # requests in flight (engine futures / tasks)
-        self.ids: set[int] = set()  # their request ids (a second request may not reuse one)
+        # their request ids (a second request may not reuse one): id -> its future (None for
+        # an admin request, which a Cancel does not withdraw)
+        self.ids: dict[int, asyncio.Future | None] = {}
         self.expired: set[asyncio.Future] = set()  # answered DEADLINE_EXCEEDED already
         self.greeted = False
         self.admin = False  # greeted with the admin token (server/admin.py)
@@ -207,7 +209,7 @@ class Connection(asyncio.Protocol):
             self.greeted = True
             self.admin = _same(hello.token, srv.admin_token)
             lim = srv.limits
-            caps = ["rank", "stats", "health", m.CAP_PACKED_IDS] + (
+            caps = ["rank", "stats", "health", m.CAP_PACKED_IDS, m.CAP_CANCEL] + (
                 ["generate"] if getattr(srv.engine, "serves_generate", False) else [])
             caps += ["admin"] if self.admin else []
             self.send(m.HelloAck(m.PROTOCOL_VERSION, srv.name, srv.engine.spec.name,

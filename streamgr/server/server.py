@@ -179,6 +179,12 @@ class Server:
 
     def _dispatch(self, conn: Connection, msg) -> None:
         conn.last = t0 = time.monotonic()
+        if isinstance(msg, m.Cancel):
+            fut = conn.ids.get(msg.id)
+            if fut is not None and not fut.done():
+                self.metrics.counters["cancels"] += 1
+                fut.cancel()  # _done: outcome "cancelled", no reply
+            return
         if msg.id in conn.ids:  # its reply could not be told from the first one's
             conn.send(m.Error(msg.id, "INVALID_REQUEST", f"request id {msg.id} is already in "
                                                          "flight on this connection"))
@@ -227,7 +233,7 @@ class Server:
         self.inflight += 1
         self._idle.clear()
         conn.tasks.add(fut)
-        conn.ids.add(msg.id)
+        conn.ids[msg.id] = fut
         timer = None
         if msg.deadline_ms is not None:
             timer = loop.call_later(msg.deadline_ms / 1e3, self._expire, conn, msg, fut)
@@ -236,7 +242,7 @@ class Server:
     def _expire(self, conn: Connection, msg, fut: asyncio.Future) -> None:
         if not fut.done():
             conn.expired.add(fut)
-            conn.ids.discard(msg.id)  # answered: the client may use the id again
+            conn.ids.pop(msg.id, None)  # answered: the client may use the id again
             conn.send(m.Error(msg.id, "DEADLINE_EXCEEDED", f"no reply within {msg.deadline_ms} ms"))
             fut.cancel()  # withdrawn from the engine if it has not run yet
 
@@ -244,7 +250,7 @@ class Server:
               timer) -> None:
         conn.tasks.discard(fut)
         if fut not in conn.expired:  # (an expired one's id may be in use again already)
-            conn.ids.discard(msg.id)
+            conn.ids.pop(msg.id, None)
         if timer is not None:
             timer.cancel()
         self.inflight -= 1

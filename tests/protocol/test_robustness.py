@@ -3,6 +3,7 @@ lengths, overload, deadlines, cancelled callers (real sockets, asyncio and uvloo
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import struct
 import time
@@ -164,6 +165,38 @@ def test_closing_the_client_cancels_its_requests_in_the_engine(loop):
         time.sleep(0.5)  # past the batch window: nothing of them may run
         c = srv.counters()
     assert c.get("rank_cancelled", 0) == 5 and c.get("rank_requests", 0) == 0, c
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_request_given_up_on_is_withdrawn_from_the_server(loop):
+    """A caller that stops waiting (its timeout, or its task cancelled) sends Cancel: the
+    request, still queued, never runs and is not answered (before, it ran for nobody). A
+    Cancel of an id not in flight is ignored, and the connection keeps serving."""
+    req = RankRequest(user_id=1, items=[1], actions=[0], candidates=[3])
+    with ServerThread(loop, overrides={"engine.max_wait_ms": 400.0, "engine.max_batch": 64}) as srv:
+        async def go():
+            async with AsyncClient(srv.addr) as c:
+                assert m.CAP_CANCEL in c.server_info.capabilities
+                with pytest.raises(TimeoutError):
+                    await c.rank(req, timeout=0.03)  # the client's timeout
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(c.rank(req), 0.03)  # the caller's task cancelled
+                deadline = time.monotonic() + 3
+                while srv.counters().get("rank_cancelled", 0) < 2 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                await asyncio.sleep(0.5)  # past the batch window: nothing of them may run
+                return srv.counters(), await c.rank(req)
+        counters, last = run(loop, go)
+        assert counters.get("rank_cancelled") == 2 and "rank_requests" not in counters, counters
+        assert len(last.scores) == 1 and srv.server.metrics.counters["cancels"] == 2
+        with connect(srv) as sock:
+            sock.sendall(frame(m.Cancel(99)) + frame(rank_msg(3, user=1)) + frame(m.Cancel(3))
+                         + frame(m.HealthRequest(4)))
+            health = recv_msg(sock)  # 99: unknown; 3 withdrawn: no reply to either
+            assert isinstance(health, m.HealthReply) and health.id == 4, health
+            sock.sendall(frame(rank_msg(3, user=1)))  # withdrawn: its id is free again
+            assert isinstance(recv_msg(sock), m.RankReply)
+        assert srv.server.metrics.counters["cancels"] == 3
 
 
 @pytest.mark.parametrize("loop", LOOPS)

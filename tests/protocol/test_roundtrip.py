@@ -26,7 +26,8 @@ def test_every_message_roundtrips_through_the_codec():
     msgs = [m.Hello(1, "tok", "me"), m.HelloAck(1, "s", "rank-small", 10, 5, ["rank"]),
             m.RankRequest(1, "u", [1], [0], [2, 3], 4, 5.0), m.RankReply(2, [0.5], {"a": 1}),
             m.GenerateRequest(3, 7, [1, 2], 10, 64, None), m.GenerateReply(4, [1], [0.1], [[1, 2, 3]]),
-            m.StatsRequest(5), m.StatsReply(6, {"x": {"y": [1, 2]}}), m.Error(7, "OVERLOADED", "busy")]
+            m.StatsRequest(5), m.StatsReply(6, {"x": {"y": [1, 2]}}), m.Error(7, "OVERLOADED", "busy"),
+            m.Cancel(8)]
     for msg in msgs:
         assert c.decode(c.frame(msg)[4:]) == msg
 

@@ -92,9 +92,9 @@ class Engine(Updates):
         res = self._res
         if res is None:
             return
-        check_loop(res)
+        check_loop(res, closing=True)
         self._closing = True
-        await res.aclose(lambda: self._inflight, drain_timeout)
+        await res.aclose(self, drain_timeout)
         restore_gc(self._gc)
         self._res = None
 

@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from ..errors import EngineClosed, WrongEventLoop
+from ..errors import EngineClosed, EngineDead, WrongEventLoop
 from .answers import answer_generate, answer_rank
 from .batcher import Batcher
 from .loop import BatchLoop
@@ -70,10 +70,11 @@ def forked(pid: int) -> str:
             "engine in each process")
 
 
-def check_loop(res: "EngineResources | None") -> None:
+def check_loop(res: "EngineResources | None", closing: bool = False) -> None:
     """Raise ``WrongEventLoop`` unless called on the loop the engine was started on: from
     another loop (or thread) a request would sit in queues that loop never wakes for, and its
-    future could not be settled (the caller would wait for ever)."""
+    future could not be settled (the caller would wait for ever). ``closing``: a close is
+    taken on any loop once the engine's own has closed (``aclose`` releases the threads)."""
     if res is None:
         return
     if res.pid != os.getpid():
@@ -82,6 +83,12 @@ def check_loop(res: "EngineResources | None") -> None:
         here = asyncio.get_running_loop()
     except RuntimeError:
         here = None
+    if here is not res.loop and res.loop.is_closed():
+        if closing and here is not None:
+            return
+        raise WrongEventLoop("the event loop the engine was started on has closed without "
+                             "engine.close() (use `async with engine:`): close it from this "
+                             "loop to release its threads, then start it again")
     if here is not res.loop:
         raise WrongEventLoop("the engine was started on another event loop; call it from that "
                              "loop (from another thread: BlockingEngine, or "
@@ -135,12 +142,21 @@ class EngineResources:
         for b in (self.rank_batcher, self.gen_batcher):
             b.fail_all(make_error)
 
-    async def aclose(self, inflight, drain_timeout: float) -> None:
-        """Drain (until ``inflight()`` is 0, the deadline, or every loop died), stop the loops,
-        fail what is still queued, close the runners on the executor, join the threads."""
+    async def aclose(self, engine, drain_timeout: float) -> None:
+        """Drain (until the engine has nothing in flight, the deadline, or every loop died),
+        stop the loops, fail what is still queued, close the runners on the executor, join the
+        threads. After the engine's loop closed without this: the runners and threads only,
+        and if a batch in flight there never finished (its users stay leased in the cache),
+        the engine is dead."""
         if self._closed:
             return
         self._closed = True
+        orphaned = self.loop.is_closed()
+        if orphaned:
+            self.tasks = []  # their loop's: died with it, as did the requests' futures
+            self.rank_batcher, self.gen_batcher = Batcher(1, 0.0), Batcher(1, 0.0)
+            engine._inflight = 0
+        inflight = lambda: engine._inflight  # noqa: E731
         t_end = time.monotonic() + drain_timeout
         while inflight() and time.monotonic() < t_end and not all(t.done() for t in self.tasks):
             await asyncio.sleep(0.005)
@@ -162,3 +178,8 @@ class EngineResources:
             await loop.run_in_executor(self.executor, runner.close)
         for ex in (self.executor, self.finisher, self.builder):  # joined off the event loop
             await loop.run_in_executor(None, ex.shutdown, True)
+        if orphaned and any(getattr(getattr(r, "manager", None), "in_batch", None)
+                            for r in self.runners):
+            engine._dead = EngineDead("the event loop the engine was started on closed with a "
+                                      "batch in flight, whose users stay leased in the cache: "
+                                      "make a new Engine")

@@ -363,6 +363,27 @@ def test_a_call_from_another_event_loop_is_refused_not_left_waiting():
         home.call_soon_threadsafe(home.stop)
         thread.join(10)
 
+    async def started_and_left():  # a loop that ends without close
+        await eng.start()
+        return await eng.rank(good)
+    assert len(asyncio.run(started_and_left()).scores) == 2
+    with pytest.raises(E.WrongEventLoop, match="has closed without engine.close"):
+        asyncio.run(eng.rank(good))
+    asyncio.run(eng.close())  # from a new loop: its threads released, then it starts again
+
+    async def again():
+        async with eng:
+            return await eng.rank(good)
+    assert len(asyncio.run(again()).scores) == 2
+    # A batch that never finished on the closed loop leaves its users leased in the cache
+    # (planted here: a loop closed between a batch's submit and its finish): the close finds
+    # it and the engine is dead, instead of those users' requests failing later.
+    asyncio.run(started_and_left())
+    eng.runner.manager._leases.append(frozenset([1]))
+    asyncio.run(eng.close())
+    with pytest.raises(E.EngineDead, match="batch in flight"):
+        asyncio.run(again())
+
 
 def test_a_forked_child_is_told_the_engine_stays_with_its_parent():
     """A BlockingEngine (and its Engine) used in a forked child: before, the call waited for

@@ -28,6 +28,7 @@ view. Here:
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from collections import deque
@@ -44,6 +45,8 @@ from ..runtime.deployment import build_generator
 from ..streams import off_stream
 from .generate import CatalogRefit, catalog_views, views_after_removal
 from .resources import check_loop
+
+log = logging.getLogger("streamgr.engine")
 
 Target = Literal["auto", "rank", "generate"]
 
@@ -90,6 +93,33 @@ def same_contract(old: dict, new: dict) -> None:
             if new[section].get(key) != value:
                 raise ContractError(f"{section}.{key}: {new[section].get(key)!r}, the engine "
                                     f"serves {value!r}")
+
+
+_RUNNING: set[asyncio.Task] = set()  # updates whose callers stopped waiting
+
+
+async def _to_the_end(coro) -> None:
+    """Run an update or rollback to its end even if its caller is cancelled (a timeout): its
+    steps run on threads that cannot be stopped, so a cancel between them would leave a
+    version cut over with the bookkeeping after it undone (no rollback kept). The caller
+    still gets its CancelledError; ``versions()`` tells where the update stands."""
+    task = asyncio.ensure_future(coro)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not task.done():  # kept to its end, its outcome logged
+            _RUNNING.add(task)
+            task.add_done_callback(_finished)
+        raise
+
+
+def _finished(task: asyncio.Task) -> None:
+    _RUNNING.discard(task)
+    if task.cancelled() or task.exception() is not None:
+        log.warning("an update whose caller stopped waiting failed: %r",
+                    "cancelled" if task.cancelled() else task.exception())
+    else:
+        log.info("an update whose caller stopped waiting is done")
 
 
 def _marked(marks: dict, name: str, fn, *args):
@@ -173,14 +203,17 @@ class Updates:
             raise StreamgrError("update: give weights, catalog or policy")
         check_loop(self._res)
         which = self._target(target, weights is None)
-        async with self._updating:
-            if which == "rank":
-                if catalog is not None or policy is not None:
-                    raise UnsupportedRequest("rank takes new weights only")
-                await self._update_rank(weights, keep_previous)
-            else:
-                await self._update_generate(weights, catalog, policy, keep_previous)
-            self.metrics.count(f"{which}_updates")
+        if which == "rank" and (catalog is not None or policy is not None):
+            raise UnsupportedRequest("rank takes new weights only")
+
+        async def run():
+            async with self._updating:
+                if which == "rank":
+                    await self._update_rank(weights, keep_previous)
+                else:
+                    await self._update_generate(weights, catalog, policy, keep_previous)
+                self.metrics.count(f"{which}_updates")
+        await _to_the_end(run())
         return self.versions()
 
     async def _update_generate(self, weights, catalog, policy, keep_previous: bool) -> None:
@@ -319,19 +352,22 @@ class Updates:
         """Back to the previous version (kept since the last update), by the same cutover."""
         check_loop(self._res)
         which = self._target(target, True)
-        async with self._updating:
-            if which == "generate":
-                if self.gen_runner.previous is None:
-                    raise StreamgrError("no previous generate version to roll back to")
-                await self._on_executor(self.gen_runner.rollback)
-            else:
-                prev = getattr(self, "_rank_previous", None)
-                if prev is None:
-                    raise StreamgrError("no previous rank weights to roll back to")
-                cur = (self.runner.model, self.runner.version)
-                await self._on_executor(self.runner.set_model, *prev)
-                self._rank_previous = cur
-            self.metrics.count(f"{which}_rollbacks")
+
+        async def run():
+            async with self._updating:
+                if which == "generate":
+                    if self.gen_runner.previous is None:
+                        raise StreamgrError("no previous generate version to roll back to")
+                    await self._on_executor(self.gen_runner.rollback)
+                else:
+                    prev = getattr(self, "_rank_previous", None)
+                    if prev is None:
+                        raise StreamgrError("no previous rank weights to roll back to")
+                    cur = (self.runner.model, self.runner.version)
+                    await self._on_executor(self.runner.set_model, *prev)
+                    self._rank_previous = cur
+                self.metrics.count(f"{which}_rollbacks")
+        await _to_the_end(run())
         return self.versions()
 
     def versions(self) -> dict[str, Any]:

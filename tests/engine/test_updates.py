@@ -6,6 +6,7 @@ rank weights with rollback. Real engines on the CPU (gen-small, rank-small)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -161,3 +162,32 @@ async def test_rank_weights_update_and_rollback():
         assert back.stats.version == v1 and back.scores == before.scores
         with pytest.raises(Exception, match="weights only"):
             await e.update(policy={"top_k": 3})
+
+
+async def test_an_update_whose_caller_is_cancelled_runs_to_its_end():
+    """Cancelled while the new weights cut over (on the executor, which cannot be stopped):
+    before, the version switched but the previous one was not kept, so the update could not be
+    rolled back. Now the update finishes whole; the caller still gets its CancelledError."""
+    async with Engine.from_spec("rank-small", small_overrides()) as e:
+        v1 = e.versions()["rank"]["active"]
+        cutover = e.runner.set_model
+        started = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def slow_cutover(*args):  # a cutover slow enough to be cancelled during
+            loop.call_soon_threadsafe(started.set)
+            time.sleep(0.3)
+            return cutover(*args)
+        e.runner.set_model = slow_cutover
+        task = asyncio.ensure_future(e.update(weights=7))
+        await asyncio.wait_for(started.wait(), 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        deadline = time.monotonic() + 10
+        while e.versions()["rank"]["previous"] is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        vs = e.versions()["rank"]
+        assert vs["previous"] == v1 and vs["active"] != v1, vs
+        assert e.stats()["counters"]["rank_updates"] == 1
+        assert (await e.rollback())["rank"]["active"] == v1

@@ -22,7 +22,7 @@ from .factory import Builder, resolve_device, resolve_dtype
 from .generate import GenerateRunner
 from .metrics import EngineMetrics
 from .rank import BatchOutcome, RankRunner, prepare_rank
-from .resources import EngineResources, check_loop, restore_gc, serving_gc
+from .resources import EngineResources, check_loop
 from .status import engine_stats, fail_batch
 from .updates import Updates
 
@@ -79,12 +79,7 @@ class Engine(Updates):
             check_loop(self._res)
             return self
         self._closing = False
-        res = EngineResources(self)
-        if self.gen_runner is not None:  # decode plans (and live updates' memory): updates.py
-            await self._warm_generate(res)
-        self._gc = serving_gc(self.spec.engine)  # after warm-up: what is alive now is frozen
-        res.start_loops(self)
-        self._res = res
+        self._res = await EngineResources.open(self)  # warmed up and serving (resources.py)
         return self
 
     async def close(self, drain_timeout: float = 30.0) -> None:
@@ -95,7 +90,6 @@ class Engine(Updates):
         check_loop(res, closing=True)
         self._closing = True
         await res.aclose(self, drain_timeout)
-        restore_gc(self._gc)
         self._res = None
 
     async def __aenter__(self) -> "Engine":

@@ -110,9 +110,35 @@ class EngineResources:
         self.runners = [r for r in (engine.runner, engine.gen_runner) if r is not None]
         self.tasks: list[asyncio.Task] = []
         self.loops: list[BatchLoop] = []
-        self._closed = False
+        self._closing: asyncio.Task | None = None
+        self.gc = False  # took part in serving_gc
         self.loop = asyncio.get_running_loop()  # the one loop the engine serves on
         self.pid = os.getpid()  # and the one process
+
+    @classmethod
+    async def open(cls, engine) -> "EngineResources":
+        """New resources, warmed up (generate's decode plans and live updates' memory:
+        updates.py) and serving. A start cancelled or failed while warming leaves its threads
+        to finish what they run, and the next start waits for them: two warm-ups of one
+        runner would capture its plans at once."""
+        left, engine._abandoned = getattr(engine, "_abandoned", None), None
+        if left is not None:
+            await asyncio.get_running_loop().run_in_executor(None, left.shutdown_threads, True)
+        res = cls(engine)
+        try:
+            if engine.gen_runner is not None:
+                await engine._warm_generate(res)
+        except BaseException:
+            res.shutdown_threads(False)
+            engine._abandoned = res
+            raise
+        res.gc = serving_gc(engine.spec.engine)  # after warm-up: what is alive now is frozen
+        res.start_loops(engine)
+        return res
+
+    def shutdown_threads(self, wait: bool) -> None:
+        for ex in (self.executor, self.finisher, self.builder):
+            ex.shutdown(wait=wait, cancel_futures=True)
 
     def start_loops(self, engine) -> None:
         """One BatchLoop per runner. Rank batches in flight: the cache manager leases each
@@ -145,12 +171,24 @@ class EngineResources:
     async def aclose(self, engine, drain_timeout: float) -> None:
         """Drain (until the engine has nothing in flight, the deadline, or every loop died),
         stop the loops, fail what is still queued, close the runners on the executor, join the
-        threads. After the engine's loop closed without this: the runners and threads only,
-        and if a batch in flight there never finished (its users stay leased in the cache),
-        the engine is dead."""
-        if self._closed:
-            return
-        self._closed = True
+        threads, put the interpreter's gc settings back. After the engine's loop closed without
+        this: the runners and threads only, and if a batch in flight there never finished (its
+        users stay leased in the cache), the engine is dead. Runs to its end even if its caller
+        is cancelled (a timeout): a second close waits for the same one."""
+        task = self._closing
+        if task is None or task.cancelled() or (not task.done() and task.get_loop().is_closed()):
+            # (cut off: its loop closed under it, e.g. asyncio.run cancelling every task)
+            task = self._closing = asyncio.ensure_future(self._aclose(engine, drain_timeout))
+        await asyncio.shield(task)
+
+    async def _aclose(self, engine, drain_timeout: float) -> None:
+        try:
+            await self._stop(engine, drain_timeout)
+        finally:
+            restore_gc(self.gc)
+            self.gc = False
+
+    async def _stop(self, engine, drain_timeout: float) -> None:
         orphaned = self.loop.is_closed()
         if orphaned:
             self.tasks = []  # their loop's: died with it, as did the requests' futures
@@ -171,11 +209,13 @@ class EngineResources:
         if any(b.stalled for b in self.loops):
             # a completion thread is stuck on the device: closing the runners would wait on the
             # device too, and joining that thread would never return
-            for ex in (self.executor, self.finisher, self.builder):
-                ex.shutdown(wait=False, cancel_futures=True)
+            self.shutdown_threads(False)
             return
         for runner in self.runners:
-            await loop.run_in_executor(self.executor, runner.close)
+            try:
+                await loop.run_in_executor(self.executor, runner.close)
+            except RuntimeError:  # a close cut off before shut the executor down
+                await loop.run_in_executor(None, runner.close)
         for ex in (self.executor, self.finisher, self.builder):  # joined off the event loop
             await loop.run_in_executor(None, ex.shutdown, True)
         if orphaned and any(getattr(getattr(r, "manager", None), "in_batch", None)

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from streamgr import BlockingEngine, Engine, RankRequest
+from streamgr import BlockingEngine, Engine, GenerateRequest, RankRequest
 from streamgr import errors as E
 from tests.conftest import in_a_fork, small_overrides
 
@@ -432,3 +432,53 @@ def test_a_blocking_call_that_times_out_withdraws_its_request():
         counters = eng.stats()["counters"]
         assert counters.get("rank_cancelled") == 1 and "rank_requests" not in counters, counters
         assert len(eng.rank(good).scores) == 2
+
+
+def _threads() -> set:
+    return {t for t in threading.enumerate() if t.name.startswith("streamgr")}
+
+
+async def test_a_close_cut_short_is_finished_by_the_next():
+    """A close whose caller gives up (a timeout) runs on to its end, and the next close waits
+    for it: before, the second close returned at once and the engine's threads and the
+    interpreter's gc settings were left as they were."""
+    import gc
+    before, frozen = _threads(), gc.get_freeze_count()
+    eng = Engine.from_spec("rank-small", small_overrides(**{"engine.max_wait_ms": 50.0,
+                                                            "engine.gc_freeze": True}))
+    await eng.start()
+    futs = [eng.submit_rank(req(np.random.default_rng(u), u, 40)) for u in range(6)]
+    await futs[0]
+    assert _threads() - before and gc.get_freeze_count() > frozen
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(eng.close(), 0.001)
+    await eng.close()
+    assert not _threads() - before and gc.get_freeze_count() == frozen
+    out = await asyncio.gather(*futs, return_exceptions=True)
+    assert all(not isinstance(r, Exception) or isinstance(r, E.EngineClosed) for r in out), out
+
+
+async def test_a_start_cut_short_while_warming_up_never_overlaps_the_next():
+    """A start cancelled during its warm-up (its thread cannot be stopped) and a start right
+    after: before, the second warm-up ran beside the first on the same runner; now it waits."""
+    eng = Engine.from_spec("gen-small", small_overrides(**{"engine.max_wait_ms": 1.0}))
+    warm, busy, most = eng.gen_runner.warm_up, [0], [0]
+    lock = threading.Lock()
+
+    def slow_warm_up(*args):
+        with lock:
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+        try:
+            time.sleep(0.3)
+            return warm(*args)
+        finally:
+            with lock:
+                busy[0] -= 1
+    eng.gen_runner.warm_up = slow_warm_up
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(eng.start(), 0.05)
+    async with eng:
+        assert most[0] == 1
+        assert len((await eng.generate(GenerateRequest(user_id=1, history=[1, 2, 3],
+                                                       top_k=3))).items) == 3

@@ -173,6 +173,10 @@ class AsyncClient:
                 reply = await asyncio.wait_for(proto.first, self.timeout)
             except ConnectionLost as err:
                 raise ProtocolError(f"the server closed the connection during Hello: {err}") from None
+            except BaseException as err:  # no HelloAck in time, or cancelled: not left open
+                proto.transport.close()
+                raise (ServerUnavailable(f"no HelloAck from {self.address} within {self.timeout}"
+                                         " s") if isinstance(err, asyncio.TimeoutError) else err)
             if isinstance(reply, m.Error):
                 proto.transport.close()
                 if reply.code in (m.UNAUTHORIZED, m.PROTOCOL_ERROR):
@@ -305,9 +309,8 @@ class AsyncClient:
 
 class Client:
     """Blocking client: ``with Client("127.0.0.1:7700") as c: c.rank(RankRequest(...))``. Its
-    loop runs on a thread of its own, so any thread may call it; a forked child gets a loop
-    thread and a connection of its own at its first call (the parent's thread does not survive
-    the fork, and a socket must not be shared)."""
+    loop runs on a thread of its own, so any thread may call it; a forked child gets a loop thread
+    and a connection of its own at its first call (the parent's thread is not forked)."""
 
     def __init__(self, address: str, token: str | None = None, timeout: float | None = 60.0) -> None:
         self._args = (address, token, timeout)

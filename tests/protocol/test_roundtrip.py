@@ -253,3 +253,25 @@ def test_a_blocking_client_works_in_a_forked_child():
             assert c.health().ready
         with pytest.raises(E.ConnectionLost, match="client closed"):
             c.rank(req)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_peer_that_never_says_helloack_is_unavailable_and_let_go(loop):
+    """Something listening that never answers Hello (another service on the port, a stuck
+    server): before, a bare TimeoutError and the socket left open; now ServerUnavailable
+    naming the address, and the socket is closed (the peer reads EOF)."""
+    import socket
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        addr = f"127.0.0.1:{listener.getsockname()[1]}"
+        with pytest.raises(E.ServerUnavailable, match=f"no HelloAck from {addr} within 0.2 s"):
+            run(loop, lambda: AsyncClient(addr, timeout=0.2).connect())
+        peer, _ = listener.accept()
+        with peer:
+            peer.settimeout(5)
+            data = b""
+            while chunk := peer.recv(4096):  # the Hello, then EOF
+                data += chunk
+            from streamgr.protocol import Codec
+            assert isinstance(Codec().decode(data[4:]), m.Hello)

@@ -21,6 +21,7 @@ from . import api
 from .errors import (ConnectionLost, ProtocolError, ServerUnavailable, StreamgrError,
                      WrongEventLoop, error_for_code)
 from .protocol import framing, messages as m
+from .aio import gather_all
 from .protocol.ids import as_list, wire_ids
 
 
@@ -244,14 +245,14 @@ class AsyncClient:
         """All in flight at once on this connection (they can batch on the server); results
         in order; the first error raises, or with ``return_exceptions`` each failed
         request's error stands in its place."""
-        return list(await asyncio.gather(*(self.rank(r, deadline_ms, timeout) for r in requests),
-                                         return_exceptions=return_exceptions))
+        return await gather_all([self.rank(r, deadline_ms, timeout) for r in requests],
+                                return_exceptions)
 
     async def generate_many(self, requests: list, deadline_ms: float | None = None,
                             timeout: float | None = None, return_exceptions: bool = False) -> list:
         """``rank_many`` for generate."""
-        return list(await asyncio.gather(*(self.generate(r, deadline_ms, timeout)
-                                           for r in requests), return_exceptions=return_exceptions))
+        return await gather_all([self.generate(r, deadline_ms, timeout) for r in requests],
+                                return_exceptions)
 
     async def generate(self, request, deadline_ms: float | None = None,
                        timeout: float | None = None):

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..api import GenerateRequest, GenerateResult, RankRequest, RankResult
+from ..aio import gather_all
 from ..config import Spec
 from ..errors import EngineClosed
 from .core import Engine
@@ -55,8 +56,7 @@ class BlockingEngine:
         async def one(r):
             async with gate:
                 return await fn(r)
-        return list(await asyncio.gather(*(one(r) for r in requests),
-                                         return_exceptions=return_exceptions))
+        return await gather_all([one(r) for r in requests], return_exceptions)
 
     def rank(self, request: RankRequest, timeout: float | None = None) -> RankResult:
         return self._call(self.engine.rank(request), timeout)

@@ -482,3 +482,18 @@ async def test_a_start_cut_short_while_warming_up_never_overlaps_the_next():
         assert most[0] == 1
         assert len((await eng.generate(GenerateRequest(user_id=1, history=[1, 2, 3],
                                                        top_k=3))).items) == 3
+
+
+def test_a_list_call_that_raises_withdraws_the_rest():
+    """``rank_many`` without ``return_exceptions``: the first error raises, and the list's
+    other requests, still queued, are withdrawn (before, they ran for nobody)."""
+    rng = np.random.default_rng(8)
+    reqs = [req(rng, u, 10) for u in range(12)]
+    late_bad = RankRequest(user_id=99, items=[5000], actions=[1], candidates=[8])
+    with BlockingEngine("rank-small", small_overrides(**{"engine.max_wait_ms": 300.0,
+                                                         "engine.max_batch": 64})) as eng:
+        with pytest.raises(E.IdOutOfRange):
+            eng.rank_many(reqs + [late_bad])
+        time.sleep(0.5)  # past the batch window: a request left queued would have run
+        counters = eng.stats()["counters"]
+        assert counters.get("rank_cancelled") == 12 and "rank_requests" not in counters, counters

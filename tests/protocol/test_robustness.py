@@ -200,6 +200,26 @@ def test_a_request_given_up_on_is_withdrawn_from_the_server(loop):
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+def test_a_list_call_that_raises_withdraws_the_rest_on_the_server(loop):
+    """``AsyncClient.rank_many``: the first error raises, and the list's other requests are
+    withdrawn from the server's queue by Cancel (before, they ran for nobody)."""
+    reqs = [RankRequest(user_id=u, items=[1, 2], actions=[0, 1], candidates=[3]) for u in range(8)]
+    bad = RankRequest(user_id=99, items=[10**6], actions=[1], candidates=[3])
+    with ServerThread(loop, overrides={"engine.max_wait_ms": 400.0, "engine.max_batch": 64}) as srv:
+        async def go():
+            async with AsyncClient(srv.addr) as c:
+                with pytest.raises(E.IdOutOfRange):
+                    await c.rank_many(reqs + [bad])
+                deadline = time.monotonic() + 3
+                while srv.counters().get("rank_cancelled", 0) < 8 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                await asyncio.sleep(0.5)  # past the batch window: nothing of them may run
+                return srv.counters()
+        counters = run(loop, go)
+        assert counters.get("rank_cancelled") == 8 and "rank_requests" not in counters, counters
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 def test_an_id_in_flight_is_not_taken_twice_on_a_connection(loop):
     """Replies come in completion order and carry only the id: a second request under an id
     still in flight is refused (the first is answered as usual); once answered, even by a

@@ -1,13 +1,15 @@
 """A blocking wrapper of ``Engine`` for scripts and notebooks: the engine runs on its own event
-loop in a background thread; calls block the caller until the reply arrives. The list calls
-keep at most ``engine.max_queue`` of their requests in flight, so a list of any length is
-served rather than refused with ``Overloaded``."""
+loop in a background thread; calls block the caller until the reply arrives. At most
+``engine.max_queue`` of the wrapper's requests are in flight: the others (of a list, or of
+threads calling at once) wait for a slot, so they are served rather than refused with
+``Overloaded``."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import threading
+from functools import partial
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -32,6 +34,7 @@ class BlockingEngine:
                                         daemon=True)
         self._thread.start()
         self._pid = os.getpid()
+        self._gate: asyncio.Semaphore | None = None  # (made on the engine's loop)
         self._call(self.engine.start())
 
     def _call(self, coro, timeout: float | None = None):
@@ -48,18 +51,23 @@ class BlockingEngine:
             fut.cancel()
             raise
 
-    async def _many(self, fn, requests: list, return_exceptions: bool) -> list:
-        # at most max_queue of this list in flight (they still batch together), so a list
-        # longer than the queue is served; results in order
-        gate = asyncio.Semaphore(self.engine.spec.engine.max_queue)
+    async def _gated(self, call):
+        """``await call()`` once fewer than ``engine.max_queue`` of this wrapper's requests are
+        in flight: every caller's (lists, and threads calling at once) wait for a slot instead
+        of being refused with ``Overloaded``. Runs on the engine's loop, so one gate serves
+        all."""
+        if self._gate is None:
+            self._gate = asyncio.Semaphore(self.engine.spec.engine.max_queue)
+        async with self._gate:
+            return await call()
 
-        async def one(r):
-            async with gate:
-                return await fn(r)
-        return await gather_all([one(r) for r in requests], return_exceptions)
+    async def _many(self, fn, requests: list, return_exceptions: bool) -> list:
+        # they still batch together; results in order
+        return await gather_all([self._gated(partial(fn, r)) for r in requests],
+                                return_exceptions)
 
     def rank(self, request: RankRequest, timeout: float | None = None) -> RankResult:
-        return self._call(self.engine.rank(request), timeout)
+        return self._call(self._gated(partial(self.engine.rank, request)), timeout)
 
     def rank_many(self, requests: list[RankRequest],
                   return_exceptions: bool = False) -> list[RankResult | Exception]:
@@ -68,7 +76,7 @@ class BlockingEngine:
         return self._call(self._many(self.engine.rank, requests, return_exceptions))
 
     def generate(self, request: GenerateRequest, timeout: float | None = None) -> GenerateResult:
-        return self._call(self.engine.generate(request), timeout)
+        return self._call(self._gated(partial(self.engine.generate, request)), timeout)
 
     def generate_many(self, requests: list[GenerateRequest],
                       return_exceptions: bool = False) -> list[GenerateResult | Exception]:

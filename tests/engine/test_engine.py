@@ -497,3 +497,25 @@ def test_a_list_call_that_raises_withdraws_the_rest():
         time.sleep(0.5)  # past the batch window: a request left queued would have run
         counters = eng.stats()["counters"]
         assert counters.get("rank_cancelled") == 12 and "rank_requests" not in counters, counters
+
+
+def test_threads_calling_a_blocking_engine_at_once_wait_rather_than_overload():
+    """Three threads' lists and eight threads' single calls at once on a queue of 8: before,
+    each list kept its own max_queue in flight, so together they overran the queue and all but
+    one list failed with Overloaded; now one gate serves every caller."""
+    reqs = [RankRequest(user_id=u, items=[1, 2, 3], actions=[0, 1, 0], candidates=[4, 5])
+            for u in range(60)]
+    out, errors = {}, []
+    with BlockingEngine("rank-small", small_overrides(**{"engine.max_queue": 8})) as eng:
+        def work(i):
+            try:
+                out[i] = (len(eng.rank_many(reqs)) if i < 3 else
+                          len(eng.rank(reqs[i], timeout=60).scores))
+            except Exception as err:  # noqa: BLE001: reported below
+                errors.append(err)
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(11)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not errors and out == {i: 60 if i < 3 else 2 for i in range(11)}, errors[:2]

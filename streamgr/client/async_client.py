@@ -1,108 +1,20 @@
-"""Clients of the socket protocol: ``AsyncClient`` (pipelined) and the blocking ``Client``.
-
-Both are made from an address (``"127.0.0.1:7700"``, ``"[::1]:7700"`` or ``"unix:/path"``) and
-take the same request types as the embedded engine. Error replies raise the typed exception of
-their code (``streamgr.errors``); a broken connection fails the calls in flight with
-``ConnectionLost`` and the next call reconnects. An ``AsyncClient``'s connection belongs to the
-event loop that made it (see ``AsyncClient._on_this_loop``).
-"""
+"""``AsyncClient``: one pipelined connection, on the event loop that made it."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import os
-import threading
 from typing import Any
 
 import msgspec
 
-from . import api
-from .errors import (ConnectionLost, ProtocolError, ServerUnavailable, StreamgrError,
-                     WrongEventLoop, error_for_code)
-from .protocol import framing, messages as m
-from .aio import gather_all
-from .protocol.ids import as_list, wire_ids
-
-
-def parse_address(address: str) -> tuple[str, str | int | None]:
-    """``("unix", path)`` or ``(host, port)``."""
-    if address.startswith("unix:") and address[5:]:
-        return "unix", address[5:]
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"address {address!r}: expected HOST:PORT (a port in 0..65535) or "
-                         f"unix:PATH")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def _expire(fut: asyncio.Future, timeout: float) -> None:
-    if not fut.done():
-        fut.set_exception(asyncio.TimeoutError(f"no reply within {timeout} s"))
-
-
-class _ClientProtocol(asyncio.Protocol):
-    """Parses reply frames in ``data_received`` and resolves the waiting calls directly."""
-
-    def __init__(self, codec: framing.Codec) -> None:
-        self.codec = codec
-        self.buf = bytearray()
-        self.pending: dict[int, asyncio.Future] = {}
-        self.first: asyncio.Future = asyncio.get_running_loop().create_future()  # HelloAck
-        self.transport: asyncio.Transport | None = None
-        self.lost: Exception | None = None
-        self._can_write = asyncio.Event()
-        self._can_write.set()
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        buf = self.buf
-        buf += data
-        while len(buf) >= 4:
-            (n,) = framing.HEADER.unpack_from(buf)
-            if len(buf) < 4 + n:
-                return
-            try:
-                msg = self.codec.decode(bytes(buf[4:4 + n]))
-            except msgspec.DecodeError as err:
-                self._fail(ProtocolError(f"undecodable reply: {err}"))
-                self.transport.abort()
-                return
-            del buf[:4 + n]
-            if not self.first.done():
-                self.first.set_result(msg)
-                continue
-            fut = self.pending.pop(getattr(msg, "id", 0), None)
-            if fut is not None:
-                if not fut.done():
-                    fut.set_result(msg)
-            elif isinstance(msg, m.Error) and msg.id == 0:
-                self.lost = ConnectionLost(f"server closed the connection: {msg.code}: {msg.message}")
-
-    def _fail(self, err: Exception) -> None:
-        self.lost = self.lost or err
-        if not self.first.done():
-            self.first.set_exception(self.lost)
-        for fut in self.pending.values():
-            if not fut.done():
-                fut.set_exception(self.lost)
-        self.pending.clear()
-
-    def connection_lost(self, exc) -> None:
-        self._fail(ConnectionLost(f"connection lost: {exc!r}" if exc else
-                                  "connection closed by the server"))
-        self._can_write.set()
-
-    def pause_writing(self) -> None:
-        self._can_write.clear()
-
-    def resume_writing(self) -> None:
-        self._can_write.set()
-
-    async def writable(self) -> None:
-        await self._can_write.wait()
+from .. import api
+from ..aio import gather_all
+from ..errors import (ConnectionLost, ProtocolError, ServerUnavailable, WrongEventLoop,
+                      error_for_code)
+from ..protocol import framing, messages as m
+from ..protocol.ids import as_list, wire_ids
+from .wire import ReplyProtocol, expire, parse_address
 
 
 class AsyncClient:
@@ -113,7 +25,7 @@ class AsyncClient:
         self.server_info: m.HelloAck | None = None
         self._ids = itertools.count(1)
         self._codec = framing.Codec()
-        self._proto: _ClientProtocol | None = None
+        self._proto: ReplyProtocol | None = None
         self._connect_lock: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the connection's loop
 
@@ -159,7 +71,7 @@ class AsyncClient:
                 return self
             loop = asyncio.get_running_loop()
             host, port = parse_address(self.address)
-            factory = lambda: _ClientProtocol(self._codec)  # noqa: E731
+            factory = lambda: ReplyProtocol(self._codec)  # noqa: E731
             try:
                 if host == "unix":
                     _, proto = await loop.create_unix_connection(factory, port)
@@ -201,7 +113,7 @@ class AsyncClient:
         proto.pending[rid] = fut
         timeout = timeout if timeout is not None else self.timeout
         # A plain timer on the future: cheaper than wait_for's wrapper task on a hot path.
-        timer = None if timeout is None else loop.call_later(timeout, _expire, fut, timeout)
+        timer = None if timeout is None else loop.call_later(timeout, expire, fut, timeout)
         try:
             proto.transport.write(self._codec.frame(make(rid)))
             await proto.writable()
@@ -306,94 +218,3 @@ class AsyncClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
-
-
-class Client:
-    """Blocking client: ``with Client("127.0.0.1:7700") as c: c.rank(RankRequest(...))``. Its
-    loop runs on a thread of its own, so any thread may call it; a forked child gets a loop thread
-    and a connection of its own at its first call (the parent's thread is not forked)."""
-
-    def __init__(self, address: str, token: str | None = None, timeout: float | None = 60.0) -> None:
-        self._args = (address, token, timeout)
-        self._closed, self._orphans = False, []
-        self._start()
-
-    def _start(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
-                                        name="streamgr-client")
-        self._thread.start()
-        self._client = AsyncClient(*self._args)
-        try:
-            self._run(self._client.connect())
-        except BaseException:
-            self._stop()
-            raise
-        self._pid = os.getpid()  # (a child whose connect failed starts again at its next call)
-
-    def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def _call(self, call):
-        """``call(async_client)`` run on the client's loop (started again in a forked child)."""
-        if self._closed:
-            raise ConnectionLost("client closed (Client.close)")
-        if self._pid != os.getpid():  # a forked child (the parent's kept: collected, they
-            self._orphans.append((self._loop, self._thread, self._client))  # close its loop)
-            self._start()
-        return self._run(call(self._client))
-
-    def rank(self, request: api.RankRequest, deadline_ms: float | None = None,
-             timeout: float | None = None) -> api.RankResult:
-        return self._call(lambda c: c.rank(request, deadline_ms, timeout))
-
-    def generate(self, request, deadline_ms: float | None = None, timeout: float | None = None):
-        return self._call(lambda c: c.generate(request, deadline_ms, timeout))
-
-    def rank_many(self, requests, deadline_ms: float | None = None, timeout: float | None = None,
-                  return_exceptions: bool = False):
-        return self._call(lambda c: c.rank_many(requests, deadline_ms, timeout,
-                                                return_exceptions))
-
-    def generate_many(self, requests, deadline_ms: float | None = None,
-                      timeout: float | None = None, return_exceptions: bool = False):
-        return self._call(lambda c: c.generate_many(requests, deadline_ms, timeout,
-                                                    return_exceptions))
-
-    def health(self) -> m.HealthReply:
-        return self._call(lambda c: c.health())
-
-    def update(self, **kw) -> dict[str, Any]:
-        """``AsyncClient.update`` (admin token required)."""
-        return self._call(lambda c: c.update(**kw))
-
-    def rollback(self, target: str = "auto") -> dict[str, Any]:
-        return self._call(lambda c: c.rollback(target))
-
-    def versions(self) -> dict[str, Any]:
-        return self._call(lambda c: c.versions())
-
-    def stats(self) -> dict[str, Any]:
-        return self._call(lambda c: c.stats())
-
-    def _stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._pid == os.getpid():  # a forked child that never called has nothing to close
-            self._run(self._client.close())
-            self._stop()
-
-    def __enter__(self) -> "Client":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-__all__ = ["AsyncClient", "Client", "parse_address", "StreamgrError"]

@@ -28,6 +28,7 @@ class AsyncClient:
         self._proto: ReplyProtocol | None = None
         self._connect_lock: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the connection's loop
+        self._gate: asyncio.Semaphore | None = None  # the server's per-connection cap
 
     def _on_this_loop(self) -> None:
         """A connection belongs to the loop that made it. Called from another loop: if that
@@ -100,18 +101,42 @@ class AsyncClient:
                 raise ProtocolError(f"expected HelloAck, got {type(reply).__name__}")
             self.server_info = reply
             self._proto, self._loop = proto, loop
+            caps = [c for c in (reply.max_conn_inflight, reply.max_inflight) if c > 0]
+            self._gate = asyncio.Semaphore(min(caps)) if reply.max_conn_inflight else None
         return self
 
-    async def _call(self, make, timeout: float | None):
+    async def _call(self, make, timeout: float | None, gated: bool = False):
+        """``make(id)`` sent, its reply awaited. ``gated`` (rank, generate): at most the
+        server's per-connection cap of them in flight, the rest waiting here for a slot (as
+        HTTP/2 clients keep to a peer's concurrent streams) instead of being refused with
+        OVERLOADED; the wait counts in ``timeout``."""
         self._on_this_loop()
         if not self.connected:
             await self.connect()
+        timeout = timeout if timeout is not None else self.timeout
+        gate = self._gate if gated else None
+        if gate is None:
+            return await self._send(make, timeout)
+        if gate.locked():
+            try:
+                await asyncio.wait_for(gate.acquire(), timeout)
+            except asyncio.TimeoutError:
+                raise asyncio.TimeoutError(f"no reply within {timeout} s") from None
+        else:
+            await gate.acquire()
+        try:
+            if not self.connected:  # lost while this call waited
+                await self.connect()
+            return await self._send(make, timeout)
+        finally:
+            gate.release()
+
+    async def _send(self, make, timeout: float | None):
         proto = self._proto
         rid = next(self._ids)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         proto.pending[rid] = fut
-        timeout = timeout if timeout is not None else self.timeout
         # A plain timer on the future: cheaper than wait_for's wrapper task on a hot path.
         timer = None if timeout is None else loop.call_later(timeout, expire, fut, timeout)
         try:
@@ -148,15 +173,16 @@ class AsyncClient:
         ids = lambda x, packed=self._packs_ids: wire_ids(x, packed)  # noqa: E731
         reply = await self._call(lambda rid: m.RankRequest(
             rid, request.user_id, ids(request.items), ids(request.actions),
-            ids(request.candidates), request.base_len, deadline_ms), timeout)
+            ids(request.candidates), request.base_len, deadline_ms), timeout, gated=True)
         return api.RankResult(scores=reply.scores, stats=msgspec.convert(reply.stats, api.RankStats))
 
     async def rank_many(self, requests: list[api.RankRequest], deadline_ms: float | None = None,
                         timeout: float | None = None,
                         return_exceptions: bool = False) -> list[api.RankResult | Exception]:
-        """All in flight at once on this connection (they can batch on the server); results
-        in order; the first error raises, or with ``return_exceptions`` each failed
-        request's error stands in its place."""
+        """All in flight at once on this connection, up to the server's per-connection cap
+        (they can batch on the server); results in order; the first error raises and withdraws
+        the rest, or with ``return_exceptions`` each failed request's error stands in its
+        place."""
         return await gather_all([self.rank(r, deadline_ms, timeout) for r in requests],
                                 return_exceptions)
 
@@ -175,7 +201,7 @@ class AsyncClient:
             request.beam_width,
             deadline_ms, opt(getattr(request, "beam_widths", None)),
             opt(getattr(request, "exclude_items", None)),
-            getattr(request, "max_per_prefix", None)), timeout)
+            getattr(request, "max_per_prefix", None)), timeout, gated=True)
         return api.GenerateResult(items=reply.items, scores=reply.scores, sids=reply.sids,
                                   stats=msgspec.convert(reply.stats, api.GenerateStats))
 

@@ -34,6 +34,8 @@ class HelloAck(_Msg, tag=2):
     max_frame: int  # bytes, body only
     max_inflight: int  # requests in flight across the server before OVERLOADED
     capabilities: list[str] = msgspec.field(default_factory=list)  # "rank", "generate", "stats"
+    # rank and generate requests in flight on one connection before OVERLOADED (0: not said)
+    max_conn_inflight: int = 0
 
 
 # A server that lists this capability takes a RankRequest's ids and a GenerateRequest's history

@@ -213,7 +213,7 @@ class Connection(asyncio.Protocol):
                 ["generate"] if getattr(srv.engine, "serves_generate", False) else [])
             caps += ["admin"] if self.admin else []
             self.send(m.HelloAck(m.PROTOCOL_VERSION, srv.name, srv.engine.spec.name,
-                                 lim.max_frame, lim.max_inflight, caps))
+                                 lim.max_frame, lim.max_inflight, caps, lim.max_conn_inflight))
             return
         self.close()
 

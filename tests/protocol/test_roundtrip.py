@@ -275,3 +275,19 @@ def test_a_peer_that_never_says_helloack_is_unavailable_and_let_go(loop):
                 data += chunk
             from streamgr.protocol import Codec
             assert isinstance(Codec().decode(data[4:]), m.Hello)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_list_longer_than_the_connection_cap_is_served(loop):
+    """The HelloAck announces the per-connection cap and the client keeps to it: before, a
+    list of 1,000 over a cap of 256 had 744 answered OVERLOADED."""
+    reqs = [RankRequest(user_id=u, items=[1, 2, 3], actions=[0, 1, 0], candidates=[4, 5])
+            for u in range(300)]
+    with ServerThread(loop, max_conn_inflight=40) as srv:
+        async def go():
+            async with AsyncClient(srv.addr) as c:
+                assert c.server_info.max_conn_inflight == 40
+                return await c.rank_many(reqs, return_exceptions=True)
+        out = run(loop, go)
+    failed = [r for r in out if isinstance(r, Exception)]
+    assert not failed and all(len(r.scores) == 2 for r in out), failed[:2]

@@ -45,6 +45,7 @@ class Engine(Updates):
             self.gen_runner = self._build.generate_runner()
         self.metrics = EngineMetrics()
         self._res: EngineResources | None = None  # batchers, threads, loops: while started
+        self._abandoned: EngineResources | None = None  # a start's, cut off while warming up
         self._inflight = 0
         self._dead: BaseException | None = None
         self._closing = False
@@ -89,8 +90,11 @@ class Engine(Updates):
             return
         check_loop(res, closing=True)
         self._closing = True
-        await res.aclose(self, drain_timeout)
-        self._res = None
+        try:
+            await res.aclose(self, drain_timeout)
+        finally:
+            if res.closed:  # (not when only its caller was cancelled: the next close waits)
+                self._res = None
 
     async def __aenter__(self) -> "Engine":
         return await self.start()

@@ -121,7 +121,7 @@ class EngineResources:
         updates.py) and serving. A start cancelled or failed while warming leaves its threads
         to finish what they run, and the next start waits for them: two warm-ups of one
         runner would capture its plans at once."""
-        left, engine._abandoned = getattr(engine, "_abandoned", None), None
+        left, engine._abandoned = engine._abandoned, None
         if left is not None:
             await asyncio.get_running_loop().run_in_executor(None, left.shutdown_threads, True)
         res = cls(engine)
@@ -181,6 +181,12 @@ class EngineResources:
             task = self._closing = asyncio.ensure_future(self._aclose(engine, drain_timeout))
         await asyncio.shield(task)
 
+    @property
+    def closed(self) -> bool:
+        """The close has ended (done, or failed: a later close does not try again)."""
+        return self._closing is not None and self._closing.done() and \
+            not self._closing.cancelled()
+
     async def _aclose(self, engine, drain_timeout: float) -> None:
         try:
             await self._stop(engine, drain_timeout)
@@ -211,13 +217,16 @@ class EngineResources:
             # device too, and joining that thread would never return
             self.shutdown_threads(False)
             return
-        for runner in self.runners:
-            try:
-                await loop.run_in_executor(self.executor, runner.close)
-            except RuntimeError:  # a close cut off before shut the executor down
-                await loop.run_in_executor(None, runner.close)
-        for ex in (self.executor, self.finisher, self.builder):  # joined off the event loop
-            await loop.run_in_executor(None, ex.shutdown, True)
+        try:
+            for runner in self.runners:
+                try:  # (submitting raises: the runner's own errors come at the await)
+                    done = loop.run_in_executor(self.executor, runner.close)
+                except RuntimeError:  # a close cut off before shut the executor down
+                    done = loop.run_in_executor(None, runner.close)
+                await done
+        finally:  # (a runner's close failing too)
+            for ex in (self.executor, self.finisher, self.builder):  # joined off the loop
+                await loop.run_in_executor(None, ex.shutdown, True)
         if orphaned and any(getattr(getattr(r, "manager", None), "in_batch", None)
                             for r in self.runners):
             engine._dead = EngineDead("the event loop the engine was started on closed with a "

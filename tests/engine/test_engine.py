@@ -519,3 +519,27 @@ def test_threads_calling_a_blocking_engine_at_once_wait_rather_than_overload():
         for t in threads:
             t.join(60)
     assert not errors and out == {i: 60 if i < 3 else 2 for i in range(11)}, errors[:2]
+
+
+async def test_a_close_that_fails_raises_once_and_leaves_the_engine_closed():
+    """A runner whose close fails: that close raises; the engine is closed all the same (a
+    later close returns, a request gets EngineClosed, a start serves again), rather than every
+    later close raising the same error."""
+    before = _threads()
+    eng = Engine.from_spec("rank-small", small_overrides())
+    await eng.start()
+    await eng.rank(req(np.random.default_rng(9), 1, 10))  # the threads exist
+    real = eng.runner.close
+
+    def broken(*args):
+        eng.runner.close = real
+        raise RuntimeError("disk gone")
+    eng.runner.close = broken
+    with pytest.raises(RuntimeError, match="disk gone"):
+        await eng.close()
+    assert not {t for t in _threads() - before if "exec" in t.name or "finish" in t.name}
+    await eng.close()
+    with pytest.raises(E.EngineClosed):
+        await eng.rank(req(np.random.default_rng(9), 1, 10))
+    async with eng:
+        assert len((await eng.rank(req(np.random.default_rng(9), 1, 10))).scores) == 5

@@ -118,10 +118,13 @@ class AsyncClient:
         if gate is None:
             return await self._send(make, timeout)
         if gate.locked():
+            t0 = asyncio.get_running_loop().time()
             try:
                 await asyncio.wait_for(gate.acquire(), timeout)
             except asyncio.TimeoutError:
                 raise asyncio.TimeoutError(f"no reply within {timeout} s") from None
+            if timeout is not None:  # what is left of it for the reply
+                timeout = max(timeout - (asyncio.get_running_loop().time() - t0), 1e-3)
         else:
             await gate.acquire()
         try:

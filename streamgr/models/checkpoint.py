@@ -77,11 +77,28 @@ def load_weights(model: nn.Module, directory: str | Path, device=None, dtype=Non
             raise CheckpointError(f"{path}: tensor `{name}` has shape {tuple(got.shape)}, "
                                   f"config.json implies {tuple(want.shape)}")
     if device is None:
+        check_finite(tensors, path)
         model.load_state_dict(tensors)
     else:
         dtypes = {k: dtype or t.dtype for k, t in tensors.items()}
-        model.load_state_dict(device_copies(tensors, buf, device, dtypes, staging), assign=True)
+        moved = device_copies(tensors, buf, device, dtypes, staging)
+        check_finite(moved, path)
+        model.load_state_dict(moved, assign=True)
     return model
+
+
+def check_finite(tensors: dict, source) -> None:
+    """Refuse weights holding NaN or infinite values (a diverged training run, or values past
+    the serving dtype's range): served, they would answer NaN scores or arbitrary items with
+    no error. Checked where the tensors will serve (on the device: ~0.1 ms there; ~60 ms for
+    200 MB on the 2-core CPU VM), with one sync for all of them; the first bad tensor named."""
+    names = [k for k, t in tensors.items() if t.is_floating_point()]
+    if not names:
+        return
+    ok = torch.stack([torch.isfinite(tensors[k]).all() for k in names]).tolist()
+    if not all(ok):
+        raise CheckpointError(f"{source}: tensor `{names[ok.index(False)]}` holds NaN or "
+                              f"infinite values")
 
 
 def save_checkpoint(model: nn.Module | dict, config: msgspec.Struct,

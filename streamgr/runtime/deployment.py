@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, ContractError
-from ..models.checkpoint import (WEIGHTS_FILE, decode_config, device_copies, hf_state_dict,
-                                 read_config, read_safetensors, uninitialized)
+from ..models.checkpoint import (WEIGHTS_FILE, check_finite, decode_config, device_copies,
+                                 hf_state_dict, read_config, read_safetensors, uninitialized)
 from ..models.t5 import T5, T5Config
 from ..models.t5_fuse import fuse_projections
 from ..selection.vocabulary import SidTrie, check_catalog, load_catalog, random_catalog
@@ -72,8 +72,9 @@ def refit_tensors(spec, device: torch.device, dtype: torch.dtype, into, trie, on
     if on_read is not None:
         on_read()
     dtypes = {k: t.dtype for k, t in into.state_dict().items()}
-    return (device_copies(tensors, buf, device, dtypes, staging), f"ckpt:{directory}",
-            contract)
+    moved = device_copies(tensors, buf, device, dtypes, staging)
+    check_finite(moved, directory)
+    return moved, f"ckpt:{directory}", contract
 
 
 def build_generator(spec, device: torch.device, dtype: torch.dtype, model=None, catalog=None,
@@ -95,6 +96,7 @@ def build_generator(spec, device: torch.device, dtype: torch.dtype, model=None, 
         return model, "reused", trie, contract, catalog
     if m.checkpoint is not None:
         cfg, contract, tensors, _ = read_checkpoint(m.checkpoint, spec, dname, trie)
+        check_finite(tensors, m.checkpoint)  # (on the host: the model moves after the load)
         model = uninitialized(T5, cfg)  # every parameter comes from the strict load below
         model.load_state_dict(tensors)
         source = f"ckpt:{m.checkpoint}"

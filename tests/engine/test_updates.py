@@ -191,3 +191,42 @@ async def test_an_update_whose_caller_is_cancelled_runs_to_its_end():
         assert vs["previous"] == v1 and vs["active"] != v1, vs
         assert e.stats()["counters"]["rank_updates"] == 1
         assert (await e.rollback())["rank"]["active"] == v1
+
+
+@pytest.mark.parametrize("spec", ["rank-small", "gen-small"])
+async def test_weights_holding_nan_or_inf_are_refused_and_serving_goes_on(spec, tmp_path):
+    """A checkpoint of a diverged run (a NaN in one of its tensors): before, it was
+    loaded and served (NaN scores, arbitrary items, no error). Now it is refused at start and as
+    an update, naming the tensor, and the active version keeps serving."""
+    from safetensors.torch import load_file, save_file
+
+    from streamgr.cli import main
+    from streamgr.errors import CheckpointError
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    overrides = GEN if spec == "gen-small" else small_overrides()
+    assert main(["init-model", "--spec", spec, "--out", str(good), "--seed", "3"]
+                + [a for k, v in overrides.items() for a in ("--set", f"{k}={v}")]) == 0
+    tensors = load_file(str(good / "model.safetensors"))
+    name = sorted(k for k, t in tensors.items() if t.is_floating_point() and t.numel() > 1)[1]
+    tensors[name].view(-1)[1] = float("nan")
+    bad.mkdir()
+    for f in good.iterdir():
+        if f.name != "model.safetensors":
+            (bad / f.name).write_bytes(f.read_bytes())
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=f"`{name}` holds NaN or infinite values"):
+        Engine.from_spec(bad / "spec.toml", overrides)
+    async with Engine.from_spec(good / "spec.toml", overrides) as eng:
+        if spec == "gen-small":
+            ask = GenerateRequest(user_id=3, history=eng.gen_runner.catalog_items[:3].tolist(),
+                                  top_k=5)
+            serve = eng.generate
+        else:
+            ask = RankRequest(user_id=3, items=[5, 6, 7], actions=[1, 0, 1], candidates=[8, 9])
+            serve = eng.rank
+        before = await serve(ask)
+        with pytest.raises(CheckpointError, match=f"`{name}` holds NaN or infinite values"):
+            await eng.update(weights=str(bad))
+        after = await serve(ask)
+        assert after.stats.version == before.stats.version
+        assert after.scores == pytest.approx(before.scores, abs=1e-5)

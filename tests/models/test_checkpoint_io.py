@@ -154,3 +154,16 @@ def test_a_buffer_sized_ahead_holds_an_fp32_checkpoint(tmp_path):
     ahead = staging.take(fp32_checkpoint_bytes(want.values()))
     _, buf = read_safetensors(tmp_path / "m.safetensors", staging)
     assert buf.data_ptr() == ahead.data_ptr() and staging._buf.numel() == ahead.numel()
+
+
+def test_check_finite_names_the_first_tensor_holding_nan_or_inf():
+    from streamgr.models.checkpoint import check_finite
+    t = _tensors(3)
+    check_finite(t, "ok")  # integer and bool tensors are not looked at
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        broken = dict(t)
+        broken["c"] = t["c"].clone()
+        broken["c"][1, 2, 3] = bad
+        with pytest.raises(CheckpointError, match=r"^x: tensor `c` holds NaN or infinite"):
+            check_finite(broken, "x")
+    check_finite({"i": torch.arange(3)}, "ints only")

@@ -10,8 +10,8 @@ import msgspec
 
 from .. import api
 from ..aio import gather_all
-from ..errors import (ConnectionLost, ProtocolError, ServerUnavailable, WrongEventLoop,
-                      error_for_code)
+from ..errors import (ConnectionLost, InvalidRequest, ProtocolError, ServerUnavailable,
+                      WrongEventLoop, error_for_code)
 from ..protocol import framing, messages as m
 from ..protocol.ids import as_list, wire_ids
 from .wire import ReplyProtocol, expire, parse_address
@@ -137,13 +137,20 @@ class AsyncClient:
     async def _send(self, make, timeout: float | None):
         proto = self._proto
         rid = next(self._ids)
+        data = self._codec.frame(make(rid))
+        if len(data) - 4 > self.server_info.max_frame:
+            # Refused here: the server would close the connection, and every other request in
+            # flight on it would fail with ConnectionLost.
+            raise InvalidRequest(f"a request of {len(data) - 4:,} bytes, over the server's "
+                                 f"max_frame of {self.server_info.max_frame:,} (numpy arrays "
+                                 "travel packed; base_len sends only new events)")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         proto.pending[rid] = fut
         # A plain timer on the future: cheaper than wait_for's wrapper task on a hot path.
         timer = None if timeout is None else loop.call_later(timeout, expire, fut, timeout)
         try:
-            proto.transport.write(self._codec.frame(make(rid)))
+            proto.transport.write(data)
             await proto.writable()
             reply = await fut
         except (asyncio.TimeoutError, asyncio.CancelledError):

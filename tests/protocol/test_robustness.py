@@ -220,6 +220,26 @@ def test_a_list_call_that_raises_withdraws_the_rest_on_the_server(loop):
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+def test_one_request_over_max_frame_fails_alone(loop):
+    """A request whose frame is over the server's max_frame: before, the client sent it, the
+    server refused it unread and closed the connection, and the 20 other requests in flight
+    on it failed with ConnectionLost. Now the client refuses that one (InvalidRequest) and
+    the others are answered."""
+    with ServerThread(loop, max_frame=4096, overrides={"engine.max_wait_ms": 50.0}) as srv:
+        async def go():
+            async with AsyncClient(srv.addr) as c:
+                small = [c.rank(RankRequest(user_id=u, items=[1, 2], actions=[0, 1],
+                                            candidates=[3])) for u in range(20)]
+                big = c.rank(RankRequest(user_id=99, items=list(range(1, 1500)),
+                                         actions=[0] * 1499, candidates=[3]))
+                return await asyncio.gather(*small, big, return_exceptions=True)
+        out = run(loop, go)
+    assert all(len(r.scores) == 1 for r in out[:20]), out[:3]
+    assert isinstance(out[20], E.InvalidRequest) and "over the server's max_frame of 4,096" \
+        in str(out[20])
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 def test_an_id_in_flight_is_not_taken_twice_on_a_connection(loop):
     """Replies come in completion order and carry only the id: a second request under an id
     still in flight is refused (the first is answered as usual); once answered, even by a

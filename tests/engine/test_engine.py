@@ -444,14 +444,14 @@ async def test_a_close_cut_short_is_finished_by_the_next():
     interpreter's gc settings were left as they were."""
     import gc
     before, frozen = _threads(), gc.get_freeze_count()
-    eng = Engine.from_spec("rank-small", small_overrides(**{"engine.max_wait_ms": 50.0,
+    eng = Engine.from_spec("rank-small", small_overrides(**{"engine.max_wait_ms": 200.0,
                                                             "engine.gc_freeze": True}))
     await eng.start()
-    futs = [eng.submit_rank(req(np.random.default_rng(u), u, 40)) for u in range(6)]
-    await futs[0]
+    await eng.rank(req(np.random.default_rng(0), 0, 40))  # the threads exist
+    futs = [eng.submit_rank(req(np.random.default_rng(u), u, 40)) for u in range(1, 6)]
     assert _threads() - before and gc.get_freeze_count() > frozen
-    with pytest.raises(asyncio.TimeoutError):
-        await asyncio.wait_for(eng.close(), 0.001)
+    with pytest.raises(asyncio.TimeoutError):  # (the close drains the queued batch: ~200 ms)
+        await asyncio.wait_for(eng.close(), 0.02)
     await eng.close()
     assert not _threads() - before and gc.get_freeze_count() == frozen
     out = await asyncio.gather(*futs, return_exceptions=True)

@@ -11,7 +11,7 @@ import msgspec
 from .. import api
 from ..aio import gather_all
 from ..errors import (ConnectionLost, InvalidRequest, ProtocolError, ServerUnavailable,
-                      WrongEventLoop, error_for_code)
+                      StreamgrError, WrongEventLoop, error_for_code)
 from ..protocol import framing, messages as m
 from ..protocol.ids import as_list, wire_ids
 from .wire import ReplyProtocol, expire, parse_address
@@ -137,7 +137,13 @@ class AsyncClient:
     async def _send(self, make, timeout: float | None):
         proto = self._proto
         rid = next(self._ids)
-        data = self._codec.frame(make(rid))
+        try:
+            data = self._codec.frame(make(rid))
+        except StreamgrError:
+            raise
+        except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as err:
+            # (ids past uint64, floats or objects among ids, unpaired surrogates in a str)
+            raise InvalidRequest(f"the request cannot be encoded: {err}") from None
         if len(data) - 4 > self.server_info.max_frame:
             # Refused here: the server would close the connection, and every other request in
             # flight on it would fail with ConnectionLost.

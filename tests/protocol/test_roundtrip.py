@@ -291,3 +291,23 @@ def test_a_list_longer_than_the_connection_cap_is_served(loop):
         out = run(loop, go)
     failed = [r for r in out if isinstance(r, Exception)]
     assert not failed and all(len(r.scores) == 2 for r in out), failed[:2]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_request_the_client_cannot_encode_is_a_typed_error(loop):
+    """Ids past uint64, floats or objects among ids, a user id with an unpaired surrogate:
+    before, the client raised OverflowError, TypeError or UnicodeEncodeError; now the typed
+    InvalidRequest (the embedded engine's error for such ids), and the connection serves on.
+    (A str with an unpaired surrogate cannot travel as UTF-8; the embedded engine takes it.)"""
+    bad = [dict(user_id="\ud800", items=[1]), dict(user_id=1, items=[np.float64(1.0)]),
+           dict(user_id=1, items=[object()]), dict(user_id=2**70, items=[1]),
+           dict(user_id=1, items=[2**70])]
+    with ServerThread(loop) as srv:
+        async def go():
+            async with AsyncClient(srv.addr) as c:
+                for kw in bad:
+                    with pytest.raises(E.InvalidRequest):
+                        await c.rank(RankRequest(actions=[0], candidates=[3], **kw))
+                return await c.rank(RankRequest(user_id="é🙂", items=[1], actions=[0],
+                                                candidates=[3]))
+        assert len(run(loop, go).scores) == 1

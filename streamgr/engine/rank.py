@@ -44,6 +44,12 @@ def prepare_rank(req: RankRequest, cfg: HSTUConfig) -> PreparedRank:
     if not isinstance(req, RankRequest):
         raise InvalidRequest(f"expected a RankRequest, got {type(req).__name__}")
     user = check_user_id(req.user_id)
+    # Lengths first where they are known: a list of millions of ids is refused before its
+    # conversion (3M: ~85 ms of the event loop) rather than after.
+    if (n := _sized(req.items)) is not None and n > cfg.max_history:
+        raise HistoryTooLong(f"history of {n} events, the model takes at most {cfg.max_history}")
+    if (n := _sized(req.candidates)) is not None and n > cfg.max_candidates:
+        raise TooManyCandidates(f"{n} candidates, the model takes at most {cfg.max_candidates}")
     items = id_array("items", req.items, 0, cfg.num_items)
     actions = id_array("actions", req.actions, 0, cfg.num_actions)
     candidates = id_array("candidates", req.candidates, 0, cfg.num_items)
@@ -65,6 +71,13 @@ def prepare_rank(req: RankRequest, cfg: HSTUConfig) -> PreparedRank:
         raise HistoryTooLong(f"history of {total} events, the model takes at most "
                              f"{cfg.max_history}")
     return PreparedRank(user, items, actions, candidates, base)
+
+
+def _sized(x) -> int | None:
+    try:
+        return len(x)
+    except TypeError:  # an iterator, a scalar: the conversion decides
+        return None
 
 
 @dataclass

@@ -543,3 +543,32 @@ async def test_a_close_that_fails_raises_once_and_leaves_the_engine_closed():
         await eng.rank(req(np.random.default_rng(9), 1, 10))
     async with eng:
         assert len((await eng.rank(req(np.random.default_rng(9), 1, 10))).scores) == 5
+
+
+def test_lengths_are_refused_before_the_ids_are_read():
+    """A history (or candidate list) longer than the model takes is refused from its length:
+    before, every id was converted first (3M ids: ~85 ms of the event loop on the CPU VM)."""
+    from streamgr.engine.rank import prepare_rank
+
+    class Unread:  # a sequence whose ids must not be read
+        def __init__(self, n):
+            self.n = n
+
+        def __len__(self):
+            return self.n
+
+        def __getitem__(self, i):
+            raise AssertionError("ids read")
+
+        def __iter__(self):
+            raise AssertionError("ids read")
+    eng = Engine.from_spec("rank-small", small_overrides())
+    cfg = eng.runner.model.cfg
+    long = cfg.max_history + 1
+    with pytest.raises(E.HistoryTooLong, match=f"history of {long} events"):
+        prepare_rank(RankRequest(user_id=1, items=Unread(long), actions=Unread(long),
+                                 candidates=[3]), cfg)
+    many = cfg.max_candidates + 1
+    with pytest.raises(E.TooManyCandidates, match=f"{many} candidates"):
+        prepare_rank(RankRequest(user_id=1, items=[1], actions=[0], candidates=Unread(many)),
+                     cfg)

@@ -43,12 +43,21 @@ def as_list(xs) -> list | None:
     return list(xs) if isinstance(xs, (list, tuple)) else None
 
 
+def sized(x) -> int | None:
+    """``len(x)``, or None for what has none (an iterator, a scalar: the conversion decides)."""
+    try:
+        return len(x)
+    except TypeError:
+        return None
+
+
 def id_set(xs, name: str) -> np.ndarray | None:
     """A request's list of item ids (``id_array``'s forms) as a sorted unique array of at most
     ``MAX_EXCLUDE`` (None: not given)."""
     if xs is None:
         return None
-    ids = id_array(name, xs, -2**63, 2**63)
+    n = sized(xs)  # (refused from its length, when known, before its ids are read)
+    ids = id_array(name, xs, -2**63, 2**63) if n is None or n <= MAX_EXCLUDE else xs
     if len(ids) > MAX_EXCLUDE:
         raise InvalidRequest(f"`{name}` holds {len(ids)} item ids, at most {MAX_EXCLUDE}")
     return np.unique(ids)

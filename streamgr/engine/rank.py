@@ -23,7 +23,7 @@ from ..kernels.host_loops import pack_rows
 from ..kernels.hstu_attention import JaggedKV, kernel_runs
 from ..kernels.pinned import PinnedPool, to_device
 from ..models.hstu import HSTU, HSTUConfig, JaggedBatch
-from .fields import check_user_id, id_array, int_in
+from .fields import check_user_id, id_array, int_in, sized
 
 
 @dataclass
@@ -46,9 +46,9 @@ def prepare_rank(req: RankRequest, cfg: HSTUConfig) -> PreparedRank:
     user = check_user_id(req.user_id)
     # Lengths first where they are known: a list of millions of ids is refused before its
     # conversion (3M: ~85 ms of the event loop) rather than after.
-    if (n := _sized(req.items)) is not None and n > cfg.max_history:
+    if (n := sized(req.items)) is not None and n > cfg.max_history:
         raise HistoryTooLong(f"history of {n} events, the model takes at most {cfg.max_history}")
-    if (n := _sized(req.candidates)) is not None and n > cfg.max_candidates:
+    if (n := sized(req.candidates)) is not None and n > cfg.max_candidates:
         raise TooManyCandidates(f"{n} candidates, the model takes at most {cfg.max_candidates}")
     items = id_array("items", req.items, 0, cfg.num_items)
     actions = id_array("actions", req.actions, 0, cfg.num_actions)
@@ -71,13 +71,6 @@ def prepare_rank(req: RankRequest, cfg: HSTUConfig) -> PreparedRank:
         raise HistoryTooLong(f"history of {total} events, the model takes at most "
                              f"{cfg.max_history}")
     return PreparedRank(user, items, actions, candidates, base)
-
-
-def _sized(x) -> int | None:
-    try:
-        return len(x)
-    except TypeError:  # an iterator, a scalar: the conversion decides
-        return None
 
 
 @dataclass

@@ -546,8 +546,9 @@ async def test_a_close_that_fails_raises_once_and_leaves_the_engine_closed():
 
 
 def test_lengths_are_refused_before_the_ids_are_read():
-    """A history (or candidate list) longer than the model takes is refused from its length:
-    before, every id was converted first (3M ids: ~85 ms of the event loop on the CPU VM)."""
+    """A rank history or candidate list longer than the model takes, or a generate deny list
+    past its cap, is refused from its length: before, every id was converted first (3M ids:
+    ~85 ms of the event loop on the CPU VM)."""
     from streamgr.engine.rank import prepare_rank
 
     class Unread:  # a sequence whose ids must not be read
@@ -572,3 +573,6 @@ def test_lengths_are_refused_before_the_ids_are_read():
     with pytest.raises(E.TooManyCandidates, match=f"{many} candidates"):
         prepare_rank(RankRequest(user_id=1, items=[1], actions=[0], candidates=Unread(many)),
                      cfg)
+    from streamgr.engine.fields import MAX_EXCLUDE, id_set
+    with pytest.raises(E.InvalidRequest, match=f"holds {MAX_EXCLUDE + 1} item ids"):
+        id_set(Unread(MAX_EXCLUDE + 1), "exclude_items")  # generate's deny list

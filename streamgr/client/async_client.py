@@ -101,8 +101,8 @@ class AsyncClient:
                 raise ProtocolError(f"expected HelloAck, got {type(reply).__name__}")
             self.server_info = reply
             self._proto, self._loop = proto, loop
-            caps = [c for c in (reply.max_conn_inflight, reply.max_inflight) if c > 0]
-            self._gate = asyncio.Semaphore(min(caps)) if reply.max_conn_inflight else None
+            cap = min(reply.max_conn_inflight, reply.max_inflight)  # (0: an older server's)
+            self._gate = asyncio.Semaphore(cap) if cap > 0 else None
         return self
 
     async def _call(self, make, timeout: float | None, gated: bool = False):

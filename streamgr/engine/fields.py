@@ -5,6 +5,7 @@ and lists they equal; anything else is a typed ``InvalidRequest`` naming the fie
 from __future__ import annotations
 
 import numbers
+from typing import Callable
 
 import numpy as np
 
@@ -56,23 +57,27 @@ def id_set(xs, name: str) -> np.ndarray | None:
     ``MAX_EXCLUDE`` (None: not given)."""
     if xs is None:
         return None
-    n = sized(xs)  # (refused from its length, when known, before its ids are read)
-    ids = id_array(name, xs, -2**63, 2**63) if n is None or n <= MAX_EXCLUDE else xs
-    if len(ids) > MAX_EXCLUDE:
-        raise InvalidRequest(f"`{name}` holds {len(ids)} item ids, at most {MAX_EXCLUDE}")
-    return np.unique(ids)
+    return np.unique(id_array(name, xs, -2**63, 2**63, (MAX_EXCLUDE, lambda n: InvalidRequest(
+        f"`{name}` holds {n} item ids, at most {MAX_EXCLUDE}"))))
 
 
-def id_array(name: str, value, low: int, high: int) -> np.ndarray:
+def id_array(name: str, value, low: int, high: int,
+             most: tuple[int, Callable[[int], Exception]] | None = None) -> np.ndarray:
     """A request's ids (a list, or a numpy integer array read in place) as int64, each in
     ``low..high-1``: else ``IdOutOfRange`` naming the id as sent (never wrapped or rounded),
-    or ``InvalidRequest`` for what is not a flat list of integers."""
+    or ``InvalidRequest`` for what is not a flat list of integers. ``most``: the most ids taken
+    and the error for a count past it, raised from the length before any id is read where the
+    value has one (3M ids in a list: ~85 ms of conversion otherwise)."""
+    if most is not None and (n := sized(value)) is not None and n > most[0]:
+        raise most[1](n)
     try:
         arr = np.asarray(value)
     except Exception:
         raise InvalidRequest(f"`{name}` is not a list of integers") from None
     if arr.ndim != 1:
         raise InvalidRequest(f"`{name}` must be a flat list of integers, got shape {arr.shape}")
+    if most is not None and arr.size > most[0]:  # (an iterator's count)
+        raise most[1](arr.size)
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     if arr.dtype.kind not in "iu":

@@ -24,13 +24,16 @@ def _catalog_add(path: str | None) -> dict[int, list[int]]:
     rows = Path(path).read_text().strip().splitlines()
     if not rows or not rows[0].startswith("item_id,"):
         raise StreamgrError(f"--catalog-add {path}: a CSV with header item_id,s1,s2,...")
-    out = {}
+    out, line_of = {}, {}
     for n, line in enumerate(rows[1:], 2):
         try:
             vals = [int(v) for v in line.split(",")]
         except ValueError:
             raise StreamgrError(f"--catalog-add {path}:{n}: not integers: {line!r}") from None
-        out[vals[0]] = vals[1:]
+        if vals[0] in out:  # (a dict would keep the last silently: an item has one SID)
+            raise StreamgrError(f"--catalog-add {path}:{n}: item {vals[0]} again (line "
+                                f"{line_of[vals[0]]})")
+        out[vals[0]], line_of[vals[0]] = vals[1:], n
     return out
 
 

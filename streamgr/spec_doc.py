@@ -80,7 +80,8 @@ MEANING = {
                           "`auto` chooses per batch by onload and recompute costs measured at "
                           "start and corrected from each host-hit batch's device timings (the "
                           "longest users onloaded first)",
-    "catalog.path": "CSV `item_id,s1,s2,...` or `.npy` [items, 1 + depth]; excludes "
+    "catalog.path": "CSV `item_id,s1,s2,...` or `.npy` [items, 1 + depth] of integers; "
+                    "each item id once (one SID an item; items may share a SID); excludes "
                     "`random_items`",
     "catalog.random_items": "without a path: this many items with random distinct SIDs",
     "catalog.random_seed": "seed of the random catalog",

@@ -67,6 +67,9 @@ def merged_policy(current, changes, depth: int):
     """The current policy with ``changes`` (a PolicySpec or a dict of its fields) applied and
     validated against SIDs of ``depth`` levels; errors name the field."""
     from ..config import PolicySpec, key_path
+    if not isinstance(changes, (dict, PolicySpec)):
+        raise ContractError(f"policy: a dict of policy fields or a PolicySpec, got "
+                            f"{type(changes).__name__}")
     fields = changes if isinstance(changes, dict) else msgspec.structs.asdict(changes)
     unknown = sorted(set(fields) - set(PolicySpec.__struct_fields__))
     if unknown:

@@ -11,6 +11,7 @@ child at CSR position ``p`` is node ``p`` of level ``l+1``.
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,8 @@ class Catalog:
     # The rows in stable lexicographic SID order, once computed (``sid_order``): a catalog
     # derived by removals takes it from its parent instead of sorting again.
     _sid_order: np.ndarray | None = None
+    # Each id once, as ``check_catalog`` found (a delta of a checked catalog keeps it so).
+    ids_distinct: bool = False
 
     @property
     def depth(self) -> int:
@@ -49,6 +52,11 @@ def load_catalog(path: str | Path, codebook_sizes: list[int]) -> Catalog:
         arr = np.load(path)
         if arr.ndim != 2 or arr.shape[1] < 2:
             raise ContractError(f"catalog.path: {path} must be [items, 1 + depth]")
+        # (an astype alone would truncate floats and wrap uint64 ids past int64 to negatives)
+        if not np.issubdtype(arr.dtype, np.integer) or (
+                arr.size and arr.dtype == np.uint64 and arr.max() > np.iinfo(np.int64).max):
+            raise ContractError(f"catalog.path: {path} must hold int64 ids and codes, got "
+                                f"{arr.dtype}" + (" past int64" if arr.dtype == np.uint64 else ""))
         cat = Catalog(arr[:, 0].astype(np.int64), arr[:, 1:].astype(np.int64))
     else:
         with open(path) as f:
@@ -57,15 +65,21 @@ def load_catalog(path: str | Path, codebook_sizes: list[int]) -> Catalog:
             raise ContractError(f"catalog.path: {path}: header must be item_id,s1,s2,..., got "
                                 f"{','.join(header)}")
         try:
-            arr = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.int64, ndmin=2)
+            with warnings.catch_warnings():  # (no rows: said below, not as numpy's warning)
+                warnings.simplefilter("ignore", UserWarning)
+                arr = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.int64, ndmin=2)
         except ValueError as err:
             raise ContractError(f"catalog.path: {path}: {err}") from None
         cat = Catalog(arr[:, 0], arr[:, 1:])
+    if not len(cat.item_ids):
+        raise ContractError(f"catalog.path: {path} holds no items")
     check_catalog(cat, codebook_sizes)
     return cat
 
 
 def check_catalog(cat: Catalog, codebook_sizes: list[int]) -> None:
+    """Codes inside their codebooks, and each item id once: an id under two SIDs would be
+    answered twice and read from a history as either (``ContractError`` naming it)."""
     if cat.depth != len(codebook_sizes):
         raise ContractError(f"catalog.codebook_sizes: {len(codebook_sizes)} levels, the catalog's "
                             f"SIDs have {cat.depth}")
@@ -75,6 +89,15 @@ def check_catalog(cat: Catalog, codebook_sizes: list[int]) -> None:
         if bad.size:
             raise ContractError(f"catalog.s{level + 1}: item {cat.item_ids[bad[0]]} has code "
                                 f"{col[bad[0]]}, outside codebook {level} of size {size}")
+    if not cat.ids_distinct:
+        s = np.sort(cat.item_ids)  # (~8 ms a million ids; once a catalog: deltas inherit it)
+        dup = np.nonzero(s[1:] == s[:-1])[0]
+        if dup.size:
+            item = s[dup[0]]
+            raise ContractError(f"catalog.item_id: item {item} appears "
+                                f"{int(np.count_nonzero(cat.item_ids == item))} times (an item "
+                                f"has one SID; {dup.size} repeats in all)")
+        cat.ids_distinct = True
 
 
 class SidTrie:
@@ -201,7 +224,7 @@ def apply_delta(cat: Catalog, delta: CatalogDelta, codebook_sizes: list[int]) ->
     item the catalog lacks is a ContractError naming it (a typo must not pass silently)."""
     ids, sids, order = cat.item_ids, cat.sids, None
     if delta.remove:
-        rm = np.asarray(delta.remove, dtype=np.int64)
+        rm = _int64s("catalog.remove", delta.remove)
         # (not np.setdiff1d: it hashes the whole catalog, 0.65 s for a million items, holding
         # the GIL ~150 ms of it against the requests being served; one pass over the catalog,
         # the ids it lacks then found among the few it holds)
@@ -217,20 +240,36 @@ def apply_delta(cat: Catalog, delta: CatalogDelta, codebook_sizes: list[int]) ->
             o = cat._sid_order
             order = (np.cumsum(keep) - 1)[o[keep[o]]]
     if delta.add:
-        new_ids = np.fromiter(delta.add.keys(), dtype=np.int64, count=len(delta.add))
+        new_ids = _int64s("catalog.add", list(delta.add.keys()))
         try:
-            new_sids = np.asarray(list(delta.add.values()), dtype=np.int64).reshape(len(new_ids), -1)
-        except ValueError:
-            raise ContractError("catalog.add: every SID must have the catalog's depth") from None
+            new_sids = np.asarray(list(delta.add.values()))
+        except ValueError:  # ragged
+            new_sids = None
+        if new_sids is None or new_sids.ndim != 2:
+            raise ContractError("catalog.add: every SID must have the catalog's depth")
+        if new_sids.dtype.kind not in "iu":  # (codes past int64 wrap: refused as outside)
+            raise ContractError(f"catalog.add: SID codes must be ints, got {new_sids.dtype}")
+        new_sids = new_sids.astype(np.int64, copy=False)
         if new_sids.shape[1] != cat.depth:
             raise ContractError(f"catalog.add: SIDs of {new_sids.shape[1]} codes, the catalog's "
                                 f"have {cat.depth}")
         keep = ~np.isin(ids, new_ids)  # re-assigned items leave their old place
         ids = np.concatenate([ids[keep], new_ids])
         sids = np.concatenate([sids[keep], new_sids])
-    out = Catalog(ids, sids, None if delta.add else order)
+    # A removal keeps ids distinct, and so does an addition (an added id leaves its old row).
+    out = Catalog(ids, sids, None if delta.add else order, ids_distinct=cat.ids_distinct)
     check_catalog(out, codebook_sizes)
     return out
+
+
+def _int64s(field: str, ids) -> np.ndarray:
+    """A delta's item ids as int64 (a ``CatalogDelta`` built in Python is not type-checked:
+    floats would truncate, ids past int64 overflow)."""
+    a = np.asarray(ids) if len(ids) else np.zeros(0, dtype=np.int64)
+    if a.ndim != 1 or a.dtype.kind not in "iu" or (
+            a.dtype.kind == "u" and a.size and a.max() > np.iinfo(np.int64).max):
+        raise ContractError(f"{field}: item ids must be ints in the int64 range")
+    return a.astype(np.int64, copy=False)
 
 
 def random_catalog(n_items: int, codebook_sizes: list[int], seed: int,

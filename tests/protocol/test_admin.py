@@ -106,3 +106,15 @@ def test_cli_update_rollback_versions_against_a_served_process(tmp_path: Path):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_catalog_add_csv_naming_an_item_twice_is_refused_before_sending(tmp_path: Path):
+    """Before, the later row silently replaced the earlier (a dict); an item has one SID."""
+    from streamgr.admin_cli import _catalog_add
+    from streamgr.errors import StreamgrError
+    path = tmp_path / "add.csv"
+    path.write_text("item_id,s1,s2,s3\n900,1,2,3\n901,1,2,4\n900,4,5,6\n")
+    with pytest.raises(StreamgrError, match=r"add.csv:4: item 900 again \(line 2\)"):
+        _catalog_add(str(path))
+    path.write_text("item_id,s1,s2,s3\n900,1,2,3\n901,1,2,4\n")
+    assert _catalog_add(str(path)) == {900: [1, 2, 3], 901: [1, 2, 4]}

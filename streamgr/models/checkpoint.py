@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from pathlib import Path
 
 import msgspec
@@ -111,6 +112,11 @@ def save_checkpoint(model: nn.Module | dict, config: msgspec.Struct,
     tensors = model if isinstance(model, dict) else model.state_dict()
     state = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     save_file(state, str(out / WEIGHTS_FILE))
+    # safetensors >= 0.8 writes through a temporary file of mode 0600 whatever the umask
+    # (safetensors issue #782): a server running as another user (the Docker image's) could
+    # not read the weights. They take the mode config.json got (the umask's, or the mode of
+    # the file it replaced), without touching the process's umask.
+    os.chmod(out / WEIGHTS_FILE, stat.S_IMODE((out / CONFIG_FILE).stat().st_mode))
     return out
 
 

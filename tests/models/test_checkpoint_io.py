@@ -6,6 +6,8 @@ moved as one copy, then viewed and converted) against per-tensor ``.to``."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import struct
 
 import pytest
@@ -167,3 +169,24 @@ def test_check_finite_names_the_first_tensor_holding_nan_or_inf():
         with pytest.raises(CheckpointError, match=r"^x: tensor `c` holds NaN or infinite"):
             check_finite(broken, "x")
     check_finite({"i": torch.arange(3)}, "ints only")
+
+
+@pytest.mark.skipif(os.name != "posix", reason="unix permission bits")
+def test_saved_weights_are_readable_as_the_umask_allows(tmp_path):
+    """safetensors >= 0.8 creates its file 0600 whatever the umask: a checkpoint written by
+    ``streamgr init-model`` as one user (a Docker build) could not be served as another. The
+    weights now take config.json's mode; an existing file's mode is kept on overwrite."""
+    from streamgr.models.hstu import HSTUConfig
+    from streamgr.models.checkpoint import CONFIG_FILE, WEIGHTS_FILE, save_checkpoint
+    cfg = HSTUConfig(num_layers=1, model_dim=8, num_heads=1, head_dim=8, num_items=4,
+                     num_actions=2, max_history=4, max_candidates=2)
+    old = os.umask(0o022)
+    try:
+        out = save_checkpoint({"w": torch.ones(2)}, cfg, tmp_path / "a")
+    finally:
+        os.umask(old)
+    mode = stat.S_IMODE((out / WEIGHTS_FILE).stat().st_mode)
+    assert mode == 0o644 == stat.S_IMODE((out / CONFIG_FILE).stat().st_mode)
+    os.chmod(out / CONFIG_FILE, 0o640)  # a deployment's own choice survives a re-save
+    save_checkpoint({"w": torch.zeros(2)}, cfg, out)
+    assert stat.S_IMODE((out / WEIGHTS_FILE).stat().st_mode) == 0o640

@@ -48,8 +48,8 @@ def _init_generator(spec, args) -> int:
     import json
 
     import msgspec
-    from safetensors.torch import save_file
 
+    from .models.checkpoint import write_weights
     from .spec_doc import spec_to_toml
     from .runtime.deployment import build_catalog, t5_config_from_spec
     from .models.t5 import T5
@@ -61,7 +61,7 @@ def _init_generator(spec, args) -> int:
     hf = {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"],
           "is_encoder_decoder": True, **msgspec.to_builtins(cfg)}
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
+    write_weights(model.state_dict(), out)
     save_catalog(build_catalog(spec), out / "catalog.csv")
     cat = msgspec.structs.replace(spec.catalog, path="catalog.csv", random_items=0)
     m = msgspec.structs.replace(spec.model, checkpoint=".", init_seed=None)

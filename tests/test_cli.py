@@ -49,6 +49,8 @@ async def test_a_rank_engine_names_a_wrong_checkpoint(tmp_path):
     from streamgr.models.checkpoint import read_config
     from streamgr.cli import main
     assert main(["init-model", "--spec", "gen-small", "--out", str(tmp_path / "g")]) == 0
+    files = [tmp_path / "g" / f for f in ("config.json", "model.safetensors", "catalog.csv")]
+    assert len({f.stat().st_mode for f in files}) == 1  # the weights not 0600 (safetensors')
     with pytest.raises(CheckpointError, match="a file; give the checkpoint's directory"):
         read_config(tmp_path / "g" / "config.json")
     req = RankRequest(user_id=1, items=[5, 17], actions=[1, 0], candidates=[8, 9])

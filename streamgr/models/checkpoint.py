@@ -110,14 +110,20 @@ def save_checkpoint(model: nn.Module | dict, config: msgspec.Struct,
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(json.dumps(msgspec.to_builtins(config), indent=2) + "\n")
     tensors = model if isinstance(model, dict) else model.state_dict()
+    write_weights(tensors, out)
+    return out
+
+
+def write_weights(tensors: dict, directory: Path) -> None:
+    """``tensors`` as the ``model.safetensors`` of ``directory``, beside its config.json
+    (written first)."""
     state = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    save_file(state, str(out / WEIGHTS_FILE))
+    save_file(state, str(directory / WEIGHTS_FILE))
     # safetensors >= 0.8 writes through a temporary file of mode 0600 whatever the umask
     # (safetensors issue #782): a server running as another user (the Docker image's) could
     # not read the weights. They take the mode config.json got (the umask's, or the mode of
     # the file it replaced), without touching the process's umask.
-    os.chmod(out / WEIGHTS_FILE, stat.S_IMODE((out / CONFIG_FILE).stat().st_mode))
-    return out
+    os.chmod(directory / WEIGHTS_FILE, stat.S_IMODE((directory / CONFIG_FILE).stat().st_mode))
 
 
 def hf_state_dict(tensors: dict, cfg) -> dict:

@@ -121,15 +121,20 @@ def cmd_ray_config(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from .server.main import main_serve, serve_limits
+    from .server.main import bind, main_serve, serve_limits
     ov = parse_set_pairs(args.overrides)
     limits = serve_limits(args)  # before Ray starts
+    bound = bind(args)  # the ports too: one in use is said now, not after the engine's start
     engine = None
-    if args.ray:  # a Ray Serve application of engine replicas behind the socket
-        from .deploy.ray_serve import RayEngine, connect
-        connect(args.ray_address)
-        engine = RayEngine(args.spec, ov, args.replicas, args.router)
-    return main_serve(args, ov, engine, limits)
+    try:
+        if args.ray:  # a Ray Serve application of engine replicas behind the socket
+            from .deploy.ray_serve import RayEngine, connect
+            connect(args.ray_address)
+            engine = RayEngine(args.spec, ov, args.replicas, args.router)
+    except BaseException:
+        bound.close()
+        raise
+    return main_serve(args, ov, engine, limits, bound)
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

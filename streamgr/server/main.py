@@ -16,6 +16,7 @@ import time
 from ..engine import Engine
 from ..errors import StreamgrError
 from ..tokens import read_token
+from .listeners import Listeners
 from .server import Server, ServerLimits
 
 log = logging.getLogger("streamgr.server")
@@ -75,7 +76,19 @@ async def serve(spec, overrides=None, host: str = "127.0.0.1", port: int | None 
                 unix: str | None = None, token: str | None = None, metrics_port: int | None = None,
                 limits: ServerLimits | None = None, drain_timeout: float = 30.0,
                 access_log: bool = False, admin_token: str | None = None,
-                engine=None) -> int:
+                engine=None, bound: Listeners | None = None) -> int:
+    # The sockets first (``bound``: by the caller, before Ray started): a port in use is
+    # found before the engine's start, not after.
+    bound = bound or Listeners(host, port, unix, metrics_port)
+    try:
+        return await _serve(spec, overrides, engine, bound, token, limits, drain_timeout,
+                            access_log, admin_token)
+    finally:
+        bound.close()  # what no server took (an engine that failed to start)
+
+
+async def _serve(spec, overrides, engine, bound: Listeners, token, limits, drain_timeout,
+                 access_log, admin_token) -> int:
     if engine is None:
         engine = Engine.from_spec(spec, overrides)
         log_startup(engine)
@@ -90,13 +103,13 @@ async def serve(spec, overrides=None, host: str = "127.0.0.1", port: int | None 
         await started
     log.info("engine started in %.1f s", time.monotonic() - t0)
     server = Server(engine, limits, token, access_log=access_log, admin_token=admin_token)
-    addrs = await server.start(host, port, unix)
-    metrics = None
-    if metrics_port is not None:
-        metrics = await asyncio.start_server(lambda r, w: _metrics_http(server, r, w), host,
-                                             metrics_port)
-        maddr = metrics.sockets[0].getsockname()
-        addrs.append(f"metrics http://{maddr[0]}:{maddr[1]}/metrics")
+    addrs = await server.start(bound=bound)
+    metrics = []
+    for sock in bound.take_metrics():
+        metrics.append(await asyncio.start_server(lambda r, w: _metrics_http(server, r, w),
+                                                  sock=sock))
+        h, p = sock.getsockname()[:2]
+        addrs.append(f"metrics http://{f'[{h}]' if ':' in h else h}:{p}/metrics")
     print(f"streamgr serving {engine.spec.name} on {', '.join(addrs)}", flush=True)
 
     loop = asyncio.get_running_loop()
@@ -115,8 +128,8 @@ async def serve(spec, overrides=None, host: str = "127.0.0.1", port: int | None 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     await stop.wait()
-    if metrics is not None:
-        metrics.close()
+    for srv in metrics:
+        srv.close()
     drain = loop.create_task(server.shutdown(drain_timeout))
     try:
         drained = await drain
@@ -176,10 +189,17 @@ def serve_limits(args) -> ServerLimits:
         raise StreamgrError(str(err)) from None
 
 
-def main_serve(args, overrides, engine=None, limits: ServerLimits | None = None) -> int:
-    """``streamgr serve``: ``limits`` as ``serve_limits`` made them (checked here if not)."""
+def bind(args) -> Listeners:
+    """``streamgr serve``'s sockets, bound (not listening) before its engine or Ray starts."""
+    return Listeners(args.host, args.port, args.unix, args.metrics_port)
+
+
+def main_serve(args, overrides, engine=None, limits: ServerLimits | None = None,
+               bound: Listeners | None = None) -> int:
+    """``streamgr serve``: ``limits`` as ``serve_limits`` made them (checked here if not),
+    ``bound`` as ``bind`` made them (bound here if not)."""
     limits = limits or serve_limits(args)
     return run(serve(args.spec, overrides, args.host, args.port, args.unix,
                      read_token(args.token_file), args.metrics_port, limits, args.drain_timeout,
                      args.access_log, read_token(getattr(args, "admin_token_file", None)),
-                     engine), args.loop)
+                     engine, bound or bind(args)), args.loop)

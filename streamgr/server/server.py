@@ -26,29 +26,11 @@ from ..errors import InvalidRequest, StreamgrError
 from ..protocol import messages as m
 from . import admin
 from .connection import Connection, ServerLimits
+from .listeners import Listeners
 from .metrics import ServerMetrics
 
 log = logging.getLogger("streamgr.server")
 access = logging.getLogger("streamgr.access")
-
-
-async def _refuse_live_socket(path: str) -> None:
-    """Listening on a Unix path replaces the socket file there; refuse when a server answers
-    on it (a stale file of a dead server is replaced, as before)."""
-    import os
-    import stat
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise OSError(f"--unix {path}: exists and is not a socket")
-    try:
-        _, w = await asyncio.wait_for(asyncio.open_unix_connection(path), 2.0)
-    except (ConnectionRefusedError, FileNotFoundError, asyncio.TimeoutError):
-        return  # nobody listens: a stale socket file
-    w.close()
-    raise OSError(f"--unix {path}: a server is already listening there")
 
 
 def unpacked(ids, name: str):
@@ -88,21 +70,23 @@ class Server:
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self, host: str | None = "127.0.0.1", port: int | None = 7700,
-                    unix: str | None = None) -> list[str]:
-        """Listen; returns the bound addresses (``host:port`` / ``unix:path``)."""
+                    unix: str | None = None, bound: Listeners | None = None) -> list[str]:
+        """Listen on ``bound``'s sockets (bound before the engine started: ``serve``) or on
+        sockets of ``host:port`` / ``unix`` bound now; returns the addresses (``host:port`` /
+        ``unix:path``). A port in use or a path that cannot be bound is a ``StreamgrError``
+        naming it."""
+        bound = bound or Listeners(host, port, unix, None)
+        usock, tcp = bound.take_protocol()
         addrs = []
         loop = asyncio.get_running_loop()
-        if unix:
-            await _refuse_live_socket(unix)
-            srv = await loop.create_unix_server(lambda: Connection(self), path=unix)
-            self._servers.append(srv)
-            addrs.append(f"unix:{unix}")
-        if port is not None and host:
-            srv = await loop.create_server(lambda: Connection(self), host, port)
-            self._servers.append(srv)
-            for sock in srv.sockets:
-                h, p = sock.getsockname()[:2]
-                addrs.append(f"[{h}]:{p}" if ":" in h else f"{h}:{p}")
+        if usock is not None:
+            self._servers.append(await loop.create_unix_server(lambda: Connection(self),
+                                                               sock=usock))
+            addrs.append(f"unix:{bound.unix_path}")
+        for sock in tcp:
+            self._servers.append(await loop.create_server(lambda: Connection(self), sock=sock))
+            h, p = sock.getsockname()[:2]
+            addrs.append(f"[{h}]:{p}" if ":" in h else f"{h}:{p}")
         self._watchdog = loop.create_task(self._watch())
         return addrs
 

@@ -87,7 +87,7 @@ def test_second_server_refuses_a_live_unix_socket(loop):
     with ServerThread(loop, unix=path) as first:
         async def second():
             s = Server(first.engine)
-            with pytest.raises(OSError, match="already listening"):
+            with pytest.raises(StreamgrError, match="already listening"):
                 await s.start(None, None, path)
         run(loop, second)
         with Client(f"unix:{path}") as c:  # the first server still owns its socket

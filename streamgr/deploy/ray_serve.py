@@ -10,9 +10,10 @@ their K/V (the optional extra ``streamgr[ray]``).
   next-ranked after it, so Serve spills to the next one only when the first is full
   (``max_ongoing_requests``); losing a replica moves only its users, and its replacement (which
   takes its rank) gets them back.
-- Live updates reach every replica through an ``UpdateLog`` actor (one per application): the
-  driver appends a change; every replica polls the log, applies what it has not applied yet, in
-  order, and acknowledges; ``RayEngine.update`` returns once every live replica has. A
+- Live updates reach every replica through an ``UpdateLog`` actor (``update_log.py``, one per
+  application): the driver appends a change; every replica polls the log, applies what it has
+  not applied yet, in order, and acknowledges; ``RayEngine.update`` returns once every live
+  replica has, or raises the error of a change they refused (as the embedded engine would). A
   replacement replica replays the whole log, so it serves the same version as the others.
   (Serve's ``user_config`` would do the fan-out, but redeploying from Python gives the app a
   new code version, and Serve then replaces the replicas, caches and all.)
@@ -39,6 +40,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from ..api import GenerateRequest, RankRequest
 from ..errors import ReplicaUnavailable, StreamgrError
+from .update_log import refusal, update_log, update_log_name
 
 log = logging.getLogger("streamgr.deploy")
 
@@ -141,12 +143,14 @@ class StreamgrReplica:
 
     async def _apply_log(self) -> None:
         """Apply the changes of the application's update log this replica has not applied, in
-        order, and acknowledge. A change that fails here is logged and skipped (the replicas run
-        the same contract checks, so it fails on every one)."""
+        order, and acknowledge, with the error of each change it refused (the engine's
+        contract and checkpoint checks: the replica keeps serving its version, and the
+        driver's ``update`` raises that error instead of reporting success)."""
         try:
             log_actor = ray.get_actor(update_log_name(self.app), namespace="streamgr")
         except ValueError:  # no log: nothing was ever updated
             return
+        refused: dict[int, tuple[str, str]] = {}
         for change in await log_actor.since.remote(self.applied):
             change = dict(change)
             try:
@@ -157,8 +161,9 @@ class StreamgrReplica:
             except StreamgrError as err:
                 log.error("replica %s: update %d failed: %s", self.replica, self.applied + 1,
                           err)
+                refused[self.applied + 1] = (type(err).__name__, str(err))
             self.applied += 1
-        await log_actor.ack.remote(self.replica, self.applied)
+        await log_actor.ack.remote(self.replica, self.applied, refused)
 
     async def _follow_updates(self, every: float = 0.2) -> None:
         while True:
@@ -195,36 +200,6 @@ class StreamgrReplica:
             raise RuntimeError(f"engine is dead: {self.engine._dead!r}")
 
 
-def update_log_name(app: str) -> str:
-    return f"{app}-updates"
-
-
-@ray.remote(num_cpus=0)
-class UpdateLog:
-    """The application's updates, in order, and how far each replica has applied them."""
-
-    def __init__(self) -> None:
-        self.updates: list[dict] = []
-        self.acks: dict[str, int] = {}
-
-    def append(self, change: dict) -> int:
-        self.updates.append(change)
-        return len(self.updates)
-
-    def since(self, n: int) -> list[dict]:
-        return self.updates[n:]
-
-    def ack(self, replica: str, n: int) -> None:
-        self.acks[replica] = n
-
-    def state(self) -> tuple[int, dict]:
-        return len(self.updates), dict(self.acks)
-
-
-def update_log(app: str):
-    """The application's update log actor (created on first use; survives the driver)."""
-    return UpdateLog.options(name=update_log_name(app), namespace="streamgr",
-                             get_if_exists=True, lifetime="detached").remote()
 
 
 def deployment(spec, overrides: dict | None = None, replicas: int = 2, router: str = "affinity",
@@ -359,23 +334,31 @@ class RayEngine:
 
     async def update(self, timeout: float = 600.0, **change) -> dict:
         """Log ``change`` (``Engine.update``'s arguments) for every replica and return once each
-        live replica has applied it. The driver first checks nothing here: a change a replica
-        refuses is logged there and the replicas keep serving their version."""
+        live replica has applied it. The driver checks nothing itself: the replicas run the
+        engine's checks, and a change they refused raises their error here (the type the
+        embedded engine raises, e.g. ``ContractError``), while they keep serving their
+        version; refused by some replicas only, a ``StreamgrError`` names both sides."""
         import msgspec
         change = msgspec.to_builtins(change, str_keys=True)
         n = await self.log.append.remote(change)
-        self.updates.append(change)
         t_end = asyncio.get_running_loop().time() + timeout
         while True:
             _, acks = await self.log.state.remote()
             live = self._replicas()
             done = {rid: any(r.endswith(rid) and a >= n for r, a in acks.items()) for rid in live}
             if live and all(done.values()):
-                return {**self.versions(), "acks": acks}
+                break
             if asyncio.get_running_loop().time() > t_end:
                 raise StreamgrError(f"update {n} not applied by every replica within {timeout} s "
                                     f"({sum(done.values())} of {len(live)})")
             await asyncio.sleep(0.1)
+        refused = {r: e for r, e in (await self.log.refusals.remote(n)).items()
+                   if any(r.endswith(rid) for rid in live)}
+        if refused:
+            raise refusal(n, refused, [r for r in acks if r not in refused
+                                       and any(r.endswith(rid) for rid in live)])
+        self.updates.append(change)
+        return {**self.versions(), "acks": acks}
 
     async def rollback(self, target: str = "auto") -> dict:
         return await self.update(rollback=True, target=target)

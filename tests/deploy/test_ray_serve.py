@@ -1,7 +1,7 @@
 """Scale-out on Ray Serve (deploy/ray_serve.py) on a local Ray cluster in the test: 2 replicas of
 rank-small on the CPU. Every user's requests land on one replica while both live; results equal
-a single embedded engine's; an update reaches both replicas; the socket ingress serves the
-protocol; killing a replica moves only its users and nothing hangs. Rendezvous hashing itself
+a single embedded engine's; an update reaches both replicas, and one they refuse raises their
+error; the socket ingress serves the protocol; killing a replica moves only its users and nothing hangs. Rendezvous hashing itself
 is checked without Ray."""
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from streamgr import Engine  # noqa: E402
 from streamgr.api import RankRequest  # noqa: E402
 from streamgr.client import AsyncClient  # noqa: E402
 from streamgr.deploy.ray_serve import RayEngine, hrw_order, replica_rank  # noqa: E402
+from streamgr.deploy.update_log import refusal  # noqa: E402
+from streamgr.errors import CheckpointError, ContractError, StreamgrError  # noqa: E402
 from streamgr.server import Server  # noqa: E402
 
 OV = {"engine.device": "cpu", "model.dtype": "float32", "model.max_history": 64,
@@ -93,6 +95,22 @@ def test_a_users_request_waits_for_ranks_not_yet_known_then_spills(monkeypatch):
     asyncio.run(scenario())
 
 
+def test_a_refused_update_raises_the_replicas_error_type():
+    """Refused by every live replica: their own error type (a caller handles it as the
+    embedded engine's); by some only: a StreamgrError naming both sides."""
+    err = refusal(3, {"1:b": ("ContractError", "policy.top_k: must be in 1..1024"),
+                      "0:a": ("ContractError", "policy.top_k: must be in 1..1024")}, [])
+    assert type(err) is ContractError
+    assert str(err) == ("policy.top_k: must be in 1..1024 (update 3 refused by every replica; "
+                        "they serve the version they served)")
+    split = refusal(4, {"1:b": ("CheckpointError", "/x: no config.json")}, ["0:a"])
+    assert type(split) is StreamgrError
+    assert "applied by replicas ['0:a'] but refused by ['1:b'] (1:b: CheckpointError: /x: no " \
+        "config.json): the replicas now serve different versions" in str(split)
+    for kind in ("ValueError", "NoSuchError", "annotations"):  # not streamgr's: the base type
+        assert type(refusal(1, {"0:a": (kind, "m")}, [])) is StreamgrError
+
+
 @pytest.fixture(scope="module")
 def cluster():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -154,6 +172,11 @@ def test_affinity_results_updates_ingress_and_a_lost_replica(cluster):
         # afterwards runs on the new weights.
         vs = await eng.update(weights=99)
         assert len(vs["acks"]) == 2 and all(n == 1 for n in vs["acks"].values())
+        # A change the replicas refuse raises their error (before: logged in the replicas,
+        # reported to the caller as applied); they serve on with seed 99 (checked below).
+        with pytest.raises(CheckpointError, match="no config.json .*refused by every replica"):
+            await eng.update(weights="/nonexistent-checkpoint")
+        assert eng.versions()["updates"] == [{"weights": 99}]
         after = await by_user(eng, requests(seed=1))
         fresh = await embedded(requests(seed=1), {**OV, "model.init_seed": 99})
         seen = set()

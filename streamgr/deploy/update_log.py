@@ -1,0 +1,69 @@
+"""The update log of a streamgr Ray Serve application (``deploy/ray_serve.py``).
+
+One detached actor an application holds its live updates in, in order: the driver appends a
+change; every replica applies what it has not applied yet and acknowledges how far it got,
+with the error of each change it refused; the driver's ``update`` waits for every live replica
+and raises what they refused (``refusal``). A replacement replica replays the whole log.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from .. import errors
+from ..errors import StreamgrError
+
+
+def refusal(n: int, refused: dict[str, tuple[str, str]], applied: list[str]) -> StreamgrError:
+    """The error of an update the replicas ``refused`` ({replica: (error type, message)}):
+    their own type when every live replica refused it, so a caller handles it as the
+    embedded engine's; else a ``StreamgrError`` saying the replicas now differ."""
+    replica, (kind, msg) = sorted(refused.items())[0]
+    if not applied:
+        cls = getattr(errors, kind, StreamgrError)
+        if not (isinstance(cls, type) and issubclass(cls, StreamgrError)):
+            cls = StreamgrError
+        return cls(f"{msg} (update {n} refused by every replica; they serve the version "
+                   f"they served)")
+    return StreamgrError(f"update {n} applied by replicas {sorted(applied)} but refused by "
+                         f"{sorted(refused)} ({replica}: {kind}: {msg}): the replicas now serve "
+                         f"different versions; update them again")
+
+
+def update_log_name(app: str) -> str:
+    return f"{app}-updates"
+
+
+@ray.remote(num_cpus=0)
+class UpdateLog:
+    """The application's updates, in order, and how far each replica has applied them."""
+
+    def __init__(self) -> None:
+        self.updates: list[dict] = []
+        self.acks: dict[str, int] = {}
+        self.refused: dict[int, dict[str, tuple[str, str]]] = {}  # update -> replica -> error
+
+    def append(self, change: dict) -> int:
+        self.updates.append(change)
+        return len(self.updates)
+
+    def since(self, n: int) -> list[dict]:
+        return self.updates[n:]
+
+    def ack(self, replica: str, n: int, refused: dict | None = None) -> None:
+        self.acks[replica] = n
+        for i, err in (refused or {}).items():
+            self.refused.setdefault(int(i), {})[replica] = tuple(err)
+
+    def state(self) -> tuple[int, dict]:
+        return len(self.updates), dict(self.acks)
+
+    def refusals(self, n: int) -> dict[str, tuple[str, str]]:
+        """The replicas that refused update ``n`` (1-based), with (error type, message)."""
+        return dict(self.refused.get(n, {}))
+
+
+def update_log(app: str):
+    """The application's update log actor (created on first use; survives the driver)."""
+    return UpdateLog.options(name=update_log_name(app), namespace="streamgr",
+                             get_if_exists=True, lifetime="detached").remote()

@@ -9,6 +9,13 @@ from collections import Counter
 BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
+def label_value(value) -> str:
+    """A Prometheus label value, escaped as the text format wants (backslash, quote and line
+    feed): a version names its checkpoint's path, and one raw line feed there would make the
+    whole scrape unparseable."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 class ServerMetrics:
     def __init__(self) -> None:
         self.requests: Counter[tuple[str, str]] = Counter()  # (kind, outcome)
@@ -83,8 +90,8 @@ class ServerMetrics:
         out.append("# TYPE streamgr_version_info gauge")
         for kind, key in (("rank", "weights_version"), ("generate", "generate_version")):
             if kind in engine_stats.get("serves", []) and key in engine_stats:
-                v = str(engine_stats[key]).replace("\\", "\\\\").replace('"', '\\"')
-                out.append(f'streamgr_version_info{{kind="{kind}",version="{v}"}} 1')
+                out.append(f'streamgr_version_info{{kind="{kind}",'
+                           f'version="{label_value(engine_stats[key])}"}} 1')
         for name, value in sorted(self.counters.items()):
             out.append(f"streamgr_server_{name}_total {value}")
         return "\n".join(out) + "\n"

@@ -118,3 +118,27 @@ def test_catalog_add_csv_naming_an_item_twice_is_refused_before_sending(tmp_path
         _catalog_add(str(path))
     path.write_text("item_id,s1,s2,s3\n900,1,2,3\n901,1,2,4\n")
     assert _catalog_add(str(path)) == {900: [1, 2, 3], 901: [1, 2, 4]}
+
+
+# A sample line of the text format: name, optional labels (escapes inside quotes), value.
+_SAMPLE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-z_]+="([^"\\\n]|\\[\\"n])*",?)*\})? '
+                     r'[-+0-9.eE]+(inf|nan)?$')
+
+
+async def test_a_version_naming_a_path_with_a_line_feed_keeps_the_scrape_parseable(tmp_path):
+    """Before: the raw line feed split ``streamgr_version_info``'s sample in two lines, and
+    Prometheus rejects the whole scrape for one bad line."""
+    from streamgr.cli import main
+    from streamgr.server.metrics import label_value
+    assert label_value('a\\b"c\nd') == 'a\\\\b\\"c\\nd'
+    ckpt = tmp_path / 'odd "dir"\nv2'
+    assert main(["init-model", "--spec", "rank-small", "--out", str(ckpt)]) == 0
+    async with Engine.from_spec("rank-small", {"engine.device": "cpu"}) as eng:
+        await eng.update(weights=str(ckpt))
+        text = Server(eng).prometheus()
+    lines = [x for x in text.splitlines() if not x.startswith("#")]
+    assert lines and all(_SAMPLE.match(x) for x in lines), [x for x in lines
+                                                              if not _SAMPLE.match(x)]
+    want = label_value(eng.stats()["weights_version"])
+    assert f'streamgr_version_info{{kind="rank",version="{want}"}} 1' in lines
+    assert "\\n" in want and '\\"dir\\"' in want

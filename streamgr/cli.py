@@ -53,7 +53,7 @@ def _init_generator(spec, args) -> int:
     from .spec_doc import spec_to_toml
     from .runtime.deployment import build_catalog, t5_config_from_spec
     from .models.t5 import T5
-    from .selection.vocabulary import save_catalog
+    from .selection.catalog import save_catalog
     cfg = t5_config_from_spec(spec)
     model = T5(cfg).init_random(args.seed)
     out = args.out

@@ -20,7 +20,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from streamgr.runtime.beam import BeamSearch  # noqa: E402
-from streamgr.selection.vocabulary import SidTrie, random_catalog  # noqa: E402
+from streamgr.selection.vocabulary import SidTrie  # noqa: E402
+from streamgr.selection.catalog import random_catalog  # noqa: E402
 
 
 def main() -> None:

@@ -256,7 +256,8 @@ def main() -> int:
     if args.device:
         ov["engine.device"] = args.device
     # The SID trie of a gen-ref-sized catalog (1,000,000 items, 3 x 8,192 codes) from scratch.
-    from streamgr.selection.vocabulary import SidTrie, random_catalog
+    from streamgr.selection.vocabulary import SidTrie
+    from streamgr.selection.catalog import random_catalog
     t_start = time.perf_counter()
     big = random_catalog(1_000_000, [8192] * 3, 0)
     t = time.perf_counter()

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from streamgr import Engine  # noqa: E402
 from streamgr.api import GenerateRequest  # noqa: E402
 from streamgr.config import parse_set_pairs  # noqa: E402
-from streamgr.selection.vocabulary import CatalogDelta  # noqa: E402
+from streamgr.selection.catalog import CatalogDelta  # noqa: E402
 from stall_watch import StallWatch  # noqa: E402  (tools/, the script's own folder)
 
 

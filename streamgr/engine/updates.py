@@ -40,7 +40,7 @@ import numpy as np
 
 from ..errors import ContractError, StreamgrError, UnsupportedRequest
 from ..selection.trie_delta import trie_without
-from ..selection.vocabulary import Catalog, CatalogDelta, apply_delta, load_catalog
+from ..selection.catalog import Catalog, CatalogDelta, apply_delta, load_catalog
 from ..runtime.deployment import build_generator
 from ..streams import off_stream
 from .generate import CatalogRefit, catalog_views, views_after_removal

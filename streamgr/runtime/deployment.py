@@ -13,7 +13,8 @@ from ..models.checkpoint import (WEIGHTS_FILE, check_finite, decode_config, devi
                                  hf_state_dict, read_config, read_safetensors, uninitialized)
 from ..models.t5 import T5, T5Config
 from ..models.t5_fuse import fuse_projections
-from ..selection.vocabulary import SidTrie, check_catalog, load_catalog, random_catalog
+from ..selection.vocabulary import SidTrie
+from ..selection.catalog import check_catalog, load_catalog, random_catalog
 from .contract import build_contract, check, same_architecture
 
 

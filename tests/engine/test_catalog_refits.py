@@ -12,7 +12,8 @@ import pytest
 from streamgr import Engine
 from streamgr.api import GenerateRequest
 from streamgr.errors import IdOutOfRange
-from streamgr.selection.vocabulary import CatalogDelta, SidTrie, apply_delta
+from streamgr.selection.vocabulary import SidTrie
+from streamgr.selection.catalog import CatalogDelta, apply_delta
 from tests.engine.test_updates import GEN, answers, requests
 
 SPARE = {**GEN, "engine.refit_spare": True}

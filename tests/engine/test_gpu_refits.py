@@ -67,7 +67,7 @@ async def test_a_catalog_change_in_place_replays_the_spares_plans():
     captures are the shapes the traffic used that the spare lacked (before the cutover), none
     after it, and the answers equal a version built for that catalog."""
     from tests.engine.test_catalog_refits import removal_that_fits
-    from streamgr.selection.vocabulary import CatalogDelta
+    from streamgr.selection.catalog import CatalogDelta
     eng = Engine.from_spec("gen-small", {**CUDA, "engine.refit_spare": True})
     runner = eng.gen_runner
     gone = removal_that_fits(eng)

@@ -14,7 +14,7 @@ import pytest
 from streamgr import Engine
 from streamgr.api import GenerateRequest, RankRequest
 from streamgr.errors import ContractError, IdOutOfRange, StreamgrError
-from streamgr.selection.vocabulary import CatalogDelta
+from streamgr.selection.catalog import CatalogDelta
 from tests.conftest import small_overrides
 
 GEN = {"engine.device": "cpu", "model.dtype": "float32"}

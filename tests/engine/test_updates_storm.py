@@ -14,7 +14,7 @@ import pytest
 from streamgr import Engine
 from streamgr.api import GenerateRequest
 from streamgr.errors import CheckpointError, ContractError
-from streamgr.selection.vocabulary import CatalogDelta, save_catalog
+from streamgr.selection.catalog import CatalogDelta, save_catalog
 
 GEN = {"engine.device": "cpu", "model.dtype": "float32", "engine.max_wait_ms": 0.5}
 

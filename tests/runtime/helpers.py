@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from streamgr.config import load_spec
-from streamgr.selection.vocabulary import random_catalog, save_catalog
+from streamgr.selection.catalog import random_catalog, save_catalog
 
 CODEBOOKS = [6, 5, 4]
 OFFSET = 3

@@ -200,7 +200,8 @@ def test_batch_answer_equals_row_by_row(policy, ks):
     random final beams, dead (-inf) tails and whole dead rows, different top-k, shared SIDs;
     where every top-k is below the beams it reads only the first max(top-k) beams."""
     from streamgr.runtime.beam import BeamSearch
-    from streamgr.selection.vocabulary import SidTrie, random_catalog
+    from streamgr.selection.vocabulary import SidTrie
+    from streamgr.selection.catalog import random_catalog
     rng = np.random.default_rng(5)
     cat = random_catalog(3000, [8, 8, 8], seed=2, distinct=False)  # some SIDs name several items
     trie = SidTrie(cat, [8, 8, 8], 3)

@@ -1,4 +1,4 @@
-"""What a catalog may hold (``selection.vocabulary``): each item id once, int64 ids and codes
+"""What a catalog may hold (``selection.catalog``): each item id once, int64 ids and codes
 inside their codebooks, at least one item; a file, a ``Catalog`` and a live update's delta are
 held to the same rules, refused with a ``ContractError`` naming what is wrong."""
 
@@ -12,8 +12,9 @@ import pytest
 from streamgr.config import PolicySpec
 from streamgr.engine.updates import merged_policy
 from streamgr.errors import ContractError
-from streamgr.selection.vocabulary import (Catalog, CatalogDelta, SidTrie, apply_delta,
-                                          check_catalog, load_catalog, random_catalog)
+from streamgr.selection.vocabulary import SidTrie
+from streamgr.selection.catalog import (Catalog, CatalogDelta, apply_delta, check_catalog,
+                                       load_catalog, random_catalog)
 
 SIZES = [4, 5]
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from streamgr.selection.trie_delta import trie_without
-from streamgr.selection.vocabulary import Catalog, CatalogDelta, SidTrie, apply_delta
+from streamgr.selection.vocabulary import SidTrie
+from streamgr.selection.catalog import Catalog, CatalogDelta, apply_delta
 
 SIZES = [4, 3, 5]
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from streamgr.kernels.trie_topk import trie_topk_reference
-from streamgr.selection.vocabulary import (Catalog, CatalogDelta, ItemIndex, SidTrie, apply_delta,
-                                          random_catalog)
+from streamgr.selection.vocabulary import ItemIndex, SidTrie
+from streamgr.selection.catalog import Catalog, CatalogDelta, apply_delta, random_catalog
 
 
 def prefix_children(cat: Catalog) -> dict[tuple, list[int]]:

@@ -17,6 +17,9 @@ from ..protocol.ids import as_list, wire_ids
 from .wire import ReplyProtocol, expire, parse_address
 
 
+_CLOSED = "client closed (AsyncClient.close) with this call in flight"
+
+
 class AsyncClient:
     def __init__(self, address: str, token: str | None = None, timeout: float | None = 60.0,
                  name: str = "streamgr.client") -> None:
@@ -28,6 +31,9 @@ class AsyncClient:
         self._proto: ReplyProtocol | None = None
         self._connect_lock: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the connection's loop
+        # close() was called: calls raise instead of opening a connection nobody would close
+        # (a call after ``async with`` ended); connect() opens it again.
+        self._closed = False
         self._gate: asyncio.Semaphore | None = None  # the server's per-connection cap
 
     def _on_this_loop(self) -> None:
@@ -42,19 +48,20 @@ class AsyncClient:
             raise WrongEventLoop("this AsyncClient is connected on an event loop running in "
                                  "another thread: call it there, or make a client per loop "
                                  "(the blocking Client serves any thread)")
-        self._drop()
+        self._drop("the connection's event loop no longer runs; connecting again on this one")
 
-    def _drop(self) -> None:
-        """Forget the connection, closing it from the thread of its loop if that one runs."""
+    def _drop(self, why: str) -> None:
+        """Forget the connection, closing it from the thread of its loop if that one runs
+        (calls in flight on it fail with ``why``)."""
         proto, owner = self._proto, self._loop
         self._proto, self._loop, self._connect_lock = None, None, None
         if proto is None:
             return
         try:
             if owner is not None and owner.is_running():
-                owner.call_soon_threadsafe(proto.transport.abort)
+                owner.call_soon_threadsafe(proto.close, why, True)
             else:
-                proto.transport.abort()
+                proto.close(why, True)
         except RuntimeError:  # its loop is closed: the socket closes when collected
             pass
 
@@ -65,6 +72,7 @@ class AsyncClient:
 
     async def connect(self) -> "AsyncClient":
         self._on_this_loop()
+        self._closed = False
         if self._connect_lock is None:
             self._connect_lock = asyncio.Lock()
         async with self._connect_lock:
@@ -112,7 +120,7 @@ class AsyncClient:
         OVERLOADED; the wait counts in ``timeout``."""
         self._on_this_loop()
         if not self.connected:
-            await self.connect()
+            await self._reconnect()
         timeout = timeout if timeout is not None else self.timeout
         gate = self._gate if gated else None
         if gate is None:
@@ -128,11 +136,18 @@ class AsyncClient:
         else:
             await gate.acquire()
         try:
-            if not self.connected:  # lost while this call waited
-                await self.connect()
+            if not self.connected:  # lost (or closed) while this call waited
+                await self._reconnect()
             return await self._send(make, timeout)
         finally:
             gate.release()
+
+    async def _reconnect(self) -> None:
+        """Connect again for a call, unless ``close()`` was called."""
+        if self._closed:
+            raise ConnectionLost("client closed (AsyncClient.close); connect() or `async "
+                                 "with` opens it again")
+        await self.connect()
 
     async def _send(self, make, timeout: float | None):
         proto = self._proto
@@ -249,11 +264,12 @@ class AsyncClient:
         return (await self._call(lambda rid: m.VersionsRequest(rid), timeout)).versions
 
     async def close(self) -> None:
+        self._closed = True
         if self._proto is not None and self._loop is asyncio.get_running_loop():
-            self._proto.transport.close()
+            self._proto.close(_CLOSED)
             self._proto = None
         else:  # a connection of another loop (or none)
-            self._drop()
+            self._drop(_CLOSED)
 
     async def __aenter__(self) -> "AsyncClient":
         return await self.connect()

@@ -76,6 +76,15 @@ class ReplyProtocol(asyncio.Protocol):
                 fut.set_exception(self.lost)
         self.pending.clear()
 
+    def close(self, why: str, abort: bool = False) -> None:
+        """Close from this side: the calls in flight fail with ``why``, not with "closed by
+        the server"."""
+        self._fail(ConnectionLost(why))
+        if abort:
+            self.transport.abort()
+        else:
+            self.transport.close()
+
     def connection_lost(self, exc) -> None:
         self._fail(ConnectionLost(f"connection lost: {exc!r}" if exc else
                                   "connection closed by the server"))

@@ -150,11 +150,47 @@ def test_an_async_client_follows_its_caller_across_event_loops(loop):
             while proto.lost is None and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert proto.lost is not None and not c.connected
+            with pytest.raises(E.ConnectionLost, match="client closed"):  # closed: no reconnect
+                run(loop, lambda: c.rank(req))
+            run(loop, c.connect)  # opened again on purpose
             assert run(loop, lambda: c.rank(req)).scores == pytest.approx(first, abs=1e-5)
             run(loop, c.close)
         finally:
             home.call_soon_threadsafe(home.stop)
             thread.join(10)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_closed_async_client_refuses_calls_instead_of_opening_a_connection(loop):
+    """A call after ``async with`` ended (or after close()) used to open a new connection that
+    nothing would close; now it raises ConnectionLost, as the blocking Client does, and
+    ``async with`` / connect() opens the client again. A call waiting at the client's gate
+    when it closes gets the same error."""
+    req = RankRequest(user_id=1, items=[4, 5], actions=[0, 1], candidates=[3, 7])
+    with ServerThread(loop, max_conn_inflight=1,
+                      overrides={"engine.max_wait_ms": 200.0}) as srv:
+        async def go():
+            async with AsyncClient(srv.addr, timeout=20) as c:
+                await c.rank(req)
+                first = asyncio.ensure_future(c.rank(req))  # holds the one slot
+                waiting = asyncio.ensure_future(c.rank(req))  # waits at the gate
+                await asyncio.sleep(0.02)
+            results = await asyncio.gather(first, waiting, return_exceptions=True)
+            assert all(isinstance(r, E.ConnectionLost) and "client closed" in str(r)
+                       for r in results), results  # (before: "closed by the server")
+            with pytest.raises(E.ConnectionLost, match="client closed"):
+                await c.rank(req)
+            with pytest.raises(E.ConnectionLost, match="client closed"):
+                await c.stats()
+            async def open_connections():
+                return len(srv.server.connections)
+            deadline = time.monotonic() + 5  # (the server sees the close a moment later)
+            while srv.call(open_connections()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert srv.call(open_connections()) == 0  # the calls opened none
+            async with c:
+                return len((await c.rank(req)).scores)
+        assert run(loop, go) == 2
 
 
 @pytest.mark.parametrize("loop", LOOPS)

@@ -10,11 +10,14 @@ trace, spec (or server) and device it came from.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import StreamgrError
+
+log = logging.getLogger("streamgr.trace")
 
 
 def load_results(paths) -> list[tuple[str, dict, list[dict]]]:
@@ -28,6 +31,11 @@ def load_results(paths) -> list[tuple[str, dict, list[dict]]]:
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as err:
+                    if not line.endswith("\n") and runs:  # the last line, cut short (a
+                        # replay killed or a disk filled while it wrote): the rest stands
+                        log.warning("%s:%d: the last line is cut short; reporting the %d "
+                                    "lines before it", p, n, n - 1)
+                        break
                     raise ValueError(f"{p}:{n}: not a results line: {err}") from None
                 if rec.get("type") == "run":
                     runs[rec["mode"]] = rec

@@ -78,6 +78,20 @@ def test_replay_engine_compare_modes_and_report(tiny_trace, tmp_path):
     files = write_report([out], tmp_path / "rep")
     pngs = [f for f in files if f.suffix == ".png"]
     assert len(pngs) == 4
+    # A file whose last line was cut short (a replay killed while it wrote) is reported
+    # without that line (before: refused whole); a bad line elsewhere is still refused.
+    from streamgr.trace.report import load_results
+    text = out.read_text()
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(text[:len(text) - len(text.splitlines()[-1]) // 2 - 1])
+    got = {label: len(reqs) for label, _, reqs in load_results([cut])}
+    assert got == {"recompute": runs[0]["requests"], "gpu-only": runs[1]["requests"],
+                   "hierarchical": runs[2]["requests"] - 1}
+    bad = tmp_path / "bad.jsonl"
+    lines = text.splitlines(keepends=True)
+    bad.write_text("".join(lines[:5] + ['{"type": "requ\n'] + lines[5:]))
+    with pytest.raises(ValueError, match=r"bad.jsonl:6: not a results line"):
+        load_results([bad])
     for f in pngs:
         data = f.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

@@ -11,7 +11,9 @@ and one ``request`` line per request (latency, stages, tier, tokens).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+import os
 import sys
 import time
 
@@ -253,10 +255,20 @@ def _numpy_scalar(obj):
 
 
 def _write_results(out, lines: list[dict]) -> None:
-    with open(out, "wb") as f:
-        enc = msgspec.json.Encoder(enc_hook=_numpy_scalar)
-        for line in lines:
-            f.write(enc.encode(line) + b"\n")
+    """All of the results or none: written beside ``out`` and renamed over it, so a replay
+    killed (or a disk filling) while it writes leaves no half file, nor half of an earlier
+    run's."""
+    tmp = f"{out}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            enc = msgspec.json.Encoder(enc_hook=_numpy_scalar)
+            for line in lines:
+                f.write(enc.encode(line) + b"\n")
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _replay_generate(trace, out, sp, server, rate, concurrency, compare_modes, batch, limit,

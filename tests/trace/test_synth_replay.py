@@ -220,3 +220,17 @@ def test_replay_times_stages_on_every_nth_batch_only():
     assert res.stages["model"] > 0
     plain = replay_batches(eng, batches[:3], progress=False)
     assert plain.stage_batches == plain.batches == 3 and not any(r.synced for r in plain.records)
+
+
+def test_results_are_written_whole_or_not_at_all(tmp_path):
+    """A write that fails half-way (here a value the encoder refuses; in life a kill or a
+    full disk) leaves the earlier results file as it was and no temporary file. Before: the
+    file was truncated and half written."""
+    from streamgr.trace.run import _write_results
+    out = tmp_path / "r.jsonl"
+    _write_results(out, [{"type": "run", "mode": "a"}])
+    before = out.read_bytes()
+    with pytest.raises(TypeError, match="cannot encode"):
+        _write_results(out, [{"type": "run", "mode": "b"}, {"bad": object()}])
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]

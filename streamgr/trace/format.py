@@ -8,6 +8,8 @@ in arrival order.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import struct
 import time
 from pathlib import Path
@@ -57,12 +59,21 @@ class TraceError(ValueError):
 
 
 class TraceWriter:
+    """Writes a trace beside ``path`` and renames it over ``path`` on a clean close: a
+    conversion interrupted (Ctrl-C, a kill, a full disk) leaves no truncated trace behind, nor
+    half of the one it was replacing."""
+
     def __init__(self, path: str | Path, header: Header) -> None:
         self.path = Path(path)
-        self._f = open(self.path, "wb")
+        self._tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+        self._f = open(self._tmp, "wb")
         self._enc = msgspec.msgpack.Encoder()
         self.count = 0
-        self._write(header)
+        try:
+            self._write(header)
+        except BaseException:
+            self.discard()
+            raise
 
     def _write(self, obj) -> None:
         body = self._enc.encode(obj)
@@ -74,13 +85,26 @@ class TraceWriter:
         self.count += 1
 
     def close(self) -> None:
-        self._f.close()
+        """The trace complete: in place at ``path``."""
+        if not self._f.closed:
+            self._f.close()
+            os.replace(self._tmp, self.path)
+
+    def discard(self) -> None:
+        """Nothing written stays (``path`` keeps what it held)."""
+        if not self._f.closed:
+            self._f.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._tmp)
 
     def __enter__(self) -> "TraceWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.discard()
 
 
 MAX_FRAME = 1 << 28  # a record holds one request: megabytes at most

@@ -128,3 +128,34 @@ def test_a_cut_trace_names_the_file_and_the_frame(tmp_path):
     n = sum(1 for _ in read_trace(whole))
     with pytest.raises(TraceError, match=rf"cut\.trace: record {n - 1} is cut short"):
         list(read_trace(cut))
+
+
+def test_an_interrupted_write_leaves_no_cut_trace(tmp_path, monkeypatch):
+    """Ctrl-C (or a full disk) while a trace is written: before, a cut trace stayed at the
+    output path (its next reader failed at the cut record); now the path keeps what it held
+    (here an earlier trace, read whole afterwards) and no temporary file stays."""
+    from streamgr.trace.format import TraceWriter
+    src = tmp_path / "u.data"
+    src.write_text("".join(f"{u}\t{i}\t5\t{100 + i}\n" for u in range(1, 4) for i in range(6)))
+    out = tmp_path / "m.trace"
+    convert_movielens(src, out, progress=False)
+    earlier = [r.items for r in read_trace(out)]
+    item_map = (tmp_path / "m.trace.items.tsv").read_text()
+    src.write_text(src.read_text() + "9\t77\t5\t999\n")  # a new item: another map
+    real_write = TraceWriter.write
+
+    def write(self, record):
+        if self.count == 2:
+            raise KeyboardInterrupt
+        real_write(self, record)
+    monkeypatch.setattr(TraceWriter, "write", write)
+    with pytest.raises(KeyboardInterrupt):
+        convert_movielens(src, out, progress=False)
+    assert [r.items for r in read_trace(out)] == earlier
+    assert (tmp_path / "m.trace.items.tsv").read_text() == item_map  # the map of that trace
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.trace", "m.trace.items.tsv",
+                                                          "u.data"]
+    monkeypatch.setattr(TraceWriter, "write", real_write)
+    convert_movielens(src, out, progress=False)  # whole: both replaced
+    assert "77" in (tmp_path / "m.trace.items.tsv").read_text()
+    assert len(list(read_trace(out))) > len(earlier)

@@ -11,6 +11,7 @@ serving).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 
 import msgspec
@@ -23,7 +24,8 @@ log = logging.getLogger("streamgr.server")
 
 async def _run(engine, msg) -> dict:
     if isinstance(msg, m.VersionsRequest):
-        return engine.versions()
+        versions = engine.versions()  # (a Ray application's asks its update log)
+        return await versions if inspect.isawaitable(versions) else versions
     if isinstance(msg, m.RollbackRequest):
         return await engine.rollback(target=msg.target)
     if msg.weights is not None and msg.seed is not None:

@@ -170,13 +170,19 @@ def test_affinity_results_updates_ingress_and_a_lost_replica(cluster):
         await srv.shutdown(1.0)
         # An update reaches both replicas in place (same replicas, caches kept): every answer
         # afterwards runs on the new weights.
+        before = await eng.versions()  # each replica reported its versions once started
+        assert sorted(before["replicas"]) == sorted(replicas)
+        assert all(v["rank"]["active"].endswith("seed:0") for v in before["replicas"].values())
         vs = await eng.update(weights=99)
         assert len(vs["acks"]) == 2 and all(n == 1 for n in vs["acks"].values())
+        assert all(v["rank"]["active"].endswith("seed:99") for v in vs["replicas"].values())
         # A change the replicas refuse raises their error (before: logged in the replicas,
         # reported to the caller as applied); they serve on with seed 99 (checked below).
         with pytest.raises(CheckpointError, match="no config.json .*refused by every replica"):
             await eng.update(weights="/nonexistent-checkpoint")
-        assert eng.versions()["updates"] == [{"weights": 99}]
+        now = await eng.versions()
+        assert now["updates"] == [{"weights": 99}] and len(now["replicas"]) == 2
+        assert all(v["rank"]["active"].endswith("seed:99") for v in now["replicas"].values())
         after = await by_user(eng, requests(seed=1))
         fresh = await embedded(requests(seed=1), {**OV, "model.init_seed": 99})
         seen = set()
@@ -259,9 +265,12 @@ def test_serve_ray_process_speaks_the_protocol(cluster, tmp_path):
 
     from streamgr.client import Client
     address = ray.get_runtime_context().gcs_address
+    admin = tmp_path / "admin.token"
+    admin.write_text("ray-admin")
     proc = subprocess.Popen([sys.executable, "-m", "streamgr", "serve", "rank-small", "--ray",
                              "--ray-address", address, "--replicas", "1", "--port", "0",
-                             "--set", "engine.device=cpu", "--set", "model.dtype=float32"],
+                             "--set", "engine.device=cpu", "--set", "model.dtype=float32",
+                             "--admin-token-file", str(admin)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line, t_end = "", time.monotonic() + 180
@@ -272,6 +281,10 @@ def test_serve_ray_process_speaks_the_protocol(cluster, tmp_path):
             r = c.rank(RankRequest(user_id=1, items=[1, 2], actions=[0, 1], candidates=[3, 4]))
             assert len(r.scores) == 2 and r.stats.replica.startswith("0:")
             assert c.stats()["router"] == "affinity"
+        with Client(addr, "ray-admin") as a:  # the admin listing: each replica's versions
+            vs = a.versions()
+            assert vs["updates"] == [] and [v["rank"]["active"] for v in vs["replicas"].values()] \
+                == [r.stats.version]
     finally:
         proc.terminate()
         assert proc.wait(timeout=120) in (0, 1)

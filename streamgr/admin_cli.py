@@ -88,22 +88,42 @@ def _pct(x) -> str:
 
 
 def status_lines(addr: str, health, stats: dict) -> list[str]:
-    """``streamgr status``'s summary of a server's HealthReply and StatsReply."""
+    """``streamgr status``'s summary of a server's HealthReply and StatsReply (a Ray
+    application's: the same for each replica, from its last report)."""
     srv, serves = stats.get("server", {}), stats.get("serves", [])
     conns = srv.get("connections", 0)  # (this command's own among them)
     out = [f"{addr}: {health.status} (serves {', '.join(serves) or 'nothing'}"
            f" on {stats.get('device', '?')}, {conns} connection{'' if conns == 1 else 's'})"]
-    versions = [f"{k} {stats[v]}" for k, v in (("rank", "weights_version"),
-                                                ("generate", "generate_version"))
-                if k in serves and v in stats]
-    if versions:
-        out.append("versions: " + ", ".join(versions))
+    if "ray_app" in stats:
+        out[0] = out[0].replace(" on ?,", f" on Ray app {stats['ray_app']}, {stats['replicas']} "
+                                           f"replicas,")
+    out += _version_line(stats, serves)
     by: dict[str, list[str]] = {}
     for key, n in sorted(srv.get("requests", {}).items()):  # "kind:outcome"
         kind, outcome = key.split(":", 1)
         by.setdefault(kind, []).append(f"{outcome} {n:,}")
     if by:
         out.append("requests: " + "; ".join(f"{k} {', '.join(v)}" for k, v in by.items()))
+    out += _engine_lines(stats)
+    reports = stats.get("replica_stats", {})
+    if reports is None:
+        out.append("replicas: their stats are not available now (the update log actor)")
+    for name, rs in (reports or {}).items():
+        out.append(f"replica {name} on {rs.get('device', '?')}:")
+        out += ["  " + line for line in _version_line(rs, rs.get("serves", serves))
+                + _engine_lines(rs)]
+    return out
+
+
+def _version_line(stats: dict, serves: list) -> list[str]:
+    versions = [f"{k} {stats[v]}" for k, v in (("rank", "weights_version"),
+                                                ("generate", "generate_version"))
+                if k in serves and v in stats]
+    return ["versions: " + ", ".join(versions)] if versions else []
+
+
+def _engine_lines(stats: dict) -> list[str]:
+    out = []
     for kind, key in (("rank", "latency_ms"), ("generate", "generate_latency_ms")):
         lat = stats.get(key) or {}
         if lat:

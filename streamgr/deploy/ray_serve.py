@@ -70,6 +70,8 @@ def replica_rank(replica) -> int | None:
     return None
 
 
+REPORT_WAIT_S = 0.5  # the most ``RayEngine.stats`` waits for the replicas' reports
+
 # How long a user's request waits (Serve's backoff) for a replica's rank to reach the router
 # before it is routed without it. Hashing without every rank would send a user's first
 # requests elsewhere than its later ones (the cache split over two replicas): seen right after
@@ -170,8 +172,8 @@ class StreamgrReplica:
                           err)
                 refused[self.applied + 1] = (type(err).__name__, str(err))
             self.applied += 1
-        await log_actor.ack.remote(self.replica, self.applied, refused,
-                                   msgspec.to_builtins(self.engine.versions()))
+        await log_actor.ack.remote(self.replica, self.applied, refused, msgspec.to_builtins(
+            {"versions": self.engine.versions(), "stats": self.engine.stats()}))
 
     async def _follow_updates(self, every: float = 0.2) -> None:
         while True:
@@ -327,19 +329,33 @@ class RayEngine:
         return await self.handle.stats.remote()
 
     def stats(self) -> dict:
+        """The application's, with ``replica_stats``: each live replica's engine stats as it
+        last reported them (every ~0.2 s; read from the update log within
+        ``REPORT_WAIT_S``, else None: a monitoring call must not hold the event loop)."""
+        try:
+            reports = self._live(ray.get(self.log.reports.remote(), timeout=REPORT_WAIT_S))
+        except Exception as err:  # the log actor restarting or slow
+            log.warning("replica stats unavailable: %r", err)
+            reports = None
         return {"serves": [k for k, v in (("rank", self.serves_rank),
                                            ("generate", self.serves_generate)) if v],
                 "ray_app": self.app, "replicas": self._args[2], "router": self._args[3],
-                "updates": len(self.updates), "limits": self.spec.rank_limits}
+                "updates": len(self.updates), "limits": self.spec.rank_limits,
+                "replica_stats": None if reports is None else
+                {r: rep["stats"] for r, rep in reports.items()}}
 
     async def versions(self) -> dict:
         """The updates applied through this driver, and each live replica's versions as it
         last reported them (every ~0.2 s, and with each update it applies or refuses)."""
-        live = self._replicas()
-        reported = await self.log.replica_versions.remote()
+        reports = self._live(await self.log.reports.remote())
         return {"updates": list(self.updates),
-                "replicas": {r: v for r, v in sorted(reported.items())
-                             if any(r.endswith(rid) for rid in live)}}
+                "replicas": {r: rep["versions"] for r, rep in reports.items()}}
+
+    def _live(self, reports: dict) -> dict:
+        """``reports`` of the replicas alive now (a replaced one's last report is left out)."""
+        live = self._replicas()
+        return {r: rep for r, rep in sorted(reports.items())
+                if any(r.endswith(rid) for rid in live)}
 
     def _replicas(self) -> list[str]:
         pre = f"SERVE_REPLICA::{self.app}#"

@@ -2,7 +2,7 @@
 
 One detached actor an application holds its live updates in, in order: the driver appends a
 change; every replica applies what it has not applied yet and acknowledges how far it got,
-with the error of each change it refused and the versions it now serves; the driver's ``update`` waits for every live replica
+with the error of each change it refused, and its engine's versions and stats; the driver's ``update`` waits for every live replica
 and raises what they refused (``refusal``). A replacement replica replays the whole log.
 """
 
@@ -42,7 +42,7 @@ class UpdateLog:
         self.updates: list[dict] = []
         self.acks: dict[str, int] = {}
         self.refused: dict[int, dict[str, tuple[str, str]]] = {}  # update -> replica -> error
-        self.versions: dict[str, dict] = {}  # replica -> its engine's versions, last reported
+        self.last: dict[str, dict] = {}  # replica -> its engine's versions and stats, last
 
     def append(self, change: dict) -> int:
         self.updates.append(change)
@@ -52,15 +52,16 @@ class UpdateLog:
         return self.updates[n:]
 
     def ack(self, replica: str, n: int, refused: dict | None = None,
-            versions: dict | None = None) -> None:
+            report: dict | None = None) -> None:
         self.acks[replica] = n
         for i, err in (refused or {}).items():
             self.refused.setdefault(int(i), {})[replica] = tuple(err)
-        if versions is not None:
-            self.versions[replica] = versions
+        if report is not None:
+            self.last[replica] = report
 
-    def replica_versions(self) -> dict[str, dict]:
-        return dict(self.versions)
+    def reports(self) -> dict[str, dict]:
+        """Each replica's last report: ``{"versions": ..., "stats": ...}`` of its engine."""
+        return dict(self.last)
 
     def state(self) -> tuple[int, dict]:
         return len(self.updates), dict(self.acks)

@@ -281,6 +281,20 @@ def test_serve_ray_process_speaks_the_protocol(cluster, tmp_path):
             r = c.rank(RankRequest(user_id=1, items=[1, 2], actions=[0, 1], candidates=[3, 4]))
             assert len(r.scores) == 2 and r.stats.replica.startswith("0:")
             assert c.stats()["router"] == "affinity"
+            # each replica's engine stats, as it last reported them (every ~0.2 s)
+            deadline = time.monotonic() + 30
+            while True:
+                reps = c.stats()["replica_stats"]
+                counts = [rs["counters"].get("rank_requests", 0) for rs in reps.values()]
+                if counts == [1] or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            assert counts == [1] and next(iter(reps)) == r.stats.replica
+            status = subprocess.run([sys.executable, "-m", "streamgr", "status", "--server",
+                                     addr], capture_output=True, text=True, timeout=60)
+            assert status.returncode == 0, status.stderr
+            assert f"replica {r.stats.replica} on cpu:" in status.stdout
+            assert "on Ray app streamgr, 1 replicas," in status.stdout
         with Client(addr, "ray-admin") as a:  # the admin listing: each replica's versions
             vs = a.versions()
             assert vs["updates"] == [] and [v["rank"]["active"] for v in vs["replicas"].values()] \

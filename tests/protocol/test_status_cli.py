@@ -65,3 +65,34 @@ def test_status_lines_name_only_the_versions_served():
                      "versions: generate g1", "requests: generate ok 5",
                      "generate latency ms (last 5): mean 1.00, p50 1.00, p99 2.00",
                      "engine: 0 queued, 1 in flight"]
+
+
+def test_status_lines_of_a_ray_application_name_each_replica():
+    """Against a ``--ray`` server the summary says the application and, per replica, what its
+    engine last reported (before: "on ?" and nothing of the replicas' caches or versions)."""
+    from streamgr.admin_cli import status_lines
+    from streamgr.protocol import messages as m
+    replica = {"serves": ["rank"], "device": "cuda:0", "weights_version": "2:seed:99",
+               "total_hit_ratio": 0.5, "gpu_hit_ratio": 0.25, "held_ratio": 0.5,
+               "cache_mode": "hierarchical", "queued": 3, "inflight": 8,
+               "cache": {"resident_users": 1200, "free_pages": 10, "free_chunks": 7}}
+    stats = {"serves": ["rank"], "ray_app": "streamgr", "replicas": 2, "router": "affinity",
+             "server": {"connections": 1, "requests": {"rank:ok": 9}},
+             "replica_stats": {"0:abc": replica, "1:def": {**replica, "queued": 0}}}
+    lines = status_lines("h:1", m.HealthReply(1, True, True, "ready"), stats)
+    assert lines == [
+        "h:1: ready (serves rank on Ray app streamgr, 2 replicas, 1 connection)",
+        "requests: rank ok 9",
+        "replica 0:abc on cuda:0:",
+        "  versions: rank 2:seed:99",
+        "  engine: 3 queued, 8 in flight",
+        "  cache (hierarchical): hits GPU 25.0%, total 50.0%, held 50.0%; 1,200 users resident, "
+        "10 free pages, 7 free host chunks",
+        "replica 1:def on cuda:0:",
+        "  versions: rank 2:seed:99",
+        "  engine: 0 queued, 8 in flight",
+        "  cache (hierarchical): hits GPU 25.0%, total 50.0%, held 50.0%; 1,200 users resident, "
+        "10 free pages, 7 free host chunks"]
+    stats["replica_stats"] = None  # the update log did not answer in time
+    assert status_lines("h:1", m.HealthReply(1, True, True, "ready"), stats)[-1] == \
+        "replicas: their stats are not available now (the update log actor)"

@@ -381,11 +381,9 @@ class RayEngine:
                 raise StreamgrError(f"update {n} not applied by every replica within {timeout} s "
                                     f"({sum(done.values())} of {len(live)})")
             await asyncio.sleep(0.1)
-        refused = {r: e for r, e in (await self.log.refusals.remote(n)).items()
-                   if any(r.endswith(rid) for rid in live)}
+        refused = self._live(await self.log.refusals.remote(n))
         if refused:
-            raise refusal(n, refused, [r for r in acks if r not in refused
-                                       and any(r.endswith(rid) for rid in live)])
+            raise refusal(n, refused, [r for r in self._live(acks) if r not in refused])
         self.updates.append(change)
         return {**(await self.versions()), "acks": acks}
 

@@ -94,7 +94,8 @@ class AsyncClient:
             try:
                 reply = await asyncio.wait_for(proto.first, self.timeout)
             except ConnectionLost as err:
-                raise ProtocolError(f"the server closed the connection during Hello: {err}") from None
+                raise ProtocolError(f"{self.address} closed the connection during Hello ({err}): "
+                                    f"is it a streamgr server's protocol port?") from None
             except BaseException as err:  # no HelloAck in time, or cancelled: not left open
                 proto.transport.close()
                 raise (ServerUnavailable(f"no HelloAck from {self.address} within {self.timeout}"

@@ -203,8 +203,9 @@ class Connection(asyncio.Protocol):
                                                  f"supported (server speaks {m.PROTOCOL_VERSION})"))
         elif not self._token_ok(hello.token):
             srv.metrics.counters["auth_failures"] += 1
-            log.warning("auth failure from %s: wrong token", self.peer())
-            self.send(m.Error(0, m.UNAUTHORIZED, "wrong token"))
+            why = "wrong token" if hello.token else "this server needs a token (none was sent)"
+            log.warning("auth failure from %s: %s", self.peer(), why)
+            self.send(m.Error(0, m.UNAUTHORIZED, why))
         else:
             self.greeted = True
             self.admin = _same(hello.token, srv.admin_token)

@@ -199,13 +199,40 @@ def test_token_auth(loop):
         async def go():
             with pytest.raises(E.ProtocolError, match="wrong token"):
                 await AsyncClient(srv.addr, token="guess").connect()
+            # no token at all: said as such (before: "wrong token" too)
+            with pytest.raises(E.ProtocolError, match=r"needs a token \(none was sent\)"):
+                await AsyncClient(srv.addr).connect()
             async with AsyncClient(srv.addr, token="s3cret") as c:
                 return await c.rank(RankRequest(user_id=1, items=[1], actions=[0], candidates=[3]))
         before = srv.counters().get("rank_requests", 0)
         assert before == 0
         run(loop, go)
         assert srv.counters()["rank_requests"] == 1  # only the authorised request ran
-        assert srv.server.metrics.counters["auth_failures"] == 1
+        assert srv.server.metrics.counters["auth_failures"] == 2
+
+
+def test_a_port_that_is_not_a_streamgr_server_is_named():
+    """A peer that closes on our Hello (an HTTP port, say): the error names the address and
+    asks whether it is a streamgr protocol port (before: "the server closed the connection
+    during Hello")."""
+    import socket as so
+    import threading as th
+    lsock = so.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen()
+    port = lsock.getsockname()[1]
+
+    def serve_one():
+        conn, _ = lsock.accept()
+        conn.recv(64)
+        conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+        conn.close()
+    t = th.Thread(target=serve_one, daemon=True)
+    t.start()
+    with pytest.raises(E.ProtocolError, match=rf"127.0.0.1:{port} .*is it a streamgr server"):
+        asyncio.run(AsyncClient(f"127.0.0.1:{port}", timeout=10).connect())
+    t.join(5)
+    lsock.close()
 
 
 @pytest.mark.parametrize("loop", LOOPS)

@@ -26,13 +26,12 @@ CacheMode = Literal["recompute", "gpu-only", "hierarchical"]
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    pass
+    """A spec section: unknown keys are errors."""
 
 
 class ModelSpec(_Section, kw_only=True):
     family: Literal["hstu", "t5"] = "hstu"
-    # Exactly one of checkpoint (a directory with config.json + model.safetensors) or init_seed
-    # (random weights with the sizes below).
+    # Exactly one of checkpoint (config.json + model.safetensors) or init_seed (random weights)
     checkpoint: str | None = None
     init_seed: int | None = None
     dtype: DType = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
@@ -366,8 +365,12 @@ def resolve_spec_path(path_or_name: str | Path) -> Path:
     builtin = _builtin_path(str(path_or_name))
     if builtin is not None:
         return builtin
+    if p.is_dir():  # (a checkpoint directory from init-model holds its spec.toml)
+        hint = f"; did you mean {p / 'spec.toml'}?" if (p / "spec.toml").is_file() else ""
+        raise SpecError(f"spec `{path_or_name}` is a directory, not a spec file{hint}")
     raise SpecError(f"spec `{path_or_name}`: no such file, and not a built-in spec "
-                    f"({', '.join(BUILTIN_SPECS)})")
+                    f"({', '.join(BUILTIN_SPECS)})" + "".join(f"; did you mean {n}?" for n in
+                    difflib.get_close_matches(str(path_or_name), BUILTIN_SPECS, n=1)))
 
 
 def load_spec(path_or_spec: str | Path | Spec | Mapping[str, Any],

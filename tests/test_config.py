@@ -86,6 +86,19 @@ def test_no_such_spec():
         load_spec("rank-huge")
 
 
+def test_a_misspelt_spec_name_and_a_directory_are_said_so(tmp_path):
+    """A near miss of a built-in name is suggested; a directory (init-model writes one, its
+    spec.toml inside) is called a directory, not "no such file"."""
+    with pytest.raises(SpecError, match="did you mean rank-small"):
+        load_spec("rank-smal")
+    with pytest.raises(SpecError, match="is a directory, not a spec file$"):
+        load_spec(tmp_path)
+    (tmp_path / "spec.toml").write_text("")
+    with pytest.raises(SpecError, match=r"is a directory, not a spec file; did you mean "
+                                        r".*spec\.toml\?"):
+        load_spec(tmp_path)
+
+
 def test_gen_ref_matches_workloads_md():
     s = load_spec("gen-ref")
     m = s.model

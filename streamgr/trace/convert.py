@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 
 from ..progress import Progress
-from .format import Header, RankEvent, TraceWriter
+from .format import Header, RankEvent, TraceWriter, check_output
 
 KUAIRAND_COLUMNS = ("user_id", "video_id", "date", "hourmin", "time_ms", "is_click", "is_like",
                     "is_follow", "is_comment", "is_forward", "is_hate", "long_view",
@@ -182,6 +182,7 @@ def _convert(out: str | Path, source: str, num_actions: int, candidates: int, se
         raise ConvertError(f"--candidates must be >= 0 (0: the replay samples them), got "
                            f"{candidates}")
     out = Path(out)
+    check_output(out)  # before the log is read, not after
     with tempfile.TemporaryDirectory(prefix="streamgr-convert-") as tmpdir:
         tmp = Path(tmpdir)
         sorter, users, items = _ExternalSort(tmp), _Ids(), _Ids()

@@ -58,6 +58,20 @@ class TraceError(ValueError):
     pass
 
 
+def check_output(path: str | Path, flag: str = "-o") -> None:
+    """Refuse, before any long work, an output path that could not be written at its end: a
+    folder, or one in a folder that is missing or not writable (a replay's results would be
+    lost after it ran)."""
+    p = Path(path)
+    folder = p.parent
+    if p.is_dir():
+        raise TraceError(f"{flag} {p}: is a folder; give a file path")
+    if not folder.is_dir():
+        raise TraceError(f"{flag} {p}: no folder {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise TraceError(f"{flag} {p}: the folder {folder} is not writable")
+
+
 class TraceWriter:
     """Writes a trace beside ``path`` and renames it over ``path`` on a clean close: a
     conversion interrupted (Ctrl-C, a kill, a full disk) leaves no truncated trace behind, nor

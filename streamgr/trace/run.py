@@ -24,7 +24,7 @@ from ..api import RankRequest
 from ..config import RANK_LIMITS
 from ..errors import StreamgrError
 from ..progress import Progress
-from .format import read_header
+from .format import check_output, read_header
 from .replay import batches_of_distinct_users, replay_batches
 from .requests import ReplayError, load_generate_requests, load_requests
 
@@ -144,6 +144,7 @@ def replay_trace(trace, out, spec=None, overrides=None, server: str | None = Non
     from ..config import load_spec
     from ..engine import Engine
     _check_load(batch, rate, concurrency, limit, candidates)
+    check_output(out)
     kind = read_header(trace).kind
     if server is not None:
         ignored = [f for f, on in (("--batch", batch), ("--compare-modes", compare_modes),
@@ -265,9 +266,11 @@ def _write_results(out, lines: list[dict]) -> None:
             for line in lines:
                 f.write(enc.encode(line) + b"\n")
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(err, OSError):  # (named as the results file, not its temporary twin)
+            raise OSError(err.errno, f"writing {out}: {err.strerror}") from None
         raise
 
 

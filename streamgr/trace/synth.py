@@ -152,8 +152,9 @@ def write_synth(profile: str, out, users: int | None = None, seed: int = 0, top_
     """``streamgr trace synth``: a synthetic trace file (rank, or generate for ``gen``), with a
     progress bar over users, then records, when asked."""
     from ..progress import Progress
-    from .format import GenerateEvent, Header, RankEvent, TraceWriter
+    from .format import GenerateEvent, Header, RankEvent, TraceWriter, check_output
     p = PROFILES[profile]
+    check_output(out)
     if users is not None and users < 1:  # (0 read as "the profile's count")
         raise ValueError(f"--users must be at least 1, got {users}")
     with Progress(users or p.users, f"synth {profile} users", enabled=progress) as bar:

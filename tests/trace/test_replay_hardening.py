@@ -170,3 +170,22 @@ def test_report_of_generate_results_and_batch_tiers(tmp_path, tiny_trace):
     assert all("batch" in r for r in reqs) and recs[0]["device"] == "cpu"
     files = report.write_report([tmp_path / "b.jsonl"], tmp_path / "rep2")
     assert {"hit_ratio.png", "latency_by_tier.png"} <= {f.name for f in files}
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_work(tmp_path):
+    """Before: a replay ran to its end (hours on a long trace), then lost its results to
+    ``[Errno 2] No such file or directory: '...tmp-PID'``; a conversion read the whole log
+    first. Now the output path is checked first: here the input does not even exist, and
+    the error is the output's."""
+    from streamgr.trace.convert import convert_movielens
+    from streamgr.trace.format import TraceError
+    missing = tmp_path / "no-such-folder"
+    with pytest.raises(TraceError, match=r"-o .*r\.jsonl: no folder .*no-such-folder"):
+        replay_trace(tmp_path / "absent.trace", missing / "r.jsonl", spec="rank-small")
+    with pytest.raises(TraceError, match="is a folder; give a file path"):
+        replay_trace(tmp_path / "absent.trace", tmp_path, spec="rank-small")
+    with pytest.raises(TraceError, match="no folder"):
+        convert_movielens(tmp_path / "absent.data", missing / "m.trace", progress=False)
+    with pytest.raises(TraceError, match="no folder"):
+        write_synth("tiny", missing / "t.trace")
+    assert not missing.exists()

@@ -4,7 +4,7 @@
 The admin commands open an admin connection (the server's ``--admin-token-file`` token,
 distinct from the client token) and print the server's versions after the change as JSON.
 Paths given to ``update`` (a checkpoint directory, a catalog file) are read by the server, on
-its host; ``--catalog-add`` (a CSV ``item_id,s1,s2,...``) and ``--policy`` (JSON or TOML with
+its host (a relative one that exists here is sent absolute); ``--catalog-add`` (a CSV ``item_id,s1,s2,...``) and ``--policy`` (JSON or TOML with
 fields of ``[policy]``) are read here and sent. ``status`` needs only the client token.
 """
 
@@ -49,6 +49,15 @@ def _ids(text: str | None) -> list[int]:
         raise StreamgrError(f"--catalog-remove: comma-separated item ids, got {text!r}") from None
 
 
+def _here(path: str | None) -> str | None:
+    """A relative path that exists here, made absolute: the server reads it on its host, from
+    its own working directory, where the relative form would name another path (the same
+    host, the common case). Others go as given (absolute, or on the server's host only)."""
+    if path is None or Path(path).is_absolute() or not Path(path).exists():
+        return path
+    return str(Path(path).resolve())
+
+
 def _policy(path: str | None) -> dict:
     if path is None:
         return {}
@@ -74,7 +83,8 @@ def cmd_admin(args) -> int:
         elif args.command == "rollback":
             out = c.rollback(args.target)
         else:
-            out = c.update(weights=args.weights, seed=args.seed, catalog=args.catalog,
+            out = c.update(weights=_here(args.weights), seed=args.seed,
+                           catalog=_here(args.catalog),
                            catalog_add=_catalog_add(args.catalog_add),
                            catalog_remove=_ids(args.catalog_remove),
                            policy=_policy(args.policy), target=args.target,

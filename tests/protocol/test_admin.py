@@ -142,3 +142,16 @@ async def test_a_version_naming_a_path_with_a_line_feed_keeps_the_scrape_parseab
     want = label_value(eng.stats()["weights_version"])
     assert f'streamgr_version_info{{kind="rank",version="{want}"}} 1' in lines
     assert "\\n" in want and '\\"dir\\"' in want
+
+
+def test_update_paths_that_exist_here_are_sent_absolute(tmp_path: Path, monkeypatch):
+    """The server reads ``--weights`` / ``--catalog`` from its own working directory: a
+    relative path the user sees here would name another path there (before: sent as typed,
+    and the server answered "no config.json" for a checkpoint sitting in the user's folder).
+    A path that does not exist here goes as given (it may be the server host's)."""
+    from streamgr.admin_cli import _here
+    (tmp_path / "ckpt").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert _here("ckpt") == str(tmp_path.resolve() / "ckpt")
+    assert _here("only/on/the/server") == "only/on/the/server"
+    assert _here("/abs/path") == "/abs/path" and _here(None) is None

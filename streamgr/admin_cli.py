@@ -4,8 +4,9 @@
 The admin commands open an admin connection (the server's ``--admin-token-file`` token,
 distinct from the client token) and print the server's versions after the change as JSON.
 Paths given to ``update`` (a checkpoint directory, a catalog file) are read by the server, on
-its host (a relative one that exists here is sent absolute); ``--catalog-add`` (a CSV ``item_id,s1,s2,...``) and ``--policy`` (JSON or TOML with
-fields of ``[policy]``) are read here and sent. ``status`` needs only the client token.
+its host (a relative one that exists here is sent absolute); ``--catalog-add`` (a CSV
+``item_id,s1,s2,...``) and ``--policy`` (JSON or TOML with fields of ``[policy]``) are read
+here and sent. ``status`` needs only the client token.
 """
 
 from __future__ import annotations
@@ -102,11 +103,10 @@ def status_lines(addr: str, health, stats: dict) -> list[str]:
     application's: the same for each replica, from its last report)."""
     srv, serves = stats.get("server", {}), stats.get("serves", [])
     conns = srv.get("connections", 0)  # (this command's own among them)
+    where = (f"Ray app {stats['ray_app']}, {stats['replicas']} replicas" if "ray_app" in stats
+             else stats.get("device", "?"))
     out = [f"{addr}: {health.status} (serves {', '.join(serves) or 'nothing'}"
-           f" on {stats.get('device', '?')}, {conns} connection{'' if conns == 1 else 's'})"]
-    if "ray_app" in stats:
-        out[0] = out[0].replace(" on ?,", f" on Ray app {stats['ray_app']}, {stats['replicas']} "
-                                           f"replicas,")
+           f" on {where}, {conns} connection{'' if conns == 1 else 's'})"]
     out += _version_line(stats, serves)
     by: dict[str, list[str]] = {}
     for key, n in sorted(srv.get("requests", {}).items()):  # "kind:outcome"

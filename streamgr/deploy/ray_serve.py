@@ -170,7 +170,7 @@ class StreamgrReplica:
             except StreamgrError as err:
                 log.error("replica %s: update %d failed: %s", self.replica, self.applied + 1,
                           err)
-                refused[self.applied + 1] = (type(err).__name__, str(err))
+                refused[self.applied + 1] = (err.code, str(err))
             self.applied += 1
         await log_actor.ack.remote(self.replica, self.applied, refused, msgspec.to_builtins(
             {"versions": self.engine.versions(), "stats": self.engine.stats()}))

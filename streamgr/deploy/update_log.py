@@ -2,31 +2,28 @@
 
 One detached actor an application holds its live updates in, in order: the driver appends a
 change; every replica applies what it has not applied yet and acknowledges how far it got,
-with the error of each change it refused, and its engine's versions and stats; the driver's ``update`` waits for every live replica
-and raises what they refused (``refusal``). A replacement replica replays the whole log.
+with the error of each change it refused, and its engine's versions and stats; the driver's
+``update`` waits for every live replica and raises what they refused (``refusal``). A replacement replica replays the whole log.
 """
 
 from __future__ import annotations
 
 import ray
 
-from .. import errors
-from ..errors import StreamgrError
+from ..errors import StreamgrError, error_for_code
 
 
 def refusal(n: int, refused: dict[str, tuple[str, str]], applied: list[str]) -> StreamgrError:
-    """The error of an update the replicas ``refused`` ({replica: (error type, message)}):
-    their own type when every live replica refused it, so a caller handles it as the
-    embedded engine's; else a ``StreamgrError`` saying the replicas now differ."""
-    replica, (kind, msg) = sorted(refused.items())[0]
+    """The error of an update the replicas ``refused`` ({replica: (error code, message)}):
+    their own type when every live replica refused it (``errors.error_for_code``, as the socket
+    client types a server's errors), so a caller handles it as the embedded engine's; else a
+    ``StreamgrError`` saying the replicas now differ."""
+    replica, (code, msg) = sorted(refused.items())[0]
     if not applied:
-        cls = getattr(errors, kind, StreamgrError)
-        if not (isinstance(cls, type) and issubclass(cls, StreamgrError)):
-            cls = StreamgrError
-        return cls(f"{msg} (update {n} refused by every replica; they serve the version "
-                   f"they served)")
+        return error_for_code(code, f"{msg} (update {n} refused by every replica; they serve "
+                                    f"the version they served)")
     return StreamgrError(f"update {n} applied by replicas {sorted(applied)} but refused by "
-                         f"{sorted(refused)} ({replica}: {kind}: {msg}): the replicas now serve "
+                         f"{sorted(refused)} ({replica}: {code}: {msg}): the replicas now serve "
                          f"different versions; update them again")
 
 

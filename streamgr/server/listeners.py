@@ -37,6 +37,12 @@ def _refuse_live_socket(path: str) -> None:
     raise StreamgrError(f"--unix {path}: a server is already listening there")
 
 
+def address(sock: socket.socket) -> str:
+    """``host:port`` of a bound TCP socket (``[host]:port`` for IPv6)."""
+    h, p = sock.getsockname()[:2]
+    return f"[{h}]:{p}" if ":" in h else f"{h}:{p}"
+
+
 def _why(err: OSError) -> str:
     return (err.strerror or str(err)).lower()
 

@@ -16,7 +16,7 @@ import time
 from ..engine import Engine
 from ..errors import StreamgrError
 from ..tokens import read_token
-from .listeners import Listeners
+from .listeners import Listeners, address
 from .server import Server, ServerLimits
 
 log = logging.getLogger("streamgr.server")
@@ -108,8 +108,7 @@ async def _serve(spec, overrides, engine, bound: Listeners, token, limits, drain
     for sock in bound.take_metrics():
         metrics.append(await asyncio.start_server(lambda r, w: _metrics_http(server, r, w),
                                                   sock=sock))
-        h, p = sock.getsockname()[:2]
-        addrs.append(f"metrics http://{f'[{h}]' if ':' in h else h}:{p}/metrics")
+        addrs.append(f"metrics http://{address(sock)}/metrics")
     print(f"streamgr serving {engine.spec.name} on {', '.join(addrs)}", flush=True)
 
     loop = asyncio.get_running_loop()
@@ -197,9 +196,9 @@ def bind(args) -> Listeners:
 def main_serve(args, overrides, engine=None, limits: ServerLimits | None = None,
                bound: Listeners | None = None) -> int:
     """``streamgr serve``: ``limits`` as ``serve_limits`` made them (checked here if not),
-    ``bound`` as ``bind`` made them (bound here if not)."""
+    ``bound`` as ``bind`` made them (``serve`` binds them if not)."""
     limits = limits or serve_limits(args)
     return run(serve(args.spec, overrides, args.host, args.port, args.unix,
                      read_token(args.token_file), args.metrics_port, limits, args.drain_timeout,
                      args.access_log, read_token(getattr(args, "admin_token_file", None)),
-                     engine, bound or bind(args)), args.loop)
+                     engine, bound), args.loop)

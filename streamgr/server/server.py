@@ -26,7 +26,7 @@ from ..errors import InvalidRequest, StreamgrError
 from ..protocol import messages as m
 from . import admin
 from .connection import Connection, ServerLimits
-from .listeners import Listeners
+from .listeners import Listeners, address
 from .metrics import ServerMetrics
 
 log = logging.getLogger("streamgr.server")
@@ -85,8 +85,7 @@ class Server:
             addrs.append(f"unix:{bound.unix_path}")
         for sock in tcp:
             self._servers.append(await loop.create_server(lambda: Connection(self), sock=sock))
-            h, p = sock.getsockname()[:2]
-            addrs.append(f"[{h}]:{p}" if ":" in h else f"{h}:{p}")
+            addrs.append(address(sock))
         self._watchdog = loop.create_task(self._watch())
         return addrs
 

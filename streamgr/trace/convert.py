@@ -13,11 +13,9 @@ in time order by an index of (time, offset).
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import heapq
 import io
-import os
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -26,7 +24,7 @@ import msgspec
 import numpy as np
 
 from ..progress import Progress
-from .format import Header, RankEvent, TraceWriter, check_output
+from .format import Header, RankEvent, TraceWriter, WholeFile, check_output
 
 KUAIRAND_COLUMNS = ("user_id", "video_id", "date", "hourmin", "time_ms", "is_click", "is_like",
                     "is_follow", "is_comment", "is_forward", "is_hate", "long_view",
@@ -153,26 +151,19 @@ def _write(events: Iterable[Event], users: _Ids, items: _Ids, out: Path, source:
                     users=len(raw_users), records=len(order), item_map=out.name + ".items.tsv")
     # The trace and its item map replace what the path held only once both are written (an
     # interrupted conversion leaves neither half written nor a map of another trace).
-    item_map = out.parent / header.item_map
-    map_tmp = item_map.with_name(f"{item_map.name}.tmp-{os.getpid()}")
-    try:
-        with open(spill_path, "rb") as spill, TraceWriter(out, header) as w:
-            for k in order:
-                spill.seek(offsets[k])
-                n = int.from_bytes(spill.read(4), "big")
-                u, t, its, acts = msgspec.msgpack.decode(spill.read(n))
-                cands = rng.choice(n_items, size=min(candidates, n_items),
-                                   replace=False).tolist() if candidates else []
-                raw = raw_users[u]
-                w.write(RankEvent(t - t0, int(raw) if raw.isdigit() else raw, its, acts, cands))
-            with open(map_tmp, "w") as f:
-                f.write("dense_id\traw_id\n")
-                for dense, raw in enumerate(items.raw()):
-                    f.write(f"{dense}\t{raw}\n")
-        os.replace(map_tmp, item_map)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(map_tmp)
+    with open(spill_path, "rb") as spill, TraceWriter(out, header) as w, \
+            WholeFile(out.parent / header.item_map, "w") as f:
+        for k in order:
+            spill.seek(offsets[k])
+            n = int.from_bytes(spill.read(4), "big")
+            u, t, its, acts = msgspec.msgpack.decode(spill.read(n))
+            cands = rng.choice(n_items, size=min(candidates, n_items), replace=False).tolist() \
+                if candidates else []
+            raw = raw_users[u]
+            w.write(RankEvent(t - t0, int(raw) if raw.isdigit() else raw, its, acts, cands))
+        f.write("dense_id\traw_id\n")
+        for dense, raw in enumerate(items.raw()):
+            f.write(f"{dense}\t{raw}\n")
     return header
 
 

@@ -72,21 +72,53 @@ def check_output(path: str | Path, flag: str = "-o") -> None:
         raise TraceError(f"{flag} {p}: the folder {folder} is not writable")
 
 
+class WholeFile:
+    """A file written beside ``path`` and renamed over it by ``commit`` (the clean end of a
+    ``with`` block), or removed by ``discard`` (an exception): an interrupted write (Ctrl-C, a
+    kill, a full disk) leaves no half file at ``path``, nor half of the one it replaced."""
+
+    def __init__(self, path: str | Path, mode: str = "wb") -> None:
+        self.path = Path(path)
+        self.tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+        try:
+            self.f = open(self.tmp, mode)
+        except OSError as err:  # (named as the file asked for, not its temporary twin)
+            raise OSError(err.errno, f"writing {self.path}: {err.strerror}") from None
+
+    def commit(self) -> None:
+        if not self.f.closed:
+            self.f.close()
+            os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        if not self.f.closed:
+            self.f.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.tmp)
+
+    def __enter__(self):
+        return self.f
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.discard()
+
+
 class TraceWriter:
-    """Writes a trace beside ``path`` and renames it over ``path`` on a clean close: a
-    conversion interrupted (Ctrl-C, a kill, a full disk) leaves no truncated trace behind, nor
-    half of the one it was replacing."""
+    """A trace file, in place at ``path`` only once closed whole (``WholeFile``)."""
 
     def __init__(self, path: str | Path, header: Header) -> None:
         self.path = Path(path)
-        self._tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
-        self._f = open(self._tmp, "wb")
+        self._out = WholeFile(self.path)
+        self._f = self._out.f
         self._enc = msgspec.msgpack.Encoder()
         self.count = 0
         try:
             self._write(header)
         except BaseException:
-            self.discard()
+            self._out.discard()
             raise
 
     def _write(self, obj) -> None:
@@ -99,26 +131,16 @@ class TraceWriter:
         self.count += 1
 
     def close(self) -> None:
-        """The trace complete: in place at ``path``."""
-        if not self._f.closed:
-            self._f.close()
-            os.replace(self._tmp, self.path)
-
-    def discard(self) -> None:
-        """Nothing written stays (``path`` keeps what it held)."""
-        if not self._f.closed:
-            self._f.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._tmp)
+        self._out.commit()
 
     def __enter__(self) -> "TraceWriter":
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
         if exc_type is None:
-            self.close()
+            self._out.commit()
         else:
-            self.discard()
+            self._out.discard()
 
 
 MAX_FRAME = 1 << 28  # a record holds one request: megabytes at most

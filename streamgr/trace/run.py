@@ -11,9 +11,7 @@ and one ``request`` line per request (latency, stages, tier, tokens).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
-import os
 import sys
 import time
 
@@ -24,7 +22,7 @@ from ..api import RankRequest
 from ..config import RANK_LIMITS
 from ..errors import StreamgrError
 from ..progress import Progress
-from .format import check_output, read_header
+from .format import WholeFile, check_output, read_header
 from .replay import batches_of_distinct_users, replay_batches
 from .requests import ReplayError, load_generate_requests, load_requests
 
@@ -256,22 +254,11 @@ def _numpy_scalar(obj):
 
 
 def _write_results(out, lines: list[dict]) -> None:
-    """All of the results or none: written beside ``out`` and renamed over it, so a replay
-    killed (or a disk filling) while it writes leaves no half file, nor half of an earlier
-    run's."""
-    tmp = f"{out}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            enc = msgspec.json.Encoder(enc_hook=_numpy_scalar)
-            for line in lines:
-                f.write(enc.encode(line) + b"\n")
-        os.replace(tmp, out)
-    except BaseException as err:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(err, OSError):  # (named as the results file, not its temporary twin)
-            raise OSError(err.errno, f"writing {out}: {err.strerror}") from None
-        raise
+    """All of the results or none (``WholeFile``)."""
+    with WholeFile(out) as f:
+        enc = msgspec.json.Encoder(enc_hook=_numpy_scalar)
+        for line in lines:
+            f.write(enc.encode(line) + b"\n")
 
 
 def _replay_generate(trace, out, sp, server, rate, concurrency, compare_modes, batch, limit,

@@ -96,19 +96,20 @@ def test_a_users_request_waits_for_ranks_not_yet_known_then_spills(monkeypatch):
 
 
 def test_a_refused_update_raises_the_replicas_error_type():
-    """Refused by every live replica: their own error type (a caller handles it as the
-    embedded engine's); by some only: a StreamgrError naming both sides."""
-    err = refusal(3, {"1:b": ("ContractError", "policy.top_k: must be in 1..1024"),
-                      "0:a": ("ContractError", "policy.top_k: must be in 1..1024")}, [])
+    """Refused by every live replica: their own error type (from its wire code, as the socket
+    client types errors), so a caller handles it as the embedded engine's; by some only: a
+    StreamgrError naming both sides."""
+    err = refusal(3, {"1:b": (ContractError.code, "policy.top_k: must be in 1..1024"),
+                      "0:a": (ContractError.code, "policy.top_k: must be in 1..1024")}, [])
     assert type(err) is ContractError
     assert str(err) == ("policy.top_k: must be in 1..1024 (update 3 refused by every replica; "
                         "they serve the version they served)")
-    split = refusal(4, {"1:b": ("CheckpointError", "/x: no config.json")}, ["0:a"])
+    assert type(refusal(1, {"0:a": (CheckpointError.code, "m")}, [])) is CheckpointError
+    split = refusal(4, {"1:b": (CheckpointError.code, "/x: no config.json")}, ["0:a"])
     assert type(split) is StreamgrError
-    assert "applied by replicas ['0:a'] but refused by ['1:b'] (1:b: CheckpointError: /x: no " \
+    assert "applied by replicas ['0:a'] but refused by ['1:b'] (1:b: BAD_CHECKPOINT: /x: no " \
         "config.json): the replicas now serve different versions" in str(split)
-    for kind in ("ValueError", "NoSuchError", "annotations"):  # not streamgr's: the base type
-        assert type(refusal(1, {"0:a": (kind, "m")}, [])) is StreamgrError
+    assert type(refusal(1, {"0:a": ("NO_SUCH_CODE", "m")}, [])) is StreamgrError
 
 
 @pytest.fixture(scope="module")

@@ -171,7 +171,6 @@ def test_check_finite_names_the_first_tensor_holding_nan_or_inf():
     check_finite({"i": torch.arange(3)}, "ints only")
 
 
-@pytest.mark.skipif(os.name != "posix", reason="unix permission bits")
 def test_saved_weights_are_readable_as_the_umask_allows(tmp_path):
     """safetensors >= 0.8 creates its file 0600 whatever the umask: a checkpoint written by
     ``streamgr init-model`` as one user (a Docker build) could not be served as another. The

@@ -33,10 +33,12 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure(level: str, fmt: str = "text", stream=None) -> None:
-    """The root logger at ``level`` on ``stream`` (stderr) in ``fmt`` (``text`` or ``json``),
-    replacing the handler an earlier call set. Like ``logging.basicConfig``, it leaves alone a
-    root logger whose handlers someone else set (a program or a test runner calling the CLI's
-    ``main``)."""
+    """streamgr's loggers at ``level`` on ``stream`` (stderr) in ``fmt`` (``text`` or
+    ``json``), replacing the handler an earlier call set. Other packages' loggers (torch, Numba,
+    CuPy) pass at ``level`` only for DEBUG, else from WARNING up: at INFO an operator reads the
+    server's lines, not torch's fake-tensor statistics on an interrupted start. Like
+    ``logging.basicConfig``, it leaves alone a root logger whose handlers someone else set (a
+    program or a test runner calling the CLI's ``main``)."""
     root = logging.getLogger()
     ours = [h for h in root.handlers if getattr(h, "streamgr_cli", False)]
     if len(ours) < len(root.handlers):
@@ -47,4 +49,8 @@ def configure(level: str, fmt: str = "text", stream=None) -> None:
     handler.streamgr_cli = True
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     root.addHandler(handler)
-    root.setLevel(level)
+    num = logging.getLevelName(level) if isinstance(level, str) else level
+    if not isinstance(num, int):
+        raise ValueError(f"unknown log level {level!r}")
+    logging.getLogger("streamgr").setLevel(num)
+    root.setLevel(num if num <= logging.DEBUG else max(num, logging.WARNING))

@@ -17,7 +17,8 @@ def bare_root():
     """A root logger without handlers, as a CLI process starts (pytest's capture handlers,
     installed around each test's call, put back afterwards)."""
     root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
+    ours = logging.getLogger("streamgr")
+    handlers, level, our_level = list(root.handlers), root.level, ours.level
     for h in handlers:
         root.removeHandler(h)
     try:
@@ -28,6 +29,7 @@ def bare_root():
         for h in handlers:
             root.addHandler(h)
         root.setLevel(level)
+        ours.setLevel(our_level)
 
 
 def test_json_lines_hold_extras_and_tracebacks():
@@ -70,3 +72,27 @@ def test_a_root_logger_someone_else_set_up_is_left_alone():
         root.addHandler(other)
         configure("DEBUG", "json", io.StringIO())
         assert root.handlers == [other]
+
+
+def test_other_packages_info_stays_out_unless_debug():
+    """At INFO the server's lines pass and third-party INFO (torch's fake-tensor statistics on
+    an interrupted start) does not; their warnings do; at DEBUG everything passes."""
+    buf = io.StringIO()
+    with bare_root():
+        configure("INFO", "text", buf)
+        logging.getLogger("streamgr.server").info("listening")
+        logging.getLogger("thirdparty.stats").info("cache stats")
+        logging.getLogger("numba.core").warning("deprecated")
+        lines = buf.getvalue().splitlines()
+        assert len(lines) == 2, lines
+        assert lines[0].endswith("INFO streamgr.server: listening")
+        assert lines[1].endswith("WARNING numba.core: deprecated")
+        configure("DEBUG", "text", buf)
+        logging.getLogger("thirdparty.module").debug("guards")
+        logging.getLogger("streamgr.engine").debug("plan")
+        assert [line.split(" ", 2)[2] for line in buf.getvalue().splitlines()[2:]] == [
+            "DEBUG thirdparty.module: guards", "DEBUG streamgr.engine: plan"]
+        configure("ERROR", "text", buf)
+        before = buf.getvalue()
+        logging.getLogger("streamgr.server").warning("not at ERROR")
+        assert buf.getvalue() == before

@@ -41,7 +41,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from ..api import GenerateRequest, RankRequest
 from ..errors import ReplicaUnavailable, StreamgrError
-from .update_log import refusal, update_log, update_log_name
+from .update_log import Reports, refusal, update_log, update_log_name
 
 log = logging.getLogger("streamgr.deploy")
 
@@ -70,7 +70,7 @@ def replica_rank(replica) -> int | None:
     return None
 
 
-REPORT_WAIT_S = 0.5  # the most ``RayEngine.stats`` waits for the replicas' reports
+REPORT_WAIT_S = 0.5  # the most ``RayEngine.stats`` waits for the replicas' first reports
 
 # How long a user's request waits (Serve's backoff) for a replica's rank to reach the router
 # before it is routed without it. Hashing without every rank would send a user's first
@@ -300,6 +300,7 @@ class RayEngine:
         """Deploy the application (and its update log) and wait until its replicas serve."""
         spec, ov, n, router, gpus = self._args
         self.log = update_log(self.app)
+        self.reports = Reports(self.log, REPORT_WAIT_S)
         self.handle = serve.run(deployment(spec, ov, n, router, gpus, app=self.app),
                                 name=self.app, route_prefix=None)
         return self
@@ -331,12 +332,10 @@ class RayEngine:
     def stats(self) -> dict:
         """The application's, with ``replica_stats``: each live replica's engine stats as it
         last reported them (every ~0.2 s; read from the update log within
-        ``REPORT_WAIT_S``, else None: a monitoring call must not hold the event loop)."""
-        try:
-            reports = self._live(ray.get(self.log.reports.remote(), timeout=REPORT_WAIT_S))
-        except Exception as err:  # the log actor restarting or slow
-            log.warning("replica stats unavailable: %r", err)
-            reports = None
+        ``REPORT_WAIT_S`` the first time, then without waiting, one read old at most: a
+        monitoring call must not hold the event loop; ``update_log.Reports``)."""
+        reports = self.reports.read()
+        reports = None if reports is None else self._live(reports)
         return {"serves": [k for k, v in (("rank", self.serves_rank),
                                            ("generate", self.serves_generate)) if v],
                 "ray_app": self.app, "replicas": self._args[2], "router": self._args[3],

@@ -3,10 +3,14 @@
 One detached actor an application holds its live updates in, in order: the driver appends a
 change; every replica applies what it has not applied yet and acknowledges how far it got,
 with the error of each change it refused, and its engine's versions and stats; the driver's
-``update`` waits for every live replica and raises what they refused (``refusal``). A replacement replica replays the whole log.
+``update`` waits for every live replica and raises what they refused (``refusal``). A
+replacement replica replays the whole log. ``Reports`` reads the replicas' reports for the
+driver's ``stats`` without holding its event loop.
 """
 
 from __future__ import annotations
+
+import logging
 
 import ray
 
@@ -66,6 +70,38 @@ class UpdateLog:
     def refusals(self, n: int) -> dict[str, tuple[str, str]]:
         """The replicas that refused update ``n`` (1-based), with (error type, message)."""
         return dict(self.refused.get(n, {}))
+
+
+log = logging.getLogger("streamgr.deploy")
+
+
+class Reports:
+    """The replicas' last reports as the driver's ``stats`` shows them. A read takes what the
+    read before it asked the log for and asks again, so it never waits on the log actor but the
+    first time (at most ``first_wait`` seconds): a server's monitoring calls (``/metrics``,
+    ``stats``) run on its event loop, and a slow or restarting log actor must not hold it. The
+    reports are then one read old at most (replicas report every ~0.2 s)."""
+
+    def __init__(self, actor, first_wait: float) -> None:
+        self.actor, self.first_wait = actor, first_wait
+        self._pending = None
+        self._last: dict | None = None
+
+    def read(self) -> dict | None:
+        """The reports fetched last (None: none yet, or the log failed to answer)."""
+        wait = 0.0
+        if self._pending is None:  # the first read
+            self._pending = self.actor.reports.remote()
+            wait = self.first_wait
+        ready, _ = ray.wait([self._pending], timeout=wait)
+        if ready:
+            try:
+                self._last = ray.get(ready[0])
+            except Exception as err:  # noqa: BLE001 - the log actor restarting: ask again
+                log.warning("replica stats unavailable: %r", err)
+                self._last = None
+            self._pending = self.actor.reports.remote()
+        return self._last
 
 
 def update_log(app: str):

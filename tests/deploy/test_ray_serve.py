@@ -22,7 +22,7 @@ from streamgr import Engine  # noqa: E402
 from streamgr.api import RankRequest  # noqa: E402
 from streamgr.client import AsyncClient  # noqa: E402
 from streamgr.deploy.ray_serve import RayEngine, hrw_order, replica_rank  # noqa: E402
-from streamgr.deploy.update_log import refusal  # noqa: E402
+from streamgr.deploy.update_log import Reports, refusal  # noqa: E402
 from streamgr.errors import CheckpointError, ContractError, StreamgrError  # noqa: E402
 from streamgr.server import Server  # noqa: E402
 
@@ -118,6 +118,39 @@ def cluster():
     yield
     serve.shutdown()
     ray.shutdown()
+
+
+def test_replica_reports_never_hold_the_caller_but_the_first_time(cluster):
+    """``RayEngine.stats`` reads the replicas' reports through ``Reports``: with a log actor
+    that takes 1.5 s to answer, the first read gives up after its wait (None), later reads
+    return at once (before: every stats call waited up to 0.5 s on the server's event loop),
+    and once an answer came, reads return it, then the next one."""
+
+    @ray.remote
+    class SlowLog:
+        def __init__(self):
+            self.n = 0
+
+        def reports(self):
+            time.sleep(1.5)
+            self.n += 1
+            return {"0:a": {"stats": {"n": self.n}}}
+
+    r = Reports(SlowLog.remote(), first_wait=0.3)
+    t0 = time.monotonic()
+    assert r.read() is None
+    assert 0.25 < time.monotonic() - t0 < 1.0
+    for _ in range(5):
+        t1 = time.monotonic()
+        assert r.read() is None
+        assert time.monotonic() - t1 < 0.1
+    time.sleep(1.4)  # the first answer is in
+    t1 = time.monotonic()
+    assert r.read() == {"0:a": {"stats": {"n": 1}}}
+    assert r.read() == {"0:a": {"stats": {"n": 1}}}  # the next one still pending
+    assert time.monotonic() - t1 < 0.1
+    time.sleep(1.7)
+    assert r.read() == {"0:a": {"stats": {"n": 2}}}
 
 
 def requests(n_users=12, visits=3, seed=0):

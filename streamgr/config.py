@@ -73,7 +73,7 @@ class EngineSpec(_Section, kw_only=True):
     # Generate on CUDA: batch shapes whose whole beam search is captured as a CUDA graph and
     # replayed (runtime/plans.py), kept in an LRU; 0 searches eagerly.
     decode_plans: int = 16
-    # Rank on CUDA: batch shapes whose whole forward is captured as a CUDA graph and replayed
+    # Rank on CUDA: batch shapes whose whole forward is captured as two CUDA graphs and replayed
     # (engine/rank_plans.py), kept in an LRU; 0 runs every batch eagerly.
     rank_plans: int = 32
     # Rank (generate) batches between submit and answer: 2 prepares batch n+1 (plan, pack,

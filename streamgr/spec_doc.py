@@ -43,7 +43,7 @@ MEANING = {
                              "~16-20 bytes an event)",
     "engine.decode_plans": "generate on CUDA: batch shapes captured as CUDA graphs (LRU); 0: "
                            "eager",
-    "engine.rank_plans": "rank on CUDA: batch shapes whose forward is captured as a CUDA graph "
+    "engine.rank_plans": "rank on CUDA: batch shapes whose forward is captured as CUDA graphs "
                          "(LRU); 0: eager",
     "engine.rank_in_flight": "rank batches between submit and answer (1..4): 2 prepares the "
                              "next batch while one computes (a user in flight waits)",

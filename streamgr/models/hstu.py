@@ -205,11 +205,24 @@ class HSTU(nn.Module):
         x = self.embed(batch)
         if rows > x.shape[0]:
             x = F.pad(x, (0, 0, 0, rows - x.shape[0]))
-        for l, layer in enumerate(self.layers):
+        return self.score(self.run_layers(x, batch, attention, 0, len(self.layers)))
+
+    @torch.inference_mode()
+    def run_layers(self, x: torch.Tensor, batch: JaggedBatch, attention: Attention, start: int,
+                   stop: int) -> torch.Tensor:
+        """Layers ``start .. stop - 1`` over ``x`` (``forward``'s loop; a rank plan captures
+        its first layers and the rest as two graphs)."""
+        for l in range(start, stop):
+            layer = self.layers[l]
             p = layer.project(x)
             a, u = attention(l, p.q, p.k, p.v), p.u
-            if cfg.is_last(l):  # from here on only the candidates' rows are read
+            if self.cfg.is_last(l):  # from here on only the candidates' rows are read
                 c = batch.candidate_rows
                 x, a, u = x.index_select(0, c), a.index_select(0, c), u.index_select(0, c)
             x = layer.finish(x, a, u, p.u_raw)
+        return x
+
+    @torch.inference_mode()
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        """The candidates' scores from the last layer's output (their rows)."""
         return self.head(hstu_glue.layer_norm(x, self.final_norm)).squeeze(-1).float()

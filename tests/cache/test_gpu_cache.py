@@ -59,18 +59,22 @@ def _workload(seed, n_batches=30, users=6):
     return out
 
 
+@pytest.mark.parametrize("layers", [4, 1])
 @pytest.mark.parametrize("mode", ["recompute", "gpu-only", "hierarchical"])
-def test_rank_plans_replay_equals_eager(mode):
-    """A rank plan (the forward as a replayed CUDA graph) gives the eager path's scores, batch
-    after batch, while its shapes are reused. Within bf16 rounding, not bit for bit: the plan
-    runs its GEMMs over a padded row count, and cuBLAS may pick another kernel for it."""
+def test_rank_plans_replay_equals_eager(mode, layers):
+    """A rank plan (the forward as two replayed CUDA graphs: the batch's copy, embedding and
+    first layer, then the rest; of a one-layer model, the copy and embedding, then the layer)
+    gives the eager path's scores, batch after batch, while its shapes are reused. Within bf16
+    rounding, not bit for bit: the plan runs its GEMMs over a padded row count, and cuBLAS may
+    pick another kernel for it."""
     from tests.cache.helpers import tiny_spec
     from streamgr.engine.core import Engine
     # hierarchical: a device cache too small for the users, so batches onload (those run eager)
     kw = dict(page_tokens=4, chunk_tokens=8, device_pages=40 if mode == "hierarchical" else 400,
               host_chunks=64, offload_quota_tokens=16, mode=mode)
-    planned = Engine(tiny_spec("cuda", "bfloat16", GPU_MODEL, **kw))
-    eager = Engine(load_spec(tiny_spec("cuda", "bfloat16", GPU_MODEL, **kw),
+    model = {**GPU_MODEL, "num_layers": layers}
+    planned = Engine(tiny_spec("cuda", "bfloat16", model, **kw))
+    eager = Engine(load_spec(tiny_spec("cuda", "bfloat16", model, **kw),
                              {"engine.rank_plans": 0}))
     assert planned.runner.plans is not None and eager.runner.plans is None
     worst = 0.0

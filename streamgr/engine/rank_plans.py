@@ -182,7 +182,8 @@ class RankPlans:
         """The batch's scores ``[candidates]`` (device fp32) from a plan, or None when this
         batch cannot replay (too large, or its capture failed before): run it eagerly.
         ``stages`` (ms) gets the host time of a replay's steps: ``plan`` (the attention work
-        items), ``fill`` (the static buffers and their copies queued), ``launch`` (the graph)."""
+        items), ``fill`` (the pinned buffer; before a capture also its copy), ``launch`` (the
+        two graphs)."""
         t0 = time.perf_counter()
         rows, cands = hb.packed.shape[1], len(hb.cand_rows)
         if rows > MAX_ROWS or len(desc.num_candidates) > self.max_batch:

@@ -6,12 +6,13 @@ projection, paged append, attention and glue, the head) once per shape bucket an
 the batch's token ids, positions, candidate rows, append slots and attention work items are
 written into the plan's pinned buffer, and the first graph copies them into its static device
 buffers (one host-to-device copy), embeds and runs the first layer while the host launches the
-second graph, the other layers and the head. Shapes are bucketed (rows, candidates, append slots, attention items,
-pages, merge rows, workspace), padding rows belong to no user (row-local ops compute garbage
-there that nothing reads), padding append slots have page -1 and padding attention items
-belong to an empty user, so padding never changes a result: a replayed batch equals its eager
-run bit for bit. Batches that onload host chunks stay eager (their per-layer onload events are
-not part of a graph). Plans live in an LRU over one shared memory pool; new weights drop them.
+second graph, the other layers and the head. Shapes are bucketed (rows, candidates, append
+slots, attention items, pages, merge rows, workspace), padding rows belong to no user (row-local
+ops compute garbage there that nothing reads), padding append slots have page -1 and padding
+attention items belong to an empty user, so padding never changes a result: a replayed batch
+equals its eager run bit for bit. Batches that onload host chunks stay eager (their per-layer
+onload events are not part of a graph). Plans live in an LRU over one shared memory pool; new
+weights drop them.
 """
 
 from __future__ import annotations

@@ -39,6 +39,9 @@ def configure(level: str, fmt: str = "text", stream=None) -> None:
     server's lines, not torch's fake-tensor statistics on an interrupted start. Like
     ``logging.basicConfig``, it leaves alone a root logger whose handlers someone else set (a
     program or a test runner calling the CLI's ``main``)."""
+    num = logging.getLevelName(level) if isinstance(level, str) else level
+    if not isinstance(num, int):  # (before any handler changes)
+        raise ValueError(f"unknown log level {level!r}")
     root = logging.getLogger()
     ours = [h for h in root.handlers if getattr(h, "streamgr_cli", False)]
     if len(ours) < len(root.handlers):
@@ -49,8 +52,5 @@ def configure(level: str, fmt: str = "text", stream=None) -> None:
     handler.streamgr_cli = True
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     root.addHandler(handler)
-    num = logging.getLevelName(level) if isinstance(level, str) else level
-    if not isinstance(num, int):
-        raise ValueError(f"unknown log level {level!r}")
     logging.getLogger("streamgr").setLevel(num)
     root.setLevel(num if num <= logging.DEBUG else max(num, logging.WARNING))

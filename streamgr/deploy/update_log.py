@@ -16,6 +16,8 @@ import ray
 
 from ..errors import StreamgrError, error_for_code
 
+log = logging.getLogger("streamgr.deploy")
+
 
 def refusal(n: int, refused: dict[str, tuple[str, str]], applied: list[str]) -> StreamgrError:
     """The error of an update the replicas ``refused`` ({replica: (error code, message)}):
@@ -70,9 +72,6 @@ class UpdateLog:
     def refusals(self, n: int) -> dict[str, tuple[str, str]]:
         """The replicas that refused update ``n`` (1-based), with (error type, message)."""
         return dict(self.refused.get(n, {}))
-
-
-log = logging.getLogger("streamgr.deploy")
 
 
 class Reports:
